@@ -1,0 +1,82 @@
+"""aiopipe: an asyncio-native pipeline engine for PyTorch training and serving.
+
+Layers, each depending only on the ones below it:
+
+* engine core -- ``Task`` / ``DataSlot`` (task.py), ``Schedule`` (schedule.py),
+  dependency analysis and validation (graph.py, validate.py), the batch ring
+  (ring.py), the fire mask (mask.py), ``StreamPool`` (streams.py) and the driver
+  ``SchedulablePipeline`` (pipeline.py);
+* executors -- ``SequentialExecutor`` and ``AsyncExecutor`` (one event loop plus
+  GPU-submit lane threads, ticket-ordered collectives) in ``aiopipe.executors``;
+* conveniences -- ``Pipeline`` (facade.py), the blocking API (blocking.py),
+  ``aiopipe.run`` (runner.py) and GPU waits that never block the loop (gpu.py).
+
+The engine imports only the standard library and torch (plus nvtx and uvloop when
+installed); framework adapters such as ``hstu_tasks`` live outside it.
+"""
+
+from __future__ import annotations
+
+from .blocking import BlockingPipeline as BlockingPipeline
+from .context import TaskContext as TaskContext
+from .errors import CollectiveOrderError as CollectiveOrderError
+from .errors import PipelineError as PipelineError
+from .errors import PipelineStateError as PipelineStateError
+from .errors import ScheduleValidationError as ScheduleValidationError
+from .errors import TaskDefinitionError as TaskDefinitionError
+from .errors import TicketAbortedError as TicketAbortedError
+from .executors import AsyncExecutor as AsyncExecutor
+from .executors import Executor as Executor
+from .executors import SequentialExecutor as SequentialExecutor
+from .facade import Pipeline as Pipeline
+from .gpu import copy_to_host as copy_to_host
+from .gpu import wait_for_event as wait_for_event
+from .graph import Edge as Edge
+from .graph import dependency_edges as dependency_edges
+from .graph import infer_cross_stream_event_deps as infer_cross_stream_event_deps
+from .graph import topological_sort as topological_sort
+from .pipeline import PipelineStatistics as PipelineStatistics
+from .pipeline import SchedulablePipeline as SchedulablePipeline
+from .ring import BatchRing as BatchRing
+from .ring import SlotStore as SlotStore
+from .runner import run as run
+from .schedule import Schedule as Schedule
+from .schedule import Stage as Stage
+from .streams import StreamPool as StreamPool
+from .task import DataSlot as DataSlot
+from .task import Task as Task
+from .validate import validate_schedule as validate_schedule
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AsyncExecutor",
+    "BatchRing",
+    "BlockingPipeline",
+    "CollectiveOrderError",
+    "DataSlot",
+    "Edge",
+    "Executor",
+    "Pipeline",
+    "PipelineError",
+    "PipelineStateError",
+    "PipelineStatistics",
+    "SchedulablePipeline",
+    "Schedule",
+    "ScheduleValidationError",
+    "SequentialExecutor",
+    "SlotStore",
+    "Stage",
+    "StreamPool",
+    "Task",
+    "TaskContext",
+    "TaskDefinitionError",
+    "TicketAbortedError",
+    "copy_to_host",
+    "dependency_edges",
+    "infer_cross_stream_event_deps",
+    "run",
+    "topological_sort",
+    "validate_schedule",
+    "wait_for_event",
+)

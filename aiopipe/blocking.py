@@ -1,0 +1,76 @@
+"""``BlockingPipeline``: the pipeline for ordinary (non-async) scripts.
+
+A drop-in for torchrec's ``TrainPipeline`` calling convention::
+
+    pipe = SchedulablePipeline(schedule, executor="async").blocking()
+    it = iter(loader)
+    while True:
+        try:
+            out = pipe.progress(it)
+        except StopIteration:
+            break
+
+Each call runs the pipeline's coroutine on a private event loop (uvloop when
+installed) that lives as long as this object.  Calling it from inside a running
+event loop is refused: use ``await pipe.progress(it)`` there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .runner import LoopRunner
+
+if TYPE_CHECKING:
+    from .pipeline import SchedulablePipeline
+    from .source import Source
+
+__all__ = ("BlockingPipeline",)
+
+
+class BlockingPipeline:
+    """Blocking view of a :class:`SchedulablePipeline`."""
+
+    def __init__(self, pipeline: SchedulablePipeline) -> None:
+        self._pipeline = pipeline
+        self._runner = LoopRunner()
+
+    @property
+    def pipeline(self) -> SchedulablePipeline:
+        return self._pipeline
+
+    def progress(self, source: Source) -> Any:
+        """Like ``await pipeline.progress(source)``; raises ``StopIteration`` at the end."""
+        try:
+            return self._runner.run(self._pipeline.progress, source)
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def results(self, source: Source) -> Iterator[Any]:
+        """``for result in pipe.results(it)``: every remaining result."""
+        while True:
+            try:
+                yield self.progress(source)
+            except StopIteration:
+                return
+
+    def drain(self) -> list[Any]:
+        return self._runner.run(self._pipeline.drain)
+
+    def reset(self) -> None:
+        self._pipeline.reset()
+
+    def shutdown(self) -> None:
+        """Shut the pipeline down and close the private loop.  Idempotent."""
+        self._pipeline.shutdown()
+        self._runner.close()
+
+    def __enter__(self) -> BlockingPipeline:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<BlockingPipeline of {self._pipeline!r}>"

@@ -1,0 +1,112 @@
+"""``TaskContext``: what a task body sees.
+
+The pipeline hands every task the same ``TaskContext`` object; what it returns
+depends on the task currently running *in this thread or coroutine*, which is kept
+in a ``contextvars.ContextVar``.  Lane threads and loop coroutines each have their
+own context, so concurrent tasks never see each other's slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+from .errors import PipelineStateError
+from .ring import SlotStore
+from .streams import StreamLike, StreamPool
+
+if TYPE_CHECKING:
+    from .task import Task
+
+__all__ = ("LaneRunner", "TaskContext")
+
+T = TypeVar("T")
+#: Runs a synchronous callable where the task's sync work belongs (its lane thread,
+#: with its stream current) and awaits the result without blocking the loop.
+LaneRunner = Callable[[Callable[[], Any]], Awaitable[Any]]
+
+
+class Running(NamedTuple):
+    """The task a thread or coroutine is currently executing."""
+
+    task: Task
+    store: SlotStore | None
+    iteration: int
+    batch_index: int
+    run_on_lane: LaneRunner | None
+
+
+CURRENT: ContextVar[Running | None] = ContextVar("aiopipe_current_task", default=None)
+
+
+class TaskContext:
+    """Per-pipeline handle passed to every ``run(ctx)`` / ``init(ctx)``."""
+
+    __slots__ = ("_stream_pool",)
+
+    def __init__(self, stream_pool: StreamPool) -> None:
+        self._stream_pool = stream_pool
+
+    @staticmethod
+    def _running() -> Running:
+        running = CURRENT.get()
+        if running is None:
+            raise PipelineStateError("TaskContext is only usable inside a running task")
+        return running
+
+    @property
+    def slots(self) -> SlotStore:
+        """The slot store of the batch this task is processing."""
+        store = self._running().store
+        if store is None:
+            raise PipelineStateError("no batch is being processed during init(ctx)")
+        return store
+
+    @property
+    def iter_count(self) -> int:
+        """Internal iteration number since the current source was adopted (0-based)."""
+        return self._running().iteration
+
+    @property
+    def batch_index(self) -> int:
+        """Index of the batch this task processes within the current source."""
+        return self._running().batch_index
+
+    @property
+    def task(self) -> Task:
+        return self._running().task
+
+    @property
+    def stream_pool(self) -> StreamPool:
+        return self._stream_pool
+
+    @property
+    def stream(self) -> StreamLike | None:
+        """This task's stream (``None`` on a CPU null stream)."""
+        return self._stream_pool.get(self._running().task.stream)
+
+    async def run_on_lane(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """From an ``async def`` task: run ``fn(*args, **kwargs)`` on this task's lane
+        thread with the task's stream current, and await its result.
+
+        This is how coroutine tasks submit GPU work: stream and device state are
+        thread-local and must never be held across an ``await``.
+        """
+        running = self._running()
+        stream = running.task.stream
+        pool = self._stream_pool
+
+        def call() -> T:
+            with pool.use(stream):
+                return fn(*args, **kwargs)
+
+        if running.run_on_lane is None:
+            return call()
+        result: T = await running.run_on_lane(call)
+        return result
+
+    def __repr__(self) -> str:
+        running = CURRENT.get()
+        where = f"task={running.task.name!r} batch={running.batch_index}" if running else "idle"
+        return f"<TaskContext {where}>"

@@ -1,0 +1,57 @@
+"""The exception hierarchy: one root, a few families.
+
+Everything aiopipe raises on its own account derives from :class:`PipelineError`.
+Exceptions raised by task bodies are re-raised unchanged (annotated with the task
+name and iteration), so ``except ValueError`` around ``progress()`` still catches a
+``ValueError`` raised inside ``forward``.
+"""
+
+from __future__ import annotations
+
+__all__ = (
+    "CollectiveOrderError",
+    "PipelineError",
+    "PipelineStateError",
+    "ScheduleValidationError",
+    "TaskDefinitionError",
+    "TicketAbortedError",
+)
+
+
+class PipelineError(Exception):
+    """Root of every error aiopipe raises itself."""
+
+
+class TaskDefinitionError(PipelineError, ValueError):
+    """A ``Task`` was declared with contradictory or malformed fields."""
+
+
+class ScheduleValidationError(PipelineError, ValueError):
+    """A schedule breaks one of the eight validation rules.
+
+    ``rule`` is the rule number (1-8, see ``docs/concepts.md``); the message names the
+    tasks, slots or streams involved and what to change.
+    """
+
+    def __init__(self, rule: int, message: str) -> None:
+        super().__init__(f"[rule {rule}] {message}")
+        self.rule = rule
+
+
+class PipelineStateError(PipelineError, RuntimeError):
+    """The pipeline cannot do what was asked in its current state.
+
+    Raised for a new iterator while batches are in flight, use after ``shutdown()``,
+    use after an interrupted progress (until ``reset()``), or the blocking API
+    called from inside a running event loop.
+    """
+
+
+class CollectiveOrderError(PipelineError, RuntimeError):
+    """Collectives could not be issued in the agreed order (ranks disagree, or the
+    ticket sequence was broken)."""
+
+
+class TicketAbortedError(CollectiveOrderError):
+    """A collective ticket was abandoned because another task of the same progress
+    failed or the progress was cancelled."""

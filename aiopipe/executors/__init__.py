@@ -1,0 +1,29 @@
+"""Executors: strategies for running the active tasks of one iteration.
+
+``SequentialExecutor`` is the reference; ``AsyncExecutor`` runs one event loop plus
+GPU-submit lane threads.  Any object following :class:`Executor` plugs in.
+"""
+
+from __future__ import annotations
+
+from .asyncio_executor import AsyncExecutor
+from .base import Executor, Step
+from .sequential import SequentialExecutor
+
+__all__ = ("AsyncExecutor", "Executor", "SequentialExecutor", "Step", "make_executor")
+
+
+def make_executor(spec: str | Executor) -> Executor:
+    """``"sequential"``, ``"async"`` or an executor instance."""
+    if isinstance(spec, str):
+        if spec == "sequential":
+            return SequentialExecutor()
+        if spec == "async":
+            return AsyncExecutor()
+        raise ValueError(f"unknown executor {spec!r}; use 'sequential', 'async' or an instance")
+    if not isinstance(spec, Executor):
+        raise TypeError(
+            f"executor must be 'sequential', 'async' or provide bind/run_step/shutdown, "
+            f"got {spec!r}"
+        )
+    return spec

@@ -1,0 +1,329 @@
+"""``AsyncExecutor``: one event loop plus a small pool of GPU-submit lane threads.
+
+Per iteration the active tasks are split into *chains*, one per lane, in
+topological order.  Each thread lane receives its whole chain in one hand-off and
+runs it without returning to the loop; it blocks only where a task has a
+same-progress predecessor on another lane (a :class:`Signal`) or must take a
+collective ticket.  The ``"loop"`` lane's chain runs as a coroutine on the event
+loop; ``async def`` bodies always run on the loop (a thread lane hands them over and
+serves their ``ctx.run_on_lane`` calls meanwhile, so lane order is kept).
+
+Failure: the first error marks the iteration failed, aborts the ticket lock and sets
+every signal, so nothing waits forever; tasks not yet started are skipped, running
+bodies finish, then the original exception is raised.  Cancelling the caller takes
+the same path before ``CancelledError`` propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CollectiveOrderError, TicketAbortedError
+from ..plan import ExecutionPlan
+from .base import Step
+from .lanes import LOOP_LANE, Lane, LanePool, ThreadMap, resolve_lane
+from .order_check import CollectiveOrderCheck
+from .signals import LoopWaker, Signal
+from .tickets import TicketLock, TicketStatistics
+
+__all__ = ("AsyncExecutor", "ExecutorStatistics")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one stage's active tasks map onto lanes (cached per active set)."""
+
+    thread_chains: tuple[tuple[str, tuple[int, ...]], ...]
+    loop_chain: tuple[int, ...]
+    cross_preds: dict[int, tuple[int, ...]]  # CPU predecessors on other lanes
+    signalled: tuple[int, ...]  # tasks some other lane waits for
+    tickets: dict[int, int]  # empty when all collectives share one lane
+    collectives: tuple[int, ...]  # nccl tasks, topological order
+
+
+@dataclass(frozen=True)
+class ExecutorStatistics:
+    lanes: tuple[str, ...]
+    tickets: TicketStatistics
+
+
+class _Run:
+    """Shared state of one stage of one iteration."""
+
+    __slots__ = (
+        "async_tasks", "error", "failed", "layout", "lock", "outstanding", "signals", "step",
+        "threads_done", "tickets", "waker",
+    )  # fmt: skip
+
+    def __init__(self, step: Step, layout: _Layout, waker: LoopWaker, tickets: TicketLock) -> None:
+        self.step = step
+        self.layout = layout
+        self.waker = waker
+        self.tickets = tickets
+        self.lock = threading.Lock()
+        self.failed = False
+        self.error: BaseException | None = None
+        self.signals = {i: Signal(waker, self.lock) for i in layout.signalled}
+        self.outstanding = len(layout.thread_chains)
+        self.threads_done: asyncio.Future[None] | None = (
+            waker.loop.create_future() if layout.thread_chains else None
+        )
+        self.async_tasks: set[asyncio.Task[None]] = set()
+
+    def fail(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = exc
+            self.failed = True
+        self.tickets.abort(f"{type(exc).__name__} in the same progress")
+        for signal in self.signals.values():
+            signal.set()
+
+    def thread_chain_finished(self) -> None:
+        with self.lock:
+            self.outstanding -= 1
+            last = self.outstanding == 0
+        if last and self.threads_done is not None:
+            self.waker.resolve(self.threads_done)
+
+    def finish_task(self, index: int) -> None:
+        ticket = self.layout.tickets.get(index)
+        if ticket is not None:
+            self.tickets.release(ticket)
+        signal = self.signals.get(index)
+        if signal is not None:
+            signal.set()
+
+
+class AsyncExecutor:
+    """Event loop + lane threads.  See the module docstring.
+
+    ``thread_map``: ``None``/``"by_stream"`` (lane = stream), ``"per_task"``, a dict
+    ``{task name: lane}`` (unmapped tasks go to lane ``"default"``) or a callable
+    ``task -> lane``; lane ``"loop"`` runs sync bodies inline on the loop.
+    ``check_collective_order=N`` compares the collective ticket sequence across
+    ranks every N iterations and raises :class:`CollectiveOrderError` on a mismatch.
+    """
+
+    def __init__(
+        self,
+        thread_map: ThreadMap = None,
+        *,
+        max_lanes: int = 16,
+        check_collective_order: int = 0,
+        process_group: Any = None,
+    ) -> None:
+        self.thread_map = thread_map
+        self._lanes = LanePool(max_lanes)
+        self._tickets = TicketLock()
+        self._order_check = (
+            CollectiveOrderCheck(check_collective_order, process_group)
+            if check_collective_order
+            else None
+        )
+        self._plan: ExecutionPlan | None = None
+        self._lane_of: tuple[str, ...] = ()
+        self._layouts: dict[tuple[int, ...], _Layout] = {}
+
+    # -- protocol ----------------------------------------------------------------------
+
+    def bind(self, plan: ExecutionPlan) -> None:
+        if self._plan is not None and self._plan is not plan:
+            raise ValueError("an AsyncExecutor serves one pipeline; create one per pipeline")
+        lane_of = tuple(resolve_lane(task, self.thread_map) for task in plan.order)
+        threads = sorted(set(lane_of) - {LOOP_LANE})
+        if len(threads) > self._lanes.max_lanes:
+            raise ValueError(
+                f"thread_map puts tasks on {len(threads)} lanes {threads}, more than "
+                f"max_lanes={self._lanes.max_lanes}; group tasks onto fewer lanes"
+            )
+        self._plan, self._lane_of = plan, lane_of
+
+    async def run_step(self, step: Step) -> None:
+        for active in step.active.stages:
+            if active:
+                await self._run_stage(step, active)
+        if self._order_check is not None:
+            names = [step.plan.order[i].name for i in step.active.all if step.plan.nccl[i]]
+            await self._order_check.record_and_check(step.iteration, names)
+
+    def shutdown(self) -> None:
+        self._lanes.shutdown()
+
+    def lane_of(self, task_name: str) -> str:
+        plan = self._require_plan()
+        return self._lane_of[plan.index[task_name]]
+
+    def statistics(self) -> ExecutorStatistics:
+        return ExecutorStatistics(self._lanes.names(), self._tickets.statistics())
+
+    def __repr__(self) -> str:
+        return f"AsyncExecutor(thread_map={self.thread_map!r})"
+
+    # -- layout ------------------------------------------------------------------------
+
+    def _require_plan(self) -> ExecutionPlan:
+        if self._plan is None:
+            raise RuntimeError("AsyncExecutor used before bind()")
+        return self._plan
+
+    def _layout(self, active: tuple[int, ...]) -> _Layout:
+        layout = self._layouts.get(active)
+        if layout is None:
+            layout = self._layouts[active] = self._build_layout(active)
+        return layout
+
+    def _build_layout(self, active: tuple[int, ...]) -> _Layout:
+        plan, lane_of = self._require_plan(), self._lane_of
+        active_set = set(active)
+        same_stream = plan.same_stream_predecessor(active)
+        chains: dict[str, list[int]] = {}
+        cross_preds: dict[int, tuple[int, ...]] = {}
+        for i in active:
+            chains.setdefault(lane_of[i], []).append(i)
+            preds = {p for p in plan.preds[i] if p in active_set}
+            if i in same_stream:
+                preds.add(same_stream[i])
+            cross = tuple(sorted(p for p in preds if lane_of[p] != lane_of[i]))
+            if cross:
+                cross_preds[i] = cross
+        collectives = tuple(i for i in active if plan.nccl[i])
+        needs_lock = len({lane_of[i] for i in collectives}) > 1
+        return _Layout(
+            thread_chains=tuple(
+                (lane, tuple(chain)) for lane, chain in chains.items() if lane != LOOP_LANE
+            ),
+            loop_chain=tuple(chains.get(LOOP_LANE, ())),
+            cross_preds=cross_preds,
+            signalled=tuple(sorted({p for preds in cross_preds.values() for p in preds})),
+            tickets={i: k for k, i in enumerate(collectives)} if needs_lock else {},
+            collectives=collectives,
+        )
+
+    # -- one stage ---------------------------------------------------------------------
+
+    async def _run_stage(self, step: Step, active: tuple[int, ...]) -> None:
+        layout = self._layout(active)
+        waker = LoopWaker(asyncio.get_running_loop())
+        self._tickets.reset(waker)
+        run = _Run(step, layout, waker, self._tickets)
+        for lane_name, chain in layout.thread_chains:
+            lane = self._lanes.get(lane_name)
+            lane.submit(functools.partial(self._run_thread_chain, run, lane, chain))
+        try:
+            if layout.loop_chain:
+                await self._run_loop_chain(run, layout.loop_chain)
+            if run.threads_done is not None:
+                await run.threads_done
+        except BaseException as exc:
+            run.fail(exc)
+            for task in run.async_tasks:
+                task.cancel()
+            if run.threads_done is not None and not run.threads_done.done():
+                await asyncio.shield(run.threads_done)  # running bodies finish first
+            raise
+        if run.error is not None:
+            raise run.error
+
+    async def _run_loop_chain(self, run: _Run, chain: tuple[int, ...]) -> None:
+        step, layout = run.step, run.layout
+        is_async = step.plan.is_async
+        for i in chain:
+            for p in layout.cross_preds.get(i, ()):
+                await run.signals[p].wait()  # set on failure too: never waits forever
+            if run.failed:
+                return
+            ticket = layout.tickets.get(i)
+            try:
+                if ticket is not None:
+                    await run.tickets.acquire(ticket)
+                if is_async[i]:
+                    await step.invoke_async(i)
+                else:
+                    step.invoke(i)
+            except TicketAbortedError:
+                return
+            except Exception as exc:
+                run.fail(exc)
+                return
+            run.finish_task(i)
+
+    def _run_thread_chain(self, run: _Run, lane: Lane, chain: tuple[int, ...]) -> None:
+        """Runs on ``lane``'s thread."""
+        step, layout = run.step, run.layout
+        is_async = step.plan.is_async
+        try:
+            for i in chain:
+                for p in layout.cross_preds.get(i, ()):
+                    run.signals[p].wait_blocking()  # set on failure too
+                if run.failed:
+                    return
+                ticket = layout.tickets.get(i)
+                try:
+                    if ticket is not None:
+                        run.tickets.acquire_blocking(ticket)
+                    if is_async[i]:
+                        self._hand_to_loop(run, lane, i)
+                    else:
+                        step.invoke(i)
+                except TicketAbortedError:
+                    return
+                except BaseException as exc:
+                    run.fail(exc)
+                    return
+                run.finish_task(i)
+        except BaseException as exc:  # a bug in the executor itself: never hang the loop
+            run.fail(exc)
+        finally:
+            run.thread_chain_finished()
+
+    # -- async bodies on thread lanes --------------------------------------------------
+
+    def _hand_to_loop(self, run: _Run, lane: Lane, index: int) -> None:
+        """From ``lane``'s thread: run async task ``index`` on the loop, serving its
+        ``run_on_lane`` calls here until it finishes; re-raise its error."""
+        done = object()
+        outcome: list[BaseException] = []
+        lane_runner = functools.partial(self._call_on_lane, run.waker, lane)
+
+        async def body() -> None:
+            try:
+                if not run.failed:
+                    await run.step.invoke_async(index, lane_runner)
+            except BaseException as exc:
+                outcome.append(exc)
+            finally:
+                lane.post(done)
+
+        def start() -> None:
+            task = run.waker.loop.create_task(body())
+            run.async_tasks.add(task)
+            task.add_done_callback(run.async_tasks.discard)
+
+        try:
+            run.waker.loop.call_soon_threadsafe(start)
+        except RuntimeError as exc:  # loop closed: nothing will ever run the body
+            raise CollectiveOrderError("the event loop closed during the progress") from exc
+        lane.run_pending_until(done)
+        if outcome:
+            raise outcome[0]
+
+    @staticmethod
+    async def _call_on_lane(waker: LoopWaker, lane: Lane, fn: Callable[[], Any]) -> Any:
+        future: asyncio.Future[Any] = waker.loop.create_future()
+
+        def work() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:
+                waker.resolve(future, exc)
+            else:
+                waker.resolve(future, None, result)
+
+        lane.submit(work)
+        return await future

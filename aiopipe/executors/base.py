@@ -1,0 +1,169 @@
+"""The executor protocol, and ``Step``: one internal iteration handed to an executor.
+
+An executor decides *where* and *when* each active task runs (which thread, in which
+order, what overlaps).  *How* a task runs is the same everywhere and lives in
+:meth:`Step.invoke` / :meth:`Step.invoke_async`: set the task context, issue its
+cross-stream event waits, run the body under its stream and NVTX range, record its
+completion event in the batch's slot store.
+
+A custom executor implements three methods::
+
+    class MyExecutor:
+        def bind(self, plan: ExecutionPlan) -> None: ...   # once, before any step
+        async def run_step(self, step: Step) -> None: ...  # once per iteration
+        def shutdown(self) -> None: ...                    # idempotent
+
+``run_step`` must run every task of ``step.active`` exactly once, never start a task
+before its same-progress predecessors (``plan.preds``) and the previous active task
+on its stream have finished, run stages in order, and raise the first task failure
+after every started task has finished.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ..context import CURRENT, LaneRunner, Running, TaskContext
+from ..errors import TaskDefinitionError
+from ..plan import ActiveSet, ExecutionPlan
+from ..ring import BatchRing
+
+if TYPE_CHECKING:
+    from .._nvtx import Annotator
+
+__all__ = ("Executor", "Step", "annotate_failure")
+
+
+@runtime_checkable
+class Executor(Protocol):
+    def bind(self, plan: ExecutionPlan) -> None: ...
+
+    async def run_step(self, step: Step) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def annotate_failure(exc: BaseException, task_name: str, iteration: int, batch: int) -> None:
+    """Attach where a task body failed to the original exception (once)."""
+    if getattr(exc, "aiopipe_task", None) is not None:
+        return
+    try:
+        exc.aiopipe_task = task_name  # type: ignore[attr-defined]
+        exc.aiopipe_iteration = iteration  # type: ignore[attr-defined]
+    except AttributeError:  # exceptions with __slots__
+        return
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"aiopipe: raised by task {task_name!r} at iteration {iteration} (batch {batch})")
+
+
+class Step:
+    """The active tasks of one internal iteration and the means to run them."""
+
+    __slots__ = ("_annotator", "_ctx", "_ring", "active", "iteration", "plan", "started")
+
+    def __init__(
+        self,
+        plan: ExecutionPlan,
+        ring: BatchRing,
+        ctx: TaskContext,
+        iteration: int,
+        active: ActiveSet,
+        annotator: Annotator | None = None,
+    ) -> None:
+        self.plan = plan
+        self.iteration = iteration
+        self.active = active
+        #: Set once any task body has begun: the iteration can no longer be retried.
+        self.started = False
+        self._ring = ring
+        self._ctx = ctx
+        self._annotator = annotator
+
+    def batch_index(self, index: int) -> int:
+        return self.iteration - (self.plan.max_lookahead - self.plan.lookahead[index])
+
+    def _enter(self, index: int, run_on_lane: LaneRunner | None) -> Any:
+        plan = self.plan
+        self.started = True
+        running = Running(
+            plan.order[index],
+            self._ring.at(plan.lookahead[index]),
+            self.iteration,
+            self.batch_index(index),
+            run_on_lane,
+        )
+        return CURRENT.set(running)
+
+    def _wait_events(self, index: int) -> None:
+        plan = self.plan
+        waits = plan.waits[index]
+        if waits:
+            pool, stream, ring = plan.stream_pool, plan.stream[index], self._ring
+            for producer, producer_stream, slot_offset in waits:
+                event = ring.at(slot_offset).event_of(plan.order[producer].name)
+                if event is None:  # no record yet (first batches, seeded batch)
+                    pool.wait_stream(stream, producer_stream)
+                else:
+                    pool.wait_event(stream, event)
+
+    def _record(self, index: int) -> None:
+        if self.plan.records_event[index]:
+            plan = self.plan
+            event = plan.stream_pool.record_event(plan.stream[index])
+            self._ring.at(plan.lookahead[index]).record_event(plan.order[index].name, event)
+
+    def _fail(self, index: int, exc: BaseException) -> None:
+        annotate_failure(exc, self.plan.order[index].name, self.iteration, self.batch_index(index))
+
+    def invoke(self, index: int, run_on_lane: LaneRunner | None = None) -> None:
+        """Run the synchronous body of task ``index`` on the calling thread."""
+        plan = self.plan
+        task = plan.order[index]
+        token = self._enter(index, run_on_lane)
+        try:
+            self._wait_events(index)
+            with plan.stream_pool.use(plan.stream[index]):
+                if self._annotator is None:
+                    result = task.run(self._ctx)
+                else:
+                    with self._annotator.push_pop(task.nvtx_tag or task.name):
+                        result = task.run(self._ctx)
+            if result is not None and inspect.isawaitable(result):
+                if inspect.iscoroutine(result):
+                    result.close()
+                raise TaskDefinitionError(
+                    f"task {task.name!r} returned an awaitable from a synchronous body; "
+                    f"declare run/fn with 'async def' so it runs on the event loop"
+                )
+            self._record(index)
+        except BaseException as exc:
+            self._fail(index, exc)
+            raise
+        finally:
+            CURRENT.reset(token)
+
+    async def invoke_async(self, index: int, run_on_lane: LaneRunner | None = None) -> None:
+        """Run the ``async def`` body of task ``index`` on the event loop.
+
+        No stream is made current around the coroutine: that state is per thread and
+        other coroutines interleave at every ``await``.  The body reaches its stream
+        through ``ctx.run_on_lane``; its event waits are issued on the stream first.
+        """
+        plan = self.plan
+        task = plan.order[index]
+        token = self._enter(index, run_on_lane)
+        annotator, handle = self._annotator, None
+        if annotator is not None:
+            handle = annotator.start(task.nvtx_tag or task.name)
+        try:
+            self._wait_events(index)
+            await task.run(self._ctx)  # type: ignore[misc]
+            self._record(index)
+        except BaseException as exc:
+            self._fail(index, exc)
+            raise
+        finally:
+            if annotator is not None:
+                annotator.end(handle)
+            CURRENT.reset(token)

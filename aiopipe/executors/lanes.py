@@ -1,0 +1,129 @@
+"""Lanes: long-lived GPU-submit threads, and how tasks are mapped onto them.
+
+A lane is one thread with a work queue.  Synchronous task bodies run on their lane's
+thread, so CUDA launches and GIL-releasing torch ops of different lanes overlap.  The
+reserved lane ``"loop"`` is not a thread: its bodies run inline on the event loop.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Union
+
+from ..errors import PipelineStateError
+
+if TYPE_CHECKING:
+    from ..task import Task
+
+__all__ = ("LOOP_LANE", "Lane", "LanePool", "ThreadMap", "resolve_lane")
+
+LOOP_LANE = "loop"
+ThreadMap = Union[None, str, Mapping[str, str], Callable[["Task"], str]]
+
+_STOP = object()
+
+
+def resolve_lane(task: Task, thread_map: ThreadMap) -> str:
+    """The lane of ``task`` under ``thread_map``.
+
+    ``None``/``"by_stream"``: the task's stream.  ``"per_task"``: its name.  A mapping:
+    ``thread_map[name]``, falling back to lane ``"default"``.  A callable:
+    ``thread_map(task)``.
+    """
+    if thread_map is None or thread_map == "by_stream":
+        lane = task.stream
+    elif thread_map == "per_task":
+        lane = task.name
+    elif isinstance(thread_map, str):
+        raise ValueError(
+            f"unknown thread_map {thread_map!r}; use 'by_stream', 'per_task', a dict "
+            f"{{task name: lane}} or a callable task -> lane"
+        )
+    elif isinstance(thread_map, Mapping):
+        lane = thread_map.get(task.name, "default")
+    elif callable(thread_map):
+        lane = thread_map(task)
+    else:
+        raise TypeError(f"thread_map must be a str, a mapping or a callable, got {thread_map!r}")
+    if not isinstance(lane, str) or not lane:
+        raise TypeError(f"thread_map gave lane {lane!r} for task {task.name!r}; lanes are names")
+    return lane
+
+
+class Lane:
+    """One submit thread.  Work items are zero-argument callables run in order."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=f"aiopipe-lane-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable[[], object]) -> None:
+        self.queue.put(work)
+
+    def post(self, marker: object) -> None:
+        """Queue a marker for :meth:`run_pending_until`."""
+        self.queue.put(marker)
+
+    def run_pending_until(self, done: object) -> None:
+        """From inside this lane's thread: run queued work until ``done`` is dequeued
+        (used while an ``async def`` task of this lane runs on the loop and may hand
+        synchronous calls back to its lane)."""
+        while True:
+            item = self.queue.get()
+            if item is done:
+                return
+            if item is _STOP:
+                self.queue.put(_STOP)  # let the thread's main loop see it
+                raise PipelineStateError(f"lane {self.name!r} stopped while a task was running")
+            item()  # type: ignore[operator]
+
+    def _main(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is _STOP:
+                return
+            item()  # type: ignore[operator]
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.queue.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+class LanePool:
+    """The lanes of one executor, created on first use, at most ``max_lanes``."""
+
+    def __init__(self, max_lanes: int) -> None:
+        if max_lanes < 1:
+            raise ValueError(f"max_lanes must be >= 1, got {max_lanes}")
+        self.max_lanes = max_lanes
+        self._lanes: dict[str, Lane] = {}
+        self._closed = False
+
+    def get(self, name: str) -> Lane:
+        lane = self._lanes.get(name)
+        if lane is None:
+            if self._closed:
+                raise PipelineStateError("the executor has been shut down")
+            lane = self._lanes[name] = Lane(name)
+        return lane
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._lanes)
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        self._closed = True
+        lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.stop(timeout)

@@ -1,0 +1,34 @@
+"""``SequentialExecutor``: every active task, one after another, on the loop thread."""
+
+from __future__ import annotations
+
+from ..plan import ExecutionPlan
+from .base import Step
+
+__all__ = ("SequentialExecutor",)
+
+
+class SequentialExecutor:
+    """Runs tasks in topological order on the event-loop thread.
+
+    The reference semantics every other executor must reproduce, and the cheapest
+    choice when there is nothing to overlap.  Synchronous bodies block the loop
+    while they run.
+    """
+
+    def bind(self, plan: ExecutionPlan) -> None:
+        self._plan = plan
+
+    async def run_step(self, step: Step) -> None:
+        is_async = step.plan.is_async
+        for index in step.active.all:
+            if is_async[index]:
+                await step.invoke_async(index)
+            else:
+                step.invoke(index)
+
+    def shutdown(self) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "SequentialExecutor()"

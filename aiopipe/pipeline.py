@@ -1,0 +1,311 @@
+"""``SchedulablePipeline``: drives a schedule over a stream of batches.
+
+Each ``await progress(source)`` runs internal iterations -- pull one batch into the
+top of the ring, run the tasks whose lookahead fires, advance the ring -- until the
+batch at offset 0 is complete, and returns its ``step_result``.  The first call
+absorbs the prefill; M batches give exactly M results; the call after the last
+result raises ``StopAsyncIteration``.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ._nvtx import Annotator, resolve_annotator
+from .context import CURRENT, Running, TaskContext
+from .errors import PipelineStateError
+from .executors import Executor, make_executor
+from .executors.base import Step
+from .plan import ExecutionPlan
+from .ring import BatchRing, SlotStore
+from .schedule import Schedule
+from .source import END, Feed, Source
+from .streams import StreamPool
+from .task import BATCH_SLOT, RESULT_SLOT
+from .validate import validate_schedule
+
+if TYPE_CHECKING:
+    from .blocking import BlockingPipeline
+
+__all__ = ("PipelineStatistics", "SchedulablePipeline")
+
+
+@dataclass(frozen=True)
+class PipelineStatistics:
+    """Where the pipeline stands in its current source."""
+
+    pulled: int
+    returned: int
+    in_flight: int
+    iteration: int
+    exhausted: bool
+    broken: str | None
+    closed: bool
+
+
+class SchedulablePipeline:
+    """Runs a validated :class:`Schedule` with an executor.
+
+    ``executor`` is ``"sequential"``, ``"async"`` (:class:`AsyncExecutor` with the
+    default ``by_stream`` lanes) or an executor instance.  ``stream_pool`` defaults
+    to CPU null streams for every name in ``schedule.stream_slots``.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stream_pool: StreamPool | None = None,
+        executor: str | Executor = "sequential",
+        *,
+        nvtx: bool | Annotator | None = None,
+    ) -> None:
+        if stream_pool is None:
+            stream_pool = StreamPool({name: None for name in schedule.stream_slots})
+        validate_schedule(schedule, stream_pool)
+        self._plan = ExecutionPlan(schedule, stream_pool)
+        self._executor = make_executor(executor)
+        self._executor.bind(self._plan)
+        self._ring = BatchRing(self._plan.max_lookahead + 1)
+        self._ctx = TaskContext(stream_pool)
+        self._annotator = resolve_annotator(nvtx)
+        self._feed: Feed | None = None
+        self._seed: dict[str, Any] | None = None
+        self._initialised = False
+        self._busy = False
+        self._broken: str | None = None
+        self._closed = False
+        # Evicted slot stores stay referenced until the device work queued so far
+        # completes: their tensors may still be read by another stream.
+        self._retiring: collections.deque[tuple[SlotStore, list[Any]]] = collections.deque()
+
+    # -- introspection ----------------------------------------------------------------
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule, its single-stage tasks in execution (topological) order."""
+        return self._plan.schedule
+
+    @property
+    def plan(self) -> ExecutionPlan:
+        return self._plan
+
+    @property
+    def executor(self) -> Executor:
+        return self._executor
+
+    @property
+    def stream_pool(self) -> StreamPool:
+        return self._plan.stream_pool
+
+    @property
+    def ring(self) -> BatchRing:
+        return self._ring
+
+    def statistics(self) -> PipelineStatistics:
+        feed = self._feed
+        return PipelineStatistics(
+            pulled=feed.pulled if feed else 0,
+            returned=feed.returned if feed else 0,
+            in_flight=feed.in_flight if feed else 0,
+            iteration=feed.iteration if feed else 0,
+            exhausted=feed.exhausted if feed else False,
+            broken=self._broken,
+            closed=self._closed,
+        )
+
+    # -- the progress contract -------------------------------------------------------
+
+    async def progress(self, source: Source) -> Any:
+        """Advance until the oldest batch in flight completes; return its
+        ``step_result``.  Raises ``StopAsyncIteration`` once every batch of ``source``
+        has been returned."""
+        self._begin_call()
+        try:
+            return await self._progress(source)
+        finally:
+            self._busy = False
+
+    async def results(self, source: Source) -> AsyncIterator[Any]:
+        """``async for result in pipe.results(it)``: every remaining result."""
+        while True:
+            try:
+                result = await self.progress(source)
+            except StopAsyncIteration:
+                return
+            yield result
+
+    async def drain(self) -> list[Any]:
+        """Stop pulling from the current source and finish the batches in flight;
+        return their results.  The source is then forgotten: passing it again
+        continues with its next batch, passing another one starts afresh."""
+        self._begin_call()
+        try:
+            results: list[Any] = []
+            feed = self._feed
+            if feed is not None:
+                feed.exhausted = True
+                while not feed.finished:
+                    results.append(await self._progress(feed.source))
+            self._feed = None
+            return results
+        finally:
+            self._busy = False
+
+    def seed_first_batch(self, contents: Mapping[str, Any]) -> None:
+        """Pre-populate the store of the next batch to be pulled, for adapters that
+        had to fetch (and partly process) one batch before the pipeline existed.  The
+        seeded batch counts as the first batch of the next source; none is lost."""
+        self._check_usable()
+        if self._feed is not None and self._feed.in_flight:
+            raise PipelineStateError(
+                f"cannot seed a batch while {self._feed.in_flight} batch(es) are in flight"
+            )
+        self._seed = dict(contents)
+
+    def reset(self) -> None:
+        """Discard every batch in flight and any interrupted state; the next
+        ``progress`` starts afresh with whatever source it is given."""
+        if self._busy:
+            raise PipelineStateError("cannot reset while a progress is running")
+        self._retire_all(self._ring.reset())
+        self._feed = None
+        self._seed = None
+        self._broken = None
+
+    def shutdown(self) -> None:
+        """Stop the executor's threads.  Idempotent; the pipeline is unusable after."""
+        if self._closed:
+            return
+        if self._busy:
+            raise PipelineStateError("cannot shut down while a progress is running")
+        self._closed = True
+        self._executor.shutdown()
+        self._retiring.clear()
+
+    async def __aenter__(self) -> SchedulablePipeline:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def blocking(self) -> BlockingPipeline:
+        """A blocking view for ordinary scripts (``progress`` raises ``StopIteration``)."""
+        from .blocking import BlockingPipeline
+
+        return BlockingPipeline(self)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise PipelineStateError("the pipeline has been shut down")
+        if self._broken is not None:
+            raise PipelineStateError(
+                f"{self._broken}; the batches in flight are in an unknown state. Call "
+                f"reset() to discard them and start again."
+            )
+
+    def _begin_call(self) -> None:
+        self._check_usable()
+        if self._busy:
+            raise PipelineStateError(
+                "another progress() is already running on this pipeline; await it first"
+            )
+        self._busy = True
+
+    def _adopt(self, source: Source) -> Feed:
+        feed = self._feed
+        if feed is not None and source is feed.source:
+            return feed
+        if feed is not None and feed.in_flight:
+            raise PipelineStateError(
+                f"a new iterator was passed while {feed.in_flight} batch(es) of the previous "
+                f"one are in flight; none of its batches was taken. Keep passing the same "
+                f"iterator until StopAsyncIteration, or call drain() first."
+            )
+        new_feed = Feed(source)
+        self._retire_all(self._ring.reset())
+        self._feed = new_feed
+        return new_feed
+
+    async def _progress(self, source: Source) -> Any:
+        feed = self._adopt(source)
+        if not self._initialised:
+            await self._init_tasks()
+        plan, ring = self._plan, self._ring
+        while True:
+            if not feed.exhausted:
+                await self._pull(feed)
+            if feed.finished:
+                raise StopAsyncIteration
+            iteration = feed.iteration
+            step = Step(
+                plan, ring, self._ctx, iteration, plan.active(iteration, feed.pulled),
+                self._annotator,
+            )  # fmt: skip
+            try:
+                await self._executor.run_step(step)
+            except BaseException as exc:
+                if step.started:
+                    self._broken = (
+                        f"iteration {iteration} was interrupted by "
+                        f"{type(exc).__name__} after some of its tasks ran"
+                    )
+                raise
+            produced = 0 <= iteration - plan.max_lookahead < feed.pulled
+            result = ring.at(0).get(RESULT_SLOT) if produced else None
+            self._retire(ring.advance())
+            feed.iteration += 1
+            if produced:
+                feed.returned += 1
+                return result
+
+    async def _pull(self, feed: Feed) -> None:
+        top = self._ring.top
+        if self._seed is not None:
+            seed, self._seed = self._seed, None
+            for name, value in seed.items():
+                top.set(name, value)
+        else:
+            batch = await feed.next()
+            if batch is END:
+                feed.exhausted = True
+                return
+            top.set(BATCH_SLOT, batch)
+        top.batch_index = feed.pulled
+        feed.pulled += 1
+
+    async def _init_tasks(self) -> None:
+        for task in self._plan.order:
+            token = CURRENT.set(Running(task, None, -1, -1, None))
+            try:
+                result = task.init(self._ctx)
+                if inspect.isawaitable(result):
+                    await result
+            finally:
+                CURRENT.reset(token)
+        self._initialised = True
+
+    def _retire(self, store: SlotStore) -> None:
+        pool = self._plan.stream_pool
+        retiring = self._retiring
+        while retiring and all(ev is None or ev.query() for ev in retiring[0][1]):
+            retiring.popleft()
+        if pool.is_null:
+            return
+        retiring.append((store, [pool.record_event(name) for name in pool.names()]))
+
+    def _retire_all(self, stores: list[SlotStore]) -> None:
+        for store in stores:
+            self._retire(store)
+
+    def __repr__(self) -> str:
+        stats = self.statistics()
+        return (
+            f"<SchedulablePipeline tasks={len(self._plan)} in_flight={stats.in_flight} "
+            f"executor={self._executor!r}>"
+        )

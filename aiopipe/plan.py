@@ -1,0 +1,109 @@
+"""``ExecutionPlan``: a validated schedule compiled to index form for the executors.
+
+Compiled once per pipeline.  Tasks are numbered by their position in the
+topological order; every per-task fact an executor needs on the hot path (stream,
+lookahead, same-progress predecessors, event waits) is a tuple lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from .graph import dependency_edges, infer_cross_stream_event_deps, topological_sort
+from .mask import fires
+from .schedule import Schedule
+from .streams import StreamPool
+from .task import Task
+
+__all__ = ("ExecutionPlan", "IndexedWait")
+
+#: ``(producer_index, producer_stream, slot_offset)``
+IndexedWait = tuple[int, str, int]
+
+
+@dataclass(frozen=True)
+class ActiveSet:
+    """The tasks that fire in one iteration, per stage, in topological order."""
+
+    stages: tuple[tuple[int, ...], ...]
+    all: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "all", tuple(i for stage in self.stages for i in stage))
+
+
+class ExecutionPlan:
+    """The compiled form of ``(schedule, stream_pool)``."""
+
+    def __init__(self, schedule: Schedule, stream_pool: StreamPool) -> None:
+        self.schedule = schedule
+        self.stream_pool = stream_pool
+        self.order: tuple[Task, ...] = topological_sort(schedule)
+        index = {task.name: i for i, task in enumerate(self.order)}
+        self.index = index
+        self.max_lookahead = schedule.max_lookahead
+        self.lookahead = tuple(task.lookahead for task in self.order)
+        self.stream = tuple(task.stream for task in self.order)
+        self.is_async = tuple(task.is_async for task in self.order)
+        self.nccl = tuple(task.nccl for task in self.order)
+        stage_of = {t.name: s for s, stage in enumerate(schedule.stages) for t in stage.tasks}
+        self.stage_of = tuple(stage_of[t.name] for t in self.order)
+        self.num_stages = len(schedule.stages)
+
+        preds: list[set[int]] = [set() for _ in self.order]
+        for edge in dependency_edges(schedule):
+            if edge.intra_progress:
+                preds[index[edge.consumer]].add(index[edge.producer])
+        #: Same-progress (Δ = 0) predecessors of each task, sorted.
+        self.preds: tuple[tuple[int, ...], ...] = tuple(tuple(sorted(p)) for p in preds)
+
+        waits: list[tuple[IndexedWait, ...]] = [() for _ in self.order]
+        for consumer, entries in infer_cross_stream_event_deps(schedule).items():
+            waits[index[consumer]] = tuple((index[p], s, off) for p, s, off in entries)
+        #: Cross-stream event waits of each task (empty on an all-null pool).
+        self.waits: tuple[tuple[IndexedWait, ...], ...] = (
+            tuple(() for _ in self.order) if stream_pool.is_null else tuple(waits)
+        )
+        consumed = {p for entries in self.waits for p, _, _ in entries}
+        #: Whether a task's completion event is ever waited on.
+        self.records_event = tuple(i in consumed for i in range(len(self.order)))
+        self._active_cache: dict[tuple[int, ...], ActiveSet] = {}
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def active(self, iteration: int, batches_known: int) -> ActiveSet:
+        """The tasks whose lookahead fires at ``iteration`` (cached per pattern)."""
+        lookaheads = tuple(
+            la
+            for la in self.distinct_lookaheads
+            if fires(la, iteration, self.max_lookahead, batches_known)
+        )
+        cached = self._active_cache.get(lookaheads)
+        if cached is None:
+            chosen = set(lookaheads)
+            per_stage: list[list[int]] = [[] for _ in range(self.num_stages)]
+            for i, la in enumerate(self.lookahead):
+                if la in chosen:
+                    per_stage[self.stage_of[i]].append(i)
+            cached = ActiveSet(tuple(tuple(s) for s in per_stage))
+            self._active_cache[lookaheads] = cached
+        return cached
+
+    @cached_property
+    def distinct_lookaheads(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.lookahead)))
+
+    def same_stream_predecessor(self, active: Sequence[int]) -> dict[int, int]:
+        """For each active task, the previous active task on its stream (stream FIFO
+        must follow topological order even when lanes split a stream)."""
+        last_on: dict[str, int] = {}
+        result: dict[int, int] = {}
+        for i in active:
+            previous = last_on.get(self.stream[i])
+            if previous is not None:
+                result[i] = previous
+            last_on[self.stream[i]] = i
+        return result

@@ -1,0 +1,106 @@
+"""``SlotStore`` and ``BatchRing``: how batches and their values travel across
+iterations.
+
+The ring holds one slot store per batch in flight.  ``at(k)`` is the store of the
+batch that lookahead-``k`` tasks process in the current iteration; ``advance()``
+drops offset 0, shifts every store down by one and opens an empty store at the top,
+so values move from producer to consumer without copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ("BatchRing", "SlotStore")
+
+_MISSING = object()
+
+
+class SlotStore:
+    """The named values (and recorded producer events) of one batch."""
+
+    __slots__ = ("_events", "_values", "batch_index")
+
+    def __init__(self) -> None:
+        self._values: dict[str, Any] = {}
+        self._events: dict[str, Any] = {}
+        #: Index of this batch in the current source (``None`` for an empty store).
+        self.batch_index: int | None = None
+
+    def __getitem__(self, name: str) -> Any:
+        value = self._values.get(name, _MISSING)
+        if value is _MISSING:
+            raise KeyError(
+                f"slot {name!r} is not set for batch {self.batch_index} "
+                f"(set: {sorted(self._values)}); declare the producer in reads/writes so "
+                f"it runs first"
+            )
+        return value
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._values.get(name, default)
+
+    def set(self, name: str, value: Any) -> None:
+        self._values[name] = value
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def record_event(self, producer: str, event: Any) -> None:
+        """Remember ``producer``'s completion event for this batch."""
+        self._events[producer] = event
+
+    def event_of(self, producer: str) -> Any:
+        """``producer``'s event for this batch, or ``None`` if it never recorded one."""
+        return self._events.get(producer)
+
+    def __repr__(self) -> str:
+        return f"<SlotStore batch={self.batch_index} slots={sorted(self._values)}>"
+
+
+class BatchRing:
+    """``depth`` slot stores, offset 0 = the oldest batch in flight."""
+
+    __slots__ = ("_stores",)
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"BatchRing depth must be >= 1, got {depth}")
+        self._stores = [SlotStore() for _ in range(depth)]
+
+    @property
+    def depth(self) -> int:
+        return len(self._stores)
+
+    def at(self, offset: int) -> SlotStore:
+        if not 0 <= offset < len(self._stores):
+            raise IndexError(f"ring offset {offset} outside 0..{len(self._stores) - 1}")
+        return self._stores[offset]
+
+    @property
+    def top(self) -> SlotStore:
+        """The store new batches are pulled into (offset ``depth - 1``)."""
+        return self._stores[-1]
+
+    def advance(self) -> SlotStore:
+        """Drop offset 0, shift the rest down, open an empty top; return the dropped store."""
+        evicted = self._stores.pop(0)
+        self._stores.append(SlotStore())
+        return evicted
+
+    def reset(self) -> list[SlotStore]:
+        """Empty every store; return the old ones (they may still be referenced by
+        device work, see ``SchedulablePipeline``)."""
+        old = self._stores
+        self._stores = [SlotStore() for _ in range(len(old))]
+        return old
+
+    def __repr__(self) -> str:
+        return f"BatchRing({[s.batch_index for s in self._stores]})"

@@ -1,0 +1,132 @@
+"""Running coroutines from ordinary code: ``aiopipe.run`` and the loop behind the
+blocking API.
+
+Both use uvloop when it is installed (``AIOPIPE_UVLOOP=0`` opts out) and plain
+asyncio otherwise.  Ctrl-C cancels the running coroutine -- so the pipeline releases
+its lanes and tickets -- and then raises ``KeyboardInterrupt``, as ``asyncio.run``
+does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import threading
+from collections.abc import Callable, Coroutine
+from types import FrameType
+from typing import Any, TypeVar
+
+from .errors import PipelineStateError
+
+__all__ = ("LoopRunner", "new_event_loop", "run", "uvloop_enabled")
+
+T = TypeVar("T")
+
+
+def uvloop_enabled() -> bool:
+    """Whether the project's entry points run on uvloop."""
+    if os.environ.get("AIOPIPE_UVLOOP") == "0":
+        return False
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    if uvloop_enabled():
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+class LoopRunner:
+    """Owns one event loop and runs coroutines on it to completion, call after call
+    (pipelines keep lanes and state between calls, so the loop must persist)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._interrupts = 0
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None or self._loop.is_closed():
+            self._loop = new_event_loop()
+        return self._loop
+
+    def run(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any) -> T:
+        """Run ``fn(*args)`` to completion on this runner's loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise PipelineStateError(
+                "the blocking API was called from inside a running event loop; in async "
+                "code use 'await pipe.progress(...)' instead"
+            )
+        loop = self.loop
+        task = loop.create_task(fn(*args))
+        install = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+        if install:
+            signal.signal(signal.SIGINT, functools.partial(self._on_sigint, task=task))
+        self._interrupts = 0
+        try:
+            return loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            if self._interrupts:
+                raise KeyboardInterrupt() from None
+            raise
+        finally:
+            if install:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None, task: asyncio.Task[Any]) -> None:
+        self._interrupts += 1
+        if self._interrupts == 1 and not task.done():
+            task.cancel()
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(lambda: None)  # wake the loop
+            return
+        raise KeyboardInterrupt()
+
+    def close(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None or loop.is_closed():
+            return
+        try:
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        finally:
+            loop.close()
+
+    def __enter__(self) -> LoopRunner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Like ``asyncio.run(main)``, on uvloop when installed."""
+    async def wrapper() -> T:
+        return await main
+
+    with LoopRunner() as runner:
+        try:
+            return runner.run(wrapper)
+        except PipelineStateError:
+            main.close()  # never started: do not leave an un-awaited coroutine behind
+            raise

@@ -1,0 +1,281 @@
+"""``Task`` and ``DataSlot``: the declarative unit of work and its data handles.
+
+A task declares *what* it touches (slots) and *what it waits for* (three dependency
+fields with distinct meanings); the engine derives ordering, CPU edges and GPU event
+waits from those declarations.  Normalisation runs in ``__init__`` for keyword
+arguments and subclass class attributes alike, so both authoring styles behave
+identically.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Union
+
+from .errors import TaskDefinitionError
+
+if TYPE_CHECKING:
+    from .context import TaskContext
+
+__all__ = ("DataSlot", "SlotRef", "Task", "TaskBody")
+
+#: Slots the engine itself fills: the pulled batch and the value ``progress`` returns.
+BATCH_SLOT = "batch_cpu"
+RESULT_SLOT = "step_result"
+
+
+@dataclass(frozen=True)
+class DataSlot:
+    """A named value in the slot store of one batch.
+
+    ``offset`` is the ring position the slot lives at while its task runs, which is
+    the task's lookahead: a task always sees the store of the batch it processes.
+    A bare string in ``reads``/``writes`` becomes ``DataSlot(name, task.lookahead)``.
+    """
+
+    name: str
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"DataSlot name must be a non-empty str, got {self.name!r}")
+        if not isinstance(self.offset, int) or isinstance(self.offset, bool):
+            raise TypeError(f"DataSlot offset must be an int, got {self.offset!r}")
+        if self.offset < 0:
+            raise ValueError(f"DataSlot({self.name!r}, {self.offset}): offset must be >= 0")
+
+
+SlotRef = Union[str, DataSlot]
+CrossIterRef = Union[str, tuple[str, int]]
+TaskBody = Callable[["TaskContext"], Union[None, Awaitable[None]]]
+
+
+def _as_tuple(value: Any, field: str, task_name: str) -> tuple[Any, ...]:
+    """Accept any iterable; a lone string means one entry, not its characters."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, DataSlot)):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"Task {task_name!r}: {field} must be an iterable of entries, got {value!r}"
+        ) from None
+
+
+def _dedupe(items: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(dict.fromkeys(items))
+
+
+def _normalise_slots(refs: Any, field: str, task_name: str, lookahead: int) -> tuple[DataSlot, ...]:
+    out = []
+    for ref in _as_tuple(refs, field, task_name):
+        if isinstance(ref, DataSlot):
+            out.append(ref)
+        elif isinstance(ref, str) and ref:
+            out.append(DataSlot(ref, lookahead if lookahead >= 0 else 0))
+        else:
+            raise TypeError(
+                f"Task {task_name!r}: {field} entries must be slot names or DataSlot, got {ref!r}"
+            )
+    return _dedupe(out)
+
+
+def _normalise_names(refs: Any, field: str, task_name: str) -> tuple[str, ...]:
+    out = []
+    for ref in _as_tuple(refs, field, task_name):
+        if not isinstance(ref, str) or not ref:
+            raise TypeError(f"Task {task_name!r}: {field} entries must be task names, got {ref!r}")
+        out.append(ref)
+    return _dedupe(out)
+
+
+def _normalise_cross_iter(refs: Any, task_name: str) -> tuple[tuple[str, int], ...]:
+    out = []
+    for ref in _as_tuple(refs, "cross_iter_depends_on", task_name):
+        if isinstance(ref, str) and ref:
+            out.append((ref, -1))  # a bare name means "the previous batch"
+            continue
+        if not (isinstance(ref, tuple) and len(ref) == 2):
+            raise TypeError(
+                f"Task {task_name!r}: cross_iter_depends_on entries must be a task name "
+                f"or a (name, -N) pair, got {ref!r}"
+            )
+        producer, offset = ref
+        if not isinstance(producer, str) or not isinstance(offset, int) or isinstance(offset, bool):
+            raise TypeError(
+                f"Task {task_name!r}: cross_iter_depends_on entry {ref!r} must be (str, int)"
+            )
+        if offset >= 0:
+            raise TaskDefinitionError(
+                f"Task {task_name!r}: cross_iter_depends_on=({producer!r}, {offset}) needs a "
+                f"negative offset (-N waits for the batch N before this one). For the same "
+                f"batch use depends_on; for this progress whatever the batch use "
+                f"same_progress_sync."
+            )
+        out.append((producer, offset))
+    return _dedupe(out)
+
+
+class Task:
+    """A unit of work the engine schedules.
+
+    Author a task either by subclassing (class attributes + ``run``) or with
+    :meth:`Task.from_fn`.  ``run(ctx)`` may be a plain function or ``async def``.
+
+    Dependency fields (a producer may appear in only one of them):
+
+    * ``depends_on``: same batch -- this task on batch K waits for X on batch K.
+      Requires ``X.lookahead >= self.lookahead``.
+    * ``cross_iter_depends_on``: a different, earlier batch -- ``"X"`` or
+      ``("X", -N)`` waits for X on batch K-N.
+    * ``same_progress_sync``: X's work in this same ``progress()`` call, whatever
+      batch either task processes (a stream-coherency wait).
+    """
+
+    name: str = ""
+    stream: str = "default"
+    priority: int = 0
+    lookahead: int = 0
+    # Declared types are the normalised ones; subclasses may still assign bare names.
+    reads: tuple[DataSlot, ...] = ()
+    writes: tuple[DataSlot, ...] = ()
+    depends_on: tuple[str, ...] = ()
+    cross_iter_depends_on: tuple[tuple[str, int], ...] = ()
+    same_progress_sync: tuple[str, ...] = ()
+    nccl: bool = False
+    nvtx_tag: str | None = None
+
+    _FIELDS: ClassVar[tuple[str, ...]] = (
+        "stream", "priority", "lookahead", "reads", "writes", "depends_on",
+        "cross_iter_depends_on", "same_progress_sync", "nccl", "nvtx_tag",
+    )  # fmt: skip
+
+    def __init__(self, name: str | None = None, **fields: Any) -> None:
+        unknown = set(fields) - set(self._FIELDS)
+        if unknown:
+            raise TypeError(f"Task got unknown field(s) {sorted(unknown)}")
+        if name is not None:
+            self.name = name
+        if not isinstance(self.name, str) or not self.name:
+            raise TaskDefinitionError(
+                "Task.name must be a non-empty string (pass it or set it as a class attribute)"
+            )
+        for key, value in fields.items():
+            if value is not None:
+                setattr(self, key, value)
+        self._normalise()
+
+    def _normalise(self) -> None:
+        name = self.name
+        if not isinstance(self.stream, str) or not self.stream:
+            raise TypeError(f"Task {name!r}: stream must be a non-empty string")
+        for field in ("lookahead", "priority"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"Task {name!r}: {field} must be an int, got {value!r}")
+        if self.nvtx_tag is not None and not isinstance(self.nvtx_tag, str):
+            raise TypeError(f"Task {name!r}: nvtx_tag must be a string or None")
+        self.nccl = bool(self.nccl)
+        self.reads = _normalise_slots(self.reads, "reads", name, self.lookahead)
+        self.writes = _normalise_slots(self.writes, "writes", name, self.lookahead)
+        self.depends_on = _normalise_names(self.depends_on, "depends_on", name)
+        self.same_progress_sync = _normalise_names(
+            self.same_progress_sync, "same_progress_sync", name
+        )
+        self.cross_iter_depends_on = _normalise_cross_iter(self.cross_iter_depends_on, name)
+        self._check_fields_disjoint()
+
+    def _check_fields_disjoint(self) -> None:
+        fields = {
+            "depends_on": set(self.depends_on),
+            "cross_iter_depends_on": {producer for producer, _ in self.cross_iter_depends_on},
+            "same_progress_sync": set(self.same_progress_sync),
+        }
+        names = list(fields)
+        for i, first in enumerate(names):
+            for second in names[i + 1 :]:
+                both = fields[first] & fields[second]
+                if both:
+                    raise TaskDefinitionError(
+                        f"Task {self.name!r} names {sorted(both)} in both {first} and "
+                        f"{second}; each producer takes exactly one kind of dependency."
+                    )
+
+    # -- behaviour -------------------------------------------------------------------
+
+    def run(self, ctx: TaskContext) -> None | Awaitable[None]:
+        """Do the work for the batch ``ctx.slots`` belongs to. Override this."""
+        raise NotImplementedError(f"Task {self.name!r} does not implement run(ctx)")
+
+    def init(self, ctx: TaskContext) -> None | Awaitable[None]:
+        """Called once, before the first iteration of the pipeline. Optional."""
+        return None
+
+    @property
+    def is_async(self) -> bool:
+        """Whether ``run`` is a coroutine function (runs on the event loop)."""
+        return inspect.iscoroutinefunction(self.run)
+
+    @classmethod
+    def from_fn(
+        cls,
+        name: str,
+        fn: TaskBody,
+        *,
+        stream: str = "default",
+        lookahead: int = 0,
+        reads: Iterable[SlotRef] = (),
+        writes: Iterable[SlotRef] = (),
+        depends_on: Iterable[str] = (),
+        cross_iter_depends_on: Iterable[CrossIterRef] = (),
+        same_progress_sync: Iterable[str] = (),
+        nccl: bool = False,
+        nvtx_tag: str | None = None,
+        priority: int = 0,
+        init: TaskBody | None = None,
+    ) -> Task:
+        """Build a task whose ``run(ctx)`` is ``fn(ctx)`` (plain or ``async def``)."""
+        if not callable(fn):
+            raise TypeError(f"Task {name!r}: fn must be callable, got {fn!r}")
+        return _FunctionTask(
+            name,
+            fn,
+            init,
+            stream=stream,
+            lookahead=lookahead,
+            reads=reads,
+            writes=writes,
+            depends_on=depends_on,
+            cross_iter_depends_on=cross_iter_depends_on,
+            same_progress_sync=same_progress_sync,
+            nccl=nccl,
+            nvtx_tag=nvtx_tag,
+            priority=priority,
+        )
+
+    def __repr__(self) -> str:
+        extra = f", stream={self.stream!r}" if self.stream != "default" else ""
+        return f"<Task {self.name!r} lookahead={self.lookahead}{extra}>"
+
+
+class _FunctionTask(Task):
+    """A task wrapping a function; built by :meth:`Task.from_fn`."""
+
+    def __init__(self, name: str, fn: TaskBody, init: TaskBody | None, **fields: Any) -> None:
+        self._fn = fn
+        self._init_fn = init
+        super().__init__(name, **fields)
+
+    def run(self, ctx: TaskContext) -> None | Awaitable[None]:
+        return self._fn(ctx)
+
+    def init(self, ctx: TaskContext) -> None | Awaitable[None]:
+        return self._init_fn(ctx) if self._init_fn is not None else None
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self._fn)

@@ -1,0 +1,49 @@
+"""Shared helpers for the benchmark scripts: timing pipelines and printing results."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiopipe import SchedulablePipeline
+
+
+async def time_progress(pipe: SchedulablePipeline, iterations: int, warmup: int = 20) -> float:
+    """Seconds per ``progress()`` in steady state."""
+    source = iter(range(iterations + warmup + pipe.plan.max_lookahead + 1))
+    for _ in range(warmup):
+        await pipe.progress(source)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        await pipe.progress(source)
+    return (time.perf_counter() - start) / iterations
+
+
+def run_on(loop_factory: Callable[[], asyncio.AbstractEventLoop], coro: Any) -> Any:
+    loop = loop_factory()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def best_of(repeats: int, measure: Callable[[], float]) -> float:
+    """The median of ``repeats`` measurements (machines are noisy)."""
+    return statistics.median(measure() for _ in range(repeats))
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    print(f"\n{title}")
+    print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+
+
+def print_json(name: str, payload: dict[str, Any]) -> None:
+    print("JSON " + json.dumps({"benchmark": name, **payload}, sort_keys=True))

@@ -1,0 +1,76 @@
+"""Engine overhead per task on a 14-task HSTU-shaped schedule of no-op bodies.
+
+Side by side in one run: AsyncExecutor with io/compute lanes, AsyncExecutor with
+every task on the "loop" lane (asyncio and uvloop), SequentialExecutor, and the
+specification's threaded design (ThreadPoolExecutor + threading.Event per task +
+Condition ticket lock) as a plug-in baseline.
+
+    ./dev bench engine_overhead [--iterations 3000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import uvloop  # noqa: E402
+from _common import best_of, print_json, print_table, run_on, time_progress  # noqa: E402
+from hstu_shape import IO_COMPUTE_THREAD_MAP, HSTU_TASKS, hstu_schedule  # noqa: E402
+from threaded_baseline import ThreadedExecutor  # noqa: E402
+
+from aiopipe import AsyncExecutor, SchedulablePipeline  # noqa: E402
+
+
+def noop(ctx: object) -> None:
+    return None
+
+
+CONFIGS = {
+    "threaded baseline (io/compute)": lambda: ThreadedExecutor(IO_COMPUTE_THREAD_MAP),
+    "async io/compute lanes": lambda: AsyncExecutor(IO_COMPUTE_THREAD_MAP),
+    "async all on 'loop'": lambda: AsyncExecutor(lambda task: "loop"),
+    "sequential": lambda: "sequential",
+}
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def measure(config: str, loop: str, iterations: int) -> float:
+    pipe = SchedulablePipeline(hstu_schedule(lambda name: noop), executor=CONFIGS[config]())
+    try:
+        return run_on(LOOPS[loop], time_progress(pipe, iterations))
+    finally:
+        pipe.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    tasks = len(HSTU_TASKS)
+    results: dict[str, dict[str, float]] = {}
+    for loop in LOOPS:
+        for config in CONFIGS:
+            seconds = best_of(args.repeats, lambda: measure(config, loop, args.iterations))
+            results.setdefault(config, {})[loop] = seconds * 1e6 / tasks
+    baseline = results["threaded baseline (io/compute)"]
+    rows = [
+        [config, f"{per['asyncio']:.2f}", f"{per['uvloop']:.2f}",
+         f"{per['asyncio'] / baseline['asyncio']:.2f}", f"{per['uvloop'] / baseline['uvloop']:.2f}"]
+        for config, per in results.items()
+    ]  # fmt: skip
+    print_table(
+        f"engine overhead, {tasks} no-op tasks, median of {args.repeats} x {args.iterations} "
+        f"progresses (us per task)",
+        ["executor", "asyncio", "uvloop", "x baseline (asyncio)", "x baseline (uvloop)"],
+        rows,
+    )
+    print_json("engine_overhead", {"us_per_task": results, "tasks": tasks})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Shared fixtures and helpers.
+
+Every async test runs twice, on plain asyncio and on uvloop (the loop aiopipe's own
+entry points prefer), unless marked ``one_loop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+import uvloop
+
+from aiopipe import SchedulablePipeline, Task, TaskContext
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    if item.get_closest_marker("one_loop"):
+        return {"asyncio": asyncio.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "one_loop: run an async test on plain asyncio only")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterable[None]:
+    """Every test must leave no aiopipe thread behind."""
+    yield
+    leaked = [t.name for t in threading.enumerate() if t.name.startswith("aiopipe-lane")]
+    assert not leaked, f"lane threads still alive after the test: {leaked}"
+
+
+class Recorder:
+    """Task bodies that log (task, batch, thread) and pass values through slots."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int, str]] = []
+        self.lock = threading.Lock()
+
+    def body(
+        self, name: str, reads: Iterable[str] = (), writes: Iterable[str] = (), is_async: bool = False
+    ) -> Callable[[TaskContext], Any]:
+        reads, writes = tuple(reads), tuple(writes)
+
+        def work(ctx: TaskContext) -> None:
+            batch = ctx.batch_index
+            for slot in reads:
+                value = ctx.slots[slot]
+                if slot == "batch_cpu":
+                    assert value == batch, (name, slot, value, batch)
+                else:
+                    assert value[1] == batch, f"{name} read {slot}={value} for batch {batch}"
+            for slot in writes:
+                ctx.slots.set(slot, (name, batch) if slot != "step_result" else f"result-{batch}")
+            with self.lock:
+                self.log.append((name, batch, threading.current_thread().name))
+
+        if not is_async:
+            return work
+
+        async def async_work(ctx: TaskContext) -> None:
+            await asyncio.sleep(0)
+            work(ctx)
+
+        return async_work
+
+    def task(self, name: str, *, is_async: bool = False, **fields: Any) -> Task:
+        reads = tuple(r for r in fields.get("reads", ()) if isinstance(r, str))
+        writes = tuple(w for w in fields.get("writes", ()) if isinstance(w, str))
+        return Task.from_fn(name, self.body(name, reads, writes, is_async), **fields)
+
+    def batches_of(self, name: str) -> list[int]:
+        return [batch for task, batch, _ in self.log if task == name]
+
+    def threads_of(self, name: str) -> set[str]:
+        return {thread for task, _, thread in self.log if task == name}
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+async def collect(pipe: SchedulablePipeline, source: Any) -> list[Any]:
+    """Every result of ``source``, until StopAsyncIteration."""
+    results = []
+    while True:
+        try:
+            results.append(await pipe.progress(source))
+        except StopAsyncIteration:
+            return results

@@ -1,0 +1,124 @@
+"""The blocking form for ordinary scripts, and aiopipe.run."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import aiopipe
+from aiopipe import Pipeline, PipelineStateError, Task
+
+
+def echo_pipeline(executor: str = "async") -> Pipeline:
+    tasks = [
+        Task.from_fn("load", lambda ctx: ctx.slots.set("x", ctx.slots["batch_cpu"] * 2),
+                     lookahead=1, stream="memcpy", writes=("x",)),
+        Task.from_fn("step", lambda ctx: ctx.slots.set("step_result", ctx.slots["x"]),
+                     reads=("x",), writes=("step_result",)),
+    ]  # fmt: skip
+    return Pipeline(tasks, executor=executor)
+
+
+@pytest.mark.parametrize("executor", ["sequential", "async"])
+def test_blocking_progress_raises_stop_iteration_like_torchrec(executor: str) -> None:
+    with echo_pipeline(executor).blocking() as pipe:
+        source = iter(range(4))
+        results = []
+        while True:
+            try:
+                results.append(pipe.progress(source))
+            except StopIteration:
+                break
+        assert results == [0, 2, 4, 6]
+        with pytest.raises(StopIteration):
+            pipe.progress(source)
+
+
+def test_blocking_results_and_drain() -> None:
+    with echo_pipeline().blocking() as pipe:
+        assert list(pipe.results(iter(range(3)))) == [0, 2, 4]
+        source = iter(range(5))
+        assert pipe.progress(source) == 0
+        assert pipe.drain() == [2]
+        assert list(pipe.results(source)) == [4, 6, 8]
+
+
+async def test_blocking_refuses_inside_a_running_loop() -> None:
+    pipe = echo_pipeline().blocking()
+    with pytest.raises(PipelineStateError, match="await pipe.progress"):
+        pipe.progress(iter(range(3)))
+    pipe.pipeline.shutdown()
+
+
+def test_blocking_shutdown_is_idempotent() -> None:
+    pipe = echo_pipeline().blocking()
+    assert pipe.progress(iter(range(2))) == 0
+    pipe.shutdown()
+    pipe.shutdown()
+    with pytest.raises(PipelineStateError):
+        pipe.progress(iter(range(2)))
+
+
+def test_run_uses_uvloop_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def loop_type() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert aiopipe.run(loop_type()).startswith("uvloop")
+    monkeypatch.setenv("AIOPIPE_UVLOOP", "0")
+    assert aiopipe.run(loop_type()).startswith("asyncio")
+
+
+async def test_run_refuses_inside_a_running_loop() -> None:
+    async def nothing() -> None:
+        return None
+
+    with pytest.raises(PipelineStateError):
+        aiopipe.run(nothing())
+
+
+CTRL_C_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, threading, time
+    from aiopipe import Pipeline, PipelineStateError, Task
+
+    def slow(ctx):
+        if ctx.batch_index == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+
+    tasks = [Task.from_fn("load", slow, lookahead=1, stream="memcpy"),
+             Task.from_fn("step", slow)]
+    pipe = Pipeline(tasks, executor="async").blocking()
+    source = iter(range(100))
+    try:
+        while True:
+            pipe.progress(source)
+    except KeyboardInterrupt:
+        print("interrupted")
+    try:
+        pipe.progress(source)
+    except PipelineStateError as exc:
+        print("refused:", "reset()" in str(exc))
+    pipe.pipeline.reset()
+    print("after reset:", pipe.progress(iter(range(3))))
+    pipe.shutdown()
+    print("lanes left:", [t.name for t in threading.enumerate() if t.name.startswith("aiopipe")])
+    """
+)
+
+
+def test_ctrl_c_interrupts_cleanly_then_refuses_until_reset() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", CTRL_C_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:4] == [
+        "interrupted",
+        "refused: True",
+        "after reset: None",
+        "lanes left: []",
+    ]

@@ -1,0 +1,45 @@
+"""The public surface: every public module declares __all__ and it is truthful."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+
+import aiopipe
+
+SPEC_NAMES = {
+    "Task", "DataSlot", "Schedule", "Stage", "StreamPool", "TaskContext", "SchedulablePipeline",
+    "Pipeline", "SequentialExecutor", "ScheduleValidationError", "topological_sort",
+    "infer_cross_stream_event_deps", "AsyncExecutor",
+}  # fmt: skip
+
+
+def public_modules() -> list[str]:
+    names = ["aiopipe"]
+    for info in pkgutil.walk_packages(aiopipe.__path__, "aiopipe."):
+        if not any(part.startswith("_") for part in info.name.split(".")):
+            names.append(info.name)
+    return names
+
+
+def test_the_specified_names_are_exported() -> None:
+    assert SPEC_NAMES <= set(aiopipe.__all__)
+
+
+@pytest.mark.parametrize("module_name", public_modules())
+def test_all_is_declared_and_truthful(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    exported = getattr(module, "__all__", None)
+    assert exported is not None, f"{module_name} has no __all__"
+    assert isinstance(exported, tuple), f"{module_name}.__all__ should be a tuple"
+    missing = [name for name in exported if not hasattr(module, name)]
+    assert not missing, f"{module_name}.__all__ names undefined {missing}"
+    assert len(set(exported)) == len(exported)
+
+
+def test_one_root_exception() -> None:
+    errors = [getattr(aiopipe, name) for name in aiopipe.__all__ if name.endswith("Error")]
+    for error in errors:
+        assert issubclass(error, aiopipe.PipelineError), error
