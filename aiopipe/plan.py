@@ -45,7 +45,11 @@ class ExecutionPlan:
         self.index = index
         self.max_lookahead = schedule.max_lookahead
         self.lookahead = tuple(task.lookahead for task in self.order)
+        #: ``iteration - lag`` is the batch a task processes (see mask.py).
+        self.lag = tuple(self.max_lookahead - la for la in self.lookahead)
         self.stream = tuple(task.stream for task in self.order)
+        #: Whether a task's stream is a real stream to make current (not a null one).
+        self.on_device = tuple(stream_pool.get(s) is not None for s in self.stream)
         self.is_async = tuple(task.is_async for task in self.order)
         self.nccl = tuple(task.nccl for task in self.order)
         stage_of = {t.name: s for s, stage in enumerate(schedule.stages) for t in stage.tasks}

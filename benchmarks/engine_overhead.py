@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import uvloop  # noqa: E402
-from _common import best_of, print_json, print_table, run_on, time_progress  # noqa: E402
+from _common import print_json, print_table, run_on, time_progress  # noqa: E402
 from hstu_shape import IO_COMPUTE_THREAD_MAP, HSTU_TASKS, hstu_schedule  # noqa: E402
 from threaded_baseline import ThreadedExecutor  # noqa: E402
 
@@ -52,11 +53,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     tasks = len(HSTU_TASKS)
+    samples: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.repeats):  # interleaved, so drifts in machine speed hit all alike
+        for loop in LOOPS:
+            for config in CONFIGS:
+                samples.setdefault((config, loop), []).append(measure(config, loop, args.iterations))
     results: dict[str, dict[str, float]] = {}
-    for loop in LOOPS:
-        for config in CONFIGS:
-            seconds = best_of(args.repeats, lambda: measure(config, loop, args.iterations))
-            results.setdefault(config, {})[loop] = seconds * 1e6 / tasks
+    for (config, loop), seconds in samples.items():
+        results.setdefault(config, {})[loop] = statistics.median(seconds) * 1e6 / tasks
     baseline = results["threaded baseline (io/compute)"]
     rows = [
         [config, f"{per['asyncio']:.2f}", f"{per['uvloop']:.2f}",

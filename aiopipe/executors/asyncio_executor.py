@@ -87,9 +87,18 @@ class _Run:
     def thread_chain_finished(self) -> None:
         with self.lock:
             self.outstanding -= 1
-            last = self.outstanding == 0
-        if last and self.threads_done is not None:
-            self.waker.resolve(self.threads_done)
+            future = self.threads_done if self.outstanding == 0 else None
+        if future is not None:
+            self.waker.resolve(future)
+
+    def renew_threads_done(self) -> asyncio.Future[None] | None:
+        """A fresh future for the lanes still running (cancelling the task that
+        awaited ``threads_done`` cancelled that future too); ``None`` if none run."""
+        with self.lock:
+            if self.outstanding == 0:
+                return None
+            self.threads_done = self.waker.loop.create_future()
+            return self.threads_done
 
     def finish_task(self, index: int) -> None:
         ticket = self.layout.tickets.get(index)
@@ -224,8 +233,9 @@ class AsyncExecutor:
             run.fail(exc)
             for task in run.async_tasks:
                 task.cancel()
-            if run.threads_done is not None and not run.threads_done.done():
-                await asyncio.shield(run.threads_done)  # running bodies finish first
+            still_running = run.renew_threads_done()
+            if still_running is not None:
+                await asyncio.shield(still_running)  # running bodies finish first
             raise
         if run.error is not None:
             raise run.error

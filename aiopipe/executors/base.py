@@ -81,14 +81,13 @@ class Step:
         self._annotator = annotator
 
     def batch_index(self, index: int) -> int:
-        return self.iteration - (self.plan.max_lookahead - self.plan.lookahead[index])
+        return self.iteration - self.plan.lag[index]
 
     def _enter(self, index: int, run_on_lane: LaneRunner | None) -> Any:
-        plan = self.plan
         self.started = True
         running = Running(
-            plan.order[index],
-            self._ring.at(plan.lookahead[index]),
+            self.plan.order[index],
+            self._ring.at(self.plan.lookahead[index]),
             self.iteration,
             self.batch_index(index),
             run_on_lane,
@@ -108,27 +107,45 @@ class Step:
                     pool.wait_event(stream, event)
 
     def _record(self, index: int) -> None:
-        if self.plan.records_event[index]:
-            plan = self.plan
-            event = plan.stream_pool.record_event(plan.stream[index])
-            self._ring.at(plan.lookahead[index]).record_event(plan.order[index].name, event)
+        plan = self.plan
+        event = plan.stream_pool.record_event(plan.stream[index])
+        self._ring.at(plan.lookahead[index]).record_event(plan.order[index].name, event)
 
     def _fail(self, index: int, exc: BaseException) -> None:
         annotate_failure(exc, self.plan.order[index].name, self.iteration, self.batch_index(index))
 
     def invoke(self, index: int, run_on_lane: LaneRunner | None = None) -> None:
         """Run the synchronous body of task ``index`` on the calling thread."""
+        # The hot path of every executor: kept flat, with stream and event work
+        # skipped entirely where the plan says there is none.
         plan = self.plan
         task = plan.order[index]
-        token = self._enter(index, run_on_lane)
+        self.started = True
+        token = CURRENT.set(
+            Running(
+                task,
+                self._ring.at(plan.lookahead[index]),
+                self.iteration,
+                self.iteration - plan.lag[index],
+                run_on_lane,
+            )
+        )
         try:
-            self._wait_events(index)
-            with plan.stream_pool.use(plan.stream[index]):
-                if self._annotator is None:
-                    result = task.run(self._ctx)
-                else:
-                    with self._annotator.push_pop(task.nvtx_tag or task.name):
+            if plan.waits[index]:
+                self._wait_events(index)
+            annotator = self._annotator
+            if plan.on_device[index]:
+                with plan.stream_pool.use(plan.stream[index]):
+                    if annotator is None:
                         result = task.run(self._ctx)
+                    else:
+                        with annotator.push_pop(task.nvtx_tag or task.name):
+                            result = task.run(self._ctx)
+            elif annotator is None:
+                result = task.run(self._ctx)
+            else:
+                with annotator.push_pop(task.nvtx_tag or task.name):
+                    result = task.run(self._ctx)
             if result is not None and inspect.isawaitable(result):
                 if inspect.iscoroutine(result):
                     result.close()
@@ -136,7 +153,8 @@ class Step:
                     f"task {task.name!r} returned an awaitable from a synchronous body; "
                     f"declare run/fn with 'async def' so it runs on the event loop"
                 )
-            self._record(index)
+            if plan.records_event[index]:
+                self._record(index)
         except BaseException as exc:
             self._fail(index, exc)
             raise
@@ -159,7 +177,8 @@ class Step:
         try:
             self._wait_events(index)
             await task.run(self._ctx)  # type: ignore[misc]
-            self._record(index)
+            if plan.records_event[index]:
+                self._record(index)
         except BaseException as exc:
             self._fail(index, exc)
             raise

@@ -1,0 +1,178 @@
+"""Failures and cancellation: the original error, no hang, no leak, a clear state after."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from conftest import collect
+
+from aiopipe import AsyncExecutor, Pipeline, PipelineStateError, Task, TaskContext
+
+BATCHES = 6
+MAX_LA = 2
+
+
+class Boom(Exception):
+    pass
+
+
+def build(fail_task: str | None, fail_iteration: int, executor: str, log: list[tuple[str, int]]) -> Pipeline:
+    lock = threading.Lock()
+    armed = [True]  # fail once only, so the pipeline can be reused after reset()
+
+    def body(ctx: TaskContext) -> None:
+        with lock:
+            log.append((ctx.task.name, ctx.iter_count))
+        if armed[0] and ctx.task.name == fail_task and ctx.iter_count == fail_iteration:
+            armed[0] = False
+            raise Boom(f"{fail_task}@{fail_iteration}")
+
+    async def async_body(ctx: TaskContext) -> None:
+        await asyncio.sleep(0)
+        body(ctx)
+
+    tasks = [
+        Task.from_fn("h2d", body, lookahead=2, stream="memcpy", writes=("gpu",)),
+        Task.from_fn("shuffle", body, lookahead=2, stream="memcpy", nccl=True, reads=("gpu",)),
+        Task.from_fn("input_dist", body, lookahead=1, stream="data_dist", nccl=True, reads=("gpu",)),
+        Task.from_fn("forward", async_body, reads=("gpu",), writes=("loss",)),
+        Task.from_fn("backward", body, reads=("loss",), nccl=True),
+        Task.from_fn("optimizer", body, depends_on=("backward",)),
+        Task.from_fn("metrics", body, same_progress_sync=("optimizer",)),
+    ]
+    if executor == "sequential":
+        return Pipeline(tasks)
+    thread_map = {"h2d": "io", "shuffle": "io", "input_dist": "compute", "forward": "compute",
+                  "backward": "compute", "optimizer": "compute", "metrics": "loop"}  # fmt: skip
+    return Pipeline(tasks, executor=AsyncExecutor(thread_map))
+
+
+LOOKAHEAD = {"h2d": 2, "shuffle": 2, "input_dist": 1, "forward": 0, "backward": 0,
+             "optimizer": 0, "metrics": 0}  # fmt: skip
+PHASES = {"prefill": 1, "steady": 3, "drain": BATCHES + 1}
+
+
+def cases() -> list[tuple[str, str, str]]:
+    out = []
+    for executor in ("sequential", "async"):
+        for task, la in LOOKAHEAD.items():
+            for phase, iteration in PHASES.items():
+                batch = iteration - (MAX_LA - la)
+                if 0 <= batch < BATCHES:  # the task fires in that iteration
+                    out.append((executor, task, phase))
+    return out
+
+
+@pytest.mark.parametrize(("executor", "task", "phase"), cases())
+async def test_failure_raises_the_original_error_and_refuses_until_reset(
+    executor: str, task: str, phase: str
+) -> None:
+    iteration = PHASES[phase]
+    log: list[tuple[str, int]] = []
+    pipe = build(task, iteration, executor, log)
+    try:
+        source = iter(range(BATCHES))
+        with pytest.raises(Boom, match=f"{task}@{iteration}") as info:
+            await asyncio.wait_for(collect(pipe, source), timeout=20)
+        assert info.value.aiopipe_task == task  # type: ignore[attr-defined]
+        assert info.value.aiopipe_iteration == iteration  # type: ignore[attr-defined]
+        assert any(task in note for note in info.value.__notes__)
+        # nothing ran after the failing iteration; the failing task ran once there
+        assert max(it for _, it in log) == iteration
+        assert log.count((task, iteration)) == 1
+        # the pipeline says why it will not go on, until reset
+        with pytest.raises(PipelineStateError, match="reset"):
+            await pipe.progress(source)
+        pipe.reset()
+        log.clear()
+        clean = build(None, -1, executor, log)
+        assert len(await collect(clean, iter(range(3)))) == 3
+        clean.shutdown()
+        assert len(await collect(pipe, iter(range(2)))) == 2  # the broken one is reusable too
+    finally:
+        pipe.shutdown()
+
+
+async def test_a_failure_skips_later_tasks_of_the_same_lane_and_aborts_tickets() -> None:
+    log: list[tuple[str, int]] = []
+    pipe = build("input_dist", 3, "async", log)
+    with pytest.raises(Boom):
+        await collect(pipe, iter(range(BATCHES)))
+    ran_at_3 = {name for name, it in log if it == 3}
+    # forward/backward/optimizer follow input_dist on the compute lane: never started;
+    # metrics (loop lane) waits on optimizer: released, sees the failure, never starts.
+    assert ran_at_3.isdisjoint({"forward", "backward", "optimizer", "metrics"})
+    pipe.shutdown()
+
+
+async def test_a_failure_before_any_task_ran_does_not_break_the_pipeline() -> None:
+    def batches():  # type: ignore[no-untyped-def]
+        yield 0
+        raise OSError("disk gone")
+
+    pipe = build(None, -1, "async", [])
+    source = batches()
+    with pytest.raises(OSError, match="disk gone"):
+        await collect(pipe, source)
+    assert pipe.statistics().broken is None
+    pipe.shutdown()
+
+
+@pytest.mark.parametrize("where", ["lane", "loop"])
+async def test_timeout_cancels_cleanly_after_running_bodies_finish(where: str) -> None:
+    release = threading.Event()
+    finished = threading.Event()
+    armed = [True]  # only the first source's batch 1 is slow
+
+    def slow(ctx: TaskContext) -> None:
+        if ctx.batch_index == 1 and armed[0]:
+            armed[0] = False
+            release.wait(10)
+            finished.set()
+
+    async def slow_async(ctx: TaskContext) -> None:
+        if ctx.batch_index == 1 and armed[0]:
+            armed[0] = False
+            await asyncio.sleep(10)
+
+    body = slow if where == "lane" else slow_async
+    tasks = [Task.from_fn("slow", body, stream="a"), Task.from_fn("other", lambda ctx: None, lookahead=1)]
+    pipe = Pipeline(tasks, thread_map={"slow": "worker", "other": "loop"})
+    source = iter(range(10))
+    await pipe.progress(source)
+    threading.Timer(0.3, release.set).start()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(pipe.progress(source), timeout=0.05)
+    if where == "lane":  # the lane body is never abandoned mid-way
+        assert finished.is_set() and time.monotonic() - started >= 0.25
+    else:  # a coroutine body is cancelled at once
+        assert time.monotonic() - started < 5
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    with pytest.raises(PipelineStateError, match="CancelledError"):
+        await pipe.progress(source)
+    pipe.reset()
+    assert len(await collect(pipe, iter(range(3)))) == 3
+    pipe.shutdown()
+    release.set()
+
+
+async def test_cancelling_while_waiting_for_a_ticket() -> None:
+    gate = threading.Event()
+
+    def hold(ctx: TaskContext) -> None:
+        gate.wait(10)
+
+    tasks = [
+        Task.from_fn("first", hold, nccl=True, stream="a"),
+        Task.from_fn("second", lambda ctx: None, nccl=True, stream="b"),
+    ]
+    pipe = Pipeline(tasks, thread_map={"first": "one", "second": "loop"})
+    threading.Timer(0.2, gate.set).start()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(pipe.progress(iter(range(3))), timeout=0.05)
+    assert pipe.executor.statistics().tickets.waiting == ()  # type: ignore[attr-defined]
+    pipe.shutdown()

@@ -1,0 +1,159 @@
+"""AsyncExecutor placement: lanes, the loop lane, async bodies, parallelism, hand-offs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from conftest import Recorder, collect
+
+from aiopipe import AsyncExecutor, Pipeline, Task, TaskContext
+from aiopipe.executors.lanes import resolve_lane
+
+
+def noop(ctx: object) -> None:
+    return None
+
+
+def test_resolve_lane_for_every_thread_map_form() -> None:
+    task = Task.from_fn("h2d", noop, stream="memcpy")
+    assert resolve_lane(task, None) == "memcpy"
+    assert resolve_lane(task, "by_stream") == "memcpy"
+    assert resolve_lane(task, "per_task") == "h2d"
+    assert resolve_lane(task, {"h2d": "io"}) == "io"
+    assert resolve_lane(task, {"other": "io"}) == "default"
+    assert resolve_lane(task, lambda t: t.stream.upper()) == "MEMCPY"
+    with pytest.raises(ValueError, match="unknown thread_map"):
+        resolve_lane(task, "by_thread")
+    with pytest.raises(TypeError, match="lanes are names"):
+        resolve_lane(task, lambda t: 3)  # type: ignore[arg-type,return-value]
+
+
+async def test_bodies_run_where_their_lane_says(recorder: Recorder) -> None:
+    tasks = [
+        recorder.task("io_task", lookahead=1, stream="memcpy"),
+        recorder.task("compute_task"),
+        recorder.task("inline_task"),
+        recorder.task("async_task", is_async=True),
+    ]
+    thread_map = {"io_task": "io", "compute_task": "compute", "inline_task": "loop",
+                  "async_task": "compute"}  # fmt: skip
+    async with Pipeline(tasks, thread_map=thread_map) as pipe:
+        await collect(pipe, iter(range(3)))
+    loop_thread = threading.current_thread().name
+    assert recorder.threads_of("io_task") == {"aiopipe-lane-io"}
+    assert recorder.threads_of("compute_task") == {"aiopipe-lane-compute"}
+    assert recorder.threads_of("inline_task") == {loop_thread}
+    assert recorder.threads_of("async_task") == {loop_thread}  # coroutines run on the loop
+
+
+async def test_lanes_really_run_in_parallel() -> None:
+    barrier = threading.Barrier(2, timeout=10)
+
+    def meet(ctx: TaskContext) -> None:
+        barrier.wait()  # would time out if the two lanes were serialised
+
+    tasks = [Task.from_fn("left", meet, stream="a"), Task.from_fn("right", meet, stream="b")]
+    async with Pipeline(tasks, executor="async") as pipe:
+        await collect(pipe, iter(range(5)))
+
+
+async def test_run_on_lane_reaches_the_tasks_lane_thread() -> None:
+    seen: list[str] = []
+
+    async def body(ctx: TaskContext) -> None:
+        name = await ctx.run_on_lane(lambda: threading.current_thread().name)
+        again = await ctx.run_on_lane(threading.current_thread)
+        seen.append(name)
+        seen.append(again.name)
+
+    tasks = [Task.from_fn("a", body, stream="memcpy"), Task.from_fn("b", body)]
+    async with Pipeline(tasks, thread_map={"a": "io", "b": "loop"}) as pipe:
+        await collect(pipe, iter(range(2)))
+    loop_thread = threading.current_thread().name
+    assert seen.count("aiopipe-lane-io") == 4
+    assert seen.count(loop_thread) == 4
+
+
+async def test_run_on_lane_propagates_errors() -> None:
+    async def body(ctx: TaskContext) -> None:
+        await ctx.run_on_lane(lambda: 1 / 0)
+
+    async with Pipeline([Task.from_fn("a", body)], executor="async") as pipe:
+        with pytest.raises(ZeroDivisionError):
+            await pipe.progress(iter(range(1)))
+
+
+@pytest.mark.one_loop
+async def test_same_lane_work_does_not_bounce_through_the_loop() -> None:
+    """Ten tasks on one lane: one hand-off to the lane and one wake of the loop per
+    progress, not one per task."""
+    tasks = [Task.from_fn(f"t{i}", noop, lookahead=i % 2) for i in range(10)]
+    loop = asyncio.get_running_loop()
+    calls = 0
+    original = loop.call_soon_threadsafe
+
+    def counting(*args: object, **kwargs: object) -> object:
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        async with Pipeline(tasks, thread_map=lambda t: "single") as pipe:
+            source = iter(range(50))
+            await pipe.progress(source)  # prefill
+            calls = 0
+            for _ in range(20):
+                await pipe.progress(source)
+    finally:
+        del loop.call_soon_threadsafe
+    assert calls == 20
+
+
+async def test_cross_lane_edges_are_honoured(recorder: Recorder) -> None:
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def body(name: str):  # type: ignore[no-untyped-def]
+        def run(ctx: TaskContext) -> None:
+            with lock:
+                order.append(name)
+
+        return run
+
+    tasks = [
+        Task.from_fn("c", body("c"), depends_on=("b",)),
+        Task.from_fn("b", body("b"), same_progress_sync=("a",), stream="s2"),
+        Task.from_fn("a", body("a"), stream="s1"),
+    ]
+    async with Pipeline(tasks, thread_map="per_task") as pipe:
+        await collect(pipe, iter(range(20)))
+    assert order == ["a", "b", "c"] * 20
+
+
+def test_too_many_lanes_is_refused() -> None:
+    tasks = [Task.from_fn(f"t{i}", noop) for i in range(5)]
+    with pytest.raises(ValueError, match="max_lanes=3"):
+        Pipeline(tasks, executor=AsyncExecutor("per_task", max_lanes=3))
+
+
+async def test_statistics_name_the_lanes() -> None:
+    executor = AsyncExecutor({"a": "io"})
+    tasks = [Task.from_fn("a", noop), Task.from_fn("b", noop)]
+    async with Pipeline(tasks, executor=executor) as pipe:
+        await collect(pipe, iter(range(2)))
+        stats = executor.statistics()
+        assert set(stats.lanes) == {"io", "default"}
+        assert stats.tickets.waiting == ()
+        assert executor.lane_of("b") == "default"
+
+
+async def test_shutdown_joins_every_lane() -> None:
+    tasks = [Task.from_fn(f"t{i}", noop) for i in range(4)]
+    pipe = Pipeline(tasks, thread_map="per_task")
+    await collect(pipe, iter(range(2)))
+    assert sum(t.name.startswith("aiopipe-lane") for t in threading.enumerate()) == 4
+    pipe.shutdown()
+    assert not [t for t in threading.enumerate() if t.name.startswith("aiopipe-lane")]
