@@ -37,6 +37,8 @@ from .graph import infer_cross_stream_event_deps as infer_cross_stream_event_dep
 from .graph import topological_sort as topological_sort
 from .pipeline import PipelineStatistics as PipelineStatistics
 from .pipeline import SchedulablePipeline as SchedulablePipeline
+from .presets import BasicPipeline as BasicPipeline
+from .presets import move_to_device as move_to_device
 from .ring import BatchRing as BatchRing
 from .ring import SlotStore as SlotStore
 from .runner import run as run
@@ -51,6 +53,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AsyncExecutor",
+    "BasicPipeline",
     "BatchRing",
     "BlockingPipeline",
     "CollectiveOrderError",
@@ -75,6 +78,7 @@ __all__ = (
     "copy_to_host",
     "dependency_edges",
     "infer_cross_stream_event_deps",
+    "move_to_device",
     "run",
     "topological_sort",
     "validate_schedule",

@@ -17,6 +17,7 @@ event loop is refused: use ``await pipe.progress(it)`` there.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ class BlockingPipeline:
     def __init__(self, pipeline: SchedulablePipeline) -> None:
         self._pipeline = pipeline
         self._runner = LoopRunner()
+        weakref.finalize(self, self._runner.close)  # dropped without shutdown()
 
     @property
     def pipeline(self) -> SchedulablePipeline:
@@ -46,6 +48,10 @@ class BlockingPipeline:
             return self._runner.run(self._pipeline.progress, source)
         except StopAsyncIteration:
             raise StopIteration from None
+
+    def step(self, batch: Any) -> Any:
+        """Like ``await pipeline.step(batch)``: one batch, to completion."""
+        return self._runner.run(self._pipeline.step, batch)
 
     def results(self, source: Source) -> Iterator[Any]:
         """``for result in pipe.results(it)``: every remaining result."""

@@ -30,6 +30,7 @@ from .validate import validate_schedule
 
 if TYPE_CHECKING:
     from .blocking import BlockingPipeline
+    from .presets import BasicPipeline
 
 __all__ = ("PipelineStatistics", "SchedulablePipeline")
 
@@ -129,6 +130,14 @@ class SchedulablePipeline:
         finally:
             self._busy = False
 
+    async def step(self, batch: Any) -> Any:
+        """Process one batch to completion and return its result.
+
+        Convenient for feeding batches one at a time; successive calls do not overlap
+        (nothing is known about the next batch yet).  Pass an iterator to
+        ``progress`` to keep several batches in flight."""
+        return await self.progress(iter((batch,)))
+
     async def results(self, source: Source) -> AsyncIterator[Any]:
         """``async for result in pipe.results(it)``: every remaining result."""
         while True:
@@ -191,6 +200,13 @@ class SchedulablePipeline:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+    @staticmethod
+    def basic(model: Any, optimizer: Any, **options: Any) -> BasicPipeline:
+        """The standard training-step preset; see :func:`aiopipe.presets.basic`."""
+        from .presets import basic
+
+        return basic(model, optimizer, **options)
 
     def blocking(self) -> BlockingPipeline:
         """A blocking view for ordinary scripts (``progress`` raises ``StopIteration``)."""

@@ -60,11 +60,7 @@ class LoopRunner:
 
     def run(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any) -> T:
         """Run ``fn(*args)`` to completion on this runner's loop."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
+        if _loop_running_in_this_thread():
             raise PipelineStateError(
                 "the blocking API was called from inside a running event loop; in async "
                 "code use 'await pipe.progress(...)' instead"
@@ -98,17 +94,14 @@ class LoopRunner:
         raise KeyboardInterrupt()
 
     def close(self) -> None:
+        """Cancel what is left on the loop and close it.  Safe from a finalizer: if
+        another loop runs in this thread, the loop is just closed."""
         loop, self._loop = self._loop, None
-        if loop is None or loop.is_closed():
+        if loop is None or loop.is_closed() or loop.is_running():
             return
         try:
-            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for task in pending:
-                task.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
+            if not _loop_running_in_this_thread():
+                _finish_loop(loop)
         finally:
             loop.close()
 
@@ -117,6 +110,24 @@ class LoopRunner:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _loop_running_in_this_thread() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _finish_loop(loop: asyncio.AbstractEventLoop) -> None:
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.run_until_complete(loop.shutdown_default_executor())
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

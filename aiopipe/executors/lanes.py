@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Union
 
@@ -87,6 +88,9 @@ class Lane:
             if item is _STOP:
                 return
             item()  # type: ignore[operator]
+            # Drop the reference before blocking again: a finished work item must not
+            # keep its executor (and so this lane) alive.
+            del item
 
     @property
     def ident(self) -> int | None:
@@ -110,6 +114,8 @@ class LanePool:
         self.max_lanes = max_lanes
         self._lanes: dict[str, Lane] = {}
         self._closed = False
+        # A pool dropped without shutdown() still lets its threads end.
+        weakref.finalize(self, _post_stop, self._lanes)
 
     def get(self, name: str) -> Lane:
         lane = self._lanes.get(name)
@@ -124,6 +130,12 @@ class LanePool:
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         self._closed = True
-        lanes, self._lanes = list(self._lanes.values()), {}
+        lanes = list(self._lanes.values())
+        self._lanes.clear()
         for lane in lanes:
             lane.stop(timeout)
+
+
+def _post_stop(lanes: dict[str, Lane]) -> None:
+    for lane in lanes.values():
+        lane.queue.put(_STOP)

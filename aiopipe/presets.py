@@ -1,0 +1,220 @@
+"""Presets: a plain PyTorch training loop as a pipeline, in a few lines.
+
+``basic(model, optimizer, loss_fn=...)`` builds the tasks of::
+
+    for batch in loader:
+        optimizer.zero_grad()
+        loss = loss_fn(model(batch))
+        loss.backward()
+        optimizer.step()
+
+as ``zero_grad -> forward -> backward -> optimizer_step`` (preset T1).  With
+``prefetch=True`` an ``h2d`` task moves each batch to the device one batch ahead, and
+with ``memcpy_stream=True`` it does so on its own stream and lane (preset T2), so the
+copy of batch K+1 overlaps the step of batch K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ._nvtx import Annotator
+from .context import TaskContext
+from .errors import PipelineError
+from .executors import AsyncExecutor, Executor
+from .executors.lanes import ThreadMap
+from .facade import Pipeline
+from .source import Source
+from .task import Task
+
+__all__ = ("BasicPipeline", "basic", "move_to_device")
+
+LossFn = Callable[..., Any]
+ForwardFn = Callable[[torch.nn.Module, Any], Any]
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """``batch`` with every tensor on ``device``: tensors, mappings, lists, tuples,
+    named tuples, dataclasses and objects with ``.to(device, non_blocking=...)``.
+
+    For a CUDA device and ``non_blocking=True``, CPU tensors are pinned first (unless
+    the loader already pinned them) so the copy is truly asynchronous.
+    """
+    if isinstance(batch, torch.Tensor):
+        if batch.device == device:
+            return batch
+        if non_blocking and device.type == "cuda" and batch.device.type == "cpu":
+            if not batch.is_pinned():
+                batch = batch.pin_memory()
+        return batch.to(device, non_blocking=non_blocking)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        changes = {
+            f.name: move_to_device(getattr(batch, f.name), device, non_blocking)
+            for f in dataclasses.fields(batch)
+            if f.init
+        }
+        return dataclasses.replace(batch, **changes)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: move_to_device(v, device, non_blocking) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
+        return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device, non_blocking) for v in batch)
+    to = getattr(batch, "to", None)
+    if callable(to):
+        return to(device, non_blocking=non_blocking)
+    return batch
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_detach(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detach(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _detach(v) for k, v in value.items()}
+    return value
+
+
+def _loss_arity(loss_fn: LossFn) -> int:
+    """1: ``loss_fn(output)``; 2: ``loss_fn(output, batch)``."""
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    positional = [
+        p for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]  # fmt: skip
+    if any(p.kind is p.VAR_POSITIONAL for p in params) or len(positional) >= 2:
+        return 2
+    return 1
+
+
+def _loss_tensor(value: Any) -> torch.Tensor:
+    loss = value[0] if isinstance(value, (tuple, list)) else value
+    if not isinstance(loss, torch.Tensor):
+        raise PipelineError(
+            f"loss_fn must return a tensor, or a tuple whose first item is the tensor to "
+            f"differentiate; got {type(loss).__name__}"
+        )
+    return loss
+
+
+def _copy_lane(task: Task) -> str:
+    return "io" if task.name == "h2d" else "loop"
+
+
+class BasicPipeline(Pipeline):
+    """The pipeline ``basic()`` builds.  With ``grad_accumulation=k`` the optimizer
+    steps after every k-th batch and once more after a trailing partial group, when
+    the source ends -- exactly as ``if (i + 1) % k == 0 or i == last: step()``."""
+
+    def __init__(self, *args: Any, finish: Callable[[], None] | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._finish = finish
+
+    async def progress(self, source: Source) -> Any:
+        try:
+            return await super().progress(source)
+        except StopAsyncIteration:
+            if self._finish is not None:
+                self._finish()
+            raise
+
+
+def basic(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    loss_fn: LossFn,
+    forward: ForwardFn | None = None,
+    prefetch: bool = False,
+    memcpy_stream: bool = False,
+    device: torch.device | str | None = None,
+    grad_accumulation: int = 1,
+    executor: str | Executor | None = None,
+    thread_map: ThreadMap = None,
+    nvtx: bool | Annotator | None = None,
+) -> BasicPipeline:
+    """A pipeline of the standard training step; each result is what ``loss_fn``
+    returned for that batch (tensors detached).
+
+    ``loss_fn(output)`` or ``loss_fn(output, batch)``; ``forward(model, batch)``
+    defaults to ``model(batch)``.  ``device`` defaults to the model's.  The executor
+    defaults to ``"sequential"``; with ``memcpy_stream=True`` to an
+    :class:`AsyncExecutor` that runs ``h2d`` on lane ``"io"`` and the rest on the
+    event loop; with ``thread_map`` to an :class:`AsyncExecutor` on that map.
+    """
+    if grad_accumulation < 1:
+        raise ValueError(f"grad_accumulation must be >= 1, got {grad_accumulation}")
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    call_model: ForwardFn = forward or (lambda module, batch: module(batch))
+    two_args = _loss_arity(loss_fn) == 2
+    moves = prefetch or memcpy_stream
+    pending = {"batches": 0}  # micro-batches since the last optimizer step
+
+    def h2d(ctx: TaskContext) -> None:
+        ctx.slots.set("batch_device", move_to_device(ctx.slots["batch_cpu"], device, True))
+
+    def zero_grad(ctx: TaskContext) -> None:
+        if pending["batches"] == 0:
+            optimizer.zero_grad()
+
+    def forward_task(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch_device"] if moves else move_to_device(ctx.slots["batch_cpu"], device)
+        output = call_model(model, batch)
+        ctx.slots.set("loss", loss_fn(output, batch) if two_args else loss_fn(output))
+
+    def backward(ctx: TaskContext) -> None:
+        loss = _loss_tensor(ctx.slots["loss"])
+        (loss / grad_accumulation if grad_accumulation > 1 else loss).backward()  # type: ignore[no-untyped-call]
+
+    def optimizer_step(ctx: TaskContext) -> None:
+        pending["batches"] += 1
+        if pending["batches"] == grad_accumulation:
+            optimizer.step()
+            pending["batches"] = 0
+        ctx.slots.set("step_result", _detach(ctx.slots["loss"]))
+
+    def finish() -> None:  # a trailing partial accumulation group still updates
+        if pending["batches"]:
+            optimizer.step()
+            pending["batches"] = 0
+
+    copy_stream = "memcpy" if memcpy_stream else "default"
+    tasks = [
+        Task.from_fn("zero_grad", zero_grad),
+        Task.from_fn("forward", forward_task, depends_on=("zero_grad",), writes=("loss",),
+                     reads=("batch_device",) if moves else ()),
+        Task.from_fn("backward", backward, reads=("loss",)),
+        Task.from_fn("optimizer_step", optimizer_step, depends_on=("backward",),
+                     writes=("step_result",)),
+    ]  # fmt: skip
+    if moves:
+        la = 1 if prefetch else 0
+        tasks.insert(0, Task.from_fn("h2d", h2d, lookahead=la, stream=copy_stream,
+                                     writes=("batch_device",)))  # fmt: skip
+    if executor is None and thread_map is None and memcpy_stream:
+        # Copies on their own lane; the model's work stays on the loop thread.  On CPU
+        # that matters: torch's OpenMP pool is per calling thread, and compute moved off
+        # the thread that first used it ran ~1.4x slower here (docs/performance.md).
+        executor = AsyncExecutor(_copy_lane)
+    return BasicPipeline(
+        tasks,
+        executor=executor,
+        thread_map=thread_map,
+        device=device,
+        nvtx=nvtx,
+        finish=finish if grad_accumulation > 1 else None,
+    )

@@ -1,0 +1,128 @@
+"""The basic() preset against the plain training loop it replaces.
+
+CPU (default): a model of a few milliseconds per step; the pipeline's overhead is
+the difference from the plain loop.  With ``--device cuda``: batches whose H2D copy
+is a visible share of the step, where T2 (copy one batch ahead on its own stream)
+should beat the plain loop.
+
+    ./dev bench presets [--device cpu|cuda] [--steps 200] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from _common import print_json, print_table  # noqa: E402
+
+import aiopipe  # noqa: E402
+from aiopipe import SchedulablePipeline  # noqa: E402
+
+
+def setup(device: torch.device, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+        torch.nn.ReLU(), torch.nn.Linear(width, 1),
+    ).to(device)  # fmt: skip
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def loss_fn(output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, batch[1])
+
+
+def forward(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return model(batch[0])
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain(data: list, device: torch.device, width: int) -> float:
+    model, opt = setup(device, width)
+    sync(device)
+    start = time.perf_counter()
+    for batch in data:
+        x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
+        opt.zero_grad()
+        loss = loss_fn(model(x), (x, y))
+        loss.backward()
+        opt.step()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def piped(data: list, device: torch.device, width: int, **options: object) -> float:
+    model, opt = setup(device, width)
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, **options)
+
+    async def run() -> float:
+        async with pipe:
+            sync(device)
+            start = time.perf_counter()
+            async for _ in pipe.results(iter(data)):
+                pass
+            sync(device)
+            return time.perf_counter() - start
+
+    return aiopipe.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--input-width", type=int, default=None,
+                        help="features per sample moved H2D (default: --width)")  # fmt: skip
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    pin = device.type == "cuda"
+    data = [(torch.randn(args.batch, args.width), torch.randn(args.batch, 1)) for _ in range(args.steps)]
+    if pin:
+        data = [(x.pin_memory(), y.pin_memory()) for x, y in data]
+    configs = {
+        "plain loop": lambda: plain(data, device, args.width),
+        "T1 sequential": lambda: piped(data, device, args.width),
+        "T1, compute on a lane thread": lambda: piped(data, device, args.width, executor="async"),
+        "T2 (h2d ahead on lane 'io', compute on loop)": lambda: piped(
+            data, device, args.width, prefetch=True, memcpy_stream=True
+        ),
+        "T2, compute on a lane thread": lambda: piped(
+            data, device, args.width, prefetch=True, memcpy_stream=True, thread_map="by_stream"
+        ),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    for name, run in configs.items():  # warm-up
+        run()
+    for _ in range(args.repeats):
+        for name, run in configs.items():
+            samples[name].append(run())
+    base = statistics.median(samples["plain loop"])
+    rows, payload = [], {}
+    for name, seconds in samples.items():
+        median = statistics.median(seconds)
+        rows.append([name, f"{median / args.steps * 1e3:.3f}", f"{args.steps / median:.1f}",
+                     f"{median / base:.3f}"])  # fmt: skip
+        payload[name] = {"ms_per_step": median / args.steps * 1e3, "x_plain": median / base}
+    print_table(
+        f"basic() preset vs plain loop, {device}, {args.steps} steps, median of {args.repeats}",
+        ["config", "ms / step", "steps / s", "time x plain"],
+        rows,
+    )
+    print_json("presets", {"device": str(device), "results": payload})
+
+
+if __name__ == "__main__":
+    main()

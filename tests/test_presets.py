@@ -1,0 +1,243 @@
+"""SchedulablePipeline.basic: the standard training step as a pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import gc
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from conftest import collect
+
+from aiopipe import PipelineError, SchedulablePipeline, move_to_device
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "migration"
+
+
+def make(seed: int, optimizer: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    if optimizer == "sgd":
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def batches(count: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator))
+            for _ in range(count)]  # fmt: skip
+
+
+def loss_fn(output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, batch[1])
+
+
+def forward(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return model(batch[0])
+
+
+def plain_loop(data: list, optimizer: str, accumulate: int = 1) -> tuple[list[float], list[torch.Tensor]]:
+    model, opt = make(0, optimizer)
+    losses = []
+    for i, batch in enumerate(data):
+        if i % accumulate == 0:
+            opt.zero_grad()
+        loss = loss_fn(forward(model, batch), batch)
+        (loss / accumulate if accumulate > 1 else loss).backward()
+        if (i + 1) % accumulate == 0 or i == len(data) - 1:
+            opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+PRESETS = {"T1": {}, "T2": {"prefetch": True, "memcpy_stream": True}}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("executor", ["sequential", "async"])
+async def test_parameters_equal_the_plain_loop_bit_for_bit(
+    optimizer: str, preset: str, executor: str
+) -> None:
+    data = batches(12)
+    model, opt = make(0, optimizer)
+    pipe = SchedulablePipeline.basic(
+        model, opt, loss_fn=loss_fn, forward=forward, executor=executor, **PRESETS[preset]
+    )
+    async with pipe:
+        losses = [float(loss) for loss in await collect(pipe, iter(data))]
+    expected_losses, expected_params = plain_loop(data, optimizer)
+    assert losses == expected_losses
+    for got, want in zip(model.parameters(), expected_params):
+        assert torch.equal(got, want)
+
+
+async def test_t2_moves_batches_one_ahead_on_their_own_stream_and_lane() -> None:
+    model, opt = make(0, "sgd")
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
+                                     memcpy_stream=True)  # fmt: skip
+    h2d = pipe.schedule.task("h2d")
+    assert (h2d.lookahead, h2d.stream) == (1, "memcpy")
+    assert pipe.executor.lane_of("h2d") != pipe.executor.lane_of("forward")  # type: ignore[attr-defined]
+    pipe.shutdown()
+
+
+@pytest.mark.parametrize("thread_map", ["by_stream", "per_task", {"h2d": "io"}, lambda t: "loop"])
+async def test_every_thread_map_form_works(thread_map: object) -> None:
+    data = batches(6)
+    model, opt = make(0, "adam")
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
+                                     thread_map=thread_map)  # fmt: skip
+    async with pipe:
+        losses = [float(loss) for loss in await collect(pipe, iter(data))]
+    assert losses == plain_loop(data, "adam")[0]
+
+
+@pytest.mark.parametrize("executor", ["sequential", "async"])
+async def test_gradient_accumulation_is_explicit_and_exact(executor: str) -> None:
+    data = batches(10)  # groups of 3: steps after batches 3, 6, 9 and the trailing 10th
+    model, opt = make(0, "sgd")
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward,
+                                     grad_accumulation=3, prefetch=True, executor=executor)  # fmt: skip
+    async with pipe:
+        losses = [float(loss) for loss in await collect(pipe, iter(data))]
+    expected_losses, expected_params = plain_loop(data, "sgd", accumulate=3)
+    assert losses == expected_losses
+    for got, want in zip(model.parameters(), expected_params):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="grad_accumulation"):
+        SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, grad_accumulation=0)
+
+
+async def test_loss_fn_may_return_a_tuple() -> None:
+    model, opt = make(0, "sgd")
+
+    def loss_and_mae(output: torch.Tensor, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        return loss_fn(output, batch), (output - batch[1]).abs().mean()
+
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_and_mae, forward=forward)
+    async with pipe:
+        results = await collect(pipe, iter(batches(3)))
+    assert all(isinstance(r, tuple) and len(r) == 2 for r in results)
+    assert not any(t.requires_grad for r in results for t in r)
+    assert [float(r[0]) for r in results] == plain_loop(batches(3), "sgd")[0]
+
+
+async def test_one_argument_loss_fn_and_default_forward() -> None:
+    model, opt = make(0, "sgd")
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=lambda out: out.pow(2).mean())
+    async with pipe:
+        results = await collect(pipe, iter([torch.randn(4, 8) for _ in range(3)]))
+    assert len(results) == 3 and all(r.ndim == 0 for r in results)
+
+
+async def test_a_loss_that_is_not_a_tensor_is_a_clear_error() -> None:
+    model, opt = make(0, "sgd")
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=lambda out: "nope")
+    async with pipe:
+        with pytest.raises(PipelineError, match="loss_fn must return a tensor"):
+            await pipe.progress(iter([torch.randn(4, 8)]))
+
+
+@pytest.mark.parametrize("executor", ["sequential", "async"])
+async def test_step_feeds_one_batch_at_a_time(executor: str) -> None:
+    data = batches(4)
+    model, opt = make(0, "sgd")
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
+                                     executor=executor)  # fmt: skip
+    async with pipe:
+        losses = [float(await pipe.step(batch)) for batch in data]
+    assert losses == plain_loop(data, "sgd")[0]
+
+
+def test_blocking_step() -> None:
+    data = batches(3)
+    model, opt = make(0, "sgd")
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward).blocking()
+    with pipe:
+        assert [float(pipe.step(b)) for b in data] == plain_loop(data, "sgd")[0]
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class Record:
+    ids: torch.Tensor
+    extras: dict[str, torch.Tensor]
+    label: str = "keep"
+
+
+def test_nested_batches_move_every_tensor_and_keep_their_structure() -> None:
+    meta = torch.device("meta")  # a device every CPU build has: proves the tensors moved
+    batch = {
+        "pair": Pair(torch.ones(2), torch.zeros(3)),
+        "list": [torch.ones(1), (torch.ones(2), "text")],
+        "record": Record(torch.arange(3), {"w": torch.ones(2)}),
+        "count": 7,
+    }
+    moved = move_to_device(batch, meta, non_blocking=True)
+    assert isinstance(moved["pair"], Pair) and moved["pair"].x.device == meta
+    assert moved["list"][0].device == meta and moved["list"][1][0].device == meta
+    assert moved["list"][1][1] == "text"
+    assert isinstance(moved["record"], Record) and moved["record"].ids.device == meta
+    assert moved["record"].extras["w"].device == meta and moved["record"].label == "keep"
+    assert moved["count"] == 7
+    assert batch["pair"].x.device.type == "cpu"  # the original is untouched
+
+
+def test_objects_with_a_to_method_are_moved_by_it() -> None:
+    class Pipelineable:
+        def __init__(self) -> None:
+            self.calls: list[tuple[torch.device, bool]] = []
+
+        def to(self, device: torch.device, non_blocking: bool = False) -> Pipelineable:
+            self.calls.append((device, non_blocking))
+            return self
+
+    item = Pipelineable()
+    assert move_to_device(item, torch.device("meta"), True) is item
+    assert item.calls == [(torch.device("meta"), True)]
+
+
+def changed_lines(before: str, after: str) -> list[str]:
+    def code(text: str) -> list[str]:
+        return text.split('"""', 2)[2].splitlines()  # without the module docstring
+
+    diff = difflib.unified_diff(code(before), code(after), lineterm="", n=0)
+    return [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+
+
+def test_migration_example_is_a_small_diff_with_identical_results() -> None:
+    before, after = (EXAMPLES / "before.py").read_text(), (EXAMPLES / "after.py").read_text()
+    changed = changed_lines(before, after)
+    assert len(changed) <= 8, changed
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import after as after_module
+        import before as before_module
+
+        plain_model, plain_losses = before_module.train()
+        piped_model, piped_losses = after_module.train()
+    finally:
+        sys.path.remove(str(EXAMPLES))
+        for name in ("before", "after", "common"):
+            sys.modules.pop(name, None)
+    assert piped_losses == plain_losses
+    for got, want in zip(piped_model.parameters(), plain_model.parameters()):  # type: ignore[attr-defined]
+        assert torch.equal(got, want)
+    # the example never calls shutdown(): dropping the pipeline stops its lanes
+    del after_module
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("aiopipe-lane") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "lanes of a dropped pipeline kept running"
+        time.sleep(0.01)
