@@ -84,8 +84,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--input-width", type=int, default=None,
-                        help="features per sample moved H2D (default: --width)")  # fmt: skip
     args = parser.parse_args()
     device = torch.device(args.device)
     pin = device.type == "cuda"
