@@ -19,27 +19,39 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .runner import LoopRunner
 
 if TYPE_CHECKING:
-    from .pipeline import SchedulablePipeline
     from .source import Source
 
-__all__ = ("BlockingPipeline",)
+__all__ = ("AsyncPipeline", "BlockingPipeline")
+
+
+class AsyncPipeline(Protocol):
+    """What the blocking form needs: ``SchedulablePipeline`` and adapters such as
+    ``hstu_tasks.HSTUPipeline`` provide it."""
+
+    async def progress(self, source: Source) -> Any: ...
+
+    async def drain(self) -> list[Any]: ...
+
+    def shutdown(self) -> None: ...
 
 
 class BlockingPipeline:
-    """Blocking view of a :class:`SchedulablePipeline`."""
+    """Blocking view of an async pipeline (``progress`` raises ``StopIteration``).
 
-    def __init__(self, pipeline: SchedulablePipeline) -> None:
+    ``step`` and ``reset`` are available when the wrapped pipeline has them."""
+
+    def __init__(self, pipeline: AsyncPipeline) -> None:
         self._pipeline = pipeline
         self._runner = LoopRunner()
         weakref.finalize(self, self._runner.close)  # dropped without shutdown()
 
     @property
-    def pipeline(self) -> SchedulablePipeline:
+    def pipeline(self) -> Any:
         return self._pipeline
 
     def progress(self, source: Source) -> Any:
@@ -51,7 +63,7 @@ class BlockingPipeline:
 
     def step(self, batch: Any) -> Any:
         """Like ``await pipeline.step(batch)``: one batch, to completion."""
-        return self._runner.run(self._pipeline.step, batch)
+        return self._runner.run(self._pipeline.step, batch)  # type: ignore[attr-defined]
 
     def results(self, source: Source) -> Iterator[Any]:
         """``for result in pipe.results(it)``: every remaining result."""
@@ -65,7 +77,7 @@ class BlockingPipeline:
         return self._runner.run(self._pipeline.drain)
 
     def reset(self) -> None:
-        self._pipeline.reset()
+        self._pipeline.reset()  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
         """Shut the pipeline down and close the private loop.  Idempotent."""

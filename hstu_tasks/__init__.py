@@ -1,7 +1,50 @@
 """hstu_tasks: the HSTU generative-recommender ranking step as aiopipe tasks.
 
-The adapter layer on top of aiopipe: torchrec, fbgemm and megatron-core may be
-imported here, never in ``aiopipe`` itself.
+The adapter layer on top of aiopipe (torchrec, fbgemm and megatron-core may be
+imported here, never in ``aiopipe``):
+
+* ``data`` -- synthetic jagged HSTU batches (``HSTUBatch``, ``SyntheticHSTUData``);
+* ``model`` -- a small HSTU ranking model on a torchrec ``EmbeddingCollection``;
+* ``parallel`` -- sharding, optimizers and the plain reference step;
+* ``shuffler`` -- workload-balancing batch shuffling across ranks;
+* ``tasks`` / ``pipeline`` / ``factory`` -- the fourteen tasks, ``HSTUPipeline`` and
+  its named variants.
 """
 
-__all__: tuple[str, ...] = ()
+from __future__ import annotations
+
+from .data import DataConfig as DataConfig
+from .data import HSTUBatch as HSTUBatch
+from .data import SyntheticHSTUData as SyntheticHSTUData
+from .factory import HSTUPipelineFactory as HSTUPipelineFactory
+from .model import HSTURankingModel as HSTURankingModel
+from .model import ModelConfig as ModelConfig
+from .parallel import OptimizerConfig as OptimizerConfig
+from .parallel import TrainingSetup as TrainingSetup
+from .parallel import build_training as build_training
+from .parallel import init_distributed as init_distributed
+from .parallel import plain_train_step as plain_train_step
+from .pipeline import HSTU_DEFAULT_THREAD_MAP as HSTU_DEFAULT_THREAD_MAP
+from .pipeline import HSTUPipeline as HSTUPipeline
+from .shuffler import IdentityShuffler as IdentityShuffler
+from .shuffler import KarmarkarKarpShuffler as KarmarkarKarpShuffler
+from .shuffler import balanced_partition as balanced_partition
+
+__all__ = (
+    "HSTU_DEFAULT_THREAD_MAP",
+    "DataConfig",
+    "HSTUBatch",
+    "HSTUPipeline",
+    "HSTUPipelineFactory",
+    "HSTURankingModel",
+    "IdentityShuffler",
+    "KarmarkarKarpShuffler",
+    "ModelConfig",
+    "OptimizerConfig",
+    "SyntheticHSTUData",
+    "TrainingSetup",
+    "balanced_partition",
+    "build_training",
+    "init_distributed",
+    "plain_train_step",
+)

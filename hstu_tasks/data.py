@@ -1,0 +1,123 @@
+"""Synthetic HSTU ranking data and the batch type torchrec pipelines.
+
+Each sample is a user history of (item, action) pairs followed by candidate items to
+rank.  Features travel as one ``KeyedJaggedTensor`` with keys ``"item"`` (history
+items then candidates, per sample) and ``"action"`` (history actions); each candidate
+carries multi-task labels bit-encoded in one integer.  Batches are deterministic from
+``(seed, rank, index)`` and differ across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
+
+__all__ = ("DataConfig", "HSTUBatch", "SyntheticHSTUData")
+
+
+@dataclass
+class HSTUBatch(Pipelineable):
+    """One batch: ``features`` (KJT: ``item``, ``action``), ``num_candidates`` per
+    sample, ``labels`` per candidate (bit t = task t)."""
+
+    features: KeyedJaggedTensor
+    num_candidates: torch.Tensor
+    labels: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.num_candidates.numel())
+
+    def loss_tokens(self) -> torch.Tensor:
+        """How many loss terms this batch contributes (its candidates), as a tensor
+        on the batch's device, ready to be all-reduced."""
+        return self.num_candidates.sum()
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> HSTUBatch:
+        return HSTUBatch(
+            self.features.to(device=device, non_blocking=non_blocking),
+            self.num_candidates.to(device=device, non_blocking=non_blocking),
+            self.labels.to(device=device, non_blocking=non_blocking),
+        )
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self.features.record_stream(stream)  # type: ignore[arg-type]
+        self.num_candidates.record_stream(stream)  # type: ignore[arg-type]
+        self.labels.record_stream(stream)  # type: ignore[arg-type]
+
+    def pin_memory(self) -> HSTUBatch:
+        return HSTUBatch(
+            self.features.pin_memory(), self.num_candidates.pin_memory(), self.labels.pin_memory()
+        )
+
+    def history_lengths(self) -> torch.Tensor:
+        return self.features["action"].lengths()
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    batch_size: int = 16
+    min_history: int = 4
+    max_history: int = 48
+    max_candidates: int = 4
+    num_items: int = 2000
+    num_actions: int = 8
+    num_tasks: int = 3
+    length_distribution: Literal["uniform", "zipf"] = "uniform"
+    zipf_alpha: float = 1.2
+
+
+class SyntheticHSTUData:
+    """``num_batches`` batches for one rank; iterating again yields the same batches."""
+
+    def __init__(self, config: DataConfig, num_batches: int, *, seed: int = 0, rank: int = 0) -> None:
+        if config.min_history < 1 or config.max_history < config.min_history:
+            raise ValueError(f"need 1 <= min_history <= max_history, got {config}")
+        if config.max_candidates < 1:
+            raise ValueError("max_candidates must be >= 1")
+        self.config = config
+        self.num_batches = num_batches
+        self.seed = seed
+        self.rank = rank
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[HSTUBatch]:
+        for index in range(self.num_batches):
+            yield self.batch(index)
+
+    def batch(self, index: int) -> HSTUBatch:
+        config = self.config
+        generator = torch.Generator().manual_seed(
+            (self.seed * 1_000_003 + self.rank) * 1_000_033 + index
+        )
+        history = self._history_lengths(generator)
+        candidates = torch.randint(1, config.max_candidates + 1, (config.batch_size,), generator=generator)
+        item_lengths = history + candidates
+        items = torch.randint(0, config.num_items, (int(item_lengths.sum()),), generator=generator)
+        actions = torch.randint(0, config.num_actions, (int(history.sum()),), generator=generator)
+        labels = torch.randint(0, 2**config.num_tasks, (int(candidates.sum()),), generator=generator)
+        features = KeyedJaggedTensor.from_lengths_sync(
+            keys=["item", "action"],
+            values=torch.cat([items, actions]),
+            lengths=torch.cat([item_lengths, history]),
+        )
+        return HSTUBatch(features, candidates, labels)
+
+    def _history_lengths(self, generator: torch.Generator) -> torch.Tensor:
+        config = self.config
+        size = (config.batch_size,)
+        if config.length_distribution == "uniform":
+            return torch.randint(config.min_history, config.max_history + 1, size, generator=generator)
+        # zipf: most users have short histories, a few very long ones
+        span = config.max_history - config.min_history + 1
+        ranks = torch.arange(1, span + 1, dtype=torch.float64)
+        weights = ranks.pow(-config.zipf_alpha)
+        picks = torch.multinomial(weights, config.batch_size, replacement=True, generator=generator)
+        return picks + config.min_history

@@ -1,0 +1,142 @@
+"""Building the sharded model and its optimizers, and the plain training step.
+
+Embedding tables are row-wise sharded by torchrec's ``DistributedModelParallel``
+with a fused optimizer applied in backward; the dense part is replicated with torch
+DDP (DMP's default data-parallel wrapper, gloo on CPU) and stepped by a
+``torch.optim`` optimizer.  The loss is ``loss_sum * dp_size / global_tokens`` with
+the loss-token count all-reduced, so every rank differentiates the exact global mean.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+from .data import DataConfig, HSTUBatch
+from .model import HSTURankingModel, ModelConfig
+
+__all__ = (
+    "OptimizerConfig",
+    "TrainingSetup",
+    "build_training",
+    "global_loss",
+    "init_distributed",
+    "plain_train_step",
+)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    kind: Literal["sgd", "adam"] = "sgd"
+    dense_lr: float = 0.05
+    embedding_lr: float = 0.05
+
+
+@dataclass
+class TrainingSetup:
+    model: DistributedModelParallel
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the process group torchrun describes, or a one-process gloo group."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
+        # Several ranks on one CPU: intra-op pools must not oversubscribe the cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build_training(
+    model_config: ModelConfig,
+    data_config: DataConfig,
+    optimizer: OptimizerConfig,
+    *,
+    seed: int = 0,
+    device: torch.device | None = None,
+) -> TrainingSetup:
+    """The sharded model and the dense optimizer, identical on every call with the
+    same arguments (so several pipelines can be compared bit for bit)."""
+    if not dist.is_initialized():
+        raise RuntimeError("call init_distributed() (or run under torchrun) first")
+    device = device or torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if (
+        torch.cuda.is_available()
+    ) else torch.device("cpu")
+    torch.manual_seed(seed)
+    model = HSTURankingModel(model_config, data_config)
+    # fbgemm's CPU kernels fuse SGD and Adagrad but not Adam into the backward.
+    embedding_optimizer: type[torch.optim.Optimizer] = torch.optim.SGD
+    if optimizer.kind == "adam":
+        embedding_optimizer = torch.optim.Adam if device.type == "cuda" else torch.optim.Adagrad
+    apply_optimizer_in_backward(
+        embedding_optimizer, model.embeddings.parameters(), {"lr": optimizer.embedding_lr}
+    )
+    sharders = [EmbeddingCollectionSharder()]
+    constraints = {
+        name: ParameterConstraints(sharding_types=["row_wise"])
+        for name in ("item_table", "action_table")
+    }
+    topology = Topology(world_size=dist.get_world_size(), compute_device=device.type)
+    plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
+        model, sharders, dist.GroupMember.WORLD
+    )
+    sharded = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    dense = [p for name, p in sharded.named_parameters() if "embeddings." not in name]
+    if optimizer.kind == "sgd":
+        dense_optimizer: torch.optim.Optimizer = torch.optim.SGD(dense, lr=optimizer.dense_lr)
+    else:
+        dense_optimizer = torch.optim.Adam(dense, lr=optimizer.dense_lr)
+    return TrainingSetup(sharded, dense_optimizer, device)
+
+
+def dp_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def global_tokens(batch: HSTUBatch) -> torch.Tensor:
+    """This batch's loss tokens summed over every rank (a blocking all-reduce)."""
+    tokens = batch.loss_tokens().to(torch.float32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tokens)
+    return tokens
+
+
+def global_loss(loss_sum: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The loss to differentiate: with DDP averaging gradients over ``dp_size`` ranks,
+    this gives the gradient of the global per-token mean."""
+    return loss_sum * dp_size() / tokens
+
+
+def plain_train_step(
+    setup: TrainingSetup, batch: HSTUBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One unpipelined step: the reference every pipeline must reproduce."""
+    batch = batch.to(setup.device)
+    setup.optimizer.zero_grad()
+    tokens = global_tokens(batch)
+    losses, output = setup.model(batch)
+    loss_sum = losses.sum()
+    global_loss(loss_sum, tokens).backward()
+    setup.optimizer.step()
+    return loss_sum.detach(), tokens, output

@@ -1,0 +1,240 @@
+"""``HSTUPipeline``: the HSTU ranking step on aiopipe, a drop-in for torchrec's
+``TrainPipelineSparseDist`` family with the legacy ``(loss, tokens, output)`` result.
+
+The engine is built lazily on the first ``progress``, because torchrec must see one
+real batch to trace the model: streams first; peek one batch; copy it to the device
+on the memcpy stream; ``_rewrite_model`` installs the pipelined forwards; the input
+distribution of that batch starts on the data_dist stream; the batch (with its copy,
+context and started input dist) is seeded into the ring, so it is trained like any
+other and none is lost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchrec.distributed.train_pipeline.runtime_forwards import (
+    PipelinedForward,
+    PrefetchPipelinedForward,
+)
+from torchrec.distributed.train_pipeline.utils import (
+    _override_input_dist_forwards,
+    _pipeline_detach_model,
+    _rewrite_model,
+    _start_data_dist,
+)
+
+from aiopipe import (
+    AsyncExecutor,
+    BlockingPipeline,
+    PipelineStateError,
+    SchedulablePipeline,
+    Schedule,
+    StreamPool,
+)
+from aiopipe.executors.lanes import ThreadMap
+from aiopipe.source import END, Feed, Source
+
+from .shuffler import BatchShuffler, IdentityShuffler
+from .tasks import PipelineState, build_tasks
+
+__all__ = ("HSTU_DEFAULT_THREAD_MAP", "HSTUPipeline")
+
+#: Two lanes: data movement on "io", everything touching the model on "compute"
+#: (the only writer of the pipelined modules' context is forward, on that lane).
+HSTU_DEFAULT_THREAD_MAP: dict[str, str] = {
+    "h2d": "io",
+    "start_shuffle": "io",
+    "finish_shuffle": "io",
+    **{
+        name: "compute"
+        for name in (
+            "start_input_dist", "wait_input_dist", "prefetch_embeddings", "zero_grad",
+            "global_tokens_allreduce", "nccl_safety_barrier", "forward", "backward",
+            "finalize_model_grads", "optimizer_step", "watchdog_step",
+        )
+    },
+}  # fmt: skip
+
+STREAMS = ("default", "memcpy", "data_dist", "prefetch")
+
+
+def _stream_pool(device: torch.device) -> StreamPool:
+    if device.type != "cuda":
+        return StreamPool({name: None for name in STREAMS})
+    return StreamPool({
+        "default": torch.cuda.current_stream(device),
+        "memcpy": torch.cuda.Stream(device=device, priority=-1),  # type: ignore[no-untyped-call]
+        "data_dist": torch.cuda.Stream(device=device, priority=-1),  # type: ignore[no-untyped-call]
+        "prefetch": torch.cuda.Stream(device=device),  # type: ignore[no-untyped-call]
+    })  # fmt: skip
+
+
+class HSTUPipeline:
+    """``await progress(it) -> (local_loss_sum, global_tokens, output)``.
+
+    ``model`` is the ``DistributedModelParallel``-wrapped HSTU model, ``optimizer``
+    its dense optimizer (embedding tables update in backward).  ``prefetch=True``
+    adds ``prefetch_embeddings`` and keeps ``prefetch_depth + 1`` batches ahead.
+    ``thread_map`` defaults to :data:`HSTU_DEFAULT_THREAD_MAP`; ``executor`` may be
+    ``"sequential"`` or an executor instance instead.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        *,
+        prefetch: bool = False,
+        prefetch_depth: int = 1,
+        batch_shuffler: BatchShuffler | None = None,
+        thread_map: ThreadMap = None,
+        executor: str | Any = None,
+        memory_limit_bytes: int | None = None,
+    ) -> None:
+        if prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        self._state = PipelineState(
+            model=model,
+            optimizer=optimizer,
+            device=torch.device(device),
+            shuffler=batch_shuffler or IdentityShuffler(),
+            prefetch=prefetch,
+            prefetch_depth=prefetch_depth,
+            memory_limit_bytes=memory_limit_bytes,
+        )
+        self._thread_map = thread_map if thread_map is not None else HSTU_DEFAULT_THREAD_MAP
+        self._executor_choice = executor
+        self._engine: SchedulablePipeline | None = None
+        self._original_forwards: list[Any] = []
+        self._original_kjt_dist_forwards: list[Any] = []
+        self._attached = True
+        self._closed = False
+
+    # -- the progress contract ---------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._state.model
+
+    @property
+    def engine(self) -> SchedulablePipeline | None:
+        """The underlying engine, once the first progress has built it."""
+        return self._engine
+
+    async def progress(self, source: Source) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Train (or evaluate, in eval mode) one batch; ``StopAsyncIteration`` at the end."""
+        if self._closed:
+            raise PipelineStateError("the HSTU pipeline has been shut down")
+        if not self._attached:
+            raise PipelineStateError("the model is detached; call attach() first")
+        if self._engine is None:
+            await self._bootstrap(source)
+        assert self._engine is not None
+        return await self._engine.progress(source)  # type: ignore[no-any-return]
+
+    async def drain(self) -> list[Any]:
+        """Finish the batches in flight (e.g. before switching train -> eval)."""
+        return [] if self._engine is None else await self._engine.drain()
+
+    def blocking(self) -> BlockingPipeline:
+        """The torchrec-style blocking form: ``progress(it)`` raises ``StopIteration``."""
+        return BlockingPipeline(self)
+
+    # -- attach / detach ---------------------------------------------------------------
+
+    def detach(self) -> torch.nn.Module:
+        """Give the model back with its original forwards.  Refused while batches are
+        in flight (``drain()`` first); ``attach()`` + ``progress`` rebuild cleanly."""
+        engine = self._engine
+        if engine is not None and engine.statistics().in_flight:
+            raise PipelineStateError(
+                f"{engine.statistics().in_flight} batch(es) are in flight; drain() first"
+            )
+        self._teardown()
+        self._attached = False
+        return self._state.model
+
+    def attach(self, model: torch.nn.Module | None = None) -> None:
+        if model is not None:
+            self._state.model = model
+        self._attached = True
+
+    # -- lifetime ----------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._teardown()
+        close = getattr(self._state.shuffler, "close", None)
+        if close is not None:
+            close()
+        self._closed = True
+
+    async def __aenter__(self) -> HSTUPipeline:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def _teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+        if self._state.pipelined_modules:
+            _pipeline_detach_model(
+                model=self._state.model,
+                pipelined_modules=self._state.pipelined_modules,
+                original_forwards=self._original_forwards,
+                original_kjt_dist_forwards=self._original_kjt_dist_forwards,
+                pipelined_postprocs=[],
+            )
+            self._state.pipelined_modules = []
+
+    # -- bootstrap ---------------------------------------------------------------------
+
+    async def _bootstrap(self, source: Source) -> None:
+        state = self._state
+        pool = _stream_pool(state.device)  # streams first: bootstrap work uses them
+        state.streams = {name: pool.get(name) for name in pool.names()}
+        peek = await Feed(source).next()
+        if peek is END:
+            raise StopAsyncIteration
+        context = state.create_context(0)
+        with pool.use("memcpy"):
+            batch = peek.to(state.device, non_blocking=True)
+        pool.wait_stream("data_dist", "memcpy")
+        forward_type = PrefetchPipelinedForward if state.prefetch else PipelinedForward
+        modules, _, originals, _, _ = _rewrite_model(
+            model=state.model,
+            context=context,
+            dist_stream=state.streams["data_dist"],
+            default_stream=state.streams["default"],
+            batch=batch,
+            pipelined_forward=forward_type,
+        )
+        state.pipelined_modules, self._original_forwards = modules, originals
+        seed: dict[str, Any] = {"batch_cpu": peek, "batch_gpu": batch, "torchrec_ctx": context}
+        with pool.use("data_dist"):
+            if state.shuffler.is_identity:
+                _start_data_dist(modules, batch, context)  # the seeded batch's input dist
+                seed.update(shuffled_batch=batch, dist_started=True)
+            else:  # the real batch must be shuffled first: initialise on a throwaway
+                _initialise_input_dists(modules, batch, state.create_context(-1))
+        self._original_kjt_dist_forwards = _override_input_dist_forwards(modules)
+        executor = self._executor_choice or AsyncExecutor(self._thread_map)
+        schedule = Schedule.of(build_tasks(state), stream_slots=STREAMS)
+        self._engine = SchedulablePipeline(schedule, pool, executor)
+        self._engine.seed_first_batch(seed)
+
+
+def _initialise_input_dists(modules: list[Any], batch: Any, context: Any) -> None:
+    """Run one complete input distribution so every input dist exists (torchrec
+    creates them lazily), leaving no collective pending."""
+    _start_data_dist(modules, batch, context)
+    for names, awaitable in context.fused_splits_awaitables:
+        for request in awaitable.wait():
+            request.wait()
+

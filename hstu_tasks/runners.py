@@ -1,0 +1,126 @@
+"""Training loops over the same model and data, for comparison: aiopipe (both
+variants), torchrec's ``TrainPipelineSparseDist`` and the plain loop.
+
+Each returns the per-step local loss sums and global token counts; every rank must
+call the same runner with the same number of batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from aiopipe import run
+
+from .data import HSTUBatch
+from .factory import HSTUPipelineFactory
+from .parallel import TrainingSetup, global_loss, global_tokens, plain_train_step
+
+__all__ = ("PIPELINES", "RunResult", "parameter_checksum", "run_pipeline")
+
+Mode = Literal["aiopipe", "aiopipe-prefetch", "torchrec", "none"]
+PIPELINES: tuple[Mode, ...] = ("aiopipe", "aiopipe-prefetch", "torchrec", "none")
+Progress = Callable[[int], None]
+
+
+@dataclass
+class RunResult:
+    loss_sums: list[float] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def record(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.loss_sums.append(float(loss_sum))
+        self.tokens.append(float(tokens))
+
+    def global_losses(self) -> list[float]:
+        """Per-step mean loss over every rank's tokens (one all-reduce, after the run)."""
+        sums = torch.tensor(self.loss_sums, dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        return [float(s) / t for s, t in zip(sums, self.tokens)]
+
+
+def parameter_checksum(model: torch.nn.Module) -> float:
+    """Sum of every parameter and optimizer-relevant weight, over all ranks (sharded
+    tables contribute their local shards)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for value in model.state_dict().values():
+        local = value.local_tensor() if hasattr(value, "local_tensor") else value
+        if isinstance(local, torch.Tensor) and local.is_floating_point():
+            total += local.detach().double().sum().cpu()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # dense weights are replicated: count them once per rank, tables once overall
+        dist.all_reduce(total)
+    return float(total)
+
+
+def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
+             result: RunResult, on_step: Progress) -> None:  # fmt: skip
+    name = "hstu_prefetch_sparse_dist" if prefetch else "hstu_sparse_dist"
+    pipe = HSTUPipelineFactory.create(
+        name, model=setup.model, optimizer=setup.optimizer, device=setup.device
+    )
+
+    async def train() -> None:
+        async with pipe:
+            source = iter(data)
+            while True:
+                try:
+                    loss_sum, tokens, _ = await pipe.progress(source)
+                except StopAsyncIteration:
+                    return
+                result.record(loss_sum, tokens)
+                on_step(len(result.loss_sums))
+
+    run(train())
+
+
+def _torchrec(setup: TrainingSetup, data: Iterable[HSTUBatch], result: RunResult,
+              on_step: Progress) -> None:  # fmt: skip
+    def forward(batch: HSTUBatch) -> tuple[torch.Tensor, Any]:
+        tokens = global_tokens(batch)
+        losses, output = setup.model(batch)
+        loss_sum = losses.sum()
+        return global_loss(loss_sum, tokens).reshape(1), (loss_sum.detach(), tokens, output)
+
+    pipe = TrainPipelineSparseDist(
+        setup.model, setup.optimizer, setup.device, custom_model_fwd=forward  # type: ignore[arg-type]
+    )
+    source = iter(data)
+    while True:
+        try:
+            loss_sum, tokens, _ = pipe.progress(source)
+        except StopIteration:
+            return
+        result.record(loss_sum, tokens)
+        on_step(len(result.loss_sums))
+
+
+def run_pipeline(
+    mode: Mode,
+    setup: TrainingSetup,
+    data: Iterable[HSTUBatch],
+    on_step: Progress = lambda step: None,
+) -> RunResult:
+    result = RunResult()
+    start = time.perf_counter()
+    if mode in ("aiopipe", "aiopipe-prefetch"):
+        _aiopipe(setup, data, mode == "aiopipe-prefetch", result, on_step)
+    elif mode == "torchrec":
+        _torchrec(setup, data, result, on_step)
+    elif mode == "none":
+        for batch in data:
+            loss_sum, tokens, _ = plain_train_step(setup, batch)
+            result.record(loss_sum, tokens)
+            on_step(len(result.loss_sums))
+    else:
+        raise ValueError(f"unknown pipeline {mode!r}; choose from {PIPELINES}")
+    result.seconds = time.perf_counter() - start
+    return result

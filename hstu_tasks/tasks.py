@@ -1,0 +1,222 @@
+"""The fourteen tasks of the HSTU ranking step, and the state they share.
+
+=========================  =========  =========  =====  ==============================
+task                       lookahead  stream     nccl   does
+=========================  =========  =========  =====  ==============================
+h2d                        K+1        memcpy            copy to device, new context
+start_shuffle              K+1        memcpy     (1)    balance phase 1 (workloads)
+finish_shuffle             K+1        memcpy     (1)    balance phase 2 (exchange)
+start_input_dist           K          data_dist  yes    torchrec splits all-to-all
+wait_input_dist            K          data_dist  yes    torchrec tensors all-to-all
+prefetch_embeddings (2)    K          prefetch          embedding cache prefetch
+zero_grad                  0          default           optimizer.zero_grad()
+global_tokens_allreduce    0          default    yes    all-reduce the loss tokens
+nccl_safety_barrier        0          default           default waits for the shuffle
+forward                    0          default           set module contexts, model(batch)
+backward                   0          default    yes    (loss_sum*dp/tokens).backward()
+finalize_model_grads       0          default           finish gradient reduction
+optimizer_step             0          default           optimizer.step(), step_result
+watchdog_step              0          default           non-finite loss / memory check
+=========================  =========  =========  =====  ==============================
+
+K is ``prefetch_depth`` (1 without prefetch).  (1) only when a real shuffler is
+used.  (2) prefetch variant only; it runs after this progress's ``forward`` and
+before its ``backward`` (a cache's outstanding-key count is decremented by forward
+and incremented by prefetch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.train_pipeline.pipeline_context import (
+    PrefetchTrainPipelineContext,
+    TrainPipelineContext,
+)
+from torchrec.distributed.train_pipeline.utils import _start_data_dist
+
+from aiopipe import Task, TaskContext
+
+from .data import HSTUBatch
+from .parallel import global_loss
+from .shuffler import BatchShuffler
+
+__all__ = ("PipelineState", "build_tasks")
+
+
+@dataclass
+class PipelineState:
+    """What the tasks share: the model, its optimizer and torchrec's bookkeeping."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    shuffler: BatchShuffler
+    prefetch: bool = False
+    prefetch_depth: int = 1
+    memory_limit_bytes: int | None = None
+    streams: dict[str, Any] = field(default_factory=dict)
+    pipelined_modules: list[Any] = field(default_factory=list)
+
+    def create_context(self, index: int) -> TrainPipelineContext:
+        """A per-batch torchrec context (version 1: one per batch, never shared)."""
+        context_type = PrefetchTrainPipelineContext if self.prefetch else TrainPipelineContext
+        return context_type(index=index, version=1)
+
+    @property
+    def training(self) -> bool:
+        return bool(self.model.training)
+
+
+def _batch(ctx: TaskContext) -> HSTUBatch:
+    return ctx.slots["shuffled_batch"]  # type: ignore[no-any-return]
+
+
+def build_tasks(state: PipelineState) -> list[Task]:
+    """The task list, in the declaration order that breaks topological ties."""
+    depth = state.prefetch_depth if state.prefetch else 1
+    io, dist_la = depth + 1, depth
+    shuffles = not state.shuffler.is_identity
+
+    def h2d(ctx: TaskContext) -> None:
+        if "batch_gpu" in ctx.slots:  # seeded by the bootstrap
+            return
+        batch = ctx.slots["batch_cpu"]
+        ctx.slots.set("batch_gpu", batch.to(state.device, non_blocking=True))
+        ctx.slots.set("torchrec_ctx", state.create_context(ctx.batch_index))
+
+    def start_shuffle(ctx: TaskContext) -> None:
+        if "shuffled_batch" in ctx.slots:
+            return
+        ctx.slots.set("shuffle_work", state.shuffler.start_shuffle_async(ctx.slots["batch_gpu"]))
+
+    def finish_shuffle(ctx: TaskContext) -> None:
+        if "shuffled_batch" in ctx.slots:
+            return
+        ctx.slots.set("shuffled_batch", state.shuffler.finish_shuffle(ctx.slots["shuffle_work"]))
+
+    def start_input_dist(ctx: TaskContext) -> None:
+        if "dist_started" not in ctx.slots:  # the bootstrap already started the seeded batch
+            _start_data_dist(state.pipelined_modules, _batch(ctx), ctx.slots["torchrec_ctx"])
+        ctx.slots.set("dist_started", True)
+
+    def wait_input_dist(ctx: TaskContext) -> None:
+        context = ctx.slots["torchrec_ctx"]
+        for names, awaitable in context.fused_splits_awaitables:
+            for name, request in zip(names, awaitable.wait()):
+                context.input_dist_tensors_requests[name] = request
+        context.input_dist_splits_requests.clear()
+        context.fused_splits_awaitables.clear()
+        ctx.slots.set("dist_ready", True)
+
+    def prefetch_embeddings(ctx: TaskContext) -> None:
+        context = ctx.slots["torchrec_ctx"]
+        for module in state.pipelined_modules:
+            name = module.forward.name
+            dist_input = context.input_dist_tensors_requests.pop(name).wait()
+            module_context = context.module_contexts.pop(name)
+            if state.device.type == "cuda":  # caching kernels exist on GPU only
+                module.prefetch(dist_input=dist_input, forward_stream=state.streams["default"],
+                                ctx=module_context)  # fmt: skip
+            context.module_input_post_prefetch[name] = dist_input
+            context.module_contexts_post_prefetch[name] = module_context
+        ctx.slots.set("prefetched", True)
+
+    def zero_grad(ctx: TaskContext) -> None:
+        if state.training:
+            state.optimizer.zero_grad()
+
+    def global_tokens_allreduce(ctx: TaskContext) -> None:
+        tokens = _batch(ctx).loss_tokens().to(torch.float32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tokens)
+        ctx.slots.set("global_tokens", tokens)
+
+    def nccl_safety_barrier(ctx: TaskContext) -> None:
+        # The work is the declared wait: the default stream waits for this progress's
+        # shuffle collectives on the memcpy stream, so collectives on the two streams
+        # run on the device in the order they were issued (a no-op on CPU).
+        return None
+
+    def forward(ctx: TaskContext) -> None:
+        context = ctx.slots["torchrec_ctx"]
+        for module in state.pipelined_modules:
+            module.forward.set_context(context)
+        with torch.set_grad_enabled(state.training):
+            losses, output = state.model(_batch(ctx))
+        ctx.slots.set("losses", losses)
+        ctx.slots.set("output", output)
+
+    def backward(ctx: TaskContext) -> None:
+        losses = ctx.slots["losses"]
+        loss_sum = losses.sum()
+        if state.training:
+            global_loss(loss_sum, ctx.slots["global_tokens"]).backward()
+        ctx.slots.set("loss_sum", loss_sum.detach())
+
+    def finalize_model_grads(ctx: TaskContext) -> None:
+        # torch DDP (the data-parallel wrapper used here) finishes its gradient
+        # all-reduce inside backward(); nothing is left to reduce.
+        return None
+
+    def optimizer_step(ctx: TaskContext) -> None:
+        if state.training:
+            state.optimizer.step()
+        ctx.slots.set(
+            "step_result",
+            (ctx.slots["loss_sum"], ctx.slots["global_tokens"], ctx.slots["output"]),
+        )
+
+    def watchdog_step(ctx: TaskContext) -> None:
+        loss_sum = ctx.slots["loss_sum"]
+        if not math.isfinite(float(loss_sum)):
+            raise FloatingPointError(f"loss became {float(loss_sum)} at batch {ctx.batch_index}")
+        limit = state.memory_limit_bytes
+        if limit is not None and state.device.type == "cuda":
+            used = torch.cuda.memory_allocated(state.device)
+            if used > limit:
+                raise MemoryError(f"{used} bytes allocated on {state.device}, limit {limit}")
+
+    # Without prefetch, forward consumes the input dist directly; with it, the
+    # prefetched inputs, and backward waits for this progress's prefetch.
+    forward_input = "prefetched" if state.prefetch else "dist_ready"
+    backward_sync = ("prefetch_embeddings",) if state.prefetch else ()
+    tasks = [
+        Task.from_fn("h2d", h2d, lookahead=io, stream="memcpy", reads=("batch_cpu",),
+                     writes=("batch_gpu", "torchrec_ctx")),
+        Task.from_fn("start_shuffle", start_shuffle, lookahead=io, stream="memcpy", nccl=shuffles,
+                     reads=("batch_gpu",), writes=("shuffle_work",)),
+        Task.from_fn("finish_shuffle", finish_shuffle, lookahead=io, stream="memcpy",
+                     nccl=shuffles, reads=("shuffle_work",), writes=("shuffled_batch",)),
+        Task.from_fn("start_input_dist", start_input_dist, lookahead=dist_la, stream="data_dist",
+                     nccl=True, reads=("shuffled_batch", "torchrec_ctx"),
+                     writes=("dist_started",)),
+        Task.from_fn("wait_input_dist", wait_input_dist, lookahead=dist_la, stream="data_dist",
+                     nccl=True, reads=("dist_started",), writes=("dist_ready",)),
+        Task.from_fn("zero_grad", zero_grad),
+        Task.from_fn("global_tokens_allreduce", global_tokens_allreduce, nccl=True,
+                     reads=("shuffled_batch",), writes=("global_tokens",),
+                     depends_on=("nccl_safety_barrier",)),
+        Task.from_fn("nccl_safety_barrier", nccl_safety_barrier,
+                     same_progress_sync=("finish_shuffle",)),
+        Task.from_fn("forward", forward, reads=("shuffled_batch", forward_input),
+                     writes=("losses", "output"), depends_on=("zero_grad",)),
+        Task.from_fn("backward", backward, nccl=True, reads=("losses", "global_tokens"),
+                     writes=("loss_sum",), same_progress_sync=backward_sync),
+        Task.from_fn("finalize_model_grads", finalize_model_grads, depends_on=("backward",)),
+        Task.from_fn("optimizer_step", optimizer_step, reads=("loss_sum", "global_tokens", "output"),
+                     writes=("step_result",), depends_on=("finalize_model_grads",)),
+        Task.from_fn("watchdog_step", watchdog_step, reads=("loss_sum",),
+                     depends_on=("optimizer_step",)),
+    ]  # fmt: skip
+    if state.prefetch:  # declared after forward: it must follow forward in every progress
+        tasks.insert(9, Task.from_fn(
+            "prefetch_embeddings", prefetch_embeddings, lookahead=dist_la, stream="prefetch",
+            reads=("dist_ready", "torchrec_ctx"), writes=("prefetched",),
+            same_progress_sync=("forward",),
+        ))  # fmt: skip
+    return tasks
