@@ -25,6 +25,7 @@ from .parallel import build_training as build_training
 from .parallel import init_distributed as init_distributed
 from .parallel import plain_train_step as plain_train_step
 from .pipeline import HSTU_DEFAULT_THREAD_MAP as HSTU_DEFAULT_THREAD_MAP
+from .pipeline import HSTU_DIST_LANE_THREAD_MAP as HSTU_DIST_LANE_THREAD_MAP
 from .pipeline import HSTUPipeline as HSTUPipeline
 from .shuffler import IdentityShuffler as IdentityShuffler
 from .shuffler import KarmarkarKarpShuffler as KarmarkarKarpShuffler
@@ -32,6 +33,7 @@ from .shuffler import balanced_partition as balanced_partition
 
 __all__ = (
     "HSTU_DEFAULT_THREAD_MAP",
+    "HSTU_DIST_LANE_THREAD_MAP",
     "DataConfig",
     "HSTUBatch",
     "HSTUPipeline",

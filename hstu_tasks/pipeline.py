@@ -39,7 +39,7 @@ from aiopipe.source import END, Feed, Source
 from .shuffler import BatchShuffler, IdentityShuffler
 from .tasks import PipelineState, build_tasks
 
-__all__ = ("HSTU_DEFAULT_THREAD_MAP", "HSTUPipeline")
+__all__ = ("HSTU_DEFAULT_THREAD_MAP", "HSTU_DIST_LANE_THREAD_MAP", "HSTUPipeline")
 
 #: Two lanes: data movement on "io", everything touching the model on "compute"
 #: (the only writer of the pipelined modules' context is forward, on that lane).
@@ -56,6 +56,15 @@ HSTU_DEFAULT_THREAD_MAP: dict[str, str] = {
         )
     },
 }  # fmt: skip
+
+#: Three lanes: the input distribution (and prefetch) of the next batch on its own
+#: lane, so its waits for the other ranks overlap this batch's forward and backward.
+HSTU_DIST_LANE_THREAD_MAP: dict[str, str] = {
+    **HSTU_DEFAULT_THREAD_MAP,
+    "start_input_dist": "dist",
+    "wait_input_dist": "dist",
+    "prefetch_embeddings": "dist",
+}
 
 STREAMS = ("default", "memcpy", "data_dist", "prefetch")
 

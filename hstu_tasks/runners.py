@@ -17,10 +17,12 @@ import torch.distributed as dist
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from aiopipe import run
+from aiopipe.executors.lanes import ThreadMap
 
 from .data import HSTUBatch
 from .factory import HSTUPipelineFactory
 from .parallel import TrainingSetup, global_loss, global_tokens, plain_train_step
+from .shuffler import BatchShuffler
 
 __all__ = ("PIPELINES", "RunResult", "parameter_checksum", "run_pipeline")
 
@@ -62,11 +64,13 @@ def parameter_checksum(model: torch.nn.Module) -> float:
 
 
 def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
-             result: RunResult, on_step: Progress) -> None:  # fmt: skip
+             result: RunResult, on_step: Progress, thread_map: ThreadMap,
+             shuffler: BatchShuffler | None) -> None:  # fmt: skip
     name = "hstu_prefetch_sparse_dist" if prefetch else "hstu_sparse_dist"
     pipe = HSTUPipelineFactory.create(
-        name, model=setup.model, optimizer=setup.optimizer, device=setup.device
-    )
+        name, model=setup.model, optimizer=setup.optimizer, device=setup.device,
+        thread_map=thread_map, batch_shuffler=shuffler,
+    )  # fmt: skip
 
     async def train() -> None:
         async with pipe:
@@ -108,11 +112,15 @@ def run_pipeline(
     setup: TrainingSetup,
     data: Iterable[HSTUBatch],
     on_step: Progress = lambda step: None,
+    thread_map: ThreadMap = None,
+    shuffler: BatchShuffler | None = None,
 ) -> RunResult:
+    """Train ``data`` with ``mode``; ``thread_map`` and ``shuffler`` apply to the
+    aiopipe modes (defaults: ``HSTU_DEFAULT_THREAD_MAP``, no shuffling)."""
     result = RunResult()
     start = time.perf_counter()
     if mode in ("aiopipe", "aiopipe-prefetch"):
-        _aiopipe(setup, data, mode == "aiopipe-prefetch", result, on_step)
+        _aiopipe(setup, data, mode == "aiopipe-prefetch", result, on_step, thread_map, shuffler)
     elif mode == "torchrec":
         _torchrec(setup, data, result, on_step)
     elif mode == "none":

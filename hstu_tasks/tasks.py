@@ -12,7 +12,7 @@ prefetch_embeddings (2)    K          prefetch          embedding cache prefetch
 zero_grad                  0          default           optimizer.zero_grad()
 global_tokens_allreduce    0          default    yes    all-reduce the loss tokens
 nccl_safety_barrier        0          default           default waits for the shuffle
-forward                    0          default           set module contexts, model(batch)
+forward                    0          default    yes    set module contexts, model(batch)
 backward                   0          default    yes    (loss_sum*dp/tokens).backward()
 finalize_model_grads       0          default           finish gradient reduction
 optimizer_step             0          default           optimizer.step(), step_result
@@ -20,7 +20,11 @@ watchdog_step              0          default           non-finite loss / memory
 =========================  =========  =========  =====  ==============================
 
 K is ``prefetch_depth`` (1 without prefetch).  (1) only when a real shuffler is
-used.  (2) prefetch variant only; it runs after this progress's ``forward`` and
+used.  Every task that issues a collective is marked ``nccl``: forward runs the
+embedding output all-to-all and backward its gradient plus DDP's all-reduce, so
+with any thread map that splits them from the input-dist tasks, the ticket order
+keeps every rank's collectives in one order (without it, gloo reports mismatched
+collectives and NCCL hangs).  (2) prefetch variant only; it runs after this progress's ``forward`` and
 before its ``backward`` (a cache's outstanding-key count is decremented by forward
 and incremented by prefetch).
 """
@@ -203,7 +207,7 @@ def build_tasks(state: PipelineState) -> list[Task]:
                      depends_on=("nccl_safety_barrier",)),
         Task.from_fn("nccl_safety_barrier", nccl_safety_barrier,
                      same_progress_sync=("finish_shuffle",)),
-        Task.from_fn("forward", forward, reads=("shuffled_batch", forward_input),
+        Task.from_fn("forward", forward, nccl=True, reads=("shuffled_batch", forward_input),
                      writes=("losses", "output"), depends_on=("zero_grad",)),
         Task.from_fn("backward", backward, nccl=True, reads=("losses", "global_tokens"),
                      writes=("loss_sum",), same_progress_sync=backward_sync),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import warnings
@@ -30,6 +31,7 @@ STEPS = 6
 
 
 def join(rank: int, port: int) -> None:
+    faulthandler.enable()  # a native abort in a worker shows every thread's stack
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -45,11 +47,15 @@ def setup(kind: str = "sgd") -> Any:
 def equality_worker(rank: int, port: int, kind: str) -> None:
     join(rank, port)
     outcomes = {}
-    for mode in PIPELINES:
+    runs = [(mode, None) for mode in PIPELINES] + [("aiopipe", "per_task")]
+    for mode, thread_map in runs:
+        # per_task: every task on its own lane, so only the ticket order keeps the
+        # embedding all-to-alls and DDP's all-reduces in one order on both ranks
         training = setup(kind)
-        result = run_pipeline(mode, training, SyntheticHSTUData(DATA, STEPS, seed=5, rank=rank))
-        outcomes[mode] = (result.global_losses(), parameter_checksum(training.model))
-    reference = outcomes["none"]
+        data = SyntheticHSTUData(DATA, STEPS, seed=5, rank=rank)
+        result = run_pipeline(mode, training, data, thread_map=thread_map)
+        outcomes[f"{mode}/{thread_map}"] = (result.global_losses(), parameter_checksum(training.model))
+    reference = outcomes["none/None"]
     assert len(reference[0]) == STEPS
     for mode, outcome in outcomes.items():
         assert outcome == reference, (mode, outcome, reference)
