@@ -72,6 +72,7 @@ def main() -> None:
                 json.dump({"pipeline": args.pipeline, "world_size": world, "steps": len(losses),
                            "losses": losses, "checksum": checksum,
                            "steps_per_s": steps_per_s}, out, indent=1)  # fmt: skip
+    dist.barrier()  # leave the group together
     dist.destroy_process_group()
 
 
