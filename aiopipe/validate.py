@@ -115,7 +115,7 @@ def _rule_8_one_wait_per_stream(waits: dict[str, list[tuple[str, str, int]]]) ->
     for consumer, entries in waits.items():
         streams = Counter(stream for _, stream, _ in entries)
         repeated = sorted(s for s, n in streams.items() if n > 1)
-        if repeated:  # pragma: no cover - guards infer_cross_stream_event_deps itself
+        if repeated:  # an internal invariant of infer_cross_stream_event_deps
             raise ScheduleValidationError(
                 8, f"task {consumer!r} would wait more than once on stream(s) {repeated}"
             )
