@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from .blocking import BlockingPipeline as BlockingPipeline
 from .context import TaskContext as TaskContext
+from .errors import BackPressureTimeout as BackPressureTimeout
 from .errors import CollectiveOrderError as CollectiveOrderError
+from .errors import GraphError as GraphError
 from .errors import PipelineError as PipelineError
 from .errors import PipelineStateError as PipelineStateError
+from .errors import PoisonedError as PoisonedError
 from .errors import ScheduleValidationError as ScheduleValidationError
 from .errors import TaskDefinitionError as TaskDefinitionError
 from .errors import TicketAbortedError as TicketAbortedError
@@ -53,6 +56,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AsyncExecutor",
+    "BackPressureTimeout",
     "BasicPipeline",
     "BatchRing",
     "BlockingPipeline",
@@ -60,10 +64,12 @@ __all__ = (
     "DataSlot",
     "Edge",
     "Executor",
+    "GraphError",
     "Pipeline",
     "PipelineError",
     "PipelineStateError",
     "PipelineStatistics",
+    "PoisonedError",
     "SchedulablePipeline",
     "Schedule",
     "ScheduleValidationError",

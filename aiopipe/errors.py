@@ -9,9 +9,12 @@ name and iteration), so ``except ValueError`` around ``progress()`` still catche
 from __future__ import annotations
 
 __all__ = (
+    "BackPressureTimeout",
     "CollectiveOrderError",
+    "GraphError",
     "PipelineError",
     "PipelineStateError",
+    "PoisonedError",
     "ScheduleValidationError",
     "TaskDefinitionError",
     "TicketAbortedError",
@@ -55,3 +58,15 @@ class CollectiveOrderError(PipelineError, RuntimeError):
 class TicketAbortedError(CollectiveOrderError):
     """A collective ticket was abandoned because another task of the same progress
     failed or the progress was cancelled."""
+
+
+class GraphError(PipelineError):
+    """A dynamic task graph (``aiopipe.dag``) cannot do what was asked."""
+
+
+class PoisonedError(GraphError):
+    """A graph task did not run because a task it depends on failed."""
+
+
+class BackPressureTimeout(GraphError, TimeoutError):
+    """``submit`` waited longer than allowed for room in the graph's window."""

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 FORBIDDEN = ("torchrec", "megatron", "fbgemm_gpu", "hstu_tasks")
-ALLOWED_THIRD_PARTY = {"torch", "nvtx", "uvloop"}
+ALLOWED_THIRD_PARTY = {"torch", "nvtx", "uvloop", "exceptiongroup"}  # the last: 3.10 backport
 PACKAGE = Path(__file__).resolve().parents[1] / "aiopipe"
 
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CollectiveOrderError, TicketAbortedError
 from ..plan import ExecutionPlan
 from .base import Step
-from .lanes import LOOP_LANE, Lane, LanePool, ThreadMap, resolve_lane
+from .lanes import LOOP_LANE, Lane, LanePool, ThreadMap, call_on_lane, resolve_lane
 from .order_check import CollectiveOrderCheck
 from .signals import LoopWaker, Signal
 from .tickets import TicketLock, TicketStatistics
@@ -299,7 +298,7 @@ class AsyncExecutor:
         ``run_on_lane`` calls here until it finishes; re-raise its error."""
         done = object()
         outcome: list[BaseException] = []
-        lane_runner = functools.partial(self._call_on_lane, run.waker, lane)
+        lane_runner = functools.partial(call_on_lane, run.waker, lane)
 
         async def body() -> None:
             try:
@@ -322,18 +321,3 @@ class AsyncExecutor:
         lane.run_pending_until(done)
         if outcome:
             raise outcome[0]
-
-    @staticmethod
-    async def _call_on_lane(waker: LoopWaker, lane: Lane, fn: Callable[[], Any]) -> Any:
-        future: asyncio.Future[Any] = waker.loop.create_future()
-
-        def work() -> None:
-            try:
-                result = fn()
-            except BaseException as exc:
-                waker.resolve(future, exc)
-            else:
-                waker.resolve(future, None, result)
-
-        lane.submit(work)
-        return await future

@@ -7,18 +7,20 @@ reserved lane ``"loop"`` is not a thread: its bodies run inline on the event loo
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from ..errors import PipelineStateError
+from .signals import LoopWaker
 
 if TYPE_CHECKING:
     from ..task import Task
 
-__all__ = ("LOOP_LANE", "Lane", "LanePool", "ThreadMap", "resolve_lane")
+__all__ = ("LOOP_LANE", "Lane", "LanePool", "ThreadMap", "call_on_lane", "resolve_lane")
 
 LOOP_LANE = "loop"
 ThreadMap = Union[None, str, Mapping[str, str], Callable[["Task"], str]]
@@ -139,3 +141,19 @@ class LanePool:
 def _post_stop(lanes: dict[str, Lane]) -> None:
     for lane in lanes.values():
         lane.queue.put(_STOP)
+
+
+async def call_on_lane(waker: LoopWaker, lane: Lane, fn: Callable[[], Any]) -> Any:
+    """Run ``fn()`` on ``lane``'s thread and await its result from the loop."""
+    future: asyncio.Future[Any] = waker.loop.create_future()
+
+    def work() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:
+            waker.resolve(future, exc)
+        else:
+            waker.resolve(future, None, result)
+
+    lane.submit(work)
+    return await future

@@ -1,0 +1,293 @@
+"""aiopipe.dag: tags, groups, poisoning, back-pressure, scopes, random DAGs."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import threading
+import time
+import tracemalloc
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import aiopipe
+from aiopipe import BackPressureTimeout, GraphError, PoisonedError
+from aiopipe.dag import INOUT, INPUT, NO_DEP, OUTPUT, OUTPUT_EXISTING, TaskGraph
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+
+    def step(self, name: str, delay: float = 0.0):  # type: ignore[no-untyped-def]
+        def body(*tensors: torch.Tensor) -> str:
+            with self.lock:
+                self.events.append(("start", name))
+            time.sleep(delay)
+            with self.lock:
+                self.events.append(("end", name))
+            return name
+
+        body.__name__ = name
+        return body
+
+    def before(self, first: str, second: str) -> bool:
+        """``first`` ended before ``second`` started."""
+        return self.events.index(("end", first)) < self.events.index(("start", second))
+
+
+async def test_read_after_write_waits_for_the_writer() -> None:
+    log, x = Log(), torch.zeros(4)
+    async with TaskGraph() as graph:
+        await graph.submit(log.step("write", 0.05), OUTPUT(x), lane="a")
+        await graph.submit(log.step("read"), INPUT(x), lane="b")
+    assert log.before("write", "read")
+
+
+async def test_inout_orders_after_the_previous_writer_and_becomes_the_writer() -> None:
+    log, x = Log(), torch.zeros(4)
+    async with TaskGraph() as graph:
+        await graph.submit(log.step("w1", 0.03), OUTPUT(x), lane="a")
+        await graph.submit(log.step("rw", 0.03), INOUT(x), lane="b")
+        await graph.submit(log.step("r"), INPUT(x), lane="c")
+    assert log.before("w1", "rw") and log.before("rw", "r")
+
+
+@pytest.mark.parametrize("tag", [OUTPUT, OUTPUT_EXISTING])
+async def test_output_is_a_pure_overwrite_that_replaces_the_producer(tag: object) -> None:
+    log, x = Log(), torch.zeros(4)
+    release = threading.Event()
+
+    def slow_writer(t: torch.Tensor) -> None:
+        release.wait(5)
+
+    async with TaskGraph() as graph:
+        first = await graph.submit(slow_writer, OUTPUT(x), lane="a", name="first")
+        second = await graph.submit(log.step("second"), tag(x), lane="b")  # type: ignore[operator]
+        assert await second == "second" and not first.done()  # did not wait
+        await graph.submit(log.step("reader"), INPUT(x), lane="c")
+        release.set()
+    assert log.before("second", "reader")  # reads follow the latest writer
+
+
+async def test_no_dep_never_orders() -> None:
+    gate, x = threading.Event(), torch.zeros(2)
+    async with TaskGraph() as graph:
+        await graph.submit(lambda t: gate.wait(5), OUTPUT(x), lane="a")
+        free = await graph.submit(lambda t: "ran", NO_DEP(x), lane="b")
+        assert await free == "ran"
+        gate.set()
+
+
+async def test_tensors_are_keyed_by_their_data_address() -> None:
+    log, x = Log(), torch.zeros(8)
+    gate = threading.Event()
+    async with TaskGraph() as graph:
+        await graph.submit(log.step("write_all", 0.03), OUTPUT(x), lane="a")
+        await graph.submit(log.step("read_view"), INPUT(x[:4]), lane="b")  # same start
+        # disjoint rows of one buffer: independent writers, each awaited by its reader
+        await graph.submit(lambda r: gate.wait(5), OUTPUT(x[4:6]), lane="c")
+        row = await graph.submit(lambda r: "row 6", OUTPUT(x[6:]), lane="d")
+        assert await row == "row 6"
+        reader = await graph.submit(lambda a, b: "both", INPUT(x[4:6]), INPUT(x[6:]), lane="e")
+        await asyncio.sleep(0.05)
+        assert not reader.done()  # still waiting for the gated row
+        gate.set()
+        assert await reader == "both"
+    assert log.before("write_all", "read_view")
+
+
+async def test_values_reach_the_function_untagged_with_keywords() -> None:
+    x, y = torch.ones(3), torch.empty(3)
+
+    def scale(src: torch.Tensor, dst: torch.Tensor, *, factor: float) -> float:
+        dst.copy_(src * factor)
+        return factor
+
+    async with TaskGraph() as graph:
+        handle = await graph.submit(scale, INPUT(x), OUTPUT(y), factor=2.5)
+        assert await handle == 2.5
+    assert y.tolist() == [2.5, 2.5, 2.5]
+
+
+async def test_async_functions_run_on_the_loop() -> None:
+    seen = []
+
+    async def work(x: torch.Tensor) -> str:
+        await asyncio.sleep(0)
+        seen.append(threading.current_thread().name)
+        return "async"
+
+    async with TaskGraph() as graph:
+        assert await (await graph.submit(work, INPUT(torch.zeros(1)))) == "async"
+    assert seen == [threading.current_thread().name]
+
+
+async def test_group_completes_when_every_member_has() -> None:
+    out = [torch.zeros(1) for _ in range(4)]
+
+    def fill(t: torch.Tensor, value: float) -> float:
+        t.fill_(value)
+        return value
+
+    async with TaskGraph() as graph:
+        group = await graph.submit_group(fill, [(OUTPUT(t), float(i)) for i, t in enumerate(out)])
+        total = await graph.submit(lambda *ts: sum(float(t) for t in ts), *(INPUT(t) for t in out))
+        assert await group == [0.0, 1.0, 2.0, 3.0]
+        assert await total == 6.0
+
+
+async def test_group_failure_skips_later_members_and_poisons_consumers() -> None:
+    ran: list[int] = []
+    out = torch.zeros(3)
+
+    def member(t: torch.Tensor, i: int) -> None:
+        ran.append(i)
+        if i == 1:
+            raise ValueError("member 1")
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with TaskGraph() as graph:
+            group = await graph.submit_group(member, [(OUTPUT(out), i) for i in range(3)], name="g")
+            after = await graph.submit(lambda t: None, INPUT(out), name="after")
+            with pytest.raises(ValueError, match="member 1"):
+                await group
+            with pytest.raises(PoisonedError, match="'g'"):
+                await after
+    assert ran == [0, 1]
+    assert [type(e) for e in info.value.exceptions] == [ValueError]
+
+
+async def test_poisoning_spares_unrelated_work_and_scope_reports_originals() -> None:
+    a, b, c = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+
+    def boom(t: torch.Tensor) -> None:
+        raise KeyError("producer broke")
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with TaskGraph() as graph:
+            await graph.submit(boom, OUTPUT(a), name="producer")
+            child = await graph.submit(lambda x, y: None, INPUT(a), OUTPUT(b), name="child")
+            grandchild = await graph.submit(lambda y: None, INPUT(b), name="grandchild")
+            other = await graph.submit(lambda z: "fine", OUTPUT(c), name="other")
+            assert await other == "fine"
+            with pytest.raises(PoisonedError, match="'grandchild' did not run: task 'producer'"):
+                await grandchild
+            with pytest.raises(PoisonedError):
+                await child
+    (error,) = info.value.exceptions
+    assert isinstance(error, KeyError) and error.aiopipe_task == "producer"  # type: ignore[attr-defined]
+
+
+async def test_back_pressure_waits_then_times_out_clearly() -> None:
+    gate = threading.Event()
+    async with TaskGraph(max_in_flight=2, submit_timeout_s=0.2) as graph:
+        await graph.submit(lambda: gate.wait(5))
+        await graph.submit(lambda: gate.wait(5), lane="other")
+        started = time.monotonic()
+        with pytest.raises(BackPressureTimeout, match="max_in_flight=2"):
+            await graph.submit(lambda: None)
+        assert time.monotonic() - started >= 0.2
+        gate.set()
+        await (await graph.submit(lambda: None))  # room again once they finish
+    assert issubclass(BackPressureTimeout, TimeoutError)
+
+
+async def test_submit_outside_the_graph_is_an_error() -> None:
+    graph = TaskGraph()
+    with pytest.raises(GraphError, match="async with"):
+        await graph.submit(lambda: None)
+
+
+async def test_alloc_buffers_are_released_when_unreferenced() -> None:
+    async with TaskGraph() as graph:
+        buffer = graph.alloc((4, 4), torch.float64)
+        assert buffer.dtype == torch.float64 and graph.statistics().live_allocations == 1
+        def fill(t: torch.Tensor) -> None:  # returns nothing: the graph keeps results
+            t.fill_(1)
+
+        await (await graph.submit(fill, OUTPUT_EXISTING(buffer)))
+        assert float(buffer.sum()) == 16
+        del buffer
+        gc.collect()
+        assert graph.statistics().live_allocations == 0
+
+
+@pytest.mark.one_loop
+async def test_scopes_keep_a_long_running_graph_from_growing() -> None:
+    """100 000 submissions: after each scope the graph tracks nothing."""
+    buffers = [torch.zeros(1) for _ in range(64)]
+    async with TaskGraph(max_in_flight=4096) as graph:
+        tracemalloc.start()
+        baseline = None
+        for round_ in range(100):
+            async with graph.scope():
+                for i in range(1000):
+                    t = buffers[(round_ * 7 + i) % 64]
+                    await graph.submit(lambda x: None, INOUT(t), lane="loop")
+            stats = graph.statistics()
+            assert stats.in_flight == 0 and stats.tracked_tensors == 0 and stats.open_scopes == 1
+            if round_ == 10:
+                gc.collect()
+                baseline = tracemalloc.get_traced_memory()[0]
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - (baseline or 0)
+        tracemalloc.stop()
+    assert grown < 1_000_000, f"memory grew by {grown} bytes over 90 000 submissions"
+
+
+@st.composite
+def programs(draw: st.DrawFn) -> list[tuple[str, int, list[int]]]:
+    """Ops over 6 tensors: ("out", dst, srcs) fills a never-written tensor from
+    sources, ("acc", dst, srcs) accumulates into a written one in place.  The tag
+    table orders reads after writes and INOUT after the previous writer; OUTPUT is a
+    pure overwrite and nothing orders writes after reads, so programs avoid both
+    hazards, as a caller must."""
+    ops: list[tuple[str, int, list[int]]] = []
+    written: set[int] = set()
+    read_since_write: set[int] = set()
+    for _ in range(draw(st.integers(1, 25))):
+        srcs = draw(st.lists(st.sampled_from(sorted(written)), max_size=3)) if written else []
+        candidates = [t for t in range(6) if t not in read_since_write and t not in srcs]
+        if not candidates:
+            break
+        dst = draw(st.sampled_from(candidates))
+        kind = "acc" if dst in written else "out"
+        ops.append((kind, dst, srcs))
+        read_since_write |= set(srcs)
+        written.add(dst)
+    return ops
+
+
+def apply(kind: str, dst: torch.Tensor, *srcs: torch.Tensor) -> None:
+    time.sleep(random.random() * 1e-4)
+    total = sum((s * (i + 2) for i, s in enumerate(srcs)), torch.ones(1))
+    if kind == "acc":
+        dst.mul_(3).add_(total)
+    else:
+        dst.copy_(total + 1)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program=programs(), lanes=st.lists(st.sampled_from(["a", "b", "c", "loop"]), min_size=25, max_size=25))
+def test_random_graphs_equal_a_sequential_reference(program: list, lanes: list[str]) -> None:
+    reference = [torch.zeros(1) for _ in range(6)]
+    for kind, dst, srcs in program:
+        apply(kind, reference[dst], *(reference[s] for s in srcs))
+
+    tensors = [torch.zeros(1) for _ in range(6)]
+
+    async def run() -> None:
+        async with TaskGraph() as graph:
+            for (kind, dst, srcs), lane in zip(program, lanes):
+                tag = INOUT if kind == "acc" else OUTPUT
+                await graph.submit(apply, kind, tag(tensors[dst]),
+                                   *(INPUT(tensors[s]) for s in srcs), lane=lane)  # fmt: skip
+
+    aiopipe.run(run())
+    assert [float(t) for t in tensors] == [float(t) for t in reference]
