@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import socket
 import statistics
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +32,8 @@ from hstu_tasks import (  # noqa: E402
     OptimizerConfig,
     SyntheticHSTUData,
     build_training,
-    init_distributed,
+    join_local_group,
+    quiet_torchrec,
 )
 from hstu_tasks.runners import run_pipeline  # noqa: E402
 
@@ -51,13 +49,8 @@ CONFIGS = {
 
 
 def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> None:
-    logging.getLogger("torchrec").setLevel(logging.ERROR)
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(ranks))  # fmt: skip
-    init_distributed()
+    quiet_torchrec()
+    join_local_group(rank, ranks, port)
     config = DataConfig(batch_size=args["batch_size"], max_history=args["max_history"],
                         length_distribution=args["lengths"])  # fmt: skip
     samples: dict[str, list[float]] = {name: [] for name in CONFIGS}

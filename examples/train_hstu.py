@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
-import warnings
 
 import torch.distributed as dist
 from tqdm import tqdm
 
 from hstu_tasks import DataConfig, ModelConfig, OptimizerConfig, SyntheticHSTUData
-from hstu_tasks import build_training, init_distributed
+from hstu_tasks import build_training, init_distributed, quiet_torchrec
 from hstu_tasks.runners import PIPELINES, parameter_checksum, run_pipeline
 
 
@@ -36,17 +34,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def quiet_libraries() -> None:
-    """torchrec's planner and tracer log warnings meant for its own developers."""
-    logging.getLogger("torchrec").setLevel(logging.ERROR)
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module=r"torchrec\..*")
-    warnings.filterwarnings("ignore", message=".*is_fx_tracing.*")
-
-
 def main() -> None:
     args = parse_args()
-    quiet_libraries()
+    quiet_torchrec()
     rank, world = init_distributed()
     data_config = DataConfig(
         batch_size=args.batch_size, max_history=args.max_history,

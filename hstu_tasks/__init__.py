@@ -23,7 +23,9 @@ from .parallel import OptimizerConfig as OptimizerConfig
 from .parallel import TrainingSetup as TrainingSetup
 from .parallel import build_training as build_training
 from .parallel import init_distributed as init_distributed
+from .parallel import join_local_group as join_local_group
 from .parallel import plain_train_step as plain_train_step
+from .parallel import quiet_torchrec as quiet_torchrec
 from .pipeline import HSTU_DEFAULT_THREAD_MAP as HSTU_DEFAULT_THREAD_MAP
 from .pipeline import HSTU_DIST_LANE_THREAD_MAP as HSTU_DIST_LANE_THREAD_MAP
 from .pipeline import HSTUPipeline as HSTUPipeline
@@ -48,5 +50,7 @@ __all__ = (
     "balanced_partition",
     "build_training",
     "init_distributed",
+    "join_local_group",
     "plain_train_step",
+    "quiet_torchrec",
 )

@@ -9,8 +9,10 @@ the loss-token count all-reduced, so every rank differentiates the exact global 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +28,8 @@ from .model import HSTURankingModel, ModelConfig
 
 __all__ = (
     "OptimizerConfig",
+    "join_local_group",
+    "quiet_torchrec",
     "TrainingSetup",
     "build_training",
     "global_loss",
@@ -66,6 +70,25 @@ def init_distributed() -> tuple[int, int]:
         # Several ranks on one CPU: intra-op pools must not oversubscribe the cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     return dist.get_rank(), dist.get_world_size()
+
+
+def join_local_group(rank: int, world_size: int, port: int) -> tuple[int, int]:
+    """Join a group of ``world_size`` processes on this host started without
+    torchrun (e.g. by ``torch.multiprocessing.spawn``), rank 0 serving ``port``."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )  # fmt: skip
+    return init_distributed()
+
+
+def quiet_torchrec() -> None:
+    """torchrec's planner and torch's FX tracer log warnings meant for their own
+    developers on every model build; keep them out of training output."""
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"(torchrec|fbgemm_gpu)\..*")
+    warnings.filterwarnings("ignore", message=".*is_fx_tracing.*")
 
 
 def build_training(

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torchrec.distributed.train_pipeline.pipeline_context import (
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
@@ -46,7 +45,7 @@ from torchrec.distributed.train_pipeline.utils import _start_data_dist
 from aiopipe import Task, TaskContext
 
 from .data import HSTUBatch
-from .parallel import global_loss
+from .parallel import global_loss, global_tokens
 from .shuffler import BatchShuffler
 
 __all__ = ("PipelineState", "build_tasks")
@@ -135,10 +134,7 @@ def build_tasks(state: PipelineState) -> list[Task]:
             state.optimizer.zero_grad()
 
     def global_tokens_allreduce(ctx: TaskContext) -> None:
-        tokens = _batch(ctx).loss_tokens().to(torch.float32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(tokens)
-        ctx.slots.set("global_tokens", tokens)
+        ctx.slots.set("global_tokens", global_tokens(_batch(ctx)))
 
     def nccl_safety_barrier(ctx: TaskContext) -> None:
         # The work is the declared wait: the default stream waits for this progress's

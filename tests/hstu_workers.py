@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
-import logging
 import os
 import sys
-import warnings
 from typing import Any
 
 import pytest
@@ -24,7 +22,8 @@ from hstu_tasks import (
     OptimizerConfig,
     SyntheticHSTUData,
     build_training,
-    init_distributed,
+    join_local_group,
+    quiet_torchrec,
 )
 from hstu_tasks.runners import PIPELINES, parameter_checksum, run_pipeline
 
@@ -34,12 +33,8 @@ STEPS = 6
 
 def join(rank: int, port: int) -> None:
     faulthandler.enable()  # a native abort in a worker shows every thread's stack
-    logging.getLogger("torchrec").setLevel(logging.ERROR)
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")  # fmt: skip
-    init_distributed()
+    quiet_torchrec()
+    join_local_group(rank, 2, port)
 
 
 def finish() -> None:
