@@ -50,6 +50,8 @@ from .schedule import Stage as Stage
 from .streams import StreamPool as StreamPool
 from .task import DataSlot as DataSlot
 from .task import Task as Task
+from .trace import Span as Span
+from .trace import Tracer as Tracer
 from .validate import validate_schedule as validate_schedule
 
 __version__ = "0.1.0"
@@ -75,12 +77,14 @@ __all__ = (
     "ScheduleValidationError",
     "SequentialExecutor",
     "SlotStore",
+    "Span",
     "Stage",
     "StreamPool",
     "Task",
     "TaskContext",
     "TaskDefinitionError",
     "TicketAbortedError",
+    "Tracer",
     "copy_to_host",
     "dependency_edges",
     "infer_cross_stream_event_deps",

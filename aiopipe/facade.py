@@ -13,6 +13,7 @@ from .pipeline import SchedulablePipeline
 from .schedule import Schedule
 from .streams import StreamPool
 from .task import Task
+from .trace import Tracer
 
 __all__ = ("Pipeline",)
 
@@ -35,6 +36,7 @@ class Pipeline(SchedulablePipeline):
         device: torch.device | str | None = None,
         stream_pool: StreamPool | None = None,
         nvtx: bool | Annotator | None = None,
+        trace: bool | Tracer | None = None,
     ) -> None:
         schedule = Schedule.of(tasks)
         if stream_pool is None:
@@ -45,4 +47,4 @@ class Pipeline(SchedulablePipeline):
             executor = AsyncExecutor(thread_map)
         elif executor is None:
             executor = "sequential"
-        super().__init__(schedule, stream_pool, executor, nvtx=nvtx)
+        super().__init__(schedule, stream_pool, executor, nvtx=nvtx, trace=trace)

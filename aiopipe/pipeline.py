@@ -26,6 +26,7 @@ from .schedule import Schedule
 from .source import END, Feed, Source
 from .streams import StreamPool
 from .task import BATCH_SLOT, RESULT_SLOT
+from .trace import Tracer
 from .validate import validate_schedule
 
 if TYPE_CHECKING:
@@ -53,7 +54,8 @@ class SchedulablePipeline:
 
     ``executor`` is ``"sequential"``, ``"async"`` (:class:`AsyncExecutor` with the
     default ``by_stream`` lanes) or an executor instance.  ``stream_pool`` defaults
-    to CPU null streams for every name in ``schedule.stream_slots``.
+    to CPU null streams for every name in ``schedule.stream_slots``.  ``trace=True``
+    (or a shared :class:`~aiopipe.trace.Tracer`) records a span per task run.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class SchedulablePipeline:
         executor: str | Executor = "sequential",
         *,
         nvtx: bool | Annotator | None = None,
+        trace: bool | Tracer | None = None,
     ) -> None:
         if stream_pool is None:
             stream_pool = StreamPool({name: None for name in schedule.stream_slots})
@@ -73,6 +76,11 @@ class SchedulablePipeline:
         self._ring = BatchRing(self._plan.max_lookahead + 1)
         self._ctx = TaskContext(stream_pool)
         self._annotator = resolve_annotator(nvtx)
+        self._tracer = Tracer() if trace is True else (None if trace is False else trace)
+        lane_of = getattr(self._executor, "lane_of", None)
+        self._lanes: tuple[str, ...] = (
+            tuple(lane_of(task.name) for task in self._plan.order) if callable(lane_of) else ()
+        )
         self._feed: Feed | None = None
         self._seed: dict[str, Any] | None = None
         self._initialised = False
@@ -97,6 +105,11 @@ class SchedulablePipeline:
     @property
     def executor(self) -> Executor:
         return self._executor
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The :class:`~aiopipe.trace.Tracer` collecting task spans, if tracing is on."""
+        return self._tracer
 
     @property
     def stream_pool(self) -> StreamPool:
@@ -261,7 +274,7 @@ class SchedulablePipeline:
             iteration = feed.iteration
             step = Step(
                 plan, ring, self._ctx, iteration, plan.active(iteration, feed.pulled),
-                self._annotator,
+                self._annotator, self._tracer, self._lanes,
             )  # fmt: skip
             try:
                 await self._executor.run_step(step)

@@ -31,6 +31,7 @@ from .executors.lanes import ThreadMap
 from .facade import Pipeline
 from .source import Source
 from .task import Task
+from .trace import Tracer
 
 __all__ = ("BasicPipeline", "basic", "move_to_device")
 
@@ -143,6 +144,7 @@ def basic(
     executor: str | Executor | None = None,
     thread_map: ThreadMap = None,
     nvtx: bool | Annotator | None = None,
+    trace: bool | Tracer | None = None,
 ) -> BasicPipeline:
     """A pipeline of the standard training step; each result is what ``loss_fn``
     returned for that batch (tensors detached).
@@ -216,5 +218,6 @@ def basic(
         thread_map=thread_map,
         device=device,
         nvtx=nvtx,
+        trace=trace,
         finish=finish if grad_accumulation > 1 else None,
     )

@@ -1,7 +1,8 @@
 """Engine overhead per task on a 14-task HSTU-shaped schedule of no-op bodies.
 
 Side by side in one run: AsyncExecutor with io/compute lanes, AsyncExecutor with
-every task on the "loop" lane (asyncio and uvloop), SequentialExecutor, and the
+every task on the "loop" lane (asyncio and uvloop), the lanes with tracing on,
+SequentialExecutor, and the
 specification's threaded design (ThreadPoolExecutor + threading.Event per task +
 Condition ticket lock) as a plug-in baseline.
 
@@ -33,6 +34,7 @@ def noop(ctx: object) -> None:
 CONFIGS = {
     "threaded baseline (io/compute)": lambda: ThreadedExecutor(IO_COMPUTE_THREAD_MAP),
     "async io/compute lanes": lambda: AsyncExecutor(IO_COMPUTE_THREAD_MAP),
+    "async io/compute lanes, traced": lambda: AsyncExecutor(IO_COMPUTE_THREAD_MAP),
     "async all on 'loop'": lambda: AsyncExecutor(lambda task: "loop"),
     "sequential": lambda: "sequential",
 }
@@ -40,7 +42,9 @@ LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 def measure(config: str, loop: str, iterations: int) -> float:
-    pipe = SchedulablePipeline(hstu_schedule(lambda name: noop), executor=CONFIGS[config]())
+    pipe = SchedulablePipeline(
+        hstu_schedule(lambda name: noop), executor=CONFIGS[config](), trace=config.endswith("traced")
+    )
     try:
         return run_on(LOOPS[loop], time_progress(pipe, iterations))
     finally:

@@ -16,6 +16,7 @@ import sys
 import torch.distributed as dist
 from tqdm import tqdm
 
+from aiopipe import Tracer
 from hstu_tasks import DataConfig, ModelConfig, OptimizerConfig, SyntheticHSTUData
 from hstu_tasks import build_training, init_distributed, quiet_torchrec
 from hstu_tasks.runners import PIPELINES, parameter_checksum, run_pipeline
@@ -31,6 +32,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-history", type=int, default=48)
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
     parser.add_argument("--json", metavar="PATH", help="write losses, checksum and speed here")
+    parser.add_argument("--trace", metavar="PATH",
+                        help="write a Chrome/Perfetto timeline of the aiopipe tasks here "
+                             "(one file per rank: PATH gets a .rankN suffix when world > 1)")
     return parser.parse_args()
 
 
@@ -49,8 +53,14 @@ def main() -> None:
         print(f"HSTU ranking: {args.pipeline}, {world} rank(s) on {setup.device}, "
               f"{args.steps} steps, {args.optimizer}", flush=True)  # fmt: skip
     bar = tqdm(total=args.steps, disable=rank != 0, unit="step", file=sys.stdout)
-    result = run_pipeline(args.pipeline, setup, data, on_step=lambda step: bar.update(1))
+    tracer = Tracer() if args.trace else None
+    result = run_pipeline(args.pipeline, setup, data, on_step=lambda step: bar.update(1),
+                          tracer=tracer)  # fmt: skip
     bar.close()
+    if tracer is not None:
+        path = args.trace if world == 1 else f"{args.trace}.rank{rank}"
+        tracer.save(path)
+        print(f"rank {rank}: {len(tracer)} task spans written to {path}", flush=True)
     losses = result.global_losses()
     checksum = parameter_checksum(setup.model)
     steps_per_s = len(losses) / result.seconds if result.seconds else 0.0

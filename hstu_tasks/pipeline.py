@@ -32,6 +32,7 @@ from aiopipe import (
     SchedulablePipeline,
     Schedule,
     StreamPool,
+    Tracer,
 )
 from aiopipe.executors.lanes import ThreadMap
 from aiopipe.source import END, Feed, Source
@@ -87,7 +88,8 @@ class HSTUPipeline:
     its dense optimizer (embedding tables update in backward).  ``prefetch=True``
     adds ``prefetch_embeddings`` and keeps ``prefetch_depth + 1`` batches ahead.
     ``thread_map`` defaults to :data:`HSTU_DEFAULT_THREAD_MAP`; ``executor`` may be
-    ``"sequential"`` or an executor instance instead.
+    ``"sequential"`` or an executor instance instead.  ``trace=True`` (or a
+    :class:`aiopipe.Tracer`) records a span per task run (see ``docs/tracing.md``).
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class HSTUPipeline:
         thread_map: ThreadMap = None,
         executor: str | Any = None,
         memory_limit_bytes: int | None = None,
+        trace: bool | Tracer | None = None,
     ) -> None:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
@@ -116,6 +119,8 @@ class HSTUPipeline:
         )
         self._thread_map = thread_map if thread_map is not None else HSTU_DEFAULT_THREAD_MAP
         self._executor_choice = executor
+        # One tracer for the pipeline's lifetime: detach/attach rebuilds keep adding to it.
+        self._tracer = Tracer() if trace is True else (None if trace is False else trace)
         self._engine: SchedulablePipeline | None = None
         self._original_forwards: list[Any] = []
         self._original_kjt_dist_forwards: list[Any] = []
@@ -127,6 +132,11 @@ class HSTUPipeline:
     @property
     def model(self) -> torch.nn.Module:
         return self._state.model
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The tracer collecting task spans (``trace=`` at construction), if any."""
+        return self._tracer
 
     @property
     def engine(self) -> SchedulablePipeline | None:
@@ -235,7 +245,7 @@ class HSTUPipeline:
         self._original_kjt_dist_forwards = _override_input_dist_forwards(modules)
         executor = self._executor_choice or AsyncExecutor(self._thread_map)
         schedule = Schedule.of(build_tasks(state), stream_slots=STREAMS)
-        self._engine = SchedulablePipeline(schedule, pool, executor)
+        self._engine = SchedulablePipeline(schedule, pool, executor, trace=self._tracer)
         self._engine.seed_first_batch(seed)
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from aiopipe import run
+from aiopipe import Tracer, run
 from aiopipe.executors.lanes import ThreadMap
 
 from .data import HSTUBatch
@@ -65,11 +65,11 @@ def parameter_checksum(model: torch.nn.Module) -> float:
 
 def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
              result: RunResult, on_step: Progress, thread_map: ThreadMap,
-             shuffler: BatchShuffler | None) -> None:  # fmt: skip
+             shuffler: BatchShuffler | None, tracer: Tracer | None) -> None:  # fmt: skip
     name = "hstu_prefetch_sparse_dist" if prefetch else "hstu_sparse_dist"
     pipe = HSTUPipelineFactory.create(
         name, model=setup.model, optimizer=setup.optimizer, device=setup.device,
-        thread_map=thread_map, batch_shuffler=shuffler,
+        thread_map=thread_map, batch_shuffler=shuffler, trace=tracer,
     )  # fmt: skip
 
     async def train() -> None:
@@ -114,13 +114,16 @@ def run_pipeline(
     on_step: Progress = lambda step: None,
     thread_map: ThreadMap = None,
     shuffler: BatchShuffler | None = None,
+    tracer: Tracer | None = None,
 ) -> RunResult:
-    """Train ``data`` with ``mode``; ``thread_map`` and ``shuffler`` apply to the
-    aiopipe modes (defaults: ``HSTU_DEFAULT_THREAD_MAP``, no shuffling)."""
+    """Train ``data`` with ``mode``; ``thread_map``, ``shuffler`` and ``tracer`` apply
+    to the aiopipe modes (defaults: ``HSTU_DEFAULT_THREAD_MAP``, no shuffling, no
+    tracing)."""
     result = RunResult()
     start = time.perf_counter()
     if mode in ("aiopipe", "aiopipe-prefetch"):
-        _aiopipe(setup, data, mode == "aiopipe-prefetch", result, on_step, thread_map, shuffler)
+        _aiopipe(setup, data, mode == "aiopipe-prefetch", result, on_step, thread_map, shuffler,
+                 tracer)  # fmt: skip
     elif mode == "torchrec":
         _torchrec(setup, data, result, on_step)
     elif mode == "none":

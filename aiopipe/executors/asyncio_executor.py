@@ -243,11 +243,14 @@ class AsyncExecutor:
         step, layout = run.step, run.layout
         is_async = step.plan.is_async
         for i in chain:
-            for p in layout.cross_preds.get(i, ()):
+            ticket = layout.tickets.get(i)
+            cross_preds = layout.cross_preds.get(i, ())
+            if step.tracing and (cross_preds or ticket is not None):
+                step.mark_ready(i)
+            for p in cross_preds:
                 await run.signals[p].wait()  # set on failure too: never waits forever
             if run.failed:
                 return
-            ticket = layout.tickets.get(i)
             try:
                 if ticket is not None:
                     await run.tickets.acquire(ticket)
@@ -268,11 +271,14 @@ class AsyncExecutor:
         is_async = step.plan.is_async
         try:
             for i in chain:
-                for p in layout.cross_preds.get(i, ()):
+                ticket = layout.tickets.get(i)
+                cross_preds = layout.cross_preds.get(i, ())
+                if step.tracing and (cross_preds or ticket is not None):
+                    step.mark_ready(i)
+                for p in cross_preds:
                     run.signals[p].wait_blocking()  # set on failure too
                 if run.failed:
                     return
-                ticket = layout.tickets.get(i)
                 try:
                     if ticket is not None:
                         run.tickets.acquire_blocking(ticket)

@@ -22,15 +22,19 @@ after every started task has finished.
 from __future__ import annotations
 
 import inspect
+import threading
+import time
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..context import CURRENT, LaneRunner, Running, TaskContext
 from ..errors import TaskDefinitionError
 from ..plan import ActiveSet, ExecutionPlan
 from ..ring import BatchRing
+from ..trace import lane_of_thread
 
 if TYPE_CHECKING:
     from .._nvtx import Annotator
+    from ..trace import Tracer
 
 __all__ = ("Executor", "Step", "annotate_failure")
 
@@ -60,7 +64,10 @@ def annotate_failure(exc: BaseException, task_name: str, iteration: int, batch: 
 class Step:
     """The active tasks of one internal iteration and the means to run them."""
 
-    __slots__ = ("_annotator", "_ctx", "_ring", "active", "iteration", "plan", "started")
+    __slots__ = (
+        "_annotator", "_ctx", "_lanes", "_ready_ns", "_ring", "_tracer", "active", "iteration",
+        "plan", "started",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -70,6 +77,8 @@ class Step:
         iteration: int,
         active: ActiveSet,
         annotator: Annotator | None = None,
+        tracer: Tracer | None = None,
+        lanes: tuple[str, ...] = (),
     ) -> None:
         self.plan = plan
         self.iteration = iteration
@@ -79,6 +88,19 @@ class Step:
         self._ring = ring
         self._ctx = ctx
         self._annotator = annotator
+        #: With tracing on: where each task runs, and when its lane reached it.
+        self._tracer = tracer
+        self._lanes = lanes
+        self._ready_ns: dict[int, int] = {}
+
+    @property
+    def tracing(self) -> bool:
+        return self._tracer is not None
+
+    def mark_ready(self, index: int) -> None:
+        """Executors call this (when ``tracing``) before waiting on another lane or a
+        ticket, so the trace can show the wait."""
+        self._ready_ns[index] = time.perf_counter_ns()
 
     def batch_index(self, index: int) -> int:
         return self.iteration - self.plan.lag[index]
@@ -116,6 +138,18 @@ class Step:
 
     def invoke(self, index: int, run_on_lane: LaneRunner | None = None) -> None:
         """Run the synchronous body of task ``index`` on the calling thread."""
+        if self._tracer is None:
+            self._invoke(index, run_on_lane)
+            return
+        gpu_events = self._gpu_timing_start(index)
+        start, failed = time.perf_counter_ns(), True
+        try:
+            self._invoke(index, run_on_lane)
+            failed = False
+        finally:
+            self._trace(index, start, failed, gpu_events)
+
+    def _invoke(self, index: int, run_on_lane: LaneRunner | None) -> None:
         # The hot path of every executor: kept flat, with stream and event work
         # skipped entirely where the plan says there is none.
         plan = self.plan
@@ -168,6 +202,17 @@ class Step:
         other coroutines interleave at every ``await``.  The body reaches its stream
         through ``ctx.run_on_lane``; its event waits are issued on the stream first.
         """
+        if self._tracer is None:
+            await self._invoke_async(index, run_on_lane)
+            return
+        start, failed = time.perf_counter_ns(), True
+        try:
+            await self._invoke_async(index, run_on_lane)
+            failed = False
+        finally:
+            self._trace(index, start, failed, None)
+
+    async def _invoke_async(self, index: int, run_on_lane: LaneRunner | None) -> None:
         plan = self.plan
         task = plan.order[index]
         token = self._enter(index, run_on_lane)
@@ -186,3 +231,39 @@ class Step:
             if annotator is not None:
                 annotator.end(handle)
             CURRENT.reset(token)
+
+    # -- tracing (only with a tracer) ----------------------------------------------------
+
+    def _gpu_timing_start(self, index: int) -> tuple[Any, Any] | None:
+        tracer, plan = self._tracer, self.plan
+        if tracer is None or not tracer.gpu_timing or not plan.on_device[index]:
+            return None
+        stream = plan.stream_pool.get(plan.stream[index])
+        if stream is None:
+            return None
+        begin = tracer.gpu_event()
+        stream.record_event(begin)
+        tracer.note_gpu_origin(begin, time.perf_counter_ns())
+        return begin, stream
+
+    def _trace(
+        self, index: int, start: int, failed: bool, gpu_started: tuple[Any, Any] | None
+    ) -> None:
+        tracer, plan = self._tracer, self.plan
+        if tracer is None:
+            return
+        end = time.perf_counter_ns()
+        gpu_events = None
+        if gpu_started is not None:
+            begin, stream = gpu_started
+            finish = tracer.gpu_event()
+            stream.record_event(finish)
+            gpu_events = (begin, finish)
+        thread = threading.current_thread().name
+        ready = self._ready_ns.pop(index, start) if self._ready_ns else start
+        tracer.append((
+            plan.order[index].name, self.iteration, self.iteration - plan.lag[index],
+            self._lanes[index] if self._lanes else lane_of_thread(thread), thread,
+            plan.stream[index], start, end, start - ready if ready < start else 0, failed,
+            gpu_events,
+        ))  # fmt: skip

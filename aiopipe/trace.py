@@ -1,0 +1,285 @@
+"""Timeline tracing: one span per task run, exported as Chrome-trace JSON.
+
+Switch it on per pipeline with ``SchedulablePipeline(..., trace=True)`` (or pass a
+:class:`Tracer` to share one between pipelines), run some progresses, then
+``pipe.tracer.save("trace.json")`` and open the file in Perfetto
+(https://ui.perfetto.dev) or ``chrome://tracing``.  With tracing off the executors
+skip this module entirely.
+
+Each :class:`Span` says which task ran, for which iteration and batch, on which lane
+and thread, under which stream, when it started and ended (``time.perf_counter_ns``)
+and how long it was ready but waiting on another lane or a collective ticket.  On a
+GPU, ``Tracer(gpu_timing=True)`` also records a pair of timing events around each
+device task, so the span carries the stream's time for it (``gpu_ms``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ("Span", "Tracer", "merge_traces")
+
+_LANE_THREAD_PREFIX = "aiopipe-lane-"
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One run of one task body."""
+
+    task: str
+    iteration: int
+    batch: int
+    #: The lane the thread map gave the task; ``"loop"`` for the event loop.
+    lane: str
+    #: The thread that actually ran the body (async bodies run on the loop's thread).
+    thread: str
+    stream: str | None
+    start_ns: int
+    end_ns: int
+    #: Ready (the lane reached it) but blocked on another lane's task or a ticket.
+    wait_ns: int = 0
+    #: Device time between timing events recorded on the task's stream, when measured.
+    gpu_ms: float | None = None
+    #: When the stream reached the task, on the host clock; ``None`` without GPU timing.
+    gpu_start_ns: int | None = None
+    failed: bool = False
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+#: What Step hands over per task run, turned into a Span only when read:
+#: (task, iteration, batch, lane, thread, stream, start_ns, end_ns, wait_ns, failed,
+#:  gpu_events or None).  Appending a tuple to a deque keeps tracing cheap on lanes.
+RawSpan = tuple[str, int, int, str, str, "str | None", int, int, int, bool, Any]
+
+
+class Tracer:
+    """Collects :class:`Span` objects from every pipeline it is given to.
+
+    ``max_spans`` bounds memory in long runs: the oldest spans are dropped first
+    (``dropped`` counts them).  ``gpu_timing=True`` records timing events on the
+    stream of every device task; ``event_factory`` makes those events (default
+    ``torch.cuda.Event(enable_timing=True)``; any object with ``elapsed_time`` and
+    ``synchronize`` that the stream's ``record_event`` accepts works).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_spans: int = 1_000_000,
+        gpu_timing: bool = False,
+        event_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        if max_spans < 1:
+            raise ValueError(f"max_spans must be >= 1, got {max_spans}")
+        self.max_spans = max_spans
+        self.gpu_timing = gpu_timing
+        self._event_factory = event_factory
+        self._raw: collections.deque[RawSpan] = collections.deque(maxlen=max_spans)
+        self._lock = threading.Lock()  # uncontended in practice: ~0.1 us per span
+        self._recorded = 0
+        self._gpu_origin: tuple[Any, int] | None = None  # (event, host ns when recorded)
+        # perf_counter_ns is per process; exported times add this offset so traces
+        # of several ranks on one host line up.
+        self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
+
+    # -- recording (called by Step, from any thread) -------------------------------------
+
+    def append(self, raw: RawSpan) -> None:
+        with self._lock:
+            self._recorded += 1
+            self._raw.append(raw)
+
+    def record(self, span: Span) -> None:
+        """Add a finished span (for spans measured outside a pipeline)."""
+        self.append((
+            span.task, span.iteration, span.batch, span.lane, span.thread, span.stream,
+            span.start_ns, span.end_ns, span.wait_ns, span.failed, None,
+        ))  # fmt: skip
+
+    def gpu_event(self) -> Any:
+        """A timing event for a device task (the first one becomes the time origin)."""
+        if self._event_factory is not None:
+            return self._event_factory()
+        import torch
+
+        return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+    def note_gpu_origin(self, event: Any, host_ns: int) -> None:
+        if self._gpu_origin is None:
+            self._gpu_origin = (event, host_ns)
+
+    # -- reading -----------------------------------------------------------------------
+
+    @property
+    def spans(self) -> list[Span]:
+        """All spans kept so far, oldest first (waits for pending GPU timings)."""
+        with self._lock:
+            raws = list(self._raw)
+        return [self._span(raw) for raw in raws]
+
+    @property
+    def dropped(self) -> int:
+        """Spans dropped to stay within ``max_spans``."""
+        with self._lock:
+            return self._recorded - len(self._raw)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._raw.clear()
+            self._recorded = 0
+
+    def _span(self, raw: RawSpan) -> Span:
+        task, iteration, batch, lane, thread, stream, start, end, wait, failed, gpu = raw
+        gpu_ms = gpu_start = None
+        if gpu is not None:
+            begin, finish = gpu
+            finish.synchronize()
+            gpu_ms = float(begin.elapsed_time(finish))
+            origin = self._gpu_origin
+            if origin is not None:
+                gpu_start = origin[1] + int(float(origin[0].elapsed_time(begin)) * 1e6)
+        return Span(task, iteration, batch, lane, thread, stream, start, end, wait,
+                    gpu_ms, gpu_start, failed)  # fmt: skip
+
+    # -- export ------------------------------------------------------------------------
+
+    def chrome_trace(self, *, process_name: str | None = None, pid: int | None = None) -> dict[str, Any]:
+        """The spans as a Chrome-trace / Perfetto JSON object.
+
+        One process (``pid``: the distributed rank when a process group is up, else the
+        OS pid), one track per lane, plus one track per stream for GPU times; waiting
+        shows as its own ``wait`` slice just before the task's slice.
+        """
+        spans = self.spans
+        default_pid, default_name = _default_process()
+        if pid is None:
+            pid = default_pid
+        if process_name is None:
+            process_name = default_name
+        tracks: dict[str, int] = {}
+
+        def tid(name: str) -> int:
+            return tracks.setdefault(name, len(tracks) + 1)
+
+        offset = self._wall_offset_ns
+        events: list[dict[str, Any]] = []
+        for span in spans:
+            track = tid(f"lane {span.lane}")
+            args = {
+                "iteration": span.iteration,
+                "batch": span.batch,
+                "stream": span.stream,
+                "thread": span.thread,
+                "wait_us": span.wait_ns / 1e3,
+            }
+            if span.failed:
+                args["failed"] = True
+            if span.wait_ns:
+                events.append(_slice(
+                    f"wait {span.task}", "wait", pid, track,
+                    span.start_ns - span.wait_ns + offset, span.wait_ns, args,
+                    colour="grey",
+                ))  # fmt: skip
+            events.append(_slice(
+                span.task, "task", pid, track, span.start_ns + offset, span.duration_ns,
+                args, colour="terrible" if span.failed else None,
+            ))  # fmt: skip
+            if span.gpu_ms is not None and span.gpu_start_ns is not None:
+                events.append(_slice(
+                    span.task, "gpu", pid, tid(f"stream {span.stream}"),
+                    span.gpu_start_ns + offset, int(span.gpu_ms * 1e6), args,
+                ))  # fmt: skip
+        meta: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process_name}}
+        ]
+        for name, number in tracks.items():
+            meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": number,
+                         "args": {"name": name}})  # fmt: skip
+            meta.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": number,
+                         "args": {"sort_index": number}})  # fmt: skip
+        return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+
+    def save(self, path: str | os.PathLike[str], **kwargs: Any) -> Path:
+        """Write :meth:`chrome_trace` to ``path`` and return it."""
+        target = Path(path)
+        target.write_text(json.dumps(self.chrome_trace(**kwargs)))
+        return target
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per task, in first-seen order: runs, median and mean host ms, mean wait ms,
+        failures -- the table ``aiopipe trace`` prints."""
+        by_task: dict[str, list[Span]] = {}
+        for span in self.spans:
+            by_task.setdefault(span.task, []).append(span)
+        rows = []
+        for task, spans in by_task.items():
+            durations = sorted(s.duration_ns / 1e6 for s in spans)
+            rows.append({
+                "task": task,
+                "lane": spans[-1].lane,
+                "stream": spans[-1].stream,
+                "runs": len(spans),
+                "median_ms": durations[len(durations) // 2],
+                "mean_ms": sum(durations) / len(durations),
+                "mean_wait_ms": sum(s.wait_ns for s in spans) / len(spans) / 1e6,
+                "failed": sum(s.failed for s in spans),
+            })  # fmt: skip
+        return rows
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __repr__(self) -> str:
+        return f"<Tracer spans={len(self._raw)} dropped={self.dropped}>"
+
+
+def merge_traces(paths: Iterable[str | os.PathLike[str]], output: str | os.PathLike[str]) -> Path:
+    """Join per-rank trace files into one (each rank keeps its own process row)."""
+    events: list[Any] = []
+    for path in paths:
+        events.extend(json.loads(Path(path).read_text())["traceEvents"])
+    target = Path(output)
+    target.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return target
+
+
+def lane_of_thread(name: str) -> str:
+    """The lane a thread serves: a lane thread's name, or ``"loop"``."""
+    return name[len(_LANE_THREAD_PREFIX):] if name.startswith(_LANE_THREAD_PREFIX) else "loop"
+
+
+def _slice(
+    name: str, category: str, pid: int, tid: int, start_ns: int, duration_ns: int,
+    args: dict[str, Any], colour: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    event: dict[str, Any] = {
+        "name": name, "cat": category, "ph": "X", "pid": pid, "tid": tid,
+        "ts": start_ns / 1e3, "dur": max(duration_ns, 0) / 1e3, "args": args,
+    }  # fmt: skip
+    if colour is not None:
+        event["cname"] = colour
+    return event
+
+
+def _default_process() -> tuple[int, str]:
+    """The distributed rank when a process group is up, else the OS pid."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank = int(dist.get_rank())
+            return rank, f"aiopipe rank {rank}"
+    except Exception:  # a broken process group must not break tracing
+        pass
+    return os.getpid(), f"aiopipe pid {os.getpid()}"

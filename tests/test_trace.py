@@ -1,0 +1,228 @@
+"""Timeline tracing: spans per task run, waits, failures, GPU timing, Chrome-trace export."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Recorder, collect
+
+from aiopipe import Pipeline, StreamPool, Task, TaskContext, Tracer
+from aiopipe.trace import Span, merge_traces
+
+THREAD_MAP = {"load": "io", "prep": "io", "train": "compute", "step": "compute"}
+
+
+def four_tasks(recorder: Recorder) -> list[Task]:
+    return [
+        recorder.task("load", lookahead=2, stream="io", reads=("batch_cpu",), writes=("raw",)),
+        recorder.task("prep", lookahead=1, stream="io", reads=("raw",), writes=("x",)),
+        recorder.task("train", reads=("x",), writes=("y",)),
+        recorder.task("step", reads=("y",), writes=("step_result",)),
+    ]
+
+
+async def test_one_span_per_task_and_batch_on_the_mapped_lane(recorder: Recorder) -> None:
+    async with Pipeline(four_tasks(recorder), thread_map=THREAD_MAP, trace=True) as pipe:
+        results = await collect(pipe, iter(range(6)))
+    assert results == [f"result-{b}" for b in range(6)]
+    tracer = pipe.tracer
+    assert tracer is not None
+    spans = tracer.spans
+    assert sorted((s.task, s.batch) for s in spans) == sorted(
+        (t, b) for t in THREAD_MAP for b in range(6)
+    )
+    for span in spans:
+        assert span.lane == THREAD_MAP[span.task]
+        assert span.thread == f"aiopipe-lane-{span.lane}"
+        assert span.start_ns <= span.end_ns
+        assert not span.failed
+        # batch b enters at iteration b; a task of lookahead L (of max 2) runs it 2 - L later
+        lookahead = {"load": 2, "prep": 1}.get(span.task, 0)
+        assert span.iteration == span.batch + 2 - lookahead
+    # the recorded threads are the ones the bodies really ran on
+    for task in THREAD_MAP:
+        assert recorder.threads_of(task) == {f"aiopipe-lane-{THREAD_MAP[task]}"}
+
+
+async def test_tracing_is_off_by_default(recorder: Recorder) -> None:
+    async with Pipeline(four_tasks(recorder), thread_map=THREAD_MAP) as pipe:
+        await collect(pipe, iter(range(3)))
+    assert pipe.tracer is None
+
+
+async def test_an_empty_shared_tracer_is_used_not_dropped(recorder: Recorder) -> None:
+    tracer = Tracer()
+    assert len(tracer) == 0
+    async with Pipeline(four_tasks(recorder), executor="sequential", trace=tracer) as pipe:
+        await collect(pipe, iter(range(2)))
+    assert pipe.tracer is tracer
+    assert {s.lane for s in tracer.spans} == {"loop"}
+    assert len(tracer) == 8
+
+
+def slow_then_after(seconds: float) -> list[Task]:
+    """``slow`` on one lane, then ``after`` (which needs its slot) on another."""
+
+    def slow(ctx: TaskContext) -> None:
+        time.sleep(seconds)
+        ctx.slots.set("a", 1)
+
+    def after(ctx: TaskContext) -> None:
+        ctx.slots.set("step_result", ctx.slots["a"])
+
+    return [
+        Task.from_fn("slow", slow, writes=("a",)),
+        Task.from_fn("after", after, reads=("a",), writes=("step_result",)),
+    ]
+
+
+async def test_waiting_on_another_lane_is_measured() -> None:
+    tasks = slow_then_after(0.03)
+    async with Pipeline(tasks, thread_map={"slow": "a", "after": "b"}, trace=True) as pipe:
+        await collect(pipe, iter(range(3)))
+    assert pipe.tracer is not None
+    spans = pipe.tracer.spans
+    waits = [s.wait_ns for s in spans if s.task == "after"]
+    assert len(waits) == 3 and min(waits) >= 20_000_000, waits
+    assert all(s.wait_ns == 0 for s in spans if s.task == "slow")
+    by_batch = {(s.task, s.batch): s for s in spans}
+    for b in range(3):
+        assert by_batch["after", b].start_ns >= by_batch["slow", b].end_ns
+
+
+async def test_async_bodies_and_failures_are_traced() -> None:
+    async def fetch(ctx: TaskContext) -> None:
+        await asyncio.sleep(0.005)
+        if ctx.batch_index == 2:
+            raise ValueError("bad batch")
+        ctx.slots.set("step_result", ctx.batch_index)
+
+    tasks = [Task.from_fn("fetch", fetch, writes=("step_result",))]
+    async with Pipeline(tasks, thread_map={"fetch": "io"}, trace=True) as pipe:
+        source = iter(range(5))
+        assert await pipe.progress(source) == 0
+        assert await pipe.progress(source) == 1
+        with pytest.raises(ValueError, match="bad batch"):
+            await pipe.progress(source)
+    assert pipe.tracer is not None
+    spans = pipe.tracer.spans
+    assert [(s.batch, s.failed) for s in spans] == [(0, False), (1, False), (2, True)]
+    assert all(s.lane == "io" and s.duration_ns >= 4_000_000 for s in spans)
+    # async bodies run on the loop's thread, whatever their lane
+    assert all(not s.thread.startswith("aiopipe-lane") for s in spans)
+
+
+def test_max_spans_keeps_the_newest() -> None:
+    tracer = Tracer(max_spans=3)
+    for i in range(5):
+        tracer.record(Span("t", i, i, "loop", "main", None, i, i + 1))
+    assert [s.iteration for s in tracer.spans] == [2, 3, 4]
+    assert tracer.dropped == 2
+    with pytest.raises(ValueError):
+        Tracer(max_spans=0)
+
+
+async def test_chrome_trace_has_a_track_per_lane_and_wait_slices(tmp_path: Path) -> None:
+    tasks = slow_then_after(0.01)
+    async with Pipeline(tasks, thread_map={"slow": "a", "after": "b"}, trace=True) as pipe:
+        await collect(pipe, iter(range(2)))
+    assert pipe.tracer is not None
+    path = pipe.tracer.save(tmp_path / "trace.json", pid=7, process_name="rank 7")
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert sorted(names.values()) == ["lane a", "lane b"]
+    slices = [e for e in events if e["ph"] == "X"]
+    tasks_by_track = {(e["name"], names[e["tid"]]) for e in slices if e["cat"] == "task"}
+    assert tasks_by_track == {("slow", "lane a"), ("after", "lane b")}
+    waits = [e for e in slices if e["cat"] == "wait"]
+    assert len(waits) == 2 and all(e["dur"] >= 5_000 for e in waits)  # microseconds
+    assert all(e["pid"] == 7 for e in events)
+    assert {e["args"]["batch"] for e in slices if e["cat"] == "task"} == {0, 1}
+    # a wait slice ends where its task's slice starts
+    for wait in waits:
+        task = next(e for e in slices if e["cat"] == "task" and e["name"] == "after"
+                    and e["args"]["batch"] == wait["args"]["batch"])  # fmt: skip
+        assert wait["ts"] + wait["dur"] == pytest.approx(task["ts"], abs=1.0)
+
+    merged = merge_traces([path, path], tmp_path / "merged.json")
+    assert len(json.loads(merged.read_text())["traceEvents"]) == 2 * len(events)
+
+
+class TimingEvent:
+    """Stands in for a CUDA timing event: stamped when its stream records it."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def record_on(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, other: TimingEvent) -> float:
+        assert self.at is not None and other.at is not None
+        return (other.at - self.at) * 1e3
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class TimingStream:
+    def record_event(self, event: Any = None) -> Any:
+        event = event if event is not None else TimingEvent()
+        event.record_on()
+        return event
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+
+async def test_gpu_timing_events_bracket_device_tasks() -> None:
+    def compute(ctx: TaskContext) -> None:
+        time.sleep(0.01)
+        ctx.slots.set("step_result", ctx.batch_index)
+
+    def host(ctx: TaskContext) -> None:
+        ctx.slots.set("h", 1)
+
+    tasks = [
+        Task.from_fn("host", host, stream="cpu", writes=("h",)),
+        Task.from_fn("compute", compute, stream="gpu", reads=("h",), writes=("step_result",)),
+    ]
+    pool = StreamPool({"gpu": TimingStream(), "cpu": None})
+    tracer = Tracer(gpu_timing=True, event_factory=TimingEvent)
+    async with Pipeline(tasks, stream_pool=pool, thread_map={"host": "a", "compute": "b"},
+                        trace=tracer) as pipe:  # fmt: skip
+        assert await collect(pipe, iter(range(3))) == [0, 1, 2]
+    spans = {(s.task, s.batch): s for s in tracer.spans}
+    for b in range(3):
+        assert spans["host", b].gpu_ms is None
+        device = spans["compute", b]
+        assert device.stream == "gpu"
+        assert device.gpu_ms is not None and device.gpu_ms >= 9.0
+        assert device.gpu_start_ns is not None
+    gpu_slices = [e for e in tracer.chrome_trace()["traceEvents"] if e.get("cat") == "gpu"]
+    assert len(gpu_slices) == 3
+
+
+def test_summary_aggregates_per_task() -> None:
+    tracer = Tracer()
+    for i, (task, ms, wait_ms) in enumerate([("a", 1, 0), ("a", 3, 2), ("a", 2, 0), ("b", 5, 1)]):
+        start = i * 10_000_000
+        tracer.record(Span(task, i, i, "io", "t", "s", start, start + ms * 1_000_000,
+                           wait_ns=wait_ms * 1_000_000, failed=task == "b"))  # fmt: skip
+    rows = {row["task"]: row for row in tracer.summary()}
+    assert rows["a"]["runs"] == 3 and rows["a"]["median_ms"] == 2 and rows["a"]["mean_ms"] == 2
+    assert rows["a"]["mean_wait_ms"] == pytest.approx(2 / 3)
+    assert rows["b"]["failed"] == 1 and rows["b"]["lane"] == "io"
+    assert list(rows) == ["a", "b"]
