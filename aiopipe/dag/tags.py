@@ -25,6 +25,9 @@ __all__ = ("INOUT", "INPUT", "NO_DEP", "OUTPUT", "OUTPUT_EXISTING", "Tag", "Tagg
 
 
 class Tag(enum.Enum):
+    """How a submitted function uses a tensor argument: what it waits for and what it
+    makes later readers wait for (see ``docs/dag.md``)."""
+
     INPUT = "input"
     OUTPUT = "output"
     INOUT = "inout"

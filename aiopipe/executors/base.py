@@ -41,6 +41,9 @@ __all__ = ("Executor", "Step", "annotate_failure")
 
 @runtime_checkable
 class Executor(Protocol):
+    """What a pipeline needs from an executor: ``bind`` once, ``run_step`` per
+    iteration, ``shutdown`` (idempotent).  See this module's docstring."""
+
     def bind(self, plan: ExecutionPlan) -> None: ...
 
     async def run_step(self, step: Step) -> None: ...

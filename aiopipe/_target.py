@@ -1,0 +1,179 @@
+"""Loading a command-line target, ``MODULE:FUNC`` or ``FILE.py:FUNC``: see
+:func:`load_target`.  Public through :mod:`aiopipe.cli`."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import PipelineError
+from .executors import AsyncExecutor
+from .executors.lanes import ThreadMap
+from .pipeline import SchedulablePipeline
+from .schedule import Schedule
+from .streams import StreamPool
+from .task import Task
+from .trace import Tracer
+
+__all__ = ("Target", "TargetError", "load_target", "parse_thread_map")
+
+
+class TargetError(PipelineError, ValueError):
+    """A ``MODULE:FUNC`` target could not be found, imported or understood."""
+
+
+@dataclass
+class Target:
+    """What a ``MODULE:FUNC`` target gave: always a schedule, and whatever else it
+    brought (a pipeline, its thread map and streams, batches to run)."""
+
+    spec: str
+    schedule: Schedule
+    pipeline: SchedulablePipeline | None = None
+    batches: Iterable[Any] | None = None
+    thread_map: ThreadMap = None
+    stream_pool: StreamPool | None = None
+
+
+def _import_module(location: str) -> Any:
+    if location.endswith(".py") or os.sep in location or "/" in location:
+        path = Path(location).resolve()
+        if not path.is_file():
+            raise TargetError(f"no such file: {location}")
+        folder = str(path.parent)
+        if folder not in sys.path:  # sibling imports work as when running the file
+            sys.path.insert(0, folder)
+        name = path.stem
+        loaded = sys.modules.get(name)
+        if loaded is not None and getattr(loaded, "__file__", None) != str(path):
+            name = f"_aiopipe_target_{path.stem}"  # keep an imported namesake intact
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise TargetError(f"cannot import {location} as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickling look modules up by name
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        return module
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does
+    try:
+        return importlib.import_module(location)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if location == missing or location.startswith(missing + "."):
+            raise TargetError(
+                f"cannot import module {location!r} ({exc}); run from the folder that holds "
+                f"it, or name a file: path/to/file.py:FUNC"
+            ) from None
+        raise
+
+
+def _on_loop(task: Task) -> str:
+    return "loop"
+
+
+def _normalise(spec: str, value: Any) -> Target:
+    def form(obj: Any) -> Target | None:
+        if isinstance(obj, Schedule):
+            return Target(spec, obj)
+        if isinstance(obj, SchedulablePipeline):
+            # Only the async executor has lanes; the others run every body on the loop.
+            lanes: ThreadMap = (obj.executor.thread_map if isinstance(obj.executor, AsyncExecutor)
+                                else _on_loop)  # fmt: skip
+            return Target(spec, obj.schedule, pipeline=obj, thread_map=lanes,
+                          stream_pool=obj.stream_pool)
+        if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, Task) for t in obj):
+            return Target(spec, Schedule.of(obj))
+        return None
+
+    target = form(value)
+    if target is None and isinstance(value, tuple) and len(value) == 2:
+        target = form(value[0])
+        if target is not None:
+            if not isinstance(value[1], Iterable):
+                raise TargetError(f"{spec}: the second item of the pair must be an iterable "
+                                  f"of batches, got {type(value[1]).__name__}")  # fmt: skip
+            target.batches = value[1]
+    if target is None:
+        raise TargetError(
+            f"{spec} gave a {type(value).__name__}; expected a Schedule, a list of Tasks, a "
+            f"SchedulablePipeline, or a pair (one of those, batches)"
+        )
+    return target
+
+
+def load_target(spec: str, *, tracer: Tracer | None = None) -> Target:
+    """Import and resolve a command-line target; raise :class:`TargetError` when it
+    cannot be found, imported or understood.
+
+    ``MODULE:FUNC`` is imported with the current directory on ``sys.path`` (as
+    ``python -m`` does); ``FILE.py:FUNC`` is loaded from the file, whose folder goes
+    on ``sys.path`` (as when running it as a script), so its sibling imports work.
+    ``FUNC`` may be a dotted attribute path.  When it names a callable, it is called
+    with no arguments -- except that a callable with a ``trace`` parameter is passed
+    ``tracer`` when one is given (``aiopipe trace`` does) -- and may return (or be):
+
+    * a :class:`Schedule`, or a list of :class:`Task` (one stage);
+    * a :class:`SchedulablePipeline` (e.g. a ``Pipeline``): its schedule, stream pool
+      and thread map are used; ``aiopipe trace`` runs the pipeline itself, so it must
+      be built with ``trace=True`` or with the tracer passed in;
+    * a pair ``(one of those, batches)``: an iterable of batches for ``aiopipe
+      trace`` to feed.  Without one it feeds synthetic batches, the integers
+      ``0, 1, 2, ...`` (what ``ctx.slots["batch_cpu"]`` then holds).
+    """
+    location, colon, attribute = spec.rpartition(":")
+    if not colon or not location or not attribute:
+        raise TargetError(f"expected MODULE:FUNC or FILE.py:FUNC, got {spec!r}")
+    obj = _import_module(location)
+    for part in attribute.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise TargetError(f"{location} has no attribute {attribute!r}") from None
+    if callable(obj):
+        try:
+            accepts_trace = "trace" in inspect.signature(obj).parameters
+        except (TypeError, ValueError):
+            accepts_trace = False
+        obj = obj(trace=tracer) if accepts_trace and tracer is not None else obj()
+    return _normalise(spec, obj)
+
+
+def parse_thread_map(text: str) -> ThreadMap:
+    """``by_stream``, ``per_task``, a JSON object ``{"task": "lane"}``, or
+    ``task=lane,task=lane`` (unmapped tasks go to lane ``default``)."""
+    text = text.strip()
+    if text in ("by_stream", "per_task"):
+        return text
+    if text.startswith("{"):
+        try:
+            mapping = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TargetError(f"--thread-map is not valid JSON: {exc}") from None
+    elif "=" in text:
+        mapping = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, equals, lane = item.partition("=")
+            if not equals:
+                raise TargetError(f"--thread-map entry {item!r} is not task=lane")
+            mapping[name.strip()] = lane.strip()
+    else:
+        raise TargetError(f"--thread-map {text!r}: use by_stream, per_task, a JSON object "
+                          f"or task=lane,task=lane")  # fmt: skip
+    if not isinstance(mapping, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and v for k, v in mapping.items()
+    ):
+        raise TargetError("--thread-map must map task names to lane names")
+    return mapping

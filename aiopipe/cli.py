@@ -1,0 +1,307 @@
+"""The ``aiopipe`` command line: check, draw, trace and plan a schedule.
+
+::
+
+    aiopipe validate TARGET [--thread-map MAP] [--json]
+    aiopipe graph    TARGET [--format dot|mermaid|svg|png|pdf] [-o FILE] [--thread-map MAP]
+    aiopipe trace    TARGET --progresses N -o trace.json [--executor async|sequential]
+    aiopipe plan     ...    (the auto-scheduler: aiopipe.autosched)
+
+``TARGET`` is ``MODULE:FUNC`` or ``FILE.py:FUNC``: a function (or attribute) giving
+a ``Schedule``, a list of ``Task``, a ``SchedulablePipeline``, or a pair ``(one of
+those, batches)``; :func:`load_target`, shared by every subcommand, states the
+contract in full.
+
+Exit status: 0 on success, 1 when the schedule breaks a rule or a task fails, 2 for
+a command-line or loading error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import diagram
+from ._target import Target, TargetError, load_target, parse_thread_map
+from .errors import PipelineError, ScheduleValidationError
+from .executors import AsyncExecutor, Executor
+from .executors.lanes import ThreadMap, resolve_lane
+from .graph import dependency_edges, infer_cross_stream_event_deps, topological_sort
+from .pipeline import SchedulablePipeline
+from .runner import run
+from .trace import Tracer
+from .validate import validate_schedule
+
+__all__ = ("Target", "TargetError", "load_target", "main", "parse_thread_map")
+
+
+def _thread_map(args: argparse.Namespace, target: Target) -> ThreadMap:
+    return parse_thread_map(args.thread_map) if args.thread_map else target.thread_map
+
+
+# -- validate -----------------------------------------------------------------------------
+
+
+def _report(target: Target, thread_map: ThreadMap) -> dict[str, Any]:
+    """Everything the validator and the graph analysis say, as plain data."""
+    schedule = target.schedule
+    report: dict[str, Any] = {"target": target.spec, "ok": True, "violation": None}
+    try:
+        validate_schedule(schedule, target.stream_pool)
+        order = topological_sort(schedule)
+        edges, waits = dependency_edges(schedule), infer_cross_stream_event_deps(schedule)
+    except ScheduleValidationError as exc:
+        message = str(exc).removeprefix(f"[rule {exc.rule}] ")
+        report.update(ok=False, violation={"rule": exc.rule, "message": message})
+        order, edges, waits = schedule.tasks, [], {}
+    report["order"] = "topological" if report["ok"] else "declared"
+    report["tasks"] = [
+        {"name": t.name, "lookahead": t.lookahead, "stream": t.stream,
+         "lane": resolve_lane(t, thread_map), "nccl": t.nccl, "async": t.is_async}
+        for t in order
+    ]  # fmt: skip
+    report["edges"] = [
+        {"producer": e.producer, "consumer": e.consumer, "kind": e.kind, "delta": e.delta,
+         "slot_offset": e.slot_offset, "slot": e.slot}
+        for e in edges
+    ]  # fmt: skip
+    report["event_waits"] = {c: [list(w) for w in ws] for c, ws in waits.items()}
+    report["streams"] = list(schedule.stream_slots)
+    lanes: dict[str, int] = {}
+    for row in report["tasks"]:
+        lanes[row["lane"]] = lanes.get(row["lane"], 0) + 1
+    report["lanes"] = lanes
+    report["max_lookahead"] = schedule.max_lookahead
+    return report
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    tasks = report["tasks"]
+    width = max([len(t["name"]) for t in tasks] + [4])
+    print(f"schedule {report['target']}: {len(tasks)} tasks, max lookahead "
+          f"{report['max_lookahead']}, streams {', '.join(report['streams'])}")  # fmt: skip
+    print(f"\ntasks ({report['order']} order):")
+    print(f"  {'#':>3}  {'task':<{width}}  la  {'stream':<10}  {'lane':<10}  flags")
+    for i, t in enumerate(tasks, 1):
+        flags = " ".join(f for f in ("nccl", "async") if t[f])
+        print(f"  {i:>3}  {t['name']:<{width}}  {t['lookahead']:>2}  {t['stream']:<10}  "
+              f"{t['lane']:<10}  {flags}".rstrip())  # fmt: skip
+    if report["edges"]:
+        print(f"\nedges ({len(report['edges'])}):")
+        for e in report["edges"]:
+            what = f"slot {e['slot']}" if e["kind"] == "slot" else e["kind"]
+            print(f"  {e['producer']} -> {e['consumer']}: {what}, Δ={e['delta']}, "
+                  f"slot offset {e['slot_offset']}")  # fmt: skip
+    if report["event_waits"]:
+        print("\ncross-stream event waits:")
+        for consumer, waits in report["event_waits"].items():
+            for producer, stream, offset in waits:
+                print(f"  {consumer} waits for {producer} (stream {stream}) "
+                      f"at ring offset {offset}")  # fmt: skip
+    lanes = ", ".join(f"{lane} ({n})" for lane, n in report["lanes"].items())
+    print(f"\nlanes: {lanes}")
+    violation = report["violation"]
+    if violation is None:
+        print("\nOK: the schedule satisfies rules 1-8")
+    else:
+        print(f"\nFAILED rule {violation['rule']}: {violation['message']}")
+
+
+def _cmd_validate(args: argparse.Namespace, target: Target, tracer: Tracer | None) -> int:
+    report = _report(target, _thread_map(args, target))
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        _print_report(report)
+    return 0 if report["ok"] else 1
+
+
+# -- graph --------------------------------------------------------------------------------
+
+
+def _cmd_graph(args: argparse.Namespace, target: Target, tracer: Tracer | None) -> int:
+    thread_map = _thread_map(args, target)
+    fmt = args.format or (diagram.format_for(args.output) if args.output else "dot")
+    options: dict[str, Any] = {"group_by": args.group_by, "title": args.title or args.target}
+    if fmt == "dot":
+        data: str | bytes = diagram.to_dot(target.schedule, thread_map, **options)
+    elif fmt == "mermaid":
+        data = diagram.to_mermaid(target.schedule, thread_map, **options)
+    else:
+        data = diagram.render(target.schedule, fmt, thread_map, **options)
+    if args.output:
+        path = Path(args.output)
+        if isinstance(data, bytes):
+            path.write_bytes(data)
+        else:
+            path.write_text(data)
+        print(f"wrote {path} ({fmt}, {len(target.schedule.tasks)} tasks)", file=sys.stderr)
+    elif isinstance(data, bytes):
+        if sys.stdout.isatty():
+            raise TargetError(f"refusing to write {fmt} bytes to a terminal; pass -o FILE")
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    else:
+        sys.stdout.write(data)
+    return 0
+
+
+# -- trace --------------------------------------------------------------------------------
+
+
+def _trace_pipeline(
+    args: argparse.Namespace, target: Target, tracer: Tracer
+) -> tuple[SchedulablePipeline, Tracer]:
+    """The pipeline to run and its tracer: the target's own pipeline (which must
+    trace), or a new one for a schedule."""
+    if target.pipeline is not None:
+        if args.executor or args.thread_map:
+            raise TargetError(f"{target.spec} gave a pipeline, which brings its own executor; "
+                              f"drop --executor/--thread-map")  # fmt: skip
+        own = target.pipeline.tracer
+        if own is None:
+            raise TargetError(
+                f"{target.spec} gave a pipeline built without tracing. Build it with "
+                f"trace=True, or give the function a `trace` parameter and pass it on "
+                f"(Pipeline(..., trace=trace)), or return its schedule instead."
+            )
+        return target.pipeline, own
+    executor: str | Executor = "sequential"
+    if (args.executor or "async") == "async":
+        executor = AsyncExecutor(_thread_map(args, target))
+    elif args.thread_map:
+        raise TargetError("--thread-map configures the async executor; drop one of them")
+    return SchedulablePipeline(target.schedule, None, executor, trace=tracer), tracer
+
+
+async def _run_progresses(pipe: SchedulablePipeline, batches: Iterable[Any], count: int) -> int:
+    source = iter(itertools.islice(batches, count))
+    done = 0
+    async with pipe:
+        while done < count:
+            try:
+                await pipe.progress(source)
+            except StopAsyncIteration:
+                break
+            done += 1
+    return done
+
+
+def _cmd_trace(args: argparse.Namespace, target: Target, tracer: Tracer | None) -> int:
+    pipe, tracer = _trace_pipeline(args, target, tracer or Tracer())
+    batches = target.batches if target.batches is not None else itertools.count()
+    status = 0
+    try:
+        done = run(_run_progresses(pipe, batches, args.progresses))
+    except Exception as exc:
+        print(f"aiopipe trace: a task failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        status, done = 1, -1
+    path = tracer.save(args.output)
+    spans = tracer.spans
+    per_task: dict[str, list[int]] = {}
+    for span in spans:
+        per_task.setdefault(span.task, []).append(span.duration_ns)
+    lanes = sorted({span.lane for span in spans})
+    ran = f"{done} progress(es)" if done >= 0 else "a failed run"
+    print(f"wrote {path}: {ran}, {len(spans)} task runs on lanes {', '.join(lanes) or '-'}")
+    if 0 <= done < args.progresses:
+        print(f"note: the batches ran out after {done} of {args.progresses} progresses")
+    width = max([len(name) for name in per_task] + [4])
+    print(f"  {'task':<{width}}  runs  mean ms  total ms")
+    for name, durations in per_task.items():
+        total = sum(durations) / 1e6
+        print(f"  {name:<{width}}  {len(durations):>4}  {total / len(durations):>7.3f}  "
+              f"{total:>8.3f}")  # fmt: skip
+    return status
+
+
+# -- plan (aiopipe.autosched) -------------------------------------------------------------
+
+
+def _cmd_plan(argv: Sequence[str]) -> int:
+    try:
+        # Imported by name and only here: the CLI works without the auto-scheduler.
+        autosched_cli = importlib.import_module("aiopipe.autosched.cli")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("aiopipe.autosched", "aiopipe.autosched.cli"):
+            raise
+        print("aiopipe plan: the auto-scheduler (aiopipe.autosched) is not available in this "
+              f"installation ({exc})", file=sys.stderr)  # fmt: skip
+        return 2
+    parser = argparse.ArgumentParser(prog="aiopipe plan", description="Search lookaheads, "
+                                     "lanes and streams for a schedule (aiopipe.autosched).")
+    autosched_cli.add_arguments(parser)
+    return int(autosched_cli.main(parser.parse_args(list(argv))))
+
+
+# -- entry point --------------------------------------------------------------------------
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aiopipe", description="Check, draw, trace and plan aiopipe schedules.",
+        epilog="TARGET is MODULE:FUNC or FILE.py:FUNC returning a Schedule, a list of "
+               "Tasks, a SchedulablePipeline, or a (one of those, batches) pair.",
+    )  # fmt: skip
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help)
+        sub.add_argument("target", metavar="TARGET", help="MODULE:FUNC or FILE.py:FUNC")
+        return sub
+
+    thread_map_help = "by_stream, per_task, a JSON object or task=lane,... (lanes)"
+    validate = command("validate", "check a schedule against rules 1-8 and report it")
+    validate.add_argument("--thread-map", help=thread_map_help)
+    validate.add_argument("--json", action="store_true", help="print the report as JSON")
+    graph = command("graph", "draw a schedule as DOT, Mermaid, or an SVG/PNG/PDF picture")
+    graph.add_argument("--format", choices=("dot", "mermaid", "svg", "png", "pdf"),
+                       help="default: from the -o suffix, else dot")  # fmt: skip
+    graph.add_argument("-o", "--output", help="write here instead of standard output")
+    graph.add_argument("--thread-map", help=thread_map_help)
+    graph.add_argument("--group-by", choices=("lane", "stream", "none"), default="lane")
+    graph.add_argument("--title", help="caption (default: TARGET)")
+    trace = command("trace", "run N progresses and write a Chrome trace (Perfetto)")
+    trace.add_argument("--progresses", type=_positive, required=True, metavar="N")
+    trace.add_argument("-o", "--output", required=True, help="the trace JSON file")
+    trace.add_argument("--executor", choices=("async", "sequential"),
+                       help="for a schedule target (default: async)")  # fmt: skip
+    trace.add_argument("--thread-map", help=thread_map_help)
+    # Listed for --help only: main() hands "plan" and its arguments to aiopipe.autosched.
+    commands.add_parser("plan", help="auto-schedule: `aiopipe plan --help` for its options",
+                        add_help=False)  # fmt: skip
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit
+    status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["plan"]:
+            return _cmd_plan(argv[1:])
+        args = _parser().parse_args(argv)
+        handler = {"validate": _cmd_validate, "graph": _cmd_graph, "trace": _cmd_trace}
+        tracer = Tracer() if args.command == "trace" else None
+        target = load_target(args.target, tracer=tracer)
+        try:
+            return handler[args.command](args, target, tracer)
+        finally:
+            if target.pipeline is not None:
+                target.pipeline.shutdown()  # idempotent; lanes must not outlive the command
+    except PipelineError as exc:
+        print(f"aiopipe {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, TargetError) else 1

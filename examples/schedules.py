@@ -1,0 +1,147 @@
+"""Example targets for the ``aiopipe`` command line (``FILE.py:FUNC``).
+
+    aiopipe validate examples/schedules.py:overlap
+    aiopipe graph examples/schedules.py:overlap --format mermaid
+    aiopipe graph examples/schedules.py:hstu_prefetch -o hstu.svg      # needs Graphviz
+    aiopipe trace examples/schedules.py:training --progresses 20 -o trace.json
+    aiopipe validate examples/schedules.py:broken                      # exits 1
+
+Each function shows one form a target may take: a ``Schedule`` (``overlap``,
+``hstu``), a ``(pipeline, batches)`` pair from a function that accepts the CLI's
+tracer (``training``), a schedule that breaks a rule (``broken``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from aiopipe import Pipeline, Schedule, Task, TaskContext
+
+
+def overlap() -> Schedule:
+    """Every kind of dependency on three streams, on synthetic integer batches.
+
+    ``load`` copies batch K+2, ``prep`` and ``prefetch`` work on batch K+1 while
+    ``forward``/``backward``/``step`` train batch K.
+    """
+
+    def load(ctx: TaskContext) -> None:
+        ctx.slots.set("raw", torch.full((256, 64), float(ctx.slots["batch_cpu"])))
+
+    def prep(ctx: TaskContext) -> None:
+        raw = ctx.slots["raw"]
+        ctx.slots.set("features", (raw - raw.mean()) / (raw.std() + 1.0))
+
+    def prefetch(ctx: TaskContext) -> None:
+        ctx.slots.set("cached", ctx.slots["features"] @ torch.ones(64, 16))
+
+    def zero_grad(ctx: TaskContext) -> None:
+        return None
+
+    def forward(ctx: TaskContext) -> None:
+        ctx.slots.set("loss", ctx.slots["cached"].square().mean())
+
+    def backward(ctx: TaskContext) -> None:
+        ctx.slots.set("grad_norm", ctx.slots["loss"].sqrt())
+
+    def step(ctx: TaskContext) -> None:
+        ctx.slots.set("step_result", float(ctx.slots["loss"]))
+
+    def report(ctx: TaskContext) -> None:
+        return None
+
+    return Schedule.of([
+        # Back-pressure: copy a new batch only once this progress's prep is done
+        # (prep works on the batch before it: Δ = 0, a same-progress wait).
+        Task.from_fn("load", load, lookahead=2, stream="memcpy", reads=("batch_cpu",),
+                     writes=("raw",), cross_iter_depends_on=(("prep", -1),)),
+        Task.from_fn("prep", prep, lookahead=1, stream="io", reads=("raw",),
+                     writes=("features",)),
+        # Like HSTU's embedding prefetch: after this progress's forward, whatever batch.
+        Task.from_fn("prefetch", prefetch, lookahead=1, stream="io", reads=("features",),
+                     writes=("cached",), same_progress_sync=("forward",)),
+        Task.from_fn("zero_grad", zero_grad),
+        Task.from_fn("forward", forward, reads=("cached",), writes=("loss",),
+                     depends_on=("zero_grad",), nccl=True),
+        Task.from_fn("backward", backward, reads=("loss",), writes=("grad_norm",), nccl=True),
+        Task.from_fn("step", step, reads=("loss",), writes=("step_result",),
+                     depends_on=("backward",)),
+        # Logging may lag: it waits for the step of two batches back, not this one.
+        Task.from_fn("report", report, cross_iter_depends_on=(("step", -2),)),
+    ])  # fmt: skip
+
+
+def training(trace: Any = None, steps: int = 64) -> tuple[Pipeline, Iterator[Any]]:
+    """A small regression model on two lanes, with real batches: ``aiopipe trace``
+    passes its tracer as ``trace``, and the pair's second item is what it feeds."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def prepare(ctx: TaskContext) -> None:
+        x, y = ctx.slots["batch_cpu"]
+        ctx.slots.set("features", ((x - x.mean(dim=0)) / (x.std(dim=0) + 1e-5), y))
+
+    def train(ctx: TaskContext) -> None:
+        x, y = ctx.slots["features"]
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        ctx.slots.set("loss", loss.detach())
+
+    def step(ctx: TaskContext) -> None:
+        optimizer.step()
+        ctx.slots.set("step_result", float(ctx.slots["loss"]))
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            x = torch.randn(128, 32, generator=generator)
+            yield x, x[:, :4].sum(dim=1, keepdim=True)
+
+    pipe = Pipeline(
+        [Task.from_fn("prepare", prepare, lookahead=1, stream="io", writes=("features",)),
+         Task.from_fn("train", train, reads=("features",), writes=("loss",)),
+         Task.from_fn("step", step, reads=("loss",), writes=("step_result",),
+                      depends_on=("train",))],
+        thread_map={"prepare": "io", "train": "compute", "step": "compute"},
+        trace=trace,
+    )  # fmt: skip
+    return pipe, batches()
+
+
+def hstu(prefetch: bool = False) -> Schedule:
+    """The real HSTU schedule of ``hstu_tasks`` (imports torchrec); the task bodies
+    need a sharded model, so draw and validate it, do not trace it."""
+    from hstu_tasks.shuffler import IdentityShuffler
+    from hstu_tasks.tasks import PipelineState, build_tasks
+
+    model = torch.nn.Linear(1, 1)  # build_tasks only closes over the state
+    state = PipelineState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          device=torch.device("cpu"), shuffler=IdentityShuffler(),
+                          prefetch=prefetch)  # fmt: skip
+    tasks = build_tasks(state)
+    return Schedule.of(tasks, stream_slots=("default", "memcpy", "data_dist", "prefetch"))
+
+
+def hstu_prefetch() -> Schedule:
+    """The HSTU schedule with embedding prefetch: all fourteen tasks."""
+    return hstu(prefetch=True)
+
+
+def broken() -> Schedule:
+    """A schedule the validator rejects (rule 7): ``backward`` waits for
+    ``step`` in the same progress, and ``step`` reads what ``backward`` writes."""
+
+    def body(ctx: TaskContext) -> None:
+        return None
+
+    return Schedule.of([
+        Task.from_fn("forward", body, writes=("loss",)),
+        Task.from_fn("backward", body, reads=("loss",), writes=("grads",),
+                     depends_on=("step",)),
+        Task.from_fn("step", body, reads=("grads",), writes=("step_result",)),
+    ])  # fmt: skip
