@@ -20,6 +20,7 @@ from __future__ import annotations
 from .blocking import BlockingPipeline as BlockingPipeline
 from .context import TaskContext as TaskContext
 from .errors import BackPressureTimeout as BackPressureTimeout
+from .errors import BadBatchError as BadBatchError
 from .errors import CollectiveOrderError as CollectiveOrderError
 from .errors import GraphError as GraphError
 from .errors import PipelineError as PipelineError
@@ -59,6 +60,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AsyncExecutor",
     "BackPressureTimeout",
+    "BadBatchError",
     "BasicPipeline",
     "BatchRing",
     "BlockingPipeline",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = (
     "BackPressureTimeout",
+    "BadBatchError",
     "CollectiveOrderError",
     "GraphError",
     "PipelineError",
@@ -70,3 +71,9 @@ class PoisonedError(GraphError):
 
 class BackPressureTimeout(GraphError, TimeoutError):
     """``submit`` waited longer than allowed for room in the graph's window."""
+
+
+class BadBatchError(PipelineError, ValueError):
+    """The source yielded a batch the pipeline refuses (``None``, or one its
+    ``check_batch`` rejects); the batch was not taken and the batches in flight are
+    intact."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ class Pipeline(SchedulablePipeline):
         stream_pool: StreamPool | None = None,
         nvtx: bool | Annotator | None = None,
         trace: bool | Tracer | None = None,
+        check_batch: Callable[[Any], None] | None = None,
     ) -> None:
         schedule = Schedule.of(tasks)
         if stream_pool is None:
@@ -47,4 +49,6 @@ class Pipeline(SchedulablePipeline):
             executor = AsyncExecutor(thread_map)
         elif executor is None:
             executor = "sequential"
-        super().__init__(schedule, stream_pool, executor, nvtx=nvtx, trace=trace)
+        super().__init__(
+            schedule, stream_pool, executor, nvtx=nvtx, trace=trace, check_batch=check_batch
+        )

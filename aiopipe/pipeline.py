@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import collections
 import inspect
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._nvtx import Annotator, resolve_annotator
 from .context import CURRENT, Running, TaskContext
-from .errors import PipelineStateError
+from .errors import BadBatchError, PipelineStateError
 from .executors import Executor, make_executor
 from .executors.base import Step
 from .plan import ExecutionPlan
@@ -56,6 +56,9 @@ class SchedulablePipeline:
     default ``by_stream`` lanes) or an executor instance.  ``stream_pool`` defaults
     to CPU null streams for every name in ``schedule.stream_slots``.  ``trace=True``
     (or a shared :class:`~aiopipe.trace.Tracer`) records a span per task run.
+    ``check_batch(batch)`` may raise to refuse a malformed batch before it enters the
+    ring (``None`` batches are always refused): progress then raises
+    :class:`~aiopipe.errors.BadBatchError` and the batches in flight stay intact.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class SchedulablePipeline:
         *,
         nvtx: bool | Annotator | None = None,
         trace: bool | Tracer | None = None,
+        check_batch: Callable[[Any], None] | None = None,
     ) -> None:
         if stream_pool is None:
             stream_pool = StreamPool({name: None for name in schedule.stream_slots})
@@ -77,6 +81,7 @@ class SchedulablePipeline:
         self._ctx = TaskContext(stream_pool)
         self._annotator = resolve_annotator(nvtx)
         self._tracer = Tracer() if trace is True else (None if trace is False else trace)
+        self._check_batch = check_batch
         lane_of = getattr(self._executor, "lane_of", None)
         self._lanes: tuple[str, ...] = (
             tuple(lane_of(task.name) for task in self._plan.order) if callable(lane_of) else ()
@@ -304,9 +309,29 @@ class SchedulablePipeline:
             if batch is END:
                 feed.exhausted = True
                 return
+            self._refuse_bad(batch, feed)
             top.set(BATCH_SLOT, batch)
         top.batch_index = feed.pulled
         feed.pulled += 1
+
+    def _refuse_bad(self, batch: Any, feed: Feed) -> None:
+        """Refuse ``batch`` before it enters the ring; it is dropped, nothing else is."""
+        problem: BaseException | None = None
+        if batch is None:
+            problem = TypeError("the source yielded None")
+        elif self._check_batch is not None:
+            try:
+                self._check_batch(batch)
+            except Exception as exc:
+                problem = exc
+        if problem is None:
+            return
+        raise BadBatchError(
+            f"the source's next batch (after {feed.pulled} taken) was refused: {problem}. "
+            f"It was skipped. "
+            f"The {feed.in_flight} batch(es) in flight are intact: call progress() again "
+            f"with the same iterator to continue, or drain() to finish them"
+        ) from problem
 
     async def _init_tasks(self) -> None:
         for task in self._plan.order:

@@ -5,21 +5,31 @@ for two ranks on gloo.  Every pipeline trains the same model on the same data, s
 their losses and final parameters can be compared (``--json``).
 
     python examples/train_hstu.py --steps 40 --pipeline aiopipe --json run.json
+
+With ``--checkpoint-dir`` the run checkpoints every ``--checkpoint-every`` steps and
+resumes from the newest complete checkpoint when started again, e.g. by
+``torchrun --max-restarts 1`` after a rank died (see docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import signal
 import sys
 
 import torch.distributed as dist
 from tqdm import tqdm
 
 from aiopipe import Tracer
+from aiopipe.checkpoint import CheckpointManager
 from hstu_tasks import DataConfig, ModelConfig, OptimizerConfig, SyntheticHSTUData
-from hstu_tasks import build_training, init_distributed, quiet_torchrec
-from hstu_tasks.runners import PIPELINES, parameter_checksum, run_pipeline
+from hstu_tasks import build_training, init_distributed, quiet_torchrec, restore_training
+from hstu_tasks import training_state
+from hstu_tasks.runners import PIPELINES, RunResult, parameter_checksum, parameter_digest
+from hstu_tasks.runners import run_pipeline
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,42 +45,78 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trace", metavar="PATH",
                         help="write a Chrome/Perfetto timeline of the aiopipe tasks here "
                              "(one file per rank: PATH gets a .rankN suffix when world > 1)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="checkpoint here and resume from the newest complete checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=10, metavar="N")
+    parser.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="a collective waiting longer than this fails the run (a peer died "
+                             "or hangs) instead of hanging it")
+    parser.add_argument("--kill-at", metavar="RANK:STEP",
+                        help="fault injection for tests: SIGKILL rank RANK right after step "
+                             "STEP, on the first attempt only (torchrun restarts it)")
     return parser.parse_args()
+
+
+def kill_hook(spec: str | None, rank: int) -> tuple[int, int] | None:
+    if spec is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    kill_rank, kill_step = (int(part) for part in spec.split(":"))
+    return (kill_rank, kill_step) if kill_rank == rank else None
 
 
 def main() -> None:
     args = parse_args()
+    if args.checkpoint_every < 1:
+        raise SystemExit("--checkpoint-every must be >= 1")
     quiet_torchrec()
-    rank, world = init_distributed()
+    rank, world = init_distributed(datetime.timedelta(seconds=args.collective_timeout))
     data_config = DataConfig(
         batch_size=args.batch_size, max_history=args.max_history,
         length_distribution=args.lengths,
     )  # fmt: skip
     setup = build_training(ModelConfig(), data_config, OptimizerConfig(kind=args.optimizer),
                            seed=args.seed)  # fmt: skip
+    manager = CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
+    start, meta = restore_training(setup, manager) if manager else (0, {})
+    earlier_losses: list[float] = meta.get("losses", [])
     data = SyntheticHSTUData(data_config, args.steps, seed=args.seed, rank=rank)
     if rank == 0:
+        resumed = f", resuming after step {start}" if start else ""
         print(f"HSTU ranking: {args.pipeline}, {world} rank(s) on {setup.device}, "
-              f"{args.steps} steps, {args.optimizer}", flush=True)  # fmt: skip
-    bar = tqdm(total=args.steps, disable=rank != 0, unit="step", file=sys.stdout)
+              f"{args.steps} steps, {args.optimizer}{resumed}", flush=True)  # fmt: skip
+    bar = tqdm(total=args.steps, initial=start, disable=rank != 0, unit="step", file=sys.stdout)
+    result = RunResult()
+    kill = kill_hook(args.kill_at, rank)
+
+    def on_step(step: int) -> None:  # at a progress boundary: the model has `position` steps
+        bar.update(1)
+        position = start + step
+        if manager is not None and position % args.checkpoint_every == 0:
+            losses = earlier_losses + result.global_losses()
+            manager.save(position, training_state(setup), meta={"losses": losses})
+        if kill is not None and position == kill[1]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     tracer = Tracer() if args.trace else None
-    result = run_pipeline(args.pipeline, setup, data, on_step=lambda step: bar.update(1),
-                          tracer=tracer)  # fmt: skip
+    run_pipeline(args.pipeline, setup, data.from_index(start), on_step=on_step, tracer=tracer,
+                 result=result)  # fmt: skip
     bar.close()
     if tracer is not None:
         path = args.trace if world == 1 else f"{args.trace}.rank{rank}"
         tracer.save(path)
         print(f"rank {rank}: {len(tracer)} task spans written to {path}", flush=True)
-    losses = result.global_losses()
+    losses = earlier_losses + result.global_losses()
     checksum = parameter_checksum(setup.model)
-    steps_per_s = len(losses) / result.seconds if result.seconds else 0.0
+    digest = parameter_digest(setup.model)
+    steps_per_s = len(result.loss_sums) / result.seconds if result.seconds else 0.0
     if rank == 0:
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s, "
-              f"parameter checksum {checksum:.10f}")  # fmt: skip
+              f"parameter checksum {checksum!r}")  # fmt: skip
         if args.json:
             with open(args.json, "w") as out:
                 json.dump({"pipeline": args.pipeline, "world_size": world, "steps": len(losses),
-                           "losses": losses, "checksum": checksum,
+                           "resumed_from": start, "losses": losses, "checksum": checksum,
+                           "parameters_sha256": digest,
                            "steps_per_s": steps_per_s}, out, indent=1)  # fmt: skip
     dist.barrier()  # leave the group together
     dist.destroy_process_group()

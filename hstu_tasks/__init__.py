@@ -8,11 +8,14 @@ imported here, never in ``aiopipe``):
 * ``parallel`` -- sharding, optimizers and the plain reference step;
 * ``shuffler`` -- workload-balancing batch shuffling across ranks;
 * ``tasks`` / ``pipeline`` / ``factory`` -- the fourteen tasks, ``HSTUPipeline`` and
-  its named variants.
+  its named variants;
+* ``checkpoint`` -- saving and restoring the training state at a progress boundary.
 """
 
 from __future__ import annotations
 
+from .checkpoint import restore_training as restore_training
+from .checkpoint import training_state as training_state
 from .data import DataConfig as DataConfig
 from .data import HSTUBatch as HSTUBatch
 from .data import SyntheticHSTUData as SyntheticHSTUData
@@ -53,4 +56,6 @@ __all__ = (
     "join_local_group",
     "plain_train_step",
     "quiet_torchrec",
+    "restore_training",
+    "training_state",
 )

@@ -17,7 +17,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
-__all__ = ("DataConfig", "HSTUBatch", "SyntheticHSTUData")
+__all__ = ("DataConfig", "HSTUBatch", "SyntheticHSTUData", "check_batch")
 
 
 @dataclass
@@ -59,6 +59,36 @@ class HSTUBatch(Pipelineable):
         return self.features["action"].lengths()
 
 
+def check_batch(batch: object) -> None:
+    """Raise ``TypeError``/``ValueError`` naming what is wrong with a batch that
+    would otherwise fail deep inside torchrec or the model (cheap: shapes and dtypes,
+    plus one sum on the host)."""
+    if not isinstance(batch, HSTUBatch):
+        raise TypeError(f"expected an HSTUBatch, got {type(batch).__name__}")
+    features, candidates, labels = batch.features, batch.num_candidates, batch.labels
+    if not isinstance(features, KeyedJaggedTensor) or features.keys() != ["item", "action"]:
+        raise ValueError("features must be a KeyedJaggedTensor with keys ['item', 'action']")
+    for name, tensor in (("features values", features.values()),
+                         ("num_candidates", candidates), ("labels", labels)):  # fmt: skip
+        if tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must hold integer ids, got dtype {tensor.dtype}")
+    if candidates.dim() != 1 or labels.dim() != 1:
+        raise ValueError(
+            f"num_candidates and labels must be 1-D, got shapes {tuple(candidates.shape)} "
+            f"and {tuple(labels.shape)}"
+        )
+    if features.stride() != candidates.numel():
+        raise ValueError(
+            f"features describe {features.stride()} samples but num_candidates has "
+            f"{candidates.numel()}"
+        )
+    if candidates.device.type == "cpu" and labels.numel() != int(candidates.sum()):
+        raise ValueError(
+            f"labels has {labels.numel()} entries, one per candidate expected "
+            f"({int(candidates.sum())})"
+        )
+
+
 @dataclass(frozen=True)
 class DataConfig:
     batch_size: int = 16
@@ -73,7 +103,11 @@ class DataConfig:
 
 
 class SyntheticHSTUData:
-    """``num_batches`` batches for one rank; iterating again yields the same batches."""
+    """``num_batches`` batches for one rank; iterating again yields the same batches.
+
+    Batch ``i`` depends only on (seed, rank, i), so :meth:`from_index` resumes a run
+    at any data position.
+    """
 
     def __init__(self, config: DataConfig, num_batches: int, *, seed: int = 0, rank: int = 0) -> None:
         if config.min_history < 1 or config.max_history < config.min_history:
@@ -89,7 +123,13 @@ class SyntheticHSTUData:
         return self.num_batches
 
     def __iter__(self) -> Iterator[HSTUBatch]:
-        for index in range(self.num_batches):
+        return self.from_index(0)
+
+    def from_index(self, start: int) -> Iterator[HSTUBatch]:
+        """The batches ``start, start + 1, ...`` (a resumed run's data)."""
+        if not 0 <= start <= self.num_batches:
+            raise ValueError(f"start must be in [0, {self.num_batches}], got {start}")
+        for index in range(start, self.num_batches):
             yield self.batch(index)
 
     def batch(self, index: int) -> HSTUBatch:

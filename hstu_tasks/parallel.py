@@ -9,6 +9,7 @@ the loss-token count all-reduced, so every rank differentiates the exact global 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
@@ -52,8 +53,12 @@ class TrainingSetup:
     device: torch.device
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join the process group torchrun describes, or a one-process gloo group."""
+def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, int]:
+    """Join the process group torchrun describes, or a one-process gloo group.
+
+    ``timeout`` bounds every collective: a rank whose peer died or stalls fails
+    with an error after it instead of hanging (torch's default is 30 minutes for
+    gloo, 10 for NCCL)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ:
@@ -64,7 +69,7 @@ def init_distributed() -> tuple[int, int]:
                 os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timeout)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
         # Several ranks on one CPU: intra-op pools must not oversubscribe the cores.
@@ -72,14 +77,16 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def join_local_group(rank: int, world_size: int, port: int) -> tuple[int, int]:
+def join_local_group(
+    rank: int, world_size: int, port: int, timeout: datetime.timedelta | None = None
+) -> tuple[int, int]:
     """Join a group of ``world_size`` processes on this host started without
     torchrun (e.g. by ``torch.multiprocessing.spawn``), rank 0 serving ``port``."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )  # fmt: skip
-    return init_distributed()
+    return init_distributed(timeout)
 
 
 def quiet_torchrec() -> None:
@@ -89,6 +96,9 @@ def quiet_torchrec() -> None:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module=r"(torchrec|fbgemm_gpu)\..*")
     warnings.filterwarnings("ignore", message=".*is_fx_tracing.*")
+    # torchrec's sharded tables are ShardedTensors, which torch's checkpoint code
+    # announces as deprecated on every load.
+    warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
 
 
 def build_training(

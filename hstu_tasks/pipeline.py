@@ -27,6 +27,7 @@ from torchrec.distributed.train_pipeline.utils import (
 
 from aiopipe import (
     AsyncExecutor,
+    BadBatchError,
     BlockingPipeline,
     PipelineStateError,
     SchedulablePipeline,
@@ -37,6 +38,7 @@ from aiopipe import (
 from aiopipe.executors.lanes import ThreadMap
 from aiopipe.source import END, Feed, Source
 
+from .data import check_batch
 from .shuffler import BatchShuffler, IdentityShuffler
 from .tasks import PipelineState, build_tasks
 
@@ -181,6 +183,16 @@ class HSTUPipeline:
             self._state.model = model
         self._attached = True
 
+    def reset(self) -> None:
+        """After a failed or cancelled progress (the engine then refuses to go on):
+        drop the batches in flight and give the model its own forwards back; the next
+        ``progress`` rebuilds the pipeline on whatever source it gets.  The failed
+        step may have applied part of its update: resume from a checkpoint when the
+        run must stay exact.  In a multi-rank job every rank resets together."""
+        if self._closed:
+            raise PipelineStateError("the HSTU pipeline has been shut down")
+        self._teardown()
+
     # -- lifetime ----------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -221,6 +233,10 @@ class HSTUPipeline:
         peek = await Feed(source).next()
         if peek is END:
             raise StopAsyncIteration
+        try:
+            check_batch(peek)
+        except (TypeError, ValueError) as exc:  # nothing in flight yet: nothing else lost
+            raise BadBatchError(f"the source's first batch was refused: {exc}") from exc
         context = state.create_context(0)
         with pool.use("memcpy"):
             batch = peek.to(state.device, non_blocking=True)
@@ -245,7 +261,9 @@ class HSTUPipeline:
         self._original_kjt_dist_forwards = _override_input_dist_forwards(modules)
         executor = self._executor_choice or AsyncExecutor(self._thread_map)
         schedule = Schedule.of(build_tasks(state), stream_slots=STREAMS)
-        self._engine = SchedulablePipeline(schedule, pool, executor, trace=self._tracer)
+        self._engine = SchedulablePipeline(
+            schedule, pool, executor, trace=self._tracer, check_batch=check_batch
+        )
         self._engine.seed_first_batch(seed)
 
 

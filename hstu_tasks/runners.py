@@ -7,6 +7,7 @@ call the same runner with the same number of batches.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from .factory import HSTUPipelineFactory
 from .parallel import TrainingSetup, global_loss, global_tokens, plain_train_step
 from .shuffler import BatchShuffler
 
-__all__ = ("PIPELINES", "RunResult", "parameter_checksum", "run_pipeline")
+__all__ = ("PIPELINES", "RunResult", "parameter_checksum", "parameter_digest", "run_pipeline")
 
 Mode = Literal["aiopipe", "aiopipe-prefetch", "torchrec", "none"]
 PIPELINES: tuple[Mode, ...] = ("aiopipe", "aiopipe-prefetch", "torchrec", "none")
@@ -61,6 +62,23 @@ def parameter_checksum(model: torch.nn.Module) -> float:
         # dense weights are replicated: count them once per rank, tables once overall
         dist.all_reduce(total)
     return float(total)
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """SHA-256 over the exact bytes of every rank's parameters and buffers: equal
+    digests mean bit-identical models."""
+    local = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        tensor = value.local_tensor() if hasattr(value, "local_tensor") else value
+        if isinstance(tensor, torch.Tensor):
+            local.update(name.encode())
+            local.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    digests = [local.hexdigest()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, digests[0])
+        digests = gathered
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
 def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
@@ -115,11 +133,13 @@ def run_pipeline(
     thread_map: ThreadMap = None,
     shuffler: BatchShuffler | None = None,
     tracer: Tracer | None = None,
+    result: RunResult | None = None,
 ) -> RunResult:
     """Train ``data`` with ``mode``; ``thread_map``, ``shuffler`` and ``tracer`` apply
     to the aiopipe modes (defaults: ``HSTU_DEFAULT_THREAD_MAP``, no shuffling, no
-    tracing)."""
-    result = RunResult()
+    tracing).  ``on_step(n)`` runs after the n-th step, at a progress boundary (a
+    checkpoint may be taken there); pass ``result`` to read the losses so far in it."""
+    result = result if result is not None else RunResult()
     start = time.perf_counter()
     if mode in ("aiopipe", "aiopipe-prefetch"):
         _aiopipe(setup, data, mode == "aiopipe-prefetch", result, on_step, thread_map, shuffler,

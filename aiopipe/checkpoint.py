@@ -1,0 +1,194 @@
+"""Checkpoints taken at a progress boundary, and finding the latest complete one.
+
+Between two ``await pipe.progress(...)`` calls the state is simple: the model and
+optimizers have applied exactly the steps whose results were returned, and the
+batches still in flight have only been *prepared* (copied, shuffled, their input
+distribution started) -- work that changes no persistent state.  So a checkpoint is
+the training state plus one number, the data position ``step`` (results returned
+so far); resuming re-reads the source from batch ``step``: no batch is lost, none is
+applied twice.  (A schedule whose lookahead > 0 tasks change persistent state would
+break this; none of the shipped ones do.)
+
+Each checkpoint is a ``torch.distributed.checkpoint`` directory, so sharded state
+(torchrec's sharded tables and their fused optimizer state) is saved and loaded by
+every rank collectively.  It is written under a temporary name and renamed once
+every rank has finished, so a crash mid-save leaves a partial directory that
+:meth:`CheckpointManager.latest` ignores and the next save cleans up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import PipelineError
+
+__all__ = ("CheckpointError", "CheckpointManager", "materialize_optimizer_state")
+
+_COMPLETE = re.compile(r"^step-(\d{8})$")
+_META = "aiopipe-meta.json"
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint could not be found, written or read back."""
+
+
+class CheckpointManager:
+    """Complete checkpoints ``step-00000042/`` under ``directory``, newest ``keep`` kept.
+
+    Every rank of the default process group (or ``process_group``) must call
+    :meth:`save`, :meth:`latest` and :meth:`load` together; the directory must be
+    visible to all of them (one host, or a shared file system).
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *, keep: int = 2, process_group: Any = None
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self._group = process_group
+
+    # -- finding -----------------------------------------------------------------------
+
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        steps = []
+        for entry in self.directory.iterdir():
+            match = _COMPLETE.match(entry.name)
+            if match and (entry / _META).is_file():
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def latest(self) -> int | None:
+        """The newest complete checkpoint's step, agreed by every rank (rank 0 looks)."""
+        steps = self.complete_steps() if self._rank() == 0 else []
+        found = [steps[-1] if steps else None]
+        if self._distributed():
+            dist.broadcast_object_list(found, src=self._global_rank_zero(), group=self._group)
+        return found[0]
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"step-{step:08d}"
+
+    # -- writing -----------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], *, meta: dict[str, Any] | None = None) -> Path:
+        """Write ``state`` (a nested dict of tensors, sharded tensors and plain objects)
+        as the checkpoint of data position ``step``; ``meta`` is JSON kept beside it
+        (rank 0's copy is the one written)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        final = self.path(step)
+        partial = self.directory / f"{final.name}.partial"
+        if self._rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)  # a crash of an earlier attempt
+        self._barrier()
+        try:
+            from torch.distributed.checkpoint.state_dict_saver import save
+
+            save(state, checkpoint_id=str(partial), process_group=self._group)
+        except Exception as exc:
+            raise CheckpointError(f"saving the checkpoint of step {step} failed: {exc}") from exc
+        self._barrier()  # every rank's shards are on disk
+        if self._rank() == 0:
+            body = {"step": step, "world_size": self._world_size(), "meta": meta or {}}
+            (partial / _META).write_text(json.dumps(body))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(partial, final)  # the commit point
+            self._prune()
+        self._barrier()
+        return final
+
+    def _prune(self) -> None:
+        for old in self.complete_steps()[: -self.keep]:
+            shutil.rmtree(self.path(old), ignore_errors=True)
+        for entry in self.directory.glob("step-*.partial"):
+            shutil.rmtree(entry, ignore_errors=True)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
+        """Fill ``state`` in place from checkpoint ``step`` and return its ``meta``.
+
+        ``state`` must have the saved structure with tensors allocated (build it from
+        the freshly constructed model and optimizers; call
+        :func:`materialize_optimizer_state` first for optimizers that create their
+        state lazily)."""
+        path = self.path(step)
+        meta_file = path / _META
+        if not meta_file.is_file():
+            raise CheckpointError(f"no complete checkpoint at {path}")
+        try:
+            from torch.distributed.checkpoint.state_dict_loader import load
+
+            load(state, checkpoint_id=str(path), process_group=self._group)
+        except Exception as exc:
+            raise CheckpointError(f"loading the checkpoint of step {step} failed: {exc}") from exc
+        body = json.loads(meta_file.read_text())
+        saved_world = body.get("world_size")
+        if saved_world is not None and saved_world != self._world_size():
+            # Sharded tensors reshard on load, but data positions are per rank.
+            raise CheckpointError(
+                f"checkpoint {path.name} was written by {saved_world} ranks, this job has "
+                f"{self._world_size()}: each rank's data position would not carry over"
+            )
+        return dict(body.get("meta", {}))
+
+    # -- process group -----------------------------------------------------------------
+
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _rank(self) -> int:
+        return dist.get_rank(self._group) if self._distributed() else 0
+
+    def _world_size(self) -> int:
+        return dist.get_world_size(self._group) if self._distributed() else 1
+
+    def _global_rank_zero(self) -> int:
+        if self._group is None:
+            return 0
+        return int(dist.get_global_rank(self._group, 0))
+
+    def _barrier(self) -> None:
+        if self._distributed():
+            dist.barrier(group=self._group)
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.directory)!r}, keep={self.keep})"
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the lazily-made state of a ``torch.optim`` optimizer (Adam's moments,
+    momentum buffers) without changing any parameter, so a checkpoint can be loaded
+    into it: one step with zero gradients at learning rate 0."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if any(p.grad is not None for p in params):
+        raise CheckpointError("materialize_optimizer_state needs parameters without gradients")
+    saved_lrs = [group.get("lr") for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            if lr is not None:
+                group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,37 @@
+"""Checkpointing the HSTU training state: sharded model, fused embedding optimizer
+and dense optimizer, through :class:`aiopipe.checkpoint.CheckpointManager`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiopipe.checkpoint import CheckpointManager, materialize_optimizer_state
+
+from .parallel import TrainingSetup
+
+__all__ = ("restore_training", "training_state")
+
+
+def training_state(setup: TrainingSetup) -> dict[str, Any]:
+    """What a checkpoint holds: the model (its tables as sharded tensors), the fused
+    optimizer applied in backward, and the dense optimizer."""
+    return {
+        "model": setup.model.state_dict(),
+        "fused_optimizer": setup.model.fused_optimizer.state_dict(),
+        "dense_optimizer": setup.optimizer.state_dict(),
+    }
+
+
+def restore_training(setup: TrainingSetup, manager: CheckpointManager) -> tuple[int, dict[str, Any]]:
+    """Load the newest complete checkpoint into a freshly built ``setup``; return its
+    step (0 when there is none: start from scratch) and its meta."""
+    step = manager.latest()
+    if step is None:
+        return 0, {}
+    materialize_optimizer_state(setup.optimizer)  # Adam creates its moments lazily
+    state = training_state(setup)
+    meta = manager.load(step, state)
+    setup.model.load_state_dict(state["model"])
+    setup.model.fused_optimizer.load_state_dict(state["fused_optimizer"])
+    setup.optimizer.load_state_dict(state["dense_optimizer"])
+    return step, meta

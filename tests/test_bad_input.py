@@ -1,0 +1,144 @@
+"""Bad input gets a clear error and loses nothing: empty sources, sources that raise,
+``None`` and malformed batches, and a source switched while batches are in flight."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from conftest import Recorder, collect
+
+from aiopipe import BadBatchError, Pipeline, PipelineStateError, Task
+
+THREAD_MAP = {"load": "io", "prep": "io", "train": "compute"}
+
+
+def tasks(recorder: Recorder) -> list[Task]:
+    return [
+        recorder.task("load", lookahead=2, stream="io", reads=("batch_cpu",), writes=("raw",)),
+        recorder.task("prep", lookahead=1, stream="io", reads=("raw",), writes=("x",)),
+        recorder.task("train", reads=("x",), writes=("step_result",)),
+    ]
+
+
+def results_of(numbers: list[int]) -> list[str]:
+    return [f"result-{n}" for n in numbers]
+
+
+@pytest.fixture(params=["sequential", "async"])
+def pipe(request: pytest.FixtureRequest, recorder: Recorder) -> Iterator[Pipeline]:
+    if request.param == "async":
+        pipeline = Pipeline(tasks(recorder), thread_map=THREAD_MAP)
+    else:
+        pipeline = Pipeline(tasks(recorder), executor="sequential")
+    yield pipeline
+    pipeline.shutdown()
+
+
+async def test_an_empty_source_ends_at_once_and_the_pipeline_stays_usable(pipe: Pipeline) -> None:
+    empty: Iterator[int] = iter(())
+    with pytest.raises(StopAsyncIteration):
+        await pipe.progress(empty)
+    with pytest.raises(StopAsyncIteration):
+        await pipe.progress(empty)
+
+    async def nothing() -> AsyncIterator[int]:
+        return
+        yield
+
+    assert await collect(pipe, nothing()) == []
+    assert await collect(pipe, iter(range(3))) == results_of([0, 1, 2])
+
+
+async def test_a_source_that_raises_mid_epoch_loses_no_batch(pipe: Pipeline) -> None:
+    def flaky() -> Iterator[int]:
+        yield from range(4)
+        raise OSError("the data server went away")
+
+    source = flaky()
+    got = [await pipe.progress(source), await pipe.progress(source)]
+    # the third progress pulls past batch 3 and meets the error
+    with pytest.raises(OSError, match="went away"):
+        await pipe.progress(source)
+    assert pipe.statistics().broken is None  # no task had started: nothing to undo
+    assert pipe.statistics().in_flight == 2
+    # the generator is finished now: the batches in flight complete, then the end
+    got += await collect(pipe, source)
+    assert got == results_of([0, 1, 2, 3])
+
+
+async def test_a_transient_source_error_can_be_retried(pipe: Pipeline) -> None:
+    class Flaky:
+        """Fails once at item 2, then goes on (a retrying client, say)."""
+
+        def __init__(self) -> None:
+            self.next_item, self.failed = 0, False
+
+        def __iter__(self) -> Flaky:
+            return self
+
+        def __next__(self) -> int:
+            if self.next_item == 2 and not self.failed:
+                self.failed = True
+                raise ConnectionError("timeout")
+            if self.next_item == 5:
+                raise StopIteration
+            self.next_item += 1
+            return self.next_item - 1
+
+    source = Flaky()
+    got: list[Any] = []
+    while True:
+        try:
+            got.append(await pipe.progress(source))
+        except ConnectionError:
+            continue
+        except StopAsyncIteration:
+            break
+    assert got == results_of([0, 1, 2, 3, 4])
+
+
+async def test_a_none_batch_is_refused_and_skipped(pipe: Pipeline, recorder: Recorder) -> None:
+    source = iter([0, 1, 2, None, 3])
+    got = [await pipe.progress(source)]  # pulls batches 0..2 (lookahead 2)
+    with pytest.raises(BadBatchError, match="yielded None.*2 batch\\(es\\) in flight are intact"):
+        await pipe.progress(source)
+    got += await collect(pipe, source)
+    assert got == results_of([0, 1, 2, 3])
+    assert recorder.batches_of("train") == [0, 1, 2, 3]  # ring positions: None took none
+
+
+async def test_check_batch_refuses_malformed_batches(recorder: Recorder) -> None:
+    def must_be_small_int(batch: Any) -> None:
+        if not isinstance(batch, int):
+            raise TypeError(f"expected an int, got {type(batch).__name__}")
+        if batch > 100:
+            raise ValueError(f"{batch} is out of range")
+
+    pipe = Pipeline(tasks(recorder), thread_map=THREAD_MAP, check_batch=must_be_small_int)
+    async with pipe:
+        source = iter([0, 1, "two", 2, 999, 3])
+        got = []
+        errors: list[BaseException] = []
+        while True:
+            try:
+                got.append(await pipe.progress(source))
+            except BadBatchError as exc:
+                errors.append(exc)
+            except StopAsyncIteration:
+                break
+    assert got == results_of([0, 1, 2, 3])
+    assert [type(e.__cause__) for e in errors] == [TypeError, ValueError]
+    assert "expected an int, got str" in str(errors[0])
+    assert isinstance(errors[0], ValueError)  # callers catching ValueError still do
+
+
+async def test_switching_the_source_mid_flight_takes_nothing_from_it(pipe: Pipeline) -> None:
+    first = iter(range(5))
+    assert await pipe.progress(first) == "result-0"
+    second = iter(range(100, 105))
+    with pytest.raises(PipelineStateError, match="in flight; none of its batches was taken"):
+        await pipe.progress(second)
+    assert next(second) == 100  # untouched
+    assert await collect(pipe, first) == results_of([1, 2, 3, 4])

@@ -1,0 +1,119 @@
+"""CheckpointManager: complete vs partial checkpoints, pruning, round trips, and
+optimizer state made ready for loading."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from aiopipe.checkpoint import CheckpointError, CheckpointManager, materialize_optimizer_state
+
+
+def model_and_adam(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        x = torch.full((2, 4), float(step))
+        optimizer.zero_grad()
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+
+
+def state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def test_round_trip_resumes_exactly(tmp_path: Path) -> None:
+    model, optimizer = model_and_adam(0)
+    train(model, optimizer, range(3))
+    manager = CheckpointManager(tmp_path)
+    assert manager.latest() is None
+    manager.save(3, state(model, optimizer), meta={"losses": [1.5, 2.5, 3.5]})
+    train(model, optimizer, range(3, 6))
+
+    fresh, fresh_optimizer = model_and_adam(1)  # different weights, no Adam state yet
+    materialize_optimizer_state(fresh_optimizer)
+    target = state(fresh, fresh_optimizer)
+    assert manager.latest() == 3
+    assert manager.load(3, target) == {"losses": [1.5, 2.5, 3.5]}
+    fresh.load_state_dict(target["model"])  # type: ignore[arg-type]
+    fresh_optimizer.load_state_dict(target["optimizer"])  # type: ignore[arg-type]
+    train(fresh, fresh_optimizer, range(3, 6))
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_partial_checkpoints_are_ignored_and_cleaned(tmp_path: Path) -> None:
+    model, optimizer = model_and_adam(0)
+    manager = CheckpointManager(tmp_path, keep=2)
+    manager.save(2, state(model, optimizer))
+    # a crash mid-save leaves these behind: a partial directory, a complete-looking
+    # name without the metadata file
+    (tmp_path / "step-00000009.partial").mkdir()
+    (tmp_path / "step-00000009.partial" / "__0_0.distcp").write_bytes(b"half")
+    (tmp_path / "step-00000007").mkdir()
+    assert manager.complete_steps() == [2]
+    assert manager.latest() == 2
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        manager.load(7, state(model, optimizer))
+    manager.save(4, state(model, optimizer))
+    manager.save(6, state(model, optimizer))
+    assert manager.complete_steps() == [4, 6]  # keep=2 pruned step 2
+    assert not (tmp_path / "step-00000009.partial").exists()
+
+
+def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keep"):
+        CheckpointManager(tmp_path, keep=0)
+    with pytest.raises(ValueError, match="step"):
+        CheckpointManager(tmp_path).save(-1, {})
+
+
+def test_materialize_optimizer_state_changes_no_parameter() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    for optimizer in (
+        torch.optim.Adam(model.parameters(), lr=0.1, weight_decay=0.1),
+        torch.optim.AdamW(model.parameters(), lr=0.1),
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+    ):
+        materialize_optimizer_state(optimizer)
+        assert len(optimizer.state) == 2  # weight and bias have their state now
+        assert all(p.grad is None for p in model.parameters())
+        assert optimizer.param_groups[0]["lr"] == 0.1
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+
+
+def two_rank_worker(rank: int, port: int, directory: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))  # fmt: skip
+    manager = CheckpointManager(directory)
+    replicated = torch.arange(4.0)
+    manager.save(5, {"w": replicated, "rank_note": f"written by {rank}"}, meta={"rank": rank})
+    assert manager.latest() == 5
+    target = {"w": torch.zeros(4)}
+    assert manager.load(5, target) == {"rank": 0}  # rank 0's meta is the one kept
+    assert torch.equal(target["w"], replicated)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_two_ranks_save_and_agree_on_the_latest(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(two_rank_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "step-00000005" / "aiopipe-meta.json").is_file()
