@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from .blocking import BlockingPipeline as BlockingPipeline
 from .context import TaskContext as TaskContext
+from .errors import AsyncLibraryError as AsyncLibraryError
 from .errors import BackPressureTimeout as BackPressureTimeout
 from .errors import BadBatchError as BadBatchError
 from .errors import CollectiveOrderError as CollectiveOrderError
@@ -59,6 +60,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "AsyncExecutor",
+    "AsyncLibraryError",
     "BackPressureTimeout",
     "BadBatchError",
     "BasicPipeline",

@@ -9,8 +9,9 @@ name and iteration), so ``except ValueError`` around ``progress()`` still catche
 from __future__ import annotations
 
 __all__ = (
-    "BackPressureTimeout",
     "BadBatchError",
+    "AsyncLibraryError",
+    "BackPressureTimeout",
     "CollectiveOrderError",
     "GraphError",
     "PipelineError",
@@ -71,6 +72,11 @@ class PoisonedError(GraphError):
 
 class BackPressureTimeout(GraphError, TimeoutError):
     """``submit`` waited longer than allowed for room in the graph's window."""
+
+
+class AsyncLibraryError(PipelineError, RuntimeError):
+    """An asyncio-only API was awaited from trio, or a task body awaited trio (task
+    bodies always run on asyncio; see ``docs/anyio.md``)."""
 
 
 class BadBatchError(PipelineError, ValueError):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .executors.signals import LoopWaker
+from .interop import running_loop
 from .streams import EventLike
 
 __all__ = ("copy_to_host", "wait_for_event")
@@ -30,9 +31,9 @@ async def wait_for_event(
     handoff_after_s: float = 0.05,
 ) -> None:
     """Return once ``event`` has completed (``None`` counts as complete)."""
+    loop = running_loop("aiopipe.wait_for_event")  # asyncio only: a clear error on trio
     if event is None or event.query():
         return
-    loop = asyncio.get_running_loop()
     deadline = loop.time() + handoff_after_s
     delay = first_poll_s
     while loop.time() < deadline:

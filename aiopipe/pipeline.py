@@ -20,6 +20,7 @@ from .context import CURRENT, Running, TaskContext
 from .errors import BadBatchError, PipelineStateError
 from .executors import Executor, make_executor
 from .executors.base import Step
+from .interop import TrioBridge, in_trio
 from .plan import ExecutionPlan
 from .ring import BatchRing, SlotStore
 from .schedule import Schedule
@@ -95,6 +96,8 @@ class SchedulablePipeline:
         # Evicted slot stores stay referenced until the device work queued so far
         # completes: their tensors may still be read by another stream.
         self._retiring: collections.deque[tuple[SlotStore, list[Any]]] = collections.deque()
+        # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
+        self._trio = TrioBridge()
 
     # -- introspection ----------------------------------------------------------------
 
@@ -142,6 +145,10 @@ class SchedulablePipeline:
         """Advance until the oldest batch in flight completes; return its
         ``step_result``.  Raises ``StopAsyncIteration`` once every batch of ``source``
         has been returned."""
+        if in_trio():  # the engine needs asyncio: hand the call to the bridge (interop.py)
+            feed = self._feed
+            source = self._trio.source_for(source, feed.source if feed is not None else None)
+            return await self._trio.call(SchedulablePipeline.progress, self, source)
         self._begin_call()
         try:
             return await self._progress(source)
@@ -169,6 +176,8 @@ class SchedulablePipeline:
         """Stop pulling from the current source and finish the batches in flight;
         return their results.  The source is then forgotten: passing it again
         continues with its next batch, passing another one starts afresh."""
+        if in_trio():  # as in progress()
+            return await self._trio.call(SchedulablePipeline.drain, self)
         self._begin_call()
         try:
             results: list[Any] = []
@@ -211,6 +220,7 @@ class SchedulablePipeline:
             raise PipelineStateError("cannot shut down while a progress is running")
         self._closed = True
         self._executor.shutdown()
+        self._trio.close()
         self._retiring.clear()
 
     async def __aenter__(self) -> SchedulablePipeline:

@@ -35,6 +35,7 @@ from ..errors import BackPressureTimeout, GraphError, PoisonedError
 from ..executors.base import annotate_failure
 from ..executors.lanes import LOOP_LANE, LanePool, call_on_lane
 from ..executors.signals import LoopWaker
+from ..interop import running_loop
 from .tags import Tagged
 
 if sys.version_info < (3, 11):  # the standard library has it from 3.11
@@ -163,7 +164,7 @@ class TaskGraph:
     # -- scopes --------------------------------------------------------------------
 
     async def __aenter__(self) -> TaskGraph:
-        self._waker = LoopWaker(asyncio.get_running_loop())
+        self._waker = LoopWaker(running_loop("TaskGraph"))  # asyncio only: clear error on trio
         self._room = asyncio.Condition()
         self._scopes.append([])
         return self

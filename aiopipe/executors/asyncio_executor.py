@@ -232,9 +232,14 @@ class AsyncExecutor:
             run.fail(exc)
             for task in run.async_tasks:
                 task.cancel()
-            still_running = run.renew_threads_done()
-            if still_running is not None:
-                await asyncio.shield(still_running)  # running bodies finish first
+            # Running bodies finish first.  Cancel scopes (anyio, trio-style) deliver
+            # the cancellation again at every await: keep waiting through those.
+            while (still_running := run.renew_threads_done()) is not None:
+                try:
+                    await asyncio.shield(still_running)
+                except asyncio.CancelledError:
+                    continue
+                break
             raise
         if run.error is not None:
             raise run.error

@@ -1,0 +1,197 @@
+"""Load generator for examples/serve_hstu.py: concurrent ranking requests on loopback.
+
+    python examples/serve_load.py --spawn --requests 2000 --concurrency 64
+    python examples/serve_load.py --url http://127.0.0.1:8080 --requests 2000
+
+``--spawn`` starts the server in a child process on a free port (``--max-batch`` and
+``--max-wait-ms`` are passed on) and stops it afterwards.  Each of ``--concurrency``
+clients sends its share of ``--requests`` back to back; the report gives throughput,
+p50/p99 latency and the server's batch-size histogram, as a table and a JSON line.
+Only loopback addresses are accepted: this is a local benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+SERVER = Path(__file__).resolve().with_name("serve_hstu.py")
+
+
+@dataclass
+class LoadReport:
+    requests: int
+    concurrency: int
+    errors: int
+    seconds: float
+    throughput_rps: float
+    p50_ms: float
+    p99_ms: float
+    server: dict[str, Any]
+
+
+def make_requests(count: int, seed: int = 0, max_history: int = 48) -> list[dict[str, list[int]]]:
+    """Random users shaped like hstu_tasks' synthetic data (2000 items, 8 actions)."""
+    rng = random.Random(seed)
+    bodies = []
+    for _ in range(count):
+        history = rng.randint(4, max_history)
+        bodies.append({
+            "items": [rng.randrange(2000) for _ in range(history)],
+            "actions": [rng.randrange(8) for _ in range(history)],
+            "candidates": [rng.randrange(2000) for _ in range(rng.randint(1, 4))],
+        })  # fmt: skip
+    return bodies
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(q * len(sorted_values)) - 1))
+    return sorted_values[index]
+
+
+def batches_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The server's statistics for the batches served between two /stats readings."""
+    old = before["batch_size_histogram"]
+    histogram = {size: n - old.get(size, 0) for size, n in after["batch_size_histogram"].items()}
+    histogram = {size: n for size, n in histogram.items() if n}
+    batches = sum(histogram.values())
+    served = sum(int(size) * n for size, n in histogram.items())
+    forward = after["forward_seconds"] - before["forward_seconds"]
+    return {**after, "requests": served, "batches": batches,
+            "mean_batch_size": served / batches if batches else 0.0,
+            "batch_size_histogram": histogram, "forward_seconds": forward,
+            "forward_ms_per_batch": 1e3 * forward / batches if batches else 0.0}  # fmt: skip
+
+
+def require_loopback(url: str) -> None:
+    host = urlsplit(url).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise SystemExit(f"{url}: only loopback servers (127.0.0.0/8, ::1, localhost)")
+
+
+async def run_load(url: str, bodies: list[dict[str, Any]], concurrency: int,
+                   timeout_s: float = 60.0) -> LoadReport:  # fmt: skip
+    """Send every body to ``url``/rank from ``concurrency`` clients; bounded by
+    ``timeout_s`` per request."""
+    require_loopback(url)
+    latencies: list[float] = []
+    errors = 0
+    next_index = iter(range(len(bodies)))
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
+
+        async def client() -> None:
+            nonlocal errors
+            for index in next_index:  # shared: each body is sent once
+                start = time.perf_counter()
+                async with session.post("/rank", json=bodies[index]) as response:
+                    await response.read()
+                    if response.status != 200:
+                        errors += 1
+                        continue
+                latencies.append(time.perf_counter() - start)
+
+        async with session.get("/stats") as response:
+            before = await response.json()
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+        async with session.get("/stats") as response:
+            server = batches_since(before, await response.json())
+    latencies.sort()
+    return LoadReport(
+        requests=len(bodies), concurrency=concurrency, errors=errors, seconds=seconds,
+        throughput_rps=len(latencies) / seconds if seconds else 0.0,
+        p50_ms=percentile(latencies, 0.50) * 1e3, p99_ms=percentile(latencies, 0.99) * 1e3,
+        server=server,
+    )  # fmt: skip
+
+
+def spawn_server(max_batch: int, max_wait_ms: float) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen(
+        [sys.executable, str(SERVER), "--port", "0", "--max-batch", str(max_batch),
+         "--max-wait-ms", str(max_wait_ms)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    for line in process.stdout:  # the server prints its address once it listens
+        if line.startswith("serving on "):
+            return process, line.split()[-1]
+    process.wait(10)
+    raise SystemExit(f"the server exited with {process.returncode} before listening")
+
+
+def print_report(report: LoadReport) -> None:
+    server = report.server
+    rows = [
+        ("requests", f"{report.requests} ({report.errors} errors)"),
+        ("concurrency", str(report.concurrency)),
+        ("throughput", f"{report.throughput_rps:.0f} requests/s"),
+        ("latency p50", f"{report.p50_ms:.1f} ms"),
+        ("latency p99", f"{report.p99_ms:.1f} ms"),
+        ("server batches", f"{server.get('batches')} (mean size "
+                           f"{server.get('mean_batch_size', 0):.1f}, max {server.get('max_batch')},"
+                           f" wait {server.get('max_wait_ms')} ms)"),
+        ("model time", f"{server.get('forward_ms_per_batch', 0):.1f} ms per batch, "
+                       f"busy {server.get('forward_seconds', 0) / report.seconds:.0%} of the run"),
+        ("batch sizes", " ".join(f"{size}:{count}" for size, count
+                                 in server.get("batch_size_histogram", {}).items())),
+    ]  # fmt: skip
+    for name, value in rows:
+        print(f"{name:>15}  {value}")
+    print(json.dumps(asdict(report)))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8080")
+    parser.add_argument("--spawn", action="store_true", help="start a server on a free port")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-batch", type=int, default=8, help="with --spawn")
+    parser.add_argument("--max-wait-ms", type=float, default=2.0, help="with --spawn")
+    parser.add_argument("--warmup", type=int, default=100, help="requests sent first, not counted")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    process = None
+    url = args.url
+    if args.spawn:
+        process, url = spawn_server(args.max_batch, args.max_wait_ms)
+    try:
+        require_loopback(url)
+        if args.warmup:
+            asyncio.run(run_load(url, make_requests(args.warmup, args.seed + 1), args.concurrency))
+        bodies = make_requests(args.requests, args.seed)
+        print_report(asyncio.run(run_load(url, bodies, args.concurrency)))
+    finally:
+        if process is not None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(30)
+
+
+if __name__ == "__main__":
+    main()

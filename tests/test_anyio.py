@@ -1,0 +1,299 @@
+"""The public async API driven from anyio, on its asyncio and trio backends.
+
+The tests run on each backend with the same assertions (but for the trio-only
+boundary): under asyncio (plain and uvloop) the engine runs natively, under trio
+each call goes through ``aiopipe.interop`` to a private asyncio loop.  Sources are
+anyio memory streams, trio-native under trio: only the trio caller can read them,
+never the bridge loop.
+
+The tests are plain functions that call ``anyio.run`` themselves: with
+``asyncio_mode = "auto"`` pytest-asyncio claims every ``async def`` test, marked
+``anyio`` or not, and would run the trio cases on an asyncio loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aiopipe import Pipeline, PipelineStateError, SchedulablePipeline, Task, TaskContext
+from aiopipe.dag import TaskGraph
+from aiopipe.errors import AsyncLibraryError
+from aiopipe.gpu import wait_for_event
+from aiopipe.interop import current_trio
+
+BACKENDS = {
+    "asyncio": ("asyncio", {}),
+    "uvloop": ("asyncio", {"use_uvloop": True}),
+    "trio": ("trio", {}),
+}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def run_on(backend: str, body: Callable[[str], Awaitable[None]]) -> None:
+    """``await body(library)`` under ``anyio.run`` on ``backend``."""
+    library, options = BACKENDS[backend]
+    anyio.run(body, library, backend=library, backend_options=options)
+
+
+def on_each_backend(body: Callable[[str], Awaitable[None]]) -> Callable[[str], None]:
+    """A test that runs ``await body(library)`` on each backend."""
+
+    def test(backend: str) -> None:
+        run_on(backend, body)
+
+    test.__name__ = test.__qualname__ = body.__name__
+    test.__doc__ = body.__doc__
+    return test
+
+
+@pytest.fixture(autouse=True)
+def no_bridge_thread_left() -> Iterable[None]:
+    yield
+    left = [t.name for t in threading.enumerate() if t.name.startswith("aiopipe-trio")]
+    assert not left, f"bridge threads still alive after the test: {left}"
+
+
+THREAD_MAP = {"double": "io", "add": "loop", "record": "compute"}
+
+
+class Gate:
+    """Holds the ``record`` body: ``started`` is set as it begins, then it waits for
+    ``release``, at most ``timeout_s``."""
+
+    def __init__(self, timeout_s: float = 5.0) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.timeout_s = timeout_s
+
+    def hold(self) -> None:
+        self.started.set()
+        self.release.wait(self.timeout_s)
+
+    async def until_started(self) -> None:
+        while not self.started.is_set():
+            await anyio.sleep(0.001)
+
+
+async def cancel_once_started(gate: Gate, call: Callable[[], Awaitable[Any]]) -> bool:
+    """``await call()``, cancelled from a cancel scope as soon as the gated body runs;
+    whether the cancellation was caught."""
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+
+            async def cancel() -> None:
+                await gate.until_started()
+                scope.cancel()
+
+            tg.start_soon(cancel)
+            await call()
+    return scope.cancelled_caught
+
+
+def three_tasks(gate: Gate | None = None, log: list[int] | None = None) -> Pipeline:
+    """double (lookahead 1, lane io) -> add (async, anyio inside, on the loop) ->
+    record (lane compute; held by ``gate`` when given)."""
+
+    def double(ctx: TaskContext) -> None:
+        ctx.slots.set("doubled", ctx.slots["batch_cpu"] * 2)
+
+    async def add(ctx: TaskContext) -> None:
+        await anyio.sleep(0)  # anyio in a task body: it must see the loop the body runs on
+        ctx.slots.set("plus_one", ctx.slots["doubled"] + 1)
+
+    def record(ctx: TaskContext) -> None:
+        if gate is not None:
+            gate.hold()
+        if log is not None:
+            log.append(ctx.batch_index)
+        ctx.slots.set("step_result", ctx.slots["plus_one"])
+
+    return Pipeline(
+        [
+            Task.from_fn("double", double, lookahead=1, writes=("doubled",)),
+            Task.from_fn("add", add, reads=("doubled",), writes=("plus_one",)),
+            Task.from_fn("record", record, reads=("plus_one",), writes=("step_result",)),
+        ],
+        thread_map=THREAD_MAP,
+    )
+
+
+async def feed(send: Any, items: Iterable[Any]) -> None:
+    async with send:
+        for item in items:
+            await send.send(item)
+
+
+@on_each_backend
+async def test_m_batches_give_m_results_in_order_then_the_end(library: str) -> None:
+    assert (current_trio() is not None) == (library == "trio")
+    send, receive = anyio.create_memory_object_stream[int](0)
+    async with three_tasks() as pipe, anyio.create_task_group() as tg, receive:
+        tg.start_soon(feed, send, range(7))
+        results = [result async for result in pipe.results(receive)]
+        assert results == [2 * i + 1 for i in range(7)]
+        with pytest.raises(StopAsyncIteration):  # and again on every further call
+            await pipe.progress(receive)
+        stats = pipe.statistics()
+        assert (stats.pulled, stats.returned, stats.exhausted) == (7, 7, True)
+        # a sync iterator after the end starts afresh
+        assert [r async for r in pipe.results(iter(range(3)))] == [1, 3, 5]
+
+
+@on_each_backend
+async def test_drain_step_and_errors_of_task_bodies(library: str) -> None:
+    send, receive = anyio.create_memory_object_stream[int](10)
+    for i in range(5):
+        send.send_nowait(i)
+    async with three_tasks() as pipe, send, receive:
+        assert await pipe.progress(receive) == 1
+        # a second source while batches are in flight is refused, none of it taken
+        with pytest.raises(PipelineStateError, match="new iterator"):
+            await pipe.progress(iter(range(100)))
+        assert await pipe.progress(receive) == 3  # the stand-in is recognised again
+        assert await pipe.drain() == [5]  # the one batch pulled ahead
+        assert await pipe.step(10) == 21
+        assert await pipe.progress(receive) == 7  # a drained source continues
+
+    def fail(ctx: TaskContext) -> None:
+        raise ValueError(f"bad batch {ctx.batch_index}")
+
+    async with Pipeline([Task.from_fn("fail", fail, writes=("step_result",))]) as failing:
+        with pytest.raises(ValueError, match="bad batch 0"):  # unchanged, as under asyncio
+            await failing.progress(iter(range(2)))
+        with pytest.raises(PipelineStateError, match="reset"):
+            await failing.progress(iter(range(2)))
+
+
+@on_each_backend
+async def test_cancelled_mid_iteration_refuses_until_reset(library: str) -> None:
+    gate = Gate()
+    async with three_tasks(gate) as pipe:
+        source = iter(range(4))
+        assert await cancel_once_started(gate, lambda: pipe.progress(source))
+        gate.release.set()
+        assert pipe.statistics().broken is not None  # a half-run iteration
+        with pytest.raises(PipelineStateError, match="reset"):
+            await pipe.progress(source)
+        pipe.reset()
+        assert [r async for r in pipe.results(iter(range(3)))] == [1, 3, 5]
+
+
+# anyio's cancel scopes re-deliver the cancellation at every await: the executor's
+# wait for running lane bodies must hold through each of them.
+@pytest.mark.parametrize("backend", ["asyncio", "uvloop", "trio"])
+def test_cancellation_returns_after_the_running_bodies_finished(backend: str) -> None:
+    async def body(library: str) -> None:
+        gate, log = Gate(timeout_s=0.5), []
+        async with three_tasks(gate, log) as pipe:
+            try:
+                assert await cancel_once_started(gate, lambda: pipe.progress(iter(range(4))))
+                # record (batch 0) was running: it has finished, nothing runs on behind
+                # the caller's back (release was never set: its wait timed out)
+                assert log == [0]
+            finally:
+                gate.release.set()
+
+    run_on(backend, body)
+
+
+@on_each_backend
+async def test_cancelled_while_waiting_for_a_batch_stays_usable(library: str) -> None:
+    send, receive = anyio.create_memory_object_stream[int](0)
+    async with three_tasks() as pipe, send, receive:
+        with anyio.move_on_after(0.05) as scope:
+            await pipe.progress(receive)  # nothing arrives: waits in the pull
+        assert scope.cancelled_caught
+        assert pipe.statistics().broken is None  # no task had run: nothing to discard
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(feed, send, range(3))
+            assert [r async for r in pipe.results(receive)] == [1, 3, 5]
+
+
+@on_each_backend
+async def test_a_concurrent_call_is_refused_and_the_first_completes(library: str) -> None:
+    gate = Gate()
+    results: list[Any] = []
+    async with three_tasks(gate) as pipe:
+        source = iter(range(2))
+
+        async def first() -> None:
+            results.append(await pipe.progress(source))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await gate.until_started()
+            with pytest.raises(PipelineStateError, match="already running"):
+                await pipe.progress(source)
+            gate.release.set()
+        assert results == [1]
+        assert await pipe.progress(source) == 3
+
+
+@on_each_backend
+async def test_shutdown_stops_the_bridge_and_refuses_later_calls(library: str) -> None:
+    pipe = three_tasks()
+    assert await pipe.step(1) == 3
+    bridge_threads = [t for t in threading.enumerate() if t.name == "aiopipe-trio-bridge"]
+    assert len(bridge_threads) == (1 if library == "trio" else 0)
+    pipe.shutdown()
+    assert not any(t.is_alive() for t in bridge_threads)
+    with pytest.raises(PipelineStateError, match="shut down"):
+        await pipe.step(1)
+
+
+@on_each_backend
+async def test_a_dropped_pipeline_lets_its_bridge_thread_end(library: str) -> None:
+    pipe: SchedulablePipeline | None = three_tasks()
+    assert pipe is not None and await pipe.step(2) == 5
+    threads = [t for t in threading.enumerate() if t.name == "aiopipe-trio-bridge"]
+    pipe.executor.shutdown()  # lanes: their own finalizer is not under test here
+    pipe = None
+    for thread in threads:
+        thread.join(5.0)
+        assert not thread.is_alive()
+
+
+@on_each_backend
+async def test_asyncio_only_apis_say_so_under_trio(library: str) -> None:
+    class Pending:  # an event that has not completed
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            pass
+
+    if library == "asyncio":
+        await wait_for_event(None)
+        async with TaskGraph() as graph:
+            assert await (await graph.submit(lambda: 5)) == 5
+        return
+    with pytest.raises(AsyncLibraryError, match="trio"):
+        await wait_for_event(Pending())  # type: ignore[arg-type]
+    with pytest.raises(AsyncLibraryError, match="TaskGraph"):
+        async with TaskGraph():
+            pass
+
+
+def test_trio_inside_a_task_body_is_a_clear_error() -> None:
+    async def main(library: str) -> None:
+        trio = current_trio()
+        assert trio is not None
+
+        async def body(ctx: TaskContext) -> None:
+            await trio.sleep(0)  # runs on the bridge's asyncio loop: cannot work
+
+        async with Pipeline([Task.from_fn("uses_trio", body, writes=("step_result",))]) as pipe:
+            with pytest.raises(AsyncLibraryError, match="task body awaited trio"):
+                await pipe.step(torch.zeros(1))
+
+    run_on("trio", main)

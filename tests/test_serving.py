@@ -1,0 +1,201 @@
+"""The HTTP serving example: real requests on loopback, answers checked against the
+model run on each request alone, micro-batching visible in /stats.
+
+Tolerance: a request's scores inside a batch equal the model's scores for that
+request alone to ``atol=1e-5`` (float32; per-sample attention is normalised by the
+sample's own length and padding is masked, so only the matmul blocking of different
+shapes differs -- about 1e-7 in practice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import socket
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from aiohttp import ClientSession, web
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from hstu_tasks import HSTUBatch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ATOL = 1e-5
+
+
+def load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+serve = load_example("serve_hstu")
+load = load_example("serve_load")
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[Any]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what the example's main() does: the lanes use the cores
+    yield serve.build_model(serve.ServeConfig())
+    torch.set_num_threads(threads)
+
+
+class Server:
+    def __init__(self, runner: web.AppRunner, url: str) -> None:
+        self.runner = runner
+        self.url = url
+        self.service = runner.app[serve.SERVICE]
+
+
+@pytest.fixture
+async def server(model: Any) -> AsyncIterator[Server]:
+    app = serve.create_app(serve.ServeConfig(max_batch=8, max_wait_ms=20.0), model)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    sock = socket.create_server(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    try:
+        yield Server(runner, f"http://127.0.0.1:{sock.getsockname()[1]}")
+    finally:
+        await runner.cleanup()  # idempotent: a test may have stopped it already
+
+
+def alone(model: Any, body: dict[str, list[int]]) -> torch.Tensor:
+    """The model's scores for one request, collated here independently of the example."""
+    items = body["items"] + body["candidates"]
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=["item", "action"],
+        values=torch.tensor(items + body["actions"]),
+        lengths=torch.tensor([len(items), len(body["actions"])]),
+    )
+    count = len(body["candidates"])
+    batch = HSTUBatch(features, torch.tensor([count]), torch.zeros(count, dtype=torch.long))
+    with torch.inference_mode():
+        _, logits = model(batch)
+    return torch.sigmoid(logits)
+
+
+async def post_all(url: str, bodies: list[dict[str, Any]]) -> list[tuple[int, Any]]:
+    async with ClientSession(url) as session:
+
+        async def post(body: dict[str, Any]) -> tuple[int, Any]:
+            async with session.post("/rank", json=body) as response:
+                return response.status, await response.json()
+
+        return await asyncio.gather(*(post(body) for body in bodies))
+
+
+async def test_batched_answers_equal_the_model_on_each_request_alone(
+    server: Server, model: Any
+) -> None:
+    bodies = load.make_requests(40, seed=3)
+    answers = await post_all(server.url, bodies)
+    for body, (status, answer) in zip(bodies, answers):
+        assert status == 200, answer
+        scores = torch.tensor(answer["scores"])
+        assert scores.shape == (len(body["candidates"]), 3)
+        torch.testing.assert_close(scores, alone(model, body), rtol=0, atol=ATOL)
+    async with ClientSession(server.url) as session, session.get("/stats") as response:
+        stats = await response.json()
+    histogram = {int(size): count for size, count in stats["batch_size_histogram"].items()}
+    assert sum(size * count for size, count in histogram.items()) == stats["requests"] == 40
+    assert max(histogram) > 1, histogram  # requests really shared batches...
+    assert max(histogram) <= 8 and stats["batches"] < 40  # ...never beyond max_batch
+
+
+async def test_bad_requests_get_400_and_the_service_keeps_serving(server: Server) -> None:
+    good = {"items": [1, 2, 3], "actions": [0, 1, 2], "candidates": [4, 5]}
+    bad = [
+        [1, 2],  # not an object
+        {**good, "actions": [0, 1]},  # one action per item
+        {**good, "candidates": [2000]},  # out of the item table
+        {**good, "items": []},
+        {**good, "items": [1] * 120, "actions": [0] * 120, "candidates": [1] * 20},  # > 256
+    ]
+    answers = await post_all(server.url, [*bad, good])
+    assert [status for status, _ in answers] == [400] * len(bad) + [200]
+    assert all("error" in answer for _, answer in answers[:-1])
+    async with ClientSession(server.url) as session:
+        async with session.post("/rank", data=b"{not json") as response:
+            assert response.status == 400
+
+
+async def test_a_failing_batch_gets_an_error_and_the_service_recovers(
+    server: Server, model: Any
+) -> None:
+    poison = 1999  # a candidate id that makes the model fail
+
+    def flaky(batch: HSTUBatch) -> Any:
+        if poison in batch.features["item"].values().tolist():
+            raise ValueError("poisoned batch")
+        return model(batch)
+
+    server.service.model = flaky
+    bad = {"items": [1], "actions": [0], "candidates": [poison]}
+    good = {"items": [1, 2], "actions": [0, 1], "candidates": [3]}
+    [(status, answer)] = await post_all(server.url, [bad])
+    assert status == 500 and "poisoned batch" in answer["error"]
+    [(status, answer)] = await post_all(server.url, [good])  # the pipeline was reset
+    assert status == 200
+    torch.testing.assert_close(torch.tensor(answer["scores"]), alone(model, good), atol=ATOL,
+                               rtol=0)  # fmt: skip
+
+
+async def test_after_a_failure_the_other_batches_in_flight_are_retried() -> None:
+    batcher = serve.MicroBatcher(max_batch=2, max_wait_s=0.0)
+    loop = asyncio.get_running_loop()
+    request = serve.RankRequest((1,), (0,), (2,))
+    pending = [serve.Pending(request, loop.create_future()) for _ in range(5)]
+    for item in pending:
+        batcher.submit(item)
+    assert await batcher.__anext__() == pending[:2]
+    assert await batcher.__anext__() == pending[2:4]  # in flight: taken without waiting
+    failure = ValueError("model failed")
+    failure.aiopipe_task = "forward"  # type: ignore[attr-defined]  # as the engine attaches
+    batcher.recover(failure)  # forward works on the oldest batch
+    assert [p.future.exception() for p in pending[:2]] == [failure, failure]
+    assert not any(p.future.done() for p in pending[2:])
+    assert await batcher.__anext__() == pending[2:4]  # retried first, in order
+    failure.aiopipe_task = "collate"  # type: ignore[attr-defined]
+    assert await batcher.__anext__() == pending[4:]
+    batcher.recover(failure)  # collate works on the newest batch
+    assert pending[4].future.exception() is failure
+    assert await batcher.__anext__() == pending[2:4]
+    assert await batcher.__anext__() == []  # nothing queued, a batch in flight: no waiting
+    batcher.close()
+    with pytest.raises(serve.ServiceClosed):
+        batcher.submit(pending[0])
+    with pytest.raises(StopAsyncIteration):  # the pipeline then finishes pending[2:4]
+        await batcher.__anext__()
+
+
+async def test_shutdown_answers_the_queued_requests_then_refuses(server: Server) -> None:
+    service = server.service
+    requests = [serve.RankRequest.parse(body, service.config) for body in load.make_requests(20)]
+    waiting = [asyncio.ensure_future(service.rank(request)) for request in requests]
+    await asyncio.sleep(0)  # queued, mostly not yet batched
+    await server.runner.cleanup()  # closes the batcher, serves the queue, stops the lanes
+    answers = await asyncio.gather(*waiting)
+    assert [len(a) for a in answers] == [len(r.candidates) for r in requests]
+    with pytest.raises(serve.ServiceClosed):
+        await service.rank(requests[0])
+    assert service.pipeline.statistics().closed
+
+
+async def test_the_load_generator_reports_throughput_latency_and_batches(server: Server) -> None:
+    report = await load.run_load(server.url, load.make_requests(60, seed=5), concurrency=16)
+    assert report.errors == 0 and report.requests == 60
+    assert 0 < report.p50_ms <= report.p99_ms and report.throughput_rps > 0
+    assert report.server["requests"] == 60  # the batches of this run only
+    with pytest.raises(SystemExit, match="loopback"):
+        load.require_loopback("http://192.0.2.1:8080")
