@@ -1,0 +1,305 @@
+"""``simulate``: the iteration latency a schedule would have, from its costs.
+
+The model follows the engine's own execution rules (docs/executors.md), so it can be
+checked against a measured run task by task:
+
+* every internal iteration runs its stages one after another; inside a stage each
+  lane runs its chain of active tasks in topological order, and the iteration ends
+  when every lane has finished (a host barrier per ``progress``);
+* a task waits for its same-progress predecessors and for the previous active task
+  on its stream (CPU edges), and a collective for the previous ticket when the
+  iteration's collectives span several lanes;
+* waiting for another lane costs a thread hand-off, as do starting a thread lane's
+  chain and waking the loop at the end;
+* device work queues on its stream: one stream runs one task at a time (FIFO), one
+  communicator runs one collective at a time even across streams, host-link (PCIe)
+  transfers contend; everything else overlaps.  Device work outlives the iteration
+  that queued it; only ``sync`` tasks make the host wait for it.
+
+Steady-state latency is the median interval between the completions of successive
+iterations in which every task fires (warm-up and drain are reported apart).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..executors.lanes import LOOP_LANE, ThreadMap, resolve_lane
+from ..graph import dependency_edges, topological_sort
+from ..mask import fires
+from ..schedule import Schedule
+from .costs import CostModel
+from .errors import AutoschedError
+
+__all__ = ("SimResult", "TaskTiming", "overlap_matrix", "simulate", "thread_count")
+
+_WORLD = "world"
+
+
+@dataclass(frozen=True)
+class TaskTiming:
+    """One task of the reported steady iteration, in ms from the iteration's start."""
+
+    task: str
+    lane: str
+    start_ms: float
+    end_ms: float
+    wait_ms: float
+    gpu_start_ms: float | None = None
+    gpu_end_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What :func:`simulate` predicts."""
+
+    steady_ms: float
+    warmup_ms: float
+    drain_ms: float
+    total_ms: float
+    #: Completion time of every internal iteration, ms from the start.
+    iteration_end_ms: tuple[float, ...]
+    #: Thread lanes used (``"loop"`` excluded).
+    lanes: tuple[str, ...]
+    #: The tasks of one steady iteration, in topological order.
+    timeline: tuple[TaskTiming, ...]
+    #: The chain of tasks (and waits) that set the steady iteration's length.
+    critical_path: tuple[str, ...]
+    #: Batches simulated.
+    batches: int
+
+
+def thread_count(schedule: Schedule, thread_map: ThreadMap) -> int:
+    """How many lane threads ``thread_map`` needs for ``schedule``."""
+    return len({resolve_lane(task, thread_map) for task in schedule.tasks} - {LOOP_LANE})
+
+
+def overlap_matrix(schedule: Schedule, cost_model: CostModel) -> dict[tuple[str, str], bool]:
+    """Whether the device work of two tasks may overlap, ignoring the DAG: not on one
+    stream, not on one communicator, not both on the host link."""
+    keys = {task.name: _resources(task.stream, task.nccl, cost_model, task.name)
+            for task in schedule.tasks}  # fmt: skip
+    return {(a, b): not (keys[a] & keys[b]) for a in keys for b in keys if a != b}
+
+
+def _resources(stream: str, nccl: bool, cost_model: CostModel, name: str) -> frozenset[str]:
+    cost = cost_model.of(name)
+    keys = {f"stream:{stream}"}
+    if nccl or cost.comm is not None:
+        keys.add(f"comm:{cost.comm or _WORLD}")
+    if cost.pcie:
+        keys.add("pcie")
+    return frozenset(keys)
+
+
+class _Compiled:
+    """Index form of (schedule, costs, thread map), as in ``ExecutionPlan``."""
+
+    def __init__(self, schedule: Schedule, costs: CostModel, thread_map: ThreadMap) -> None:
+        costs.check_covers(schedule)
+        order = topological_sort(schedule)
+        index = {task.name: i for i, task in enumerate(order)}
+        self.names = tuple(task.name for task in order)
+        self.max_lookahead = schedule.max_lookahead
+        self.lookahead = tuple(task.lookahead for task in order)
+        stage_of = {t.name: s for s, stage in enumerate(schedule.stages) for t in stage.tasks}
+        self.stage_of = tuple(stage_of[name] for name in self.names)
+        self.num_stages = len(schedule.stages)
+        self.stream = tuple(task.stream for task in order)
+        self.lane = tuple(resolve_lane(task, thread_map) for task in order)
+        self.nccl = tuple(task.nccl for task in order)
+        engine = costs.engine
+        self.handoff = engine.handoff_ms
+        self.progress_ms = engine.progress_ms
+        task_costs = [costs.of(name) for name in self.names]
+        # An async body on a thread lane goes to the loop and back: two hand-offs.
+        self.host = tuple(
+            c.host_ms + engine.task_ms
+            + (2 * engine.handoff_ms if t.is_async and self.lane[i] != LOOP_LANE else 0.0)
+            for i, (t, c) in enumerate(zip(order, task_costs))
+        )  # fmt: skip
+        self.gpu = tuple(c.gpu_ms for c in task_costs)
+        self.sync = tuple(c.sync for c in task_costs)
+        self.resources = tuple(
+            _resources(t.stream, t.nccl, costs, t.name) for t in order
+        )
+        preds: list[set[int]] = [set() for _ in order]
+        gpu_waits: list[list[tuple[int, int]]] = [[] for _ in order]
+        for edge in dependency_edges(schedule):
+            p, c = index[edge.producer], index[edge.consumer]
+            if edge.intra_progress:
+                preds[c].add(p)
+            if self.stream[p] != self.stream[c]:
+                gpu_waits[c].append((p, edge.delta))
+        self.preds = tuple(tuple(sorted(p)) for p in preds)
+        self.gpu_waits = tuple(tuple(w) for w in gpu_waits)
+        self.thread_lanes = tuple(sorted(set(self.lane) - {LOOP_LANE}))
+        self._layouts: dict[tuple[int, ...], list[tuple[tuple[int, ...], dict[int, int]]]] = {}
+
+    def layout(self, active: tuple[int, ...]) -> list[tuple[tuple[int, ...], dict[int, int]]]:
+        """Per stage: its active tasks and, per ticketed collective, the task holding
+        the previous ticket (empty when the stage's collectives share one lane)."""
+        cached = self._layouts.get(active)
+        if cached is None:
+            cached = []
+            for stage in range(self.num_stages):
+                members = tuple(i for i in active if self.stage_of[i] == stage)
+                collectives = [i for i in members if self.nccl[i]]
+                previous: dict[int, int] = {}
+                if len({self.lane[i] for i in collectives}) > 1:
+                    previous = dict(zip(collectives[1:], collectives[:-1]))
+                cached.append((members, previous))
+            self._layouts[active] = cached
+        return cached
+
+
+@dataclass
+class _Device:
+    """Device-side state that outlives iterations."""
+
+    free: dict[str, float]
+    gpu_end: dict[tuple[int, int], float]
+
+
+def simulate(
+    schedule: Schedule,
+    cost_model: CostModel,
+    thread_map: ThreadMap = None,
+    *,
+    batches: int | None = None,
+) -> SimResult:
+    """Predict the run of ``batches`` batches (default ``3 * max_lookahead + 8``)
+    through ``schedule`` on the async executor with ``thread_map``.
+
+    Raises :class:`~aiopipe.autosched.CostModelError` if a task has no cost, and the
+    validator's errors for a schedule whose dependencies cannot be honoured.
+    """
+    compiled = _Compiled(schedule, cost_model, thread_map)
+    return _run(compiled, batches)
+
+
+def _run(c: _Compiled, batches: int | None) -> SimResult:
+    top = c.max_lookahead
+    total = batches if batches is not None else 3 * top + 8
+    if total < top + 2:
+        raise AutoschedError(
+            f"simulate needs at least max_lookahead + 2 = {top + 2} batches for two steady "
+            f"iterations, got {total}"
+        )
+    device = _Device({}, {})
+    clock = 0.0
+    ends: list[float] = []
+    report = (top + total - 1) // 2  # a steady iteration in the middle of the run
+    timeline: tuple[TaskTiming, ...] = ()
+    critical: tuple[str, ...] = ()
+    for iteration in range(total + top):
+        active = tuple(
+            i for i, la in enumerate(c.lookahead) if fires(la, iteration, top, total)
+        )
+        begin = clock
+        clock += c.progress_ms
+        device_end = clock
+        record: list[TaskTiming] | None = [] if iteration == report else None
+        because: dict[int, int | None] = {}
+        last = -1
+        for members, previous_ticket in c.layout(active):
+            clock, stage_device_end, stage_last = _run_stage(
+                c, iteration, members, previous_ticket, clock, device, because, record, begin
+            )
+            device_end = max(device_end, stage_device_end)
+            last = stage_last if stage_last >= 0 else last
+        ends.append(max(clock, device_end))
+        if record is not None:
+            timeline = tuple(record)
+            critical = _backtrack(c, because, last)
+    steady = [b - a for a, b in zip(ends[top:total - 1], ends[top + 1:total])]
+    first_steady_start = ends[top - 1] if top > 0 else 0.0
+    return SimResult(
+        steady_ms=statistics.median(steady),
+        warmup_ms=first_steady_start,
+        drain_ms=ends[-1] - ends[total - 1],
+        total_ms=ends[-1],
+        iteration_end_ms=tuple(ends),
+        lanes=c.thread_lanes,
+        timeline=timeline,
+        critical_path=critical,
+        batches=total,
+    )
+
+
+def _run_stage(
+    c: _Compiled,
+    iteration: int,
+    members: tuple[int, ...],
+    previous_ticket: Mapping[int, int],
+    start: float,
+    device: _Device,
+    because: dict[int, int | None],
+    record: list[TaskTiming] | None,
+    origin: float,
+) -> tuple[float, float, int]:
+    """Run one stage from ``start``; return (host end, device end, last task)."""
+    if not members:
+        return start, start, -1
+    lane_free: dict[str, float] = {}
+    lane_last: dict[str, int] = {}
+    last_on_stream: dict[str, int] = {}
+    end: dict[int, float] = {}
+    device_end = start
+    for i in members:
+        lane = c.lane[i]
+        ready = lane_free.get(lane)
+        if ready is None:  # a thread lane wakes when it receives its chain
+            ready = start if lane == LOOP_LANE else start + c.handoff
+        blockers = [p for p in c.preds[i] if p in end]
+        same_stream = last_on_stream.get(c.stream[i])
+        if same_stream is not None:
+            blockers.append(same_stream)
+        ticket_holder = previous_ticket.get(i)
+        if ticket_holder is not None:
+            blockers.append(ticket_holder)
+        blocker = max(blockers, key=end.__getitem__, default=None)
+        if blocker is not None and end[blocker] > ready:
+            begin, because[i] = end[blocker] + c.handoff, blocker
+        else:
+            begin, because[i] = ready, lane_last.get(lane)
+        host_end = begin + c.host[i]
+        gpu_span = None
+        if c.gpu[i] > 0.0:
+            gpu_begin = max([begin, *(device.free.get(r, 0.0) for r in c.resources[i])])
+            for producer, delta in c.gpu_waits[i]:
+                gpu_begin = max(gpu_begin, device.gpu_end.get((producer, iteration - delta), 0.0))
+            gpu_end = max(gpu_begin + c.gpu[i], host_end)
+            for resource in c.resources[i]:
+                device.free[resource] = gpu_end
+            device.gpu_end[(i, iteration)] = gpu_end
+            device_end = max(device_end, gpu_end)
+            gpu_span = (gpu_begin - origin, gpu_end - origin)
+            if c.sync[i]:
+                host_end = max(host_end, gpu_end)
+        end[i] = lane_free[lane] = host_end
+        lane_last[lane] = i
+        last_on_stream[c.stream[i]] = i
+        if record is not None:
+            record.append(TaskTiming(
+                c.names[i], lane, begin - origin, host_end - origin, begin - ready,
+                *(gpu_span or (None, None)),
+            ))  # fmt: skip
+    # The loop finishes its own chain, then is woken by the last thread lane.
+    finish = {i: t + (c.handoff if c.lane[i] != LOOP_LANE else 0.0) for i, t in end.items()}
+    last = max(finish, key=finish.__getitem__)
+    return finish[last], device_end, last
+
+
+def _backtrack(c: _Compiled, because: Mapping[int, int | None], last: int) -> tuple[str, ...]:
+    path: list[str] = []
+    node: int | None = last
+    seen: set[int] = set()
+    while node is not None and node not in seen and node >= 0:
+        seen.add(node)
+        path.append(c.names[node])
+        node = because.get(node)
+    return tuple(reversed(path))
+

@@ -1,0 +1,170 @@
+"""Profile the HSTU step on CPU (ranks on gloo) and ask the planner about it.
+
+Each rank trains ``--steps`` batches with aiopipe under the default thread map,
+tracing every task; rank 0's spans (the first iterations skipped) become the cost
+model, with the engine overheads calibrated on this machine, written to
+``--output`` (shipped as examples/costs/hstu_cpu.json).  The joint search then plans
+the fourteen-task schedule from it -- forward, backward, finalize_model_grads and
+optimizer_step frozen, at most 4 lane threads and 5 batches in flight -- and the plan
+is written next to the profile.  With ``--measure`` the default thread map and the
+pick's thread map are both timed (the HSTU pipeline builds its own schedule, so only
+the lane part of a pick can be applied to it unchanged).
+
+    ./dev bench autosched_hstu_profile [--ranks 2] [--steps 60] [--measure]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from _common import print_json, print_table  # noqa: E402
+
+from aiopipe import Schedule, Tracer  # noqa: E402
+from aiopipe.autosched import CostModel, CostProfiler, calibrate_engine, joint_search  # noqa: E402
+from aiopipe.autosched import simulate  # noqa: E402
+from aiopipe.autosched.cli import format_plan, report  # noqa: E402
+from aiopipe.runner import run  # noqa: E402
+from hstu_tasks import (  # noqa: E402
+    HSTU_DEFAULT_THREAD_MAP,
+    HSTU_DIST_LANE_THREAD_MAP,
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SyntheticHSTUData,
+    build_training,
+    join_local_group,
+    quiet_torchrec,
+)
+from hstu_tasks.pipeline import STREAMS  # noqa: E402
+from hstu_tasks.runners import run_pipeline  # noqa: E402
+from hstu_tasks.shuffler import IdentityShuffler  # noqa: E402
+from hstu_tasks.tasks import PipelineState, build_tasks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FROZEN = ("forward", "backward", "finalize_model_grads", "optimizer_step")
+SKIP_ITERATIONS = 5  # bootstrap, first allocations, torchrec's lazy set-up
+
+
+def hstu_schedule() -> Schedule:
+    """The HSTU step's declarations (bodies are never run here: no model needed)."""
+    nothing: Any = None
+    state = PipelineState(model=nothing, optimizer=nothing, device=torch.device("cpu"),
+                          shuffler=IdentityShuffler())  # fmt: skip
+    return Schedule.of(build_tasks(state), stream_slots=STREAMS)
+
+
+def steady_ms_per_step(setup: Any, data: list[Any], **options: Any) -> float:
+    """Median interval between successive steps, the first ``SKIP_ITERATIONS`` left
+    out (the bootstrap traces the model and starts the first batches)."""
+    stamps: list[float] = []
+    run_pipeline("aiopipe", setup, data, on_step=lambda step: stamps.append(time.perf_counter()),
+                 **options)  # fmt: skip
+    steady = stamps[SKIP_ITERATIONS:]
+    return statistics.median(b - a for a, b in zip(steady, steady[1:])) * 1e3
+
+
+def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> None:
+    quiet_torchrec()
+    join_local_group(rank, ranks, port)
+    config = DataConfig(batch_size=args["batch_size"], max_history=args["max_history"])
+    payload: dict[str, Any] = {}
+    setup = build_training(ModelConfig(), config, OptimizerConfig(), seed=0)
+    data = list(SyntheticHSTUData(config, args["steps"], seed=0, rank=rank))
+    tracer = Tracer()
+    dist.barrier()
+    payload["profiled_ms_per_step"] = steady_ms_per_step(setup, data, tracer=tracer)
+    profiler = CostProfiler(skip_iterations=SKIP_ITERATIONS)
+    profiler.add_tracer(tracer)
+    payload["costs"] = profiler.cost_model().to_dict()
+    maps = {"default": HSTU_DEFAULT_THREAD_MAP, "pick": args.get("pick_map")}
+    if args["measure"] and maps["pick"]:
+        times: dict[str, list[float]] = {name: [] for name in maps}
+        for repeat in range(args["repeats"] + 1):  # the first round warms up
+            for name, thread_map in maps.items():
+                setup = build_training(ModelConfig(), config, OptimizerConfig(), seed=0)
+                dist.barrier()
+                ms = steady_ms_per_step(setup, data, thread_map=thread_map)
+                if repeat:
+                    times[name].append(ms)
+        payload["measured_ms_per_step"] = times
+    if rank == 0:
+        Path(out).write_text(json.dumps(payload))
+    dist.destroy_process_group()
+
+
+def spawn(args: dict[str, Any]) -> dict[str, Any]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        mp.spawn(worker, args=(port, args["ranks"], args, out.name), nprocs=args["ranks"])
+        return json.loads(Path(out.name).read_text())  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-history", type=int, default=48)
+    parser.add_argument("--output", default=str(ROOT / "examples" / "costs" / "hstu_cpu.json"))
+    parser.add_argument("--costs", help="plan from this profile instead of profiling again")
+    parser.add_argument("--measure", action="store_true",
+                        help="time the default and the pick's thread map")  # fmt: skip
+    args = vars(parser.parse_args())
+    schedule = hstu_schedule()
+    if args["costs"]:
+        costs = CostModel.load(args["costs"])
+    else:
+        profiled = spawn({**args, "measure": False})
+        engine = run(calibrate_engine())
+        meta = {"workload": "HSTU ranking step, aiopipe default thread map",
+                "device": "cpu", "ranks": args["ranks"], "steps": args["steps"],
+                "batch_size": args["batch_size"], "max_history": args["max_history"],
+                "skipped_iterations": SKIP_ITERATIONS, "torch": torch.__version__,
+                "measured_ms_per_step": round(profiled["profiled_ms_per_step"], 3)}  # fmt: skip
+        costs = CostModel.from_dict(profiled["costs"]).with_engine(engine)
+        costs = CostModel(costs.tasks, costs.engine, meta)
+        costs.save(args["output"])
+        print(f"cost profile written to {args['output']}")
+    result = joint_search(schedule, costs, thread_map=HSTU_DEFAULT_THREAD_MAP, frozen=FROZEN,
+                          presets={"dist lane": HSTU_DIST_LANE_THREAD_MAP},
+                          max_threads=4, max_in_flight=5)  # fmt: skip
+    print(format_plan(result, costs))
+    plan = report(result, costs)
+    plan_path = Path(args["costs"] or args["output"]).with_name("hstu_cpu_plan.json")
+    plan_path.write_text(json.dumps(plan, indent=2) + "\n")
+    payload: dict[str, Any] = {"plan": plan}
+    if args["measure"]:
+        pick_map = result.thread_map
+        lanes_only = simulate(schedule, costs, pick_map).steady_ms
+        measured = spawn({**args, "measure": True, "pick_map": pick_map})["measured_ms_per_step"]
+        rows = []
+        predicted = {"default": result.baseline.score, "pick": lanes_only}
+        for name, values in measured.items():
+            median = statistics.median(values)
+            rows.append([name, f"{predicted[name]:.3f}", f"{median:.3f}",
+                         f"{(predicted[name] - median) / median:+.1%}"])  # fmt: skip
+        print_table("HSTU step on CPU: thread map only (declared lookaheads, streams, order)",
+                    ["thread map", "simulated ms", "measured ms / step", "sim error"], rows)
+        payload["measured_ms_per_step"] = measured
+        payload["simulated_ms"] = predicted
+    print_json("autosched_hstu_profile", payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""``aiopipe plan``: the auto-scheduler's subcommand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from aiopipe.autosched import CostModel, EngineCosts
+from aiopipe.cli import main
+
+TARGET = '''
+from aiopipe import Schedule, Task
+
+def noop(ctx):
+    pass
+
+def schedule():
+    return Schedule.of([
+        Task.from_fn("prep", noop, stream="io", writes=("x",)),
+        Task.from_fn("train", noop, reads=("x",)),
+    ])
+'''
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> str:
+    path = tmp_path / "plan_target.py"
+    path.write_text(TARGET)
+    return f"{path}:schedule"
+
+
+@pytest.fixture
+def costs(tmp_path: Path) -> Path:
+    model = CostModel.from_host_ms({"prep": 3.0, "train": 3.0}, EngineCosts(0.01, 0.002, 0.05))
+    return model.save(tmp_path / "costs.json")
+
+
+def test_plan_from_a_cost_file_prints_a_table_and_json(
+    target: str, costs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_file = tmp_path / "plan.json"
+    assert main(["plan", target, "--costs", str(costs), "--thread-map", "by_stream",
+                 "--frozen", "train", "-o", str(out_file)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    table, json_line = out.rsplit("\n\n", 1)
+    assert "predicted gain" in table and "0 -> 1" in table  # prep's lookahead raised
+    plan = json.loads(json_line)
+    assert plan == json.loads(out_file.read_text())
+    assert plan["baseline"]["latency_ms"] > 6.0 > plan["best"]["latency_ms"] > 3.0
+    assert plan["best"]["lookaheads"] == {"prep": 1, "train": 0}
+    assert set(plan["best"]["thread_map"]) == {"prep", "train"}
+    assert plan["best"]["fire_order"] and plan["best"]["stream_map"]["train"] == "default"
+
+
+def test_plan_no_loop_keeps_every_task_on_a_thread_lane(
+    target: str, costs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", target, "--costs", str(costs), "--thread-map", "prep=io,train=main",
+                 "--no-loop", "--json"]) == 0  # fmt: skip
+    kept_off = json.loads(capsys.readouterr().out)
+    assert "loop" not in kept_off["best"]["thread_map"].values()
+    assert kept_off["best"]["latency_ms"] < kept_off["baseline"]["latency_ms"]
+
+
+def test_plan_profiles_when_no_costs_are_given(
+    target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = tmp_path / "profiled.json"
+    assert main(["plan", target, "--batches", "8", "--no-calibrate", "--save-costs", str(saved),
+                 "--json"]) == 0  # fmt: skip
+    plan = json.loads(capsys.readouterr().out)
+    assert set(CostModel.load(saved).tasks) == {"prep", "train"}
+    assert plan["best"]["latency_ms"] <= plan["baseline"]["latency_ms"]
+
+
+def test_plan_exit_codes(target: str, costs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", target, "--costs", "missing.json"]) == 2
+    assert main(["plan", "no_such_module_here:f", "--costs", str(costs)]) == 2
+    assert main(["plan", target, "--costs", str(costs), "--frozen", "ghost"]) == 1
+    err = capsys.readouterr().err
+    assert "missing.json" in err and "ghost" in err
