@@ -39,6 +39,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from .errors import AsyncLibraryError, PipelineStateError
+from .executors.signals import settle_future
 from .runner import _finish_loop, new_event_loop
 from .source import END, Source
 
@@ -216,9 +217,9 @@ class _Call:
         try:
             item = await anext(source, END)
         except Exception as exc:  # the source's own error: the pipeline raises it
-            self._loop.call_soon_threadsafe(_settle, future, exc, None)
+            self._loop.call_soon_threadsafe(settle_future, future, exc, None)
         else:
-            self._loop.call_soon_threadsafe(_settle, future, None, item)
+            self._loop.call_soon_threadsafe(settle_future, future, None, item)
 
     def cancelled(self) -> bool:
         return self._task is not None and self._task.cancelled()
@@ -267,15 +268,6 @@ class _Call:
             self._token.run_sync_soon(self._send.send_nowait, message)
         except self._trio.RunFinishedError:  # the caller's trio run is gone
             pass
-
-
-def _settle(future: asyncio.Future[Any], exc: BaseException | None, result: Any) -> None:
-    if future.done():  # the call was cancelled meanwhile
-        return
-    if exc is None:
-        future.set_result(result)
-    else:
-        future.set_exception(exc)
 
 
 def _raised_in_trio(exc: BaseException) -> bool:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import socket
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,3 +51,25 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
 
 def print_json(name: str, payload: dict[str, Any]) -> None:
     print("JSON " + json.dumps({"benchmark": name, **payload}, sort_keys=True))
+
+
+def add_hstu_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every multi-rank HSTU benchmark takes."""
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-history", type=int, default=48)
+
+
+def spawn_ranks(worker: Callable[..., None], args: dict[str, Any]) -> Any:
+    """Run ``worker(rank, port, ranks, args, out_path)`` on ``args["ranks"]`` spawned
+    processes; return the JSON rank 0 wrote to ``out_path``."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        mp.spawn(worker, args=(port, args["ranks"], args, out.name), nprocs=args["ranks"])
+        return json.loads(Path(out.name).read_text())

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from _common import print_json, print_table  # noqa: E402
+from _common import add_hstu_arguments, print_json, print_table, spawn_ranks  # noqa: E402
 
 from aiopipe import Schedule, Tracer  # noqa: E402
 from aiopipe.autosched import CostModel, CostProfiler, calibrate_engine, joint_search  # noqa: E402
@@ -105,22 +102,9 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
     dist.destroy_process_group()
 
 
-def spawn(args: dict[str, Any]) -> dict[str, Any]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        mp.spawn(worker, args=(port, args["ranks"], args, out.name), nprocs=args["ranks"])
-        return json.loads(Path(out.name).read_text())  # type: ignore[no-any-return]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--max-history", type=int, default=48)
+    add_hstu_arguments(parser)
     parser.add_argument("--output", default=str(ROOT / "examples" / "costs" / "hstu_cpu.json"))
     parser.add_argument("--costs", help="plan from this profile instead of profiling again")
     parser.add_argument("--measure", action="store_true",
@@ -130,7 +114,7 @@ def main() -> None:
     if args["costs"]:
         costs = CostModel.load(args["costs"])
     else:
-        profiled = spawn({**args, "measure": False})
+        profiled = spawn_ranks(worker, {**args, "measure": False})
         engine = run(calibrate_engine())
         meta = {"workload": "HSTU ranking step, aiopipe default thread map",
                 "device": "cpu", "ranks": args["ranks"], "steps": args["steps"],
@@ -152,7 +136,8 @@ def main() -> None:
     if args["measure"]:
         pick_map = result.thread_map
         lanes_only = simulate(schedule, costs, pick_map).steady_ms
-        measured = spawn({**args, "measure": True, "pick_map": pick_map})["measured_ms_per_step"]
+        measured = spawn_ranks(worker, {**args, "measure": True, "pick_map": pick_map})
+        measured = measured["measured_ms_per_step"]
         rows = []
         predicted = {"default": result.baseline.score, "pick": lanes_only}
         for name, values in measured.items():

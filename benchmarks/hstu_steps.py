@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from _common import print_json, print_table  # noqa: E402
+from _common import add_hstu_arguments, print_json, print_table, spawn_ranks  # noqa: E402
 
 from hstu_tasks import (  # noqa: E402
     HSTU_DIST_LANE_THREAD_MAP,
@@ -72,19 +69,10 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--max-history", type=int, default=48)
+    add_hstu_arguments(parser)
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
     args = vars(parser.parse_args())
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        mp.spawn(worker, args=(port, args["ranks"], args, out.name), nprocs=args["ranks"])
-        samples = json.loads(Path(out.name).read_text())
+    samples = spawn_ranks(worker, args)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     rows = [[name, f"{rate:.2f}", f"{rate / medians['torchrec']:.3f}", f"{rate / medians['none']:.3f}"]
             for name, rate in medians.items()]  # fmt: skip

@@ -12,7 +12,7 @@ import asyncio
 import threading
 from typing import Any
 
-__all__ = ("LoopWaker", "Signal")
+__all__ = ("LoopWaker", "Signal", "settle_future")
 
 
 class LoopWaker:
@@ -29,15 +29,16 @@ class LoopWaker:
     ) -> None:
         """Complete ``future`` on its loop; harmless if it was cancelled meanwhile."""
         if threading.get_ident() == self.loop_thread:
-            _settle(future, exc, result)
+            settle_future(future, exc, result)
             return
         try:
-            self.loop.call_soon_threadsafe(_settle, future, exc, result)
+            self.loop.call_soon_threadsafe(settle_future, future, exc, result)
         except RuntimeError:  # the loop closed under us (interpreter shutdown, Ctrl-C)
             pass
 
 
-def _settle(future: asyncio.Future[Any], exc: BaseException | None, result: Any) -> None:
+def settle_future(future: asyncio.Future[Any], exc: BaseException | None, result: Any) -> None:
+    """Complete ``future`` (on its loop's thread) unless it was cancelled meanwhile."""
     if future.done():  # the awaiting coroutine was cancelled
         return
     if exc is None:
