@@ -73,10 +73,8 @@ class CheckpointManager:
     def latest(self) -> int | None:
         """The newest complete checkpoint's step, agreed by every rank (rank 0 looks)."""
         steps = self.complete_steps() if self._rank() == 0 else []
-        found = [steps[-1] if steps else None]
-        if self._distributed():
-            dist.broadcast_object_list(found, src=self._global_rank_zero(), group=self._group)
-        return found[0]
+        latest: int | None = self._from_rank_zero(steps[-1] if steps else None)
+        return latest
 
     def path(self, step: int) -> Path:
         return self.directory / f"step-{step:08d}"
@@ -89,6 +87,10 @@ class CheckpointManager:
         (rank 0's copy is the one written)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        try:
+            json.dumps(meta or {})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"meta must be JSON-serialisable: {exc}") from None
         final = self.path(step)
         partial = self.directory / f"{final.name}.partial"
         if self._rank() == 0:
@@ -102,14 +104,27 @@ class CheckpointManager:
         except Exception as exc:
             raise CheckpointError(f"saving the checkpoint of step {step} failed: {exc}") from exc
         self._barrier()  # every rank's shards are on disk
+        failure = None
         if self._rank() == 0:
-            body = {"step": step, "world_size": self._world_size(), "meta": meta or {}}
-            (partial / _META).write_text(json.dumps(body))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(partial, final)  # the commit point
-            self._prune()
-        self._barrier()
+            try:
+                self._commit(step, partial, final, meta)
+            except OSError as exc:  # tell the other ranks instead of leaving them waiting
+                failure = f"{type(exc).__name__}: {exc}"
+        failure = self._from_rank_zero(failure)
+        if failure is not None:
+            raise CheckpointError(f"committing the checkpoint of step {step} failed: {failure}")
         return final
+
+    def _commit(self, step: int, partial: Path, final: Path, meta: dict[str, Any] | None) -> None:
+        body = {"step": step, "world_size": self._world_size(), "meta": meta or {}}
+        with open(partial / _META, "w") as out:
+            json.dump(body, out)
+            out.flush()
+            os.fsync(out.fileno())  # the metadata is durable before the name says complete
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)  # the commit point
+        _fsync_directory(self.directory)
+        self._prune()
 
     def _prune(self) -> None:
         for old in self.complete_steps()[: -self.keep]:
@@ -130,20 +145,20 @@ class CheckpointManager:
         meta_file = path / _META
         if not meta_file.is_file():
             raise CheckpointError(f"no complete checkpoint at {path}")
+        body = json.loads(meta_file.read_text())
+        saved_world = body.get("world_size")
+        if saved_world is not None and saved_world != self._world_size():
+            # Sharded tensors could reshard on load, but data positions are per rank.
+            raise CheckpointError(
+                f"checkpoint {path.name} was written by {saved_world} ranks, this job has "
+                f"{self._world_size()}: each rank's data position would not carry over"
+            )
         try:
             from torch.distributed.checkpoint.state_dict_loader import load
 
             load(state, checkpoint_id=str(path), process_group=self._group)
         except Exception as exc:
             raise CheckpointError(f"loading the checkpoint of step {step} failed: {exc}") from exc
-        body = json.loads(meta_file.read_text())
-        saved_world = body.get("world_size")
-        if saved_world is not None and saved_world != self._world_size():
-            # Sharded tensors reshard on load, but data positions are per rank.
-            raise CheckpointError(
-                f"checkpoint {path.name} was written by {saved_world} ranks, this job has "
-                f"{self._world_size()}: each rank's data position would not carry over"
-            )
         return dict(body.get("meta", {}))
 
     # -- process group -----------------------------------------------------------------
@@ -162,12 +177,34 @@ class CheckpointManager:
             return 0
         return int(dist.get_global_rank(self._group, 0))
 
+    def _from_rank_zero(self, value: Any) -> Any:
+        """Rank 0's ``value``, on every rank."""
+        if not self._distributed():
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self._global_rank_zero(), group=self._group)
+        return box[0]
+
     def _barrier(self) -> None:
         if self._distributed():
             dist.barrier(group=self._group)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.directory)!r}, keep={self.keep})"
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (where the platform allows)."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:  # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(handle)
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -96,10 +96,6 @@ class TrioBridge:
         self._stop: weakref.finalize[Any, Any] | None = None
         self._closed = False
 
-    @property
-    def started(self) -> bool:
-        return self._loop is not None
-
     async def call(self, fn: Callable[..., Awaitable[T]], /, *args: Any) -> T:
         """``await fn(*args)`` on the bridge loop, from a trio task.  Async iterators
         among ``args`` must come from :meth:`source_for`."""

@@ -27,7 +27,7 @@ from .schedule import Schedule
 from .source import END, Feed, Source
 from .streams import StreamPool
 from .task import BATCH_SLOT, RESULT_SLOT
-from .trace import Tracer
+from .trace import Tracer, resolve_tracer
 from .validate import validate_schedule
 
 if TYPE_CHECKING:
@@ -39,7 +39,11 @@ __all__ = ("PipelineStatistics", "SchedulablePipeline")
 
 @dataclass(frozen=True)
 class PipelineStatistics:
-    """Where the pipeline stands in its current source."""
+    """Where the pipeline stands in its current source.
+
+    ``refused`` counts items refused with ``BadBatchError``: with nothing in flight,
+    ``returned + refused`` items of the source have been consumed (the position to
+    resume a checkpointed run from)."""
 
     pulled: int
     returned: int
@@ -48,6 +52,7 @@ class PipelineStatistics:
     exhausted: bool
     broken: str | None
     closed: bool
+    refused: int = 0
 
 
 class SchedulablePipeline:
@@ -81,7 +86,7 @@ class SchedulablePipeline:
         self._ring = BatchRing(self._plan.max_lookahead + 1)
         self._ctx = TaskContext(stream_pool)
         self._annotator = resolve_annotator(nvtx)
-        self._tracer = Tracer() if trace is True else (None if trace is False else trace)
+        self._tracer = resolve_tracer(trace)
         self._check_batch = check_batch
         lane_of = getattr(self._executor, "lane_of", None)
         self._lanes: tuple[str, ...] = (
@@ -137,6 +142,7 @@ class SchedulablePipeline:
             exhausted=feed.exhausted if feed else False,
             broken=self._broken,
             closed=self._closed,
+            refused=feed.refused if feed else 0,
         )
 
     # -- the progress contract -------------------------------------------------------
@@ -278,6 +284,12 @@ class SchedulablePipeline:
 
     async def _progress(self, source: Source) -> Any:
         feed = self._adopt(source)
+        if feed.lost is not None and not feed.exhausted:
+            raise PipelineStateError(
+                f"{feed.lost}: the rest of its items cannot be read. drain() finishes the "
+                f"{feed.in_flight} batch(es) in flight; then pass a new source (a cancel-safe "
+                f"one, e.g. a queue or memory channel, survives cancellation)"
+            )
         if not self._initialised:
             await self._init_tasks()
         plan, ring = self._plan, self._ring
@@ -336,6 +348,7 @@ class SchedulablePipeline:
                 problem = exc
         if problem is None:
             return
+        feed.refused += 1
         raise BadBatchError(
             f"the source's next batch (after {feed.pulled} taken) was refused: {problem}. "
             f"It was skipped. "

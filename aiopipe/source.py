@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Union
 
@@ -15,7 +17,10 @@ Source = Union[Iterator[Any], AsyncIterator[Any]]
 class Feed:
     """One source (a sync or async iterator) and the progress made through it."""
 
-    __slots__ = ("_async", "_sync", "exhausted", "iteration", "pulled", "returned", "source")
+    __slots__ = (
+        "_async", "_sync", "exhausted", "iteration", "lost", "pulled", "refused", "returned",
+        "source",
+    )  # fmt: skip
 
     def __init__(self, source: Source) -> None:
         self._async: AsyncIterator[Any] | None = None
@@ -41,6 +46,11 @@ class Feed:
         #: The next internal iteration to run.
         self.iteration = 0
         self.exhausted = False
+        #: Items the pipeline refused (``BadBatchError``): the source's position is
+        #: ``returned + refused`` once nothing is in flight.
+        self.refused = 0
+        #: Why the source can no longer be read, when a cancelled pull closed it.
+        self.lost: str | None = None
 
     @property
     def in_flight(self) -> int:
@@ -58,6 +68,14 @@ class Feed:
         ``StopIteration`` crossing a future hangs, CPython gh-112182).
         """
         if self._async is not None:
-            return await anext(self._async, END)
+            try:
+                return await anext(self._async, END)
+            except asyncio.CancelledError:
+                # The cancellation was thrown into an async generator's frame: unless
+                # it caught it, the generator is finished and its remaining items gone.
+                source = self._async
+                if inspect.isasyncgen(source) and source.ag_frame is None:
+                    self.lost = "a cancelled progress() closed this async generator mid-pull"
+                raise
         assert self._sync is not None
         return next(self._sync, END)

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ("Span", "Tracer", "merge_traces")
+__all__ = ("Span", "Tracer", "merge_traces", "resolve_tracer")
 
-_LANE_THREAD_PREFIX = "aiopipe-lane-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +58,32 @@ class Span:
 
 #: What Step hands over per task run, turned into a Span only when read:
 #: (task, iteration, batch, lane, thread, stream, start_ns, end_ns, wait_ns, failed,
-#:  gpu_events or None).  Appending a tuple to a deque keeps tracing cheap on lanes.
+#:  _GpuTiming or None).  Appending a tuple to a deque keeps tracing cheap on lanes.
 RawSpan = tuple[str, int, int, str, str, "str | None", int, int, int, bool, Any]
+
+#: Completed GPU timings are turned into numbers (and their events released) in
+#: batches of this many, so a long traced run does not hold millions of events.
+_GPU_COMPACT_EVERY = 256
+
+
+class _GpuTiming:
+    """A device task's timing events until resolved, then its numbers."""
+
+    __slots__ = ("begin", "finish", "ms", "start_ns")
+
+    def __init__(self, begin: Any, finish: Any) -> None:
+        self.begin, self.finish = begin, finish
+        self.ms: float | None = None
+        self.start_ns: int | None = None
+
+    def resolve(self, origin: tuple[Any, int] | None) -> None:
+        if self.begin is None:
+            return
+        self.finish.synchronize()
+        self.ms = float(self.begin.elapsed_time(self.finish))
+        if origin is not None:
+            self.start_ns = origin[1] + int(float(origin[0].elapsed_time(self.begin)) * 1e6)
+        self.begin = self.finish = None
 
 
 class Tracer:
@@ -89,6 +112,7 @@ class Tracer:
         self._lock = threading.Lock()  # uncontended in practice: ~0.1 us per span
         self._recorded = 0
         self._gpu_origin: tuple[Any, int] | None = None  # (event, host ns when recorded)
+        self._gpu_pending: collections.deque[_GpuTiming] = collections.deque()
         # perf_counter_ns is per process; exported times add this offset so traces
         # of several ranks on one host line up.
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
@@ -99,6 +123,25 @@ class Tracer:
         with self._lock:
             self._recorded += 1
             self._raw.append(raw)
+
+    def append_gpu(self, raw: RawSpan, begin: Any, finish: Any) -> None:
+        """``append`` for a device task timed by a pair of events."""
+        timing = _GpuTiming(begin, finish)
+        self.append((*raw[:-1], timing))
+        with self._lock:
+            self._gpu_pending.append(timing)
+            compact = len(self._gpu_pending) >= 2 * _GPU_COMPACT_EVERY
+        if compact:
+            self._compact_gpu()
+
+    def _compact_gpu(self) -> None:
+        """Resolve the oldest completed timings (never waits for the device)."""
+        for _ in range(_GPU_COMPACT_EVERY):
+            with self._lock:
+                if not self._gpu_pending or not self._gpu_pending[0].finish.query():
+                    return
+                timing = self._gpu_pending.popleft()
+            timing.resolve(self._gpu_origin)
 
     def record(self, span: Span) -> None:
         """Add a finished span (for spans measured outside a pipeline)."""
@@ -137,18 +180,15 @@ class Tracer:
     def clear(self) -> None:
         with self._lock:
             self._raw.clear()
+            self._gpu_pending.clear()
             self._recorded = 0
 
     def _span(self, raw: RawSpan) -> Span:
         task, iteration, batch, lane, thread, stream, start, end, wait, failed, gpu = raw
         gpu_ms = gpu_start = None
         if gpu is not None:
-            begin, finish = gpu
-            finish.synchronize()
-            gpu_ms = float(begin.elapsed_time(finish))
-            origin = self._gpu_origin
-            if origin is not None:
-                gpu_start = origin[1] + int(float(origin[0].elapsed_time(begin)) * 1e6)
+            gpu.resolve(self._gpu_origin)  # waits for the device if still running
+            gpu_ms, gpu_start = gpu.ms, gpu.start_ns
         return Span(task, iteration, batch, lane, thread, stream, start, end, wait,
                     gpu_ms, gpu_start, failed)  # fmt: skip
 
@@ -218,7 +258,7 @@ class Tracer:
 
     def summary(self) -> list[dict[str, Any]]:
         """Per task, in first-seen order: runs, median and mean host ms, mean wait ms,
-        failures -- the table ``aiopipe trace`` prints."""
+        failures."""
         by_task: dict[str, list[Span]] = {}
         for span in self.spans:
             by_task.setdefault(span.task, []).append(span)
@@ -254,9 +294,12 @@ def merge_traces(paths: Iterable[str | os.PathLike[str]], output: str | os.PathL
     return target
 
 
-def lane_of_thread(name: str) -> str:
-    """The lane a thread serves: a lane thread's name, or ``"loop"``."""
-    return name[len(_LANE_THREAD_PREFIX):] if name.startswith(_LANE_THREAD_PREFIX) else "loop"
+def resolve_tracer(trace: bool | Tracer | None) -> Tracer | None:
+    """What a ``trace=`` argument means: ``True`` a fresh tracer, a tracer itself,
+    ``False``/``None`` no tracing."""
+    if trace is True:
+        return Tracer()
+    return None if trace is False else trace
 
 
 def _slice(

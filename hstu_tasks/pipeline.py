@@ -37,6 +37,7 @@ from aiopipe import (
 )
 from aiopipe.executors.lanes import ThreadMap
 from aiopipe.source import END, Feed, Source
+from aiopipe.trace import resolve_tracer
 
 from .data import check_batch
 from .shuffler import BatchShuffler, IdentityShuffler
@@ -122,7 +123,7 @@ class HSTUPipeline:
         self._thread_map = thread_map if thread_map is not None else HSTU_DEFAULT_THREAD_MAP
         self._executor_choice = executor
         # One tracer for the pipeline's lifetime: detach/attach rebuilds keep adding to it.
-        self._tracer = Tracer() if trace is True else (None if trace is False else trace)
+        self._tracer = resolve_tracer(trace)
         self._engine: SchedulablePipeline | None = None
         self._original_forwards: list[Any] = []
         self._original_kjt_dist_forwards: list[Any] = []

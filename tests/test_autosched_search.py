@@ -199,6 +199,12 @@ def test_allow_loop_false_keeps_tasks_off_the_event_loop() -> None:
                             allow_loop=False)  # fmt: skip
     assert "loop" not in kept_off.thread_map.values()  # ... but not taken when refused
     assert kept_off.predicted_gain > 0.10
+    # nor kept from a baseline or a preset that uses it
+    on_loop = {name: "loop" for name in HSTU_MS}
+    moved_off = joint_search(schedule, model, thread_map=on_loop, frozen=FROZEN, rounds=2,
+                             presets={"all loop": on_loop}, allow_loop=False)  # fmt: skip
+    assert "loop" not in moved_off.thread_map.values()
+    assert moved_off.baseline.thread_map_dict() == on_loop  # compared with what was run
 
 
 async def test_the_pick_runs_and_returns_every_batch_in_order() -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -142,3 +143,60 @@ async def test_switching_the_source_mid_flight_takes_nothing_from_it(pipe: Pipel
         await pipe.progress(second)
     assert next(second) == 100  # untouched
     assert await collect(pipe, first) == results_of([1, 2, 3, 4])
+
+
+async def test_a_cancelled_pull_that_closes_an_async_generator_is_reported(pipe: Pipeline) -> None:
+    release = asyncio.Event()
+
+    async def slow_source() -> AsyncIterator[int]:
+        yield 0
+        await release.wait()  # the cancellation lands here and ends the generator
+        for n in range(1, 4):
+            yield n
+
+    source = slow_source()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(pipe.progress(source), 0.05)
+    release.set()
+    # silently ending the epoch here would lose batches 1..3: say so instead
+    with pytest.raises(PipelineStateError, match="closed this async generator"):
+        await pipe.progress(source)
+    assert pipe.statistics().in_flight == 1
+    assert await pipe.drain() == results_of([0])  # the batch already pulled is not lost
+
+
+async def test_a_cancel_safe_source_survives_a_cancelled_pull(pipe: Pipeline) -> None:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+
+    class FromQueue:
+        def __aiter__(self) -> FromQueue:
+            return self
+
+        async def __anext__(self) -> int:
+            item = await queue.get()
+            if item < 0:
+                raise StopAsyncIteration
+            return item
+
+    source = FromQueue()
+    queue.put_nowait(0)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(pipe.progress(source), 0.05)
+    for item in (1, 2, 3, -1):
+        queue.put_nowait(item)
+    assert await collect(pipe, source) == results_of([0, 1, 2, 3])
+
+
+async def test_refused_batches_are_counted_for_the_source_position(pipe: Pipeline) -> None:
+    source = iter([0, None, 1, None, 2])
+    got: list[Any] = []
+    while True:
+        try:
+            got.append(await pipe.progress(source))
+        except BadBatchError:
+            continue
+        except StopAsyncIteration:
+            break
+    stats = pipe.statistics()
+    assert got == results_of([0, 1, 2])
+    assert stats.refused == 2 and stats.returned + stats.refused == 5

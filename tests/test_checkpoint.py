@@ -77,6 +77,23 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         CheckpointManager(tmp_path, keep=0)
     with pytest.raises(ValueError, match="step"):
         CheckpointManager(tmp_path).save(-1, {})
+    with pytest.raises(ValueError, match="JSON"):
+        CheckpointManager(tmp_path).save(1, {}, meta={"when": object()})
+    assert not tmp_path.joinpath("step-00000001").exists()
+
+
+def test_a_checkpoint_from_another_world_size_is_refused_before_loading(tmp_path: Path) -> None:
+    model, optimizer = model_and_adam(0)
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, state(model, optimizer))
+    meta_file = tmp_path / "step-00000001" / "aiopipe-meta.json"
+    meta_file.write_text(meta_file.read_text().replace('"world_size": 1', '"world_size": 4'))
+    fresh, _ = model_and_adam(1)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    target = {"model": fresh.state_dict()}
+    with pytest.raises(CheckpointError, match="written by 4 ranks, this job has 1"):
+        manager.load(1, target)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.state_dict().values()))
 
 
 def test_materialize_optimizer_state_changes_no_parameter() -> None:

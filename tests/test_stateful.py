@@ -137,7 +137,7 @@ class PipelineMachine(RuleBasedStateMachine):
         stats = self.pipe.statistics()
         assert stats.closed == self.closed
         assert (stats.broken is not None) == self.broken
-        if not self.closed and not self.broken and stats.in_flight:
+        if not self.closed and not self.broken:
             assert stats.in_flight == self.pulled - self.returned
 
     def teardown(self) -> None:

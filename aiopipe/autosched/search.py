@@ -149,6 +149,8 @@ class _Search:
         """Score with the lookaheads it has; ``None`` if illegal."""
         if c.threads > self.max_threads:
             return None
+        if not self.allow_loop and any(lane == LOOP_LANE for _, lane in c.thread_map):
+            return None
         declared = self.schedule
         for name in self.frozen:
             task = declared.task(name)
@@ -299,9 +301,14 @@ def joint_search(
     # The baseline is the schedule as the user runs it, whatever the limits say.
     base_latency = simulate(schedule, cost_model, thread_map, batches=search.batches).steady_ms
     baseline = replace(canonical, score=base_latency)
-    starts = [c for c in (search.quick_score(canonical), search.normalise(canonical)) if c]
+    start = canonical
+    if not allow_loop:  # the baseline's loop tasks start on a thread lane of their own
+        start = replace(canonical, thread_map=_pairs(
+            {name: "main" if lane == LOOP_LANE else lane for name, lane in canonical.thread_map}
+        ))  # fmt: skip
+    starts = [c for c in (search.quick_score(start), search.normalise(start)) if c]
     if not starts:  # the baseline breaks a limit (max_threads): start from its neighbours
-        starts = [n for m in search.mutate_thread_map(canonical) if (n := search.normalise(m))]
+        starts = [n for m in search.mutate_thread_map(start) if (n := search.normalise(m))]
     if not starts:
         raise AutoschedError(
             f"no candidate satisfies max_threads={max_threads} and max_in_flight="

@@ -30,7 +30,7 @@ from ..context import CURRENT, LaneRunner, Running, TaskContext
 from ..errors import TaskDefinitionError
 from ..plan import ActiveSet, ExecutionPlan
 from ..ring import BatchRing
-from ..trace import lane_of_thread
+from .lanes import lane_of_thread
 
 if TYPE_CHECKING:
     from .._nvtx import Annotator
@@ -142,17 +142,19 @@ class Step:
     def invoke(self, index: int, run_on_lane: LaneRunner | None = None) -> None:
         """Run the synchronous body of task ``index`` on the calling thread."""
         if self._tracer is None:
-            self._invoke(index, run_on_lane)
+            self._invoke(index, run_on_lane, None)
             return
-        gpu_events = self._gpu_timing_start(index)
+        gpu_started: list[tuple[Any, Any]] = []
         start, failed = time.perf_counter_ns(), True
         try:
-            self._invoke(index, run_on_lane)
+            self._invoke(index, run_on_lane, gpu_started)
             failed = False
         finally:
-            self._trace(index, start, failed, gpu_events)
+            self._trace(index, start, failed, gpu_started[0] if gpu_started else None)
 
-    def _invoke(self, index: int, run_on_lane: LaneRunner | None) -> None:
+    def _invoke(
+        self, index: int, run_on_lane: LaneRunner | None, gpu_started: list[Any] | None
+    ) -> None:
         # The hot path of every executor: kept flat, with stream and event work
         # skipped entirely where the plan says there is none.
         plan = self.plan
@@ -172,6 +174,8 @@ class Step:
                 self._wait_events(index)
             annotator = self._annotator
             if plan.on_device[index]:
+                if gpu_started is not None:  # tracing: after the waits, so stalls don't count
+                    self._gpu_timing_start(index, gpu_started)
                 with plan.stream_pool.use(plan.stream[index]):
                     if annotator is None:
                         result = task.run(self._ctx)
@@ -237,36 +241,33 @@ class Step:
 
     # -- tracing (only with a tracer) ----------------------------------------------------
 
-    def _gpu_timing_start(self, index: int) -> tuple[Any, Any] | None:
+    def _gpu_timing_start(self, index: int, started: list[Any]) -> None:
         tracer, plan = self._tracer, self.plan
-        if tracer is None or not tracer.gpu_timing or not plan.on_device[index]:
-            return None
         stream = plan.stream_pool.get(plan.stream[index])
-        if stream is None:
-            return None
+        if tracer is None or not tracer.gpu_timing or stream is None:
+            return
         begin = tracer.gpu_event()
         stream.record_event(begin)
         tracer.note_gpu_origin(begin, time.perf_counter_ns())
-        return begin, stream
+        started.append((begin, stream))
 
     def _trace(
         self, index: int, start: int, failed: bool, gpu_started: tuple[Any, Any] | None
     ) -> None:
         tracer, plan = self._tracer, self.plan
-        if tracer is None:
-            return
+        assert tracer is not None  # only called with a tracer
         end = time.perf_counter_ns()
-        gpu_events = None
-        if gpu_started is not None:
-            begin, stream = gpu_started
-            finish = tracer.gpu_event()
-            stream.record_event(finish)
-            gpu_events = (begin, finish)
         thread = threading.current_thread().name
         ready = self._ready_ns.pop(index, start) if self._ready_ns else start
-        tracer.append((
+        raw = (
             plan.order[index].name, self.iteration, self.iteration - plan.lag[index],
             self._lanes[index] if self._lanes else lane_of_thread(thread), thread,
-            plan.stream[index], start, end, start - ready if ready < start else 0, failed,
-            gpu_events,
-        ))  # fmt: skip
+            plan.stream[index], start, end, start - ready if ready < start else 0, failed, None,
+        )  # fmt: skip
+        if gpu_started is None:
+            tracer.append(raw)
+            return
+        begin, stream = gpu_started
+        finish = tracer.gpu_event()
+        stream.record_event(finish)
+        tracer.append_gpu(raw, begin, finish)

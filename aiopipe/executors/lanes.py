@@ -20,12 +20,22 @@ from .signals import LoopWaker
 if TYPE_CHECKING:
     from ..task import Task
 
-__all__ = ("LOOP_LANE", "Lane", "LanePool", "ThreadMap", "call_on_lane", "resolve_lane")
+__all__ = (
+    "LANE_THREAD_PREFIX", "LOOP_LANE", "Lane", "LanePool", "ThreadMap", "call_on_lane",
+    "lane_of_thread", "resolve_lane",
+)  # fmt: skip
 
 LOOP_LANE = "loop"
+#: Lane threads are named ``aiopipe-lane-<lane>`` (tests and traces rely on it).
+LANE_THREAD_PREFIX = "aiopipe-lane-"
 ThreadMap = Union[None, str, Mapping[str, str], Callable[["Task"], str]]
 
 _STOP = object()
+
+
+def lane_of_thread(name: str) -> str:
+    """The lane a thread (by name) serves: a lane thread's lane, else ``"loop"``."""
+    return name[len(LANE_THREAD_PREFIX):] if name.startswith(LANE_THREAD_PREFIX) else LOOP_LANE
 
 
 def resolve_lane(task: Task, thread_map: ThreadMap) -> str:
@@ -61,7 +71,7 @@ class Lane:
     def __init__(self, name: str) -> None:
         self.name = name
         self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, name=f"aiopipe-lane-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"{LANE_THREAD_PREFIX}{name}", daemon=True)
         self._thread.start()
 
     def submit(self, work: Callable[[], object]) -> None:
