@@ -4,7 +4,7 @@
 
     aiopipe validate TARGET [--thread-map MAP] [--json]
     aiopipe graph    TARGET [--format dot|mermaid|svg|png|pdf] [-o FILE] [--thread-map MAP]
-    aiopipe trace    TARGET --progresses N -o trace.json [--executor async|sequential]
+    aiopipe trace    TARGET --progresses N -o trace.json [--svg timeline.svg]
     aiopipe plan     ...    (the auto-scheduler: aiopipe.autosched)
 
 ``TARGET`` is ``MODULE:FUNC`` or ``FILE.py:FUNC``: a function (or attribute) giving
@@ -35,6 +35,7 @@ from .executors.lanes import ThreadMap, resolve_lane
 from .graph import dependency_edges, infer_cross_stream_event_deps, topological_sort
 from .pipeline import SchedulablePipeline
 from .runner import run
+from .timeline import write_timeline
 from .trace import Tracer
 from .validate import validate_schedule
 
@@ -204,20 +205,23 @@ def _cmd_trace(args: argparse.Namespace, target: Target, tracer: Tracer | None) 
         status, done = 1, -1
     path = tracer.save(args.output)
     spans = tracer.spans
-    per_task: dict[str, list[int]] = {}
-    for span in spans:
-        per_task.setdefault(span.task, []).append(span.duration_ns)
     lanes = sorted({span.lane for span in spans})
     ran = f"{done} progress(es)" if done >= 0 else "a failed run"
     print(f"wrote {path}: {ran}, {len(spans)} task runs on lanes {', '.join(lanes) or '-'}")
     if 0 <= done < args.progresses:
         print(f"note: the batches ran out after {done} of {args.progresses} progresses")
-    width = max([len(name) for name in per_task] + [4])
-    print(f"  {'task':<{width}}  runs  mean ms  total ms")
-    for name, durations in per_task.items():
-        total = sum(durations) / 1e6
-        print(f"  {name:<{width}}  {len(durations):>4}  {total / len(durations):>7.3f}  "
-              f"{total:>8.3f}")  # fmt: skip
+    if args.svg and spans:
+        last = max(span.iteration for span in spans)
+        shown = (max(last - 2, 0), last)
+        write_timeline(spans, args.svg, iterations=shown,
+                       title=f"{target.spec}, iterations {shown[0]}-{shown[1]}")  # fmt: skip
+        print(f"drew iterations {shown[0]}-{shown[1]} in {args.svg}")
+    rows = tracer.summary()
+    width = max([len(row["task"]) for row in rows] + [4])
+    print(f"  {'task':<{width}}  runs  mean ms  total ms  wait ms")
+    for row in rows:
+        print(f"  {row['task']:<{width}}  {row['runs']:>4}  {row['mean_ms']:>7.3f}  "
+              f"{row['mean_ms'] * row['runs']:>8.3f}  {row['mean_wait_ms']:>7.3f}")  # fmt: skip
     return status
 
 
@@ -280,6 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("--executor", choices=("async", "sequential"),
                        help="for a schedule target (default: async)")  # fmt: skip
     trace.add_argument("--thread-map", help=thread_map_help)
+    trace.add_argument("--svg", metavar="FILE", help="also draw the last three iterations here")
     # Listed for --help only: main() hands "plan" and its arguments to aiopipe.autosched.
     commands.add_parser("plan", help="auto-schedule: `aiopipe plan --help` for its options",
                         add_help=False)  # fmt: skip

@@ -33,6 +33,7 @@ MODULES = (
     "aiopipe",
     "aiopipe.executors",
     "aiopipe.trace",
+    "aiopipe.timeline",
     "aiopipe.checkpoint",
     "aiopipe.dag",
     "aiopipe.autosched",

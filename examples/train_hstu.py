@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from aiopipe import Tracer
 from aiopipe.checkpoint import CheckpointManager
+from aiopipe.timeline import write_timeline
 from hstu_tasks import DataConfig, ModelConfig, OptimizerConfig, SyntheticHSTUData
 from hstu_tasks import build_training, init_distributed, quiet_torchrec, restore_training
 from hstu_tasks import training_state
@@ -45,6 +46,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trace", metavar="PATH",
                         help="write a Chrome/Perfetto timeline of the aiopipe tasks here "
                              "(one file per rank: PATH gets a .rankN suffix when world > 1)")
+    parser.add_argument("--timeline", metavar="PATH",
+                        help="draw three steady-state iterations of the tasks as an SVG here "
+                             "(rank 0)")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="checkpoint here and resume from the newest complete checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=10, metavar="N")
@@ -97,14 +101,20 @@ def main() -> None:
         if kill is not None and position == kill[1]:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    tracer = Tracer() if args.trace else None
+    tracer = Tracer() if args.trace or args.timeline else None
     run_pipeline(args.pipeline, setup, data.from_index(start), on_step=on_step, tracer=tracer,
                  result=result)  # fmt: skip
     bar.close()
-    if tracer is not None:
+    if tracer is not None and args.trace:
         path = args.trace if world == 1 else f"{args.trace}.rank{rank}"
         tracer.save(path)
         print(f"rank {rank}: {len(tracer)} task spans written to {path}", flush=True)
+    if tracer is not None and args.timeline and rank == 0:
+        middle = (args.steps - start) // 2
+        write_timeline(tracer.spans, args.timeline, iterations=(middle, middle + 2),
+                       title=f"HSTU step, {args.pipeline}, rank 0 of {world}, "
+                             f"iterations {middle}-{middle + 2}")  # fmt: skip
+        print(f"timeline of iterations {middle}-{middle + 2} drawn in {args.timeline}")
     losses = earlier_losses + result.global_losses()
     checksum = parameter_checksum(setup.model)
     digest = parameter_digest(setup.model)

@@ -36,8 +36,13 @@ def test_dag_in_task_orders_the_reduction_after_every_table() -> None:
 @pytest.mark.distributed
 def test_train_hstu_demo_writes_its_report(tmp_path: Path) -> None:
     report = tmp_path / "run.json"
-    out = run("examples/train_hstu.py", "--steps", "6", "--json", str(report))
+    trace, timeline = tmp_path / "trace.json", tmp_path / "steps.svg"
+    out = run("examples/train_hstu.py", "--steps", "6", "--json", str(report), "--trace",
+              str(trace), "--timeline", str(timeline))  # fmt: skip
     assert "parameter checksum" in out
     data = json.loads(report.read_text())
     assert data["pipeline"] == "aiopipe" and data["steps"] == 6 and len(data["losses"]) == 6
     assert data["steps_per_s"] > 0 and isinstance(data["checksum"], float)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e.get("cat") == "task" for e in events) == 6 * 13  # every task, every step
+    assert timeline.read_text().count('class="task"') == 3 * 13  # iterations 3-5

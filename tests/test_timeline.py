@@ -1,0 +1,90 @@
+"""The SVG timeline: one row per lane (and GPU stream), bars where and as long as the
+spans say, waits before their task, escaping, and the CLI's --svg."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from aiopipe.cli import main
+from aiopipe.timeline import timeline_svg, write_timeline
+from aiopipe.trace import Span
+
+SVG = "{http://www.w3.org/2000/svg}"
+MS = 1_000_000
+
+
+def span(task: str, lane: str, start_ms: float, end_ms: float, iteration: int = 0,
+         wait_ms: float = 0.0, **extra: object) -> Span:  # fmt: skip
+    return Span(task, iteration, iteration, lane, f"aiopipe-lane-{lane}", "s",
+                int(start_ms * MS), int(end_ms * MS), int(wait_ms * MS), **extra)  # type: ignore[arg-type]
+
+
+def parse(svg: str) -> ET.Element:
+    return ET.fromstring(svg)
+
+
+def rects(root: ET.Element, cls: str) -> list[ET.Element]:
+    return [r for r in root.iter(f"{SVG}rect") if r.get("class") == cls]
+
+
+def test_bars_sit_on_their_lane_row_at_their_time() -> None:
+    spans = [span("load", "io", 0, 2), span("train", "compute", 2, 10, wait_ms=1.5),
+             span("load", "io", 10, 12, iteration=1)]  # fmt: skip
+    root = parse(timeline_svg(spans, width=1120))
+    rows = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "row"]
+    assert rows == ["lane io", "lane compute"]
+    bars = rects(root, "task")
+    assert len(bars) == 3
+    x = [float(b.get("x", 0)) for b in bars]
+    w = [float(b.get("width", 0)) for b in bars]
+    # the plot spans 0..12 ms over 990 px (width minus labels and margin)
+    px_per_ms = 990 / 12
+    assert x[1] == pytest.approx(120 + 2 * px_per_ms, abs=0.05)
+    assert w[1] == pytest.approx(8 * px_per_ms, abs=0.05)
+    assert x[0] < x[1] < x[2]
+    ys = [float(b.get("y", 0)) for b in bars]
+    assert ys[0] == ys[2] != ys[1]  # both loads on the io row
+    (wait,) = rects(root, "wait")
+    assert float(wait.get("x", 0)) + float(wait.get("width", 0)) == pytest.approx(x[1], abs=0.05)
+    titles = [b.find(f"{SVG}title") for b in bars]
+    assert "train: batch 0, iteration 0, 8.000 ms" in (titles[1].text or "")  # type: ignore[union-attr]
+
+
+def test_iterations_select_spans_and_gpu_times_get_stream_rows() -> None:
+    spans = [span("a", "io", i * 10, i * 10 + 5, iteration=i) for i in range(5)]
+    spans.append(span("k", "compute", 20, 21, iteration=2, gpu_ms=4.0, gpu_start_ns=22 * MS))
+    root = parse(timeline_svg(spans, iterations=(2, 3)))
+    assert len(rects(root, "task")) == 3
+    (gpu,) = rects(root, "gpu")
+    rows = [t.text for t in root.iter(f"{SVG}text") if t.get("class") == "row"]
+    assert rows == ["lane io", "lane compute", "stream s"]
+    with pytest.raises(ValueError, match="no spans"):
+        timeline_svg(spans, iterations=(7, 9))
+
+
+def test_names_are_escaped_and_failures_outlined(tmp_path: Path) -> None:
+    spans = [span("<fetch & parse>", "io", 0, 5, failed=True)]
+    path = write_timeline(spans, tmp_path / "t.svg", title="a <b> title")
+    root = parse(path.read_text())  # well-formed despite < and &
+    (bar,) = rects(root, "task")
+    assert bar.get("stroke") == "#d00"
+    assert any(t.text == "<fetch & parse>" for t in root.iter(f"{SVG}text"))
+
+
+def test_cli_trace_draws_the_last_iterations(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "tl_target.py"
+    target.write_text(
+        "from aiopipe import Schedule, Task\n"
+        "def work(ctx):\n"
+        "    ctx.slots.set('step_result', ctx.batch_index)\n"
+        "def schedule():\n"
+        "    return Schedule.of([Task.from_fn('work', work, writes=('step_result',))])\n"
+    )
+    svg = tmp_path / "t.svg"
+    assert main(["trace", f"{target}:schedule", "--progresses", "6", "-o",
+                 str(tmp_path / "t.json"), "--svg", str(svg)]) == 0  # fmt: skip
+    assert "drew iterations 3-5" in capsys.readouterr().out
+    assert len(rects(parse(svg.read_text()), "task")) == 3
