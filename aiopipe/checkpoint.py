@@ -87,10 +87,15 @@ class CheckpointManager:
         (rank 0's copy is the one written)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        try:
-            json.dumps(meta or {})
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"meta must be JSON-serialisable: {exc}") from None
+        problem = None
+        if self._rank() == 0:  # only rank 0's meta is written: its verdict holds for all
+            try:
+                json.dumps(meta or {})
+            except (TypeError, ValueError) as exc:
+                problem = str(exc)
+        problem = self._from_rank_zero(problem)
+        if problem is not None:
+            raise ValueError(f"meta must be JSON-serialisable: {problem}")
         final = self.path(step)
         partial = self.directory / f"{final.name}.partial"
         if self._rank() == 0:
@@ -104,15 +109,20 @@ class CheckpointManager:
         except Exception as exc:
             raise CheckpointError(f"saving the checkpoint of step {step} failed: {exc}") from exc
         self._barrier()  # every rank's shards are on disk
-        failure = None
+        failure: str | None = None
+        error: BaseException | None = None
         if self._rank() == 0:
             try:
                 self._commit(step, partial, final, meta)
-            except OSError as exc:  # tell the other ranks instead of leaving them waiting
-                failure = f"{type(exc).__name__}: {exc}"
+            except BaseException as exc:  # tell the other ranks instead of leaving them waiting
+                failure, error = f"{type(exc).__name__}: {exc}", exc
         failure = self._from_rank_zero(failure)
+        if error is not None and not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt and the like stay what they are (peers told)
         if failure is not None:
-            raise CheckpointError(f"committing the checkpoint of step {step} failed: {failure}")
+            raise CheckpointError(
+                f"committing the checkpoint of step {step} failed: {failure}"
+            ) from error
         return final
 
     def _commit(self, step: int, partial: Path, final: Path, meta: dict[str, Any] | None) -> None:

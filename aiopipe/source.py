@@ -73,7 +73,8 @@ class Feed:
             except asyncio.CancelledError:
                 # The cancellation was thrown into an async generator's frame: unless
                 # it caught it, the generator is finished and its remaining items gone.
-                source = self._async
+                # (Under trio the bridge's stand-in holds the caller's generator.)
+                source = getattr(self._async, "source", self._async)
                 if inspect.isasyncgen(source) and source.ag_frame is None:
                     self.lost = "a cancelled progress() closed this async generator mid-pull"
                 raise

@@ -4,7 +4,8 @@ Perfetto is the tool for exploring a trace; this is for looking at a few iterati
 at a glance, in a document or a review, without leaving the repository: one row per
 lane (and per stream for GPU times), each task run a coloured bar with its name, the
 time it waited on another lane or a ticket a grey bar just before it, hover text with
-the details::
+the details.  (``async def`` bodies on one lane may overlap in time; their bars then
+share the row and overlap too -- hover or use Perfetto to tell them apart.)::
 
     from aiopipe.timeline import write_timeline
     write_timeline(pipe.tracer.spans, "steps.svg", iterations=(20, 22))
@@ -57,7 +58,7 @@ def timeline_svg(
     for span in spans:
         colours.setdefault(span.task, _PALETTE[len(colours) % len(_PALETTE)])
 
-    begin = min(s.start_ns - s.wait_ns for s in spans)
+    begin = min(min(s.start_ns - s.wait_ns, _gpu_start(s)) for s in spans)
     end = max(max(s.end_ns, _gpu_end(s)) for s in spans)
     plot = width - _LABEL_WIDTH - 10
     scale = plot / max(end - begin, 1)  # px per ns
@@ -68,7 +69,10 @@ def timeline_svg(
     top = 28 if title else 8
     axis_y = top + len(rows) * row_height + 6
     legend_y = axis_y + 30
-    legend_rows = (len(colours) + 5) // 6
+    # legend: as many columns as fit the plot, each as wide as the longest name
+    column = int(max(len(task) for task in colours) * _CHAR_PX) + 30
+    columns = max(1, min(len(colours), plot // column))
+    legend_rows = -(-len(colours) // columns)
     height = legend_y + legend_rows * 18 + 6
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -86,7 +90,7 @@ def timeline_svg(
         out.extend(_bars(span, rows, colours, x, top, row_height))
     out.extend(_axis(begin, end, x, axis_y, plot))
     for k, (task, colour) in enumerate(colours.items()):
-        lx, ly = _LABEL_WIDTH + (k % 6) * 140, legend_y + (k // 6) * 18
+        lx, ly = _LABEL_WIDTH + (k % columns) * column, legend_y + (k // columns) * 18
         out.append(f'<rect x="{lx}" y="{ly - 9}" width="10" height="10" fill="{colour}"/>')
         out.append(f'<text x="{lx + 14}" y="{ly}">{escape(task)}</text>')
     out.append("</svg>")
@@ -104,6 +108,10 @@ def write_timeline(
     target = Path(path)
     target.write_text(timeline_svg(spans, iterations=iterations, title=title))
     return target
+
+
+def _gpu_start(span: Span) -> int:
+    return span.gpu_start_ns if span.gpu_start_ns is not None else span.start_ns
 
 
 def _gpu_end(span: Span) -> int:

@@ -77,13 +77,23 @@ class _GpuTiming:
         self.start_ns: int | None = None
 
     def resolve(self, origin: tuple[Any, int] | None) -> None:
-        if self.begin is None:
+        """Turn the events into numbers (waits for the device).  Idempotent and safe
+        to race: a lane compacting and a reader reading compute the same values."""
+        begin, finish = self.begin, self.finish
+        if begin is None or finish is None:
             return
-        self.finish.synchronize()
-        self.ms = float(self.begin.elapsed_time(self.finish))
+        finish.synchronize()
+        ms = float(begin.elapsed_time(finish))
+        start_ns = None
         if origin is not None:
-            self.start_ns = origin[1] + int(float(origin[0].elapsed_time(self.begin)) * 1e6)
+            start_ns = origin[1] + int(float(origin[0].elapsed_time(begin)) * 1e6)
+        self.ms, self.start_ns = ms, start_ns  # numbers first, then drop the events
         self.begin = self.finish = None
+
+    def done(self) -> bool:
+        """Resolved, or its device work has completed (never waits)."""
+        finish = self.finish
+        return finish is None or bool(finish.query())
 
 
 class Tracer:
@@ -92,8 +102,8 @@ class Tracer:
     ``max_spans`` bounds memory in long runs: the oldest spans are dropped first
     (``dropped`` counts them).  ``gpu_timing=True`` records timing events on the
     stream of every device task; ``event_factory`` makes those events (default
-    ``torch.cuda.Event(enable_timing=True)``; any object with ``elapsed_time`` and
-    ``synchronize`` that the stream's ``record_event`` accepts works).
+    ``torch.cuda.Event(enable_timing=True)``; any object with ``elapsed_time``,
+    ``synchronize`` and ``query`` that the stream's ``record_event`` accepts works).
     """
 
     def __init__(
@@ -138,10 +148,10 @@ class Tracer:
         """Resolve the oldest completed timings (never waits for the device)."""
         for _ in range(_GPU_COMPACT_EVERY):
             with self._lock:
-                if not self._gpu_pending or not self._gpu_pending[0].finish.query():
+                if not self._gpu_pending or not self._gpu_pending[0].done():
                     return
                 timing = self._gpu_pending.popleft()
-            timing.resolve(self._gpu_origin)
+            timing.resolve(self._gpu_origin)  # a no-op if a reader resolved it already
 
     def record(self, span: Span) -> None:
         """Add a finished span (for spans measured outside a pipeline)."""

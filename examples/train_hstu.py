@@ -109,7 +109,9 @@ def main() -> None:
         path = args.trace if world == 1 else f"{args.trace}.rank{rank}"
         tracer.save(path)
         print(f"rank {rank}: {len(tracer)} task spans written to {path}", flush=True)
-    if tracer is not None and args.timeline and rank == 0:
+    if tracer is not None and args.timeline and rank == 0 and len(tracer) == 0:
+        print("no steps ran in this attempt: no timeline drawn")
+    elif tracer is not None and args.timeline and rank == 0:
         middle = (args.steps - start) // 2
         write_timeline(tracer.spans, args.timeline, iterations=(middle, middle + 2),
                        title=f"HSTU step, {args.pipeline}, rank 0 of {world}, "

@@ -14,7 +14,7 @@ The tests are plain functions that call ``anyio.run`` themselves: with
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
@@ -217,6 +217,27 @@ async def test_cancelled_while_waiting_for_a_batch_stays_usable(library: str) ->
         async with anyio.create_task_group() as tg:
             tg.start_soon(feed, send, range(3))
             assert [r async for r in pipe.results(receive)] == [1, 3, 5]
+
+
+@on_each_backend
+async def test_a_generator_closed_by_a_cancelled_pull_is_reported(library: str) -> None:
+    release = anyio.Event()
+
+    async def slow() -> AsyncIterator[int]:
+        yield 0
+        await release.wait()  # the cancellation lands here and finishes the generator
+        for n in range(1, 4):
+            yield n
+
+    async with three_tasks() as pipe:
+        source = slow()
+        with anyio.move_on_after(0.05) as scope:
+            await pipe.progress(source)
+        assert scope.cancelled_caught
+        release.set()
+        with pytest.raises(PipelineStateError, match="closed this async generator"):
+            await pipe.progress(source)  # not a silent end of the epoch
+        assert await pipe.drain() == [1]  # batch 0, already pulled, still comes out
 
 
 @on_each_backend

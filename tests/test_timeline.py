@@ -88,3 +88,18 @@ def test_cli_trace_draws_the_last_iterations(tmp_path: Path, capsys: pytest.Capt
                  str(tmp_path / "t.json"), "--svg", str(svg)]) == 0  # fmt: skip
     assert "drew iterations 3-5" in capsys.readouterr().out
     assert len(rects(parse(svg.read_text()), "task")) == 3
+
+
+def test_legend_columns_fit_the_names_and_gpu_bars_stay_right_of_the_labels() -> None:
+    names = ["global_tokens_allreduce", "forward", "backward", "wait_input_dist", "x", "y"]
+    spans = [span(name, "compute", i, i + 1) for i, name in enumerate(names)]
+    # a device span estimated to start before any host span
+    spans.append(span("k", "io", 3, 4, gpu_ms=1.0, gpu_start_ns=int(-2 * MS)))
+    root = parse(timeline_svg(spans, width=800))
+    legend = [r for r in root.iter(f"{SVG}rect") if r.get("width") == "10"]
+    assert len(legend) == len(names) + 1
+    xs = sorted({float(r.get("x", 0)) for r in legend})
+    assert min(b - a for a, b in zip(xs, xs[1:])) >= len("global_tokens_allreduce") * 6
+    assert max(xs) < 800
+    for bar in rects(root, "task") + rects(root, "gpu"):
+        assert float(bar.get("x", 0)) >= 120 and float(bar.get("width", 0)) > 0

@@ -249,3 +249,50 @@ def test_completed_gpu_timings_release_their_events_as_the_run_goes() -> None:
     assert sum(ref() is not None for ref in alive) < 600  # old ones were resolved
     spans = tracer.spans
     assert len(spans) == 1000 and all(s.gpu_ms is not None and s.gpu_ms >= 0 for s in spans)
+
+
+def test_reading_spans_mid_run_then_recording_more_keeps_working() -> None:
+    tracer = Tracer(gpu_timing=True)
+    stream = TimingStream()
+
+    def record(count: int, first: int) -> None:
+        for i in range(first, first + count):
+            begin, finish = stream.record_event(TimingEvent()), stream.record_event(TimingEvent())
+            raw = ("t", i, i, "io", "t", "s", i, i + 1, 0, False, None)
+            tracer.append_gpu(raw, begin, finish)  # type: ignore[arg-type]
+
+    record(100, 0)
+    assert len(tracer.spans) == 100  # resolves every timing, pending ones included
+    record(600, 100)  # compaction meets the timings the read resolved
+    spans = tracer.spans
+    assert len(spans) == 700 and all(s.gpu_ms is not None for s in spans)
+
+
+class UnfinishedEvent(TimingEvent):
+    """Device work still running: query() is False until synchronize()."""
+
+    def query(self) -> bool:
+        return False
+
+
+def test_compaction_never_waits_for_unfinished_device_work() -> None:
+    tracer = Tracer(gpu_timing=True)
+    stream = TimingStream()
+    for i in range(600):
+        begin, finish = stream.record_event(TimingEvent()), stream.record_event(UnfinishedEvent())
+        raw = ("t", i, i, "io", "t", "s", i, i + 1, 0, False, None)
+        tracer.append_gpu(raw, begin, finish)  # type: ignore[arg-type]
+    assert all(s.gpu_ms is not None for s in tracer.spans)  # reading does wait
+
+
+def test_summary_aggregates_per_task() -> None:
+    tracer = Tracer()
+    for i, (task, ms, wait_ms) in enumerate([("a", 1, 0), ("a", 3, 2), ("a", 2, 0), ("b", 5, 1)]):
+        start = i * 10_000_000
+        tracer.record(Span(task, i, i, "io", "t", "s", start, start + ms * 1_000_000,
+                           wait_ns=wait_ms * 1_000_000, failed=task == "b"))  # fmt: skip
+    rows = {row["task"]: row for row in tracer.summary()}
+    assert rows["a"]["runs"] == 3 and rows["a"]["median_ms"] == 2 and rows["a"]["mean_ms"] == 2
+    assert rows["a"]["mean_wait_ms"] == pytest.approx(2 / 3)
+    assert rows["b"]["failed"] == 1 and rows["b"]["lane"] == "io"
+    assert list(rows) == ["a", "b"]
