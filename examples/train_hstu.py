@@ -20,15 +20,14 @@ import os
 import signal
 import sys
 
-import torch.distributed as dist
 from tqdm import tqdm
 
 from aiopipe import Tracer
 from aiopipe.checkpoint import CheckpointManager
 from aiopipe.timeline import write_timeline
 from hstu_tasks import DataConfig, ModelConfig, OptimizerConfig, SyntheticHSTUData
-from hstu_tasks import build_training, init_distributed, quiet_torchrec, restore_training
-from hstu_tasks import training_state
+from hstu_tasks import build_training, init_distributed, leave_and_exit, quiet_torchrec
+from hstu_tasks import restore_training, training_state
 from hstu_tasks.runners import PIPELINES, RunResult, parameter_checksum, parameter_digest
 from hstu_tasks.runners import run_pipeline
 
@@ -130,8 +129,7 @@ def main() -> None:
                            "resumed_from": start, "losses": losses, "checksum": checksum,
                            "parameters_sha256": digest,
                            "steps_per_s": steps_per_s}, out, indent=1)  # fmt: skip
-    dist.barrier()  # leave the group together
-    dist.destroy_process_group()
+    leave_and_exit(0)  # together with the other ranks; see its docstring for why it exits
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from .parallel import TrainingSetup as TrainingSetup
 from .parallel import build_training as build_training
 from .parallel import init_distributed as init_distributed
 from .parallel import join_local_group as join_local_group
+from .parallel import leave_and_exit as leave_and_exit
 from .parallel import plain_train_step as plain_train_step
 from .parallel import quiet_torchrec as quiet_torchrec
 from .pipeline import HSTU_DEFAULT_THREAD_MAP as HSTU_DEFAULT_THREAD_MAP
@@ -54,6 +55,7 @@ __all__ = (
     "build_training",
     "init_distributed",
     "join_local_group",
+    "leave_and_exit",
     "plain_train_step",
     "quiet_torchrec",
     "restore_training",

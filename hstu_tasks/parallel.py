@@ -13,9 +13,10 @@ import datetime
 import logging
 import os
 import socket
+import sys
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from .model import HSTURankingModel, ModelConfig
 __all__ = (
     "OptimizerConfig",
     "join_local_group",
+    "leave_and_exit",
     "quiet_torchrec",
     "TrainingSetup",
     "build_training",
@@ -87,6 +89,22 @@ def join_local_group(
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )  # fmt: skip
     return init_distributed(timeout)
+
+
+def leave_and_exit(code: int = 0, *, barrier: bool = True) -> NoReturn:
+    """End a worker process: leave the process group (together with the others when
+    ``barrier``), flush the output, and exit without running native static
+    destructors.  With torchrec's pipelined input distribution those aborted at
+    interpreter exit ("terminate called without an active exception", no Python
+    frame) in roughly 1 of 100 two-rank runs, after all work was done -- enough to
+    fail a job under torchrun, which treats the abort as a worker failure."""
+    if dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def quiet_torchrec() -> None:

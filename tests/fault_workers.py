@@ -26,6 +26,7 @@ from hstu_tasks import (
     SyntheticHSTUData,
     build_training,
     join_local_group,
+    leave_and_exit,
     quiet_torchrec,
 )
 
@@ -76,10 +77,7 @@ def report(path: str, body: dict[str, Any]) -> None:
 
 
 def leave() -> None:
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see hstu_workers.finish: skip native exit-time teardown
+    leave_and_exit(0, barrier=False)
 
 
 # -- the fault matrix (one rank) ----------------------------------------------------------

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
-import os
-import sys
 from typing import Any
 
 import pytest
@@ -23,6 +21,7 @@ from hstu_tasks import (
     SyntheticHSTUData,
     build_training,
     join_local_group,
+    leave_and_exit,
     quiet_torchrec,
 )
 from hstu_tasks.runners import PIPELINES, parameter_checksum, run_pipeline
@@ -38,15 +37,7 @@ def join(rank: int, port: int) -> None:
 
 
 def finish() -> None:
-    """Leave the group together and end the worker without running native static
-    destructors: at interpreter exit they aborted ("terminate called without an
-    active exception", no Python frame) in about 1 of 30 runs here, after every
-    check of the worker had passed."""
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_and_exit(0)  # every check of the worker has passed
 
 
 def setup(kind: str = "sgd") -> Any:
