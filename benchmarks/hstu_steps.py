@@ -1,8 +1,10 @@
 """Steps/s of the HSTU step: aiopipe vs torchrec's TrainPipelineSparseDist vs the
 plain loop, side by side in one run (ranks on gloo, CPU by default).
 
-Every configuration trains the same model on the same data; they are interleaved
-over ``--repeats`` rounds and the median is reported.
+Every configuration trains the same model on the same data, with torch DDP for the
+dense part; they are interleaved over ``--repeats`` rounds and the median is
+reported.  On a CUDA machine each rank takes one GPU (NCCL; ``--ranks`` at most the
+GPU count) and, when megatron-core is installed, a row with Megatron DDP is added.
 
     ./dev bench hstu_steps [--ranks 2] [--steps 60] [--repeats 3]
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _common import add_hstu_arguments, print_json, print_table, spawn_ranks  # noqa: E402
 
@@ -32,28 +35,35 @@ from hstu_tasks import (  # noqa: E402
     join_local_group,
     quiet_torchrec,
 )
+from hstu_tasks.megatron import megatron_available  # noqa: E402
 from hstu_tasks.runners import run_pipeline  # noqa: E402
 
-CONFIGS = {
-    "none": ("none", None),
-    "torchrec": ("torchrec", None),
-    "aiopipe": ("aiopipe", None),
-    "aiopipe-prefetch": ("aiopipe-prefetch", None),
-    "aiopipe, dist lane": ("aiopipe", HSTU_DIST_LANE_THREAD_MAP),
-    "aiopipe-prefetch, dist lane": ("aiopipe-prefetch", HSTU_DIST_LANE_THREAD_MAP),
-    "aiopipe + KK shuffler": ("aiopipe", "kk"),
+# name: (pipeline, thread map or "kk" for the shuffler, data parallel)
+CONFIGS: dict[str, tuple[str, Any, str]] = {
+    "none": ("none", None, "torch"),
+    "torchrec": ("torchrec", None, "torch"),
+    "aiopipe": ("aiopipe", None, "torch"),
+    "aiopipe-prefetch": ("aiopipe-prefetch", None, "torch"),
+    "aiopipe, dist lane": ("aiopipe", HSTU_DIST_LANE_THREAD_MAP, "torch"),
+    "aiopipe-prefetch, dist lane": ("aiopipe-prefetch", HSTU_DIST_LANE_THREAD_MAP, "torch"),
+    "aiopipe + KK shuffler": ("aiopipe", "kk", "torch"),
 }
+if torch.cuda.is_available() and megatron_available():
+    CONFIGS["aiopipe, Megatron DDP"] = ("aiopipe", None, "megatron")
 
 
 def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> None:
     quiet_torchrec()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
     join_local_group(rank, ranks, port)
     config = DataConfig(batch_size=args["batch_size"], max_history=args["max_history"],
                         length_distribution=args["lengths"])  # fmt: skip
     samples: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for repeat in range(args["repeats"] + 1):  # the first round warms up
-        for name, (mode, thread_map) in CONFIGS.items():
-            setup = build_training(ModelConfig(), config, OptimizerConfig(), seed=0)
+        for name, (mode, thread_map, data_parallel) in CONFIGS.items():
+            setup = build_training(ModelConfig(), config, OptimizerConfig(), seed=0,
+                                   data_parallel=data_parallel)  # type: ignore[arg-type]
             data = list(SyntheticHSTUData(config, args["steps"], seed=repeat, rank=rank))
             dist.barrier()
             if thread_map == "kk":  # balance the attention workload across ranks
@@ -72,12 +82,16 @@ def main() -> None:
     add_hstu_arguments(parser)
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
     args = vars(parser.parse_args())
+    if torch.cuda.is_available() and args["ranks"] > torch.cuda.device_count():
+        parser.error(f"--ranks {args['ranks']}: this machine has "
+                     f"{torch.cuda.device_count()} GPU(s), one per rank")  # fmt: skip
     samples = spawn_ranks(worker, args)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     rows = [[name, f"{rate:.2f}", f"{rate / medians['torchrec']:.3f}", f"{rate / medians['none']:.3f}"]
             for name, rate in medians.items()]  # fmt: skip
     print_table(
-        f"HSTU step, {args['ranks']} ranks on gloo (CPU), {args['steps']} steps, "
+        f"HSTU step, {args['ranks']} ranks on "
+        f"{'NCCL (GPU)' if torch.cuda.is_available() else 'gloo (CPU)'}, {args['steps']} steps, "
         f"median of {args['repeats']}",
         ["pipeline", "steps / s", "x torchrec", "x plain loop"],
         rows,

@@ -38,6 +38,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pipeline", choices=PIPELINES, default="aiopipe")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    parser.add_argument("--data-parallel", choices=("auto", "torch", "megatron"), default="auto",
+                        help="dense replication: torch DDP, or Megatron DDP + its optimizer "
+                             "(GPU); auto = megatron on CUDA with megatron-core installed, "
+                             "except for --pipeline torchrec and checkpointed runs")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-history", type=int, default=48)
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
@@ -77,8 +81,14 @@ def main() -> None:
         batch_size=args.batch_size, max_history=args.max_history,
         length_distribution=args.lengths,
     )  # fmt: skip
-    setup = build_training(ModelConfig(), data_config, OptimizerConfig(kind=args.optimizer),
-                           seed=args.seed)  # fmt: skip
+    data_parallel = args.data_parallel
+    if data_parallel == "auto" and (args.pipeline == "torchrec" or args.checkpoint_dir):
+        data_parallel = "torch"  # torchrec's pipeline and checkpoints need torch DDP
+    try:
+        setup = build_training(ModelConfig(), data_config, OptimizerConfig(kind=args.optimizer),
+                               seed=args.seed, data_parallel=data_parallel)  # fmt: skip
+    except (ValueError, ImportError) as error:  # e.g. --data-parallel megatron without a GPU
+        raise SystemExit(f"train_hstu.py: {error}") from None
     manager = CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
     start, meta = restore_training(setup, manager) if manager else (0, {})
     earlier_losses: list[float] = meta.get("losses", [])
@@ -86,7 +96,8 @@ def main() -> None:
     if rank == 0:
         resumed = f", resuming after step {start}" if start else ""
         print(f"HSTU ranking: {args.pipeline}, {world} rank(s) on {setup.device}, "
-              f"{args.steps} steps, {args.optimizer}{resumed}", flush=True)  # fmt: skip
+              f"{setup.data_parallel} DDP, {args.steps} steps, {args.optimizer}{resumed}",
+              flush=True)  # fmt: skip
     bar = tqdm(total=args.steps, initial=start, disable=rank != 0, unit="step", file=sys.stdout)
     result = RunResult()
     kill = kill_hook(args.kill_at, rank)

@@ -6,6 +6,7 @@ imported here, never in ``aiopipe``):
 * ``data`` -- synthetic jagged HSTU batches (``HSTUBatch``, ``SyntheticHSTUData``);
 * ``model`` -- a small HSTU ranking model on a torchrec ``EmbeddingCollection``;
 * ``parallel`` -- sharding, optimizers and the plain reference step;
+* ``megatron`` -- Megatron DDP and Megatron's optimizer for the dense part (GPU);
 * ``shuffler`` -- workload-balancing batch shuffling across ranks;
 * ``tasks`` / ``pipeline`` / ``factory`` -- the fourteen tasks, ``HSTUPipeline`` and
   its named variants;
@@ -20,8 +21,10 @@ from .data import DataConfig as DataConfig
 from .data import HSTUBatch as HSTUBatch
 from .data import SyntheticHSTUData as SyntheticHSTUData
 from .factory import HSTUPipelineFactory as HSTUPipelineFactory
+from .megatron import MegatronDataParallelWrapper as MegatronDataParallelWrapper
 from .model import HSTURankingModel as HSTURankingModel
 from .model import ModelConfig as ModelConfig
+from .parallel import DataParallel as DataParallel
 from .parallel import OptimizerConfig as OptimizerConfig
 from .parallel import TrainingSetup as TrainingSetup
 from .parallel import build_training as build_training
@@ -30,6 +33,7 @@ from .parallel import join_local_group as join_local_group
 from .parallel import leave_and_exit as leave_and_exit
 from .parallel import plain_train_step as plain_train_step
 from .parallel import quiet_torchrec as quiet_torchrec
+from .parallel import shard_model as shard_model
 from .pipeline import HSTU_DEFAULT_THREAD_MAP as HSTU_DEFAULT_THREAD_MAP
 from .pipeline import HSTU_DIST_LANE_THREAD_MAP as HSTU_DIST_LANE_THREAD_MAP
 from .pipeline import HSTUPipeline as HSTUPipeline
@@ -41,12 +45,14 @@ __all__ = (
     "HSTU_DEFAULT_THREAD_MAP",
     "HSTU_DIST_LANE_THREAD_MAP",
     "DataConfig",
+    "DataParallel",
     "HSTUBatch",
     "HSTUPipeline",
     "HSTUPipelineFactory",
     "HSTURankingModel",
     "IdentityShuffler",
     "KarmarkarKarpShuffler",
+    "MegatronDataParallelWrapper",
     "ModelConfig",
     "OptimizerConfig",
     "SyntheticHSTUData",
@@ -59,5 +65,6 @@ __all__ = (
     "plain_train_step",
     "quiet_torchrec",
     "restore_training",
+    "shard_model",
     "training_state",
 )

@@ -14,7 +14,12 @@ __all__ = ("restore_training", "training_state")
 
 def training_state(setup: TrainingSetup) -> dict[str, Any]:
     """What a checkpoint holds: the model (its tables as sharded tensors), the fused
-    optimizer applied in backward, and the dense optimizer."""
+    optimizer applied in backward, and the dense optimizer (torch DDP setups only)."""
+    if setup.data_parallel != "torch":
+        raise NotImplementedError(
+            "checkpoints cover torch-DDP setups; a Megatron-DDP setup has no restorable "
+            "model state dict here (build it with data_parallel='torch')"
+        )
     return {
         "model": setup.model.state_dict(),
         "fused_optimizer": setup.model.fused_optimizer.state_dict(),

@@ -1,9 +1,10 @@
 """Building the sharded model and its optimizers, and the plain training step.
 
 Embedding tables are row-wise sharded by torchrec's ``DistributedModelParallel``
-with a fused optimizer applied in backward; the dense part is replicated with torch
-DDP (DMP's default data-parallel wrapper, gloo on CPU) and stepped by a
-``torch.optim`` optimizer.  The loss is ``loss_sum * dp_size / global_tokens`` with
+with a fused optimizer applied in backward; the dense part is replicated either
+with torch DDP (DMP's default data-parallel wrapper, gloo on CPU) and stepped by a
+``torch.optim`` optimizer, or -- on GPU with megatron-core -- with Megatron DDP and
+Megatron's optimizer (see ``megatron.py``).  The loss is ``loss_sum * dp_size / global_tokens`` with
 the loss-token count all-reduced, so every rank differentiates the exact global mean.
 """
 
@@ -16,19 +17,30 @@ import socket
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Literal, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from .data import DataConfig, HSTUBatch
+from .megatron import (
+    MegatronDataParallelWrapper,
+    finalize_grads,
+    grad_buffer_chunks,
+    megatron_available,
+    megatron_optimizer,
+    require_megatron,
+    zero_grad_buffers,
+)
 from .model import HSTURankingModel, ModelConfig
 
 __all__ = (
+    "DataParallel",
     "OptimizerConfig",
     "join_local_group",
     "leave_and_exit",
@@ -38,7 +50,15 @@ __all__ = (
     "global_loss",
     "init_distributed",
     "plain_train_step",
+    "resolve_data_parallel",
+    "shard_model",
 )
+
+
+#: "torch": torch DDP + ``torch.optim``; "megatron": Megatron DDP + Megatron's
+#: optimizer (CUDA only); "auto": megatron when the device is CUDA and megatron-core
+#: is installed, torch otherwise.
+DataParallel = Literal["auto", "torch", "megatron"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +71,11 @@ class OptimizerConfig:
 @dataclass
 class TrainingSetup:
     model: DistributedModelParallel
-    optimizer: torch.optim.Optimizer
+    #: ``torch.optim`` for torch DDP, Megatron's optimizer with Megatron DDP (both
+    #: offer ``zero_grad()``, ``step()`` and ``state_dict()``).
+    optimizer: Any
     device: torch.device
+    data_parallel: Literal["torch", "megatron"] = "torch"
 
 
 def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, int]:
@@ -119,21 +142,36 @@ def quiet_torchrec() -> None:
     warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
 
 
-def build_training(
+def resolve_data_parallel(choice: DataParallel, device: torch.device) -> Literal["torch", "megatron"]:
+    """The data-parallel implementation ``choice`` means on ``device``; a clear error
+    when Megatron is asked for where it cannot run."""
+    if choice == "auto":
+        return "megatron" if device.type == "cuda" and megatron_available() else "torch"
+    if choice == "megatron":
+        if device.type != "cuda":
+            raise ValueError(
+                "data_parallel='megatron' needs a CUDA device: Megatron-core allocates its "
+                f"gradient buffers and optimizer state on the GPU (device is {device})"
+            )
+        require_megatron()
+        return "megatron"
+    if choice != "torch":
+        raise ValueError(f"data_parallel must be 'auto', 'torch' or 'megatron', got {choice!r}")
+    return "torch"
+
+
+def shard_model(
     model_config: ModelConfig,
     data_config: DataConfig,
     optimizer: OptimizerConfig,
     *,
-    seed: int = 0,
-    device: torch.device | None = None,
-) -> TrainingSetup:
-    """The sharded model and the dense optimizer, identical on every call with the
-    same arguments (so several pipelines can be compared bit for bit)."""
-    if not dist.is_initialized():
-        raise RuntimeError("call init_distributed() (or run under torchrun) first")
-    device = device or torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if (
-        torch.cuda.is_available()
-    ) else torch.device("cpu")
+    seed: int,
+    device: torch.device,
+    data_parallel_wrapper: DataParallelWrapper | None = None,
+) -> DistributedModelParallel:
+    """The HSTU model with its tables row-wise sharded (their optimizer fused into
+    backward) and its dense part wrapped by ``data_parallel_wrapper`` (torch DDP when
+    ``None``)."""
     torch.manual_seed(seed)
     model = HSTURankingModel(model_config, data_config)
     # fbgemm's CPU kernels fuse SGD and Adagrad but not Adam into the backward.
@@ -152,13 +190,46 @@ def build_training(
     plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
         model, sharders, dist.GroupMember.WORLD
     )
-    sharded = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
-    dense = [p for name, p in sharded.named_parameters() if "embeddings." not in name]
+    return DistributedModelParallel(
+        model, device=device, plan=plan, sharders=sharders,
+        data_parallel_wrapper=data_parallel_wrapper,
+    )  # fmt: skip
+
+
+def build_training(
+    model_config: ModelConfig,
+    data_config: DataConfig,
+    optimizer: OptimizerConfig,
+    *,
+    seed: int = 0,
+    device: torch.device | None = None,
+    data_parallel: DataParallel = "auto",
+) -> TrainingSetup:
+    """The sharded model and the dense optimizer, identical on every call with the
+    same arguments (so several pipelines can be compared bit for bit).
+
+    ``data_parallel`` picks how the dense part is replicated (see
+    :data:`DataParallel`)."""
+    if not dist.is_initialized():
+        raise RuntimeError("call init_distributed() (or run under torchrun) first")
+    if device is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if (
+            torch.cuda.is_available()
+        ) else torch.device("cpu")  # fmt: skip
+    kind = resolve_data_parallel(data_parallel, device)
+    if kind == "megatron":
+        model = shard_model(model_config, data_config, optimizer, seed=seed, device=device,
+                            data_parallel_wrapper=MegatronDataParallelWrapper())  # fmt: skip
+        chunks = grad_buffer_chunks(model)
+        return TrainingSetup(model, megatron_optimizer(chunks, optimizer.kind, optimizer.dense_lr),
+                             device, "megatron")  # fmt: skip
+    model = shard_model(model_config, data_config, optimizer, seed=seed, device=device)
+    dense = [p for name, p in model.named_parameters() if "embeddings." not in name]
     if optimizer.kind == "sgd":
         dense_optimizer: torch.optim.Optimizer = torch.optim.SGD(dense, lr=optimizer.dense_lr)
     else:
         dense_optimizer = torch.optim.Adam(dense, lr=optimizer.dense_lr)
-    return TrainingSetup(sharded, dense_optimizer, device)
+    return TrainingSetup(model, dense_optimizer, device)
 
 
 def dp_size() -> int:
@@ -184,10 +255,13 @@ def plain_train_step(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One unpipelined step: the reference every pipeline must reproduce."""
     batch = batch.to(setup.device)
+    chunks = grad_buffer_chunks(setup.model)
+    zero_grad_buffers(chunks)
     setup.optimizer.zero_grad()
     tokens = global_tokens(batch)
     losses, output = setup.model(batch)
     loss_sum = losses.sum()
     global_loss(loss_sum, tokens).backward()
+    finalize_grads(chunks)
     setup.optimizer.step()
     return loss_sum.detach(), tokens, output

@@ -88,7 +88,9 @@ class HSTUPipeline:
     """``await progress(it) -> (local_loss_sum, global_tokens, output)``.
 
     ``model`` is the ``DistributedModelParallel``-wrapped HSTU model, ``optimizer``
-    its dense optimizer (embedding tables update in backward).  ``prefetch=True``
+    its dense optimizer (embedding tables update in backward): ``torch.optim`` with
+    torch DDP, Megatron's with Megatron DDP (then ``finalize_model_grads`` finishes
+    the gradient reduction).  ``prefetch=True``
     adds ``prefetch_embeddings`` and keeps ``prefetch_depth + 1`` batches ahead.
     ``thread_map`` defaults to :data:`HSTU_DEFAULT_THREAD_MAP`; ``executor`` may be
     ``"sequential"`` or an executor instance instead.  ``trace=True`` (or a
@@ -98,7 +100,7 @@ class HSTUPipeline:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         device: torch.device,
         *,
         prefetch: bool = False,

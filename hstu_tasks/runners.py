@@ -145,6 +145,11 @@ def run_pipeline(
         _aiopipe(setup, data, mode == "aiopipe-prefetch", result, on_step, thread_map, shuffler,
                  tracer)  # fmt: skip
     elif mode == "torchrec":
+        if setup.data_parallel == "megatron":
+            raise ValueError(
+                "torchrec's TrainPipelineSparseDist has no finalize_model_grads step for "
+                "Megatron DDP; build the setup with data_parallel='torch' to compare with it"
+            )
         _torchrec(setup, data, result, on_step)
     elif mode == "none":
         for batch in data:

@@ -14,19 +14,21 @@ global_tokens_allreduce    0          default    yes    all-reduce the loss toke
 nccl_safety_barrier        0          default           default waits for the shuffle
 forward                    0          default    yes    set module contexts, model(batch)
 backward                   0          default    yes    (loss_sum*dp/tokens).backward()
-finalize_model_grads       0          default           finish gradient reduction
+finalize_model_grads       0          default    (3)    finish gradient reduction
 optimizer_step             0          default           optimizer.step(), step_result
 watchdog_step              0          default           non-finite loss / memory check
 =========================  =========  =========  =====  ==============================
 
 K is ``prefetch_depth`` (1 without prefetch).  (1) only when a real shuffler is
-used.  Every task that issues a collective is marked ``nccl``: forward runs the
-embedding output all-to-all and backward its gradient plus DDP's all-reduce, so
-with any thread map that splits them from the input-dist tasks, the ticket order
-keeps every rank's collectives in one order (without it, gloo reports mismatched
-collectives and NCCL hangs).  (2) prefetch variant only; it runs after this progress's ``forward`` and
-before its ``backward`` (a cache's outstanding-key count is decremented by forward
-and incremented by prefetch).
+used.  (3) only with Megatron DDP, whose reduction finishes (or, without overlap,
+happens) there; torch DDP completes it inside backward.  Every task that issues a
+collective is marked ``nccl``: forward runs the embedding output all-to-all and
+backward its gradient plus DDP's all-reduce, so with any thread map that splits them
+from the input-dist tasks, the ticket order keeps every rank's collectives in one
+order (without it, gloo reports mismatched collectives and NCCL hangs).  (2) prefetch
+variant only; it runs after this progress's ``forward`` and before its ``backward``
+(a cache's outstanding-key count is decremented by forward and incremented by
+prefetch).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from torchrec.distributed.train_pipeline.utils import _start_data_dist
 from aiopipe import Task, TaskContext
 
 from .data import HSTUBatch
+from .megatron import finalize_grads, grad_buffer_chunks, zero_grad_buffers
 from .parallel import global_loss, global_tokens
 from .shuffler import BatchShuffler
 
@@ -56,7 +59,7 @@ class PipelineState:
     """What the tasks share: the model, its optimizer and torchrec's bookkeeping."""
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: Any
     device: torch.device
     shuffler: BatchShuffler
     prefetch: bool = False
@@ -64,6 +67,11 @@ class PipelineState:
     memory_limit_bytes: int | None = None
     streams: dict[str, Any] = field(default_factory=dict)
     pipelined_modules: list[Any] = field(default_factory=list)
+    #: Megatron DDP modules in the model (empty with torch DDP).
+    grad_chunks: list[torch.nn.Module] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.grad_chunks = grad_buffer_chunks(self.model)
 
     def create_context(self, index: int) -> TrainPipelineContext:
         """A per-batch torchrec context (version 1: one per batch, never shared)."""
@@ -131,6 +139,7 @@ def build_tasks(state: PipelineState) -> list[Task]:
 
     def zero_grad(ctx: TaskContext) -> None:
         if state.training:
+            zero_grad_buffers(state.grad_chunks)
             state.optimizer.zero_grad()
 
     def global_tokens_allreduce(ctx: TaskContext) -> None:
@@ -159,9 +168,10 @@ def build_tasks(state: PipelineState) -> list[Task]:
         ctx.slots.set("loss_sum", loss_sum.detach())
 
     def finalize_model_grads(ctx: TaskContext) -> None:
-        # torch DDP (the data-parallel wrapper used here) finishes its gradient
-        # all-reduce inside backward(); nothing is left to reduce.
-        return None
+        # Megatron DDP: wait for (or issue) the bucket all-reduces.  torch DDP has
+        # finished its all-reduce inside backward(): there are no chunks.
+        if state.training:
+            finalize_grads(state.grad_chunks)
 
     def optimizer_step(ctx: TaskContext) -> None:
         if state.training:
@@ -207,7 +217,8 @@ def build_tasks(state: PipelineState) -> list[Task]:
                      writes=("losses", "output"), depends_on=("zero_grad",)),
         Task.from_fn("backward", backward, nccl=True, reads=("losses", "global_tokens"),
                      writes=("loss_sum",), same_progress_sync=backward_sync),
-        Task.from_fn("finalize_model_grads", finalize_model_grads, depends_on=("backward",)),
+        Task.from_fn("finalize_model_grads", finalize_model_grads, nccl=bool(state.grad_chunks),
+                     depends_on=("backward",)),
         Task.from_fn("optimizer_step", optimizer_step, reads=("loss_sum", "global_tokens", "output"),
                      writes=("step_result",), depends_on=("finalize_model_grads",)),
         Task.from_fn("watchdog_step", watchdog_step, reads=("loss_sum",),

@@ -146,3 +146,118 @@ def shuffle_worker(rank: int, port: int) -> None:
     pipe.shutdown()
     shuffler.close()
     finish()
+
+
+# -- Megatron DDP on gloo ---------------------------------------------------------------
+
+
+def megatron_optimizer_stand_in(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """Stands in for Megatron's optimizer, which creates CUDA tensors when it is built:
+    like its FP32 optimizer, point each ``grad`` at the reduced ``main_grad``, then step
+    the wrapped torch optimizer."""
+
+    class MainGradOptimizer(base):  # type: ignore[valid-type, misc]
+        def step(self, closure: Any = None) -> Any:
+            for group in self.param_groups:
+                for param in group["params"]:
+                    param.grad = param.main_grad
+            return super().step(closure)
+
+    return MainGradOptimizer
+
+
+def megatron_setup(kind: str, overlap: bool) -> Any:
+    from hstu_tasks.megatron import MegatronDataParallelWrapper, grad_buffer_chunks
+    from hstu_tasks.parallel import TrainingSetup, shard_model
+
+    config = OptimizerConfig(kind=kind)
+    model = shard_model(
+        ModelConfig(), DATA, config, seed=3, device=torch.device("cpu"),
+        # small buckets: several all-reduces per step, started while backward runs
+        data_parallel_wrapper=MegatronDataParallelWrapper(
+            overlap_grad_reduce=overlap, bucket_size=2048),
+    )  # fmt: skip
+    chunks = grad_buffer_chunks(model)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    base = torch.optim.SGD if kind == "sgd" else torch.optim.Adam
+    optimizer = megatron_optimizer_stand_in(base)(params, lr=config.dense_lr)
+    return TrainingSetup(model, optimizer, torch.device("cpu"), "megatron")
+
+
+def megatron_worker(rank: int, port: int, kind: str, overlap: bool) -> None:
+    from hstu_tasks.megatron import finalize_grads, grad_buffer_chunks, zero_grad_buffers
+    from hstu_tasks.parallel import global_loss, global_tokens
+    from hstu_tasks.runners import parameter_digest
+
+    join(rank, port)
+    # Megatron allocates its gradient buffers on torch.cuda.current_device(); this
+    # process has no GPU, so point that at the CPU.  Everything else -- Megatron DDP's
+    # hooks and buckets, finalize_model_grads, the gloo all-reduces -- runs as is.
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
+
+    reference = setup(kind)
+    expected = run_pipeline("none", reference, SyntheticHSTUData(DATA, STEPS, seed=5, rank=rank))
+    expected_digest = parameter_digest(reference.model)
+
+    # The wrapper replaced the dense part only: tables stay sharded by torchrec.
+    training = megatron_setup(kind, overlap)
+    from megatron.core.distributed import DistributedDataParallel as MegatronDDP  # imported now
+
+    chunks = grad_buffer_chunks(training.model)
+    assert [type(c) for c in chunks] == [MegatronDDP], chunks
+    assert isinstance(training.model.module.dense, MegatronDDP)
+    # with overlap, several buckets whose all-reduces start while backward runs
+    # (without it Megatron keeps one bucket, reduced in finalize_model_grads)
+    buckets = sum(len(group.buckets) for group in chunks[0].bucket_groups)
+    assert buckets > 1 if overlap else buckets == 1, buckets
+
+    # finalize_model_grads is where the reduction completes: before it, the ranks'
+    # gradient buffers hold their own (different) gradients; after it, the same sum.
+    batch = next(iter(SyntheticHSTUData(DATA, 1, seed=9, rank=rank)))
+    zero_grad_buffers(chunks)
+    losses, _ = training.model(batch)
+    global_loss(losses.sum(), global_tokens(batch)).backward()
+    local = torch.cat([p.main_grad.flatten() for p in chunks[0].parameters()])
+    finalize_grads(chunks)
+    reduced = torch.cat([p.main_grad.flatten() for p in chunks[0].parameters()])
+    gathered = [torch.empty_like(reduced) for _ in range(2)]
+    dist.all_gather(gathered, reduced)
+    assert torch.equal(gathered[0], gathered[1])
+    if not overlap:  # with overlap, buckets may have been reduced during backward
+        gathered_local = [torch.empty_like(local) for _ in range(2)]
+        dist.all_gather(gathered_local, local)
+        assert not torch.equal(gathered_local[0], gathered_local[1])
+        assert torch.allclose(reduced, (gathered_local[0] + gathered_local[1]) / 2)
+
+    # The same training, bit for bit, as torch DDP's plain loop: from the plain loop
+    # and from the pipelines (per_task: finalize_model_grads on its own lane, where
+    # only the ticket order keeps its collectives in step with the other rank's).
+    for mode, thread_map in [("none", None), ("aiopipe", None), ("aiopipe", "per_task"),
+                             ("aiopipe-prefetch", None)]:  # fmt: skip
+        training = megatron_setup(kind, overlap)
+        data = SyntheticHSTUData(DATA, STEPS, seed=5, rank=rank)
+        result = run_pipeline(mode, training, data, thread_map=thread_map)
+        assert result.global_losses() == expected.global_losses(), (mode, thread_map)
+        assert parameter_digest(training.model) == expected_digest, (mode, thread_map)
+    with pytest.raises(ValueError, match="finalize_model_grads"):
+        run_pipeline("torchrec", training, [])
+    finish()
+
+
+def megatron_gpu_worker(rank: int, port: int, world: int) -> None:
+    """One GPU per rank, NCCL: Megatron DDP and Megatron's optimizer unpatched."""
+    faulthandler.enable()
+    quiet_torchrec()
+    torch.cuda.set_device(rank)
+    join_local_group(rank, world, port)
+    losses = {}
+    for data_parallel in ("torch", "megatron"):
+        training = build_training(ModelConfig(), DATA, OptimizerConfig(), seed=3,
+                                  data_parallel=data_parallel)  # fmt: skip
+        assert training.data_parallel == data_parallel
+        data = SyntheticHSTUData(DATA, STEPS, seed=5, rank=rank)
+        losses[data_parallel] = run_pipeline("aiopipe", training, data).global_losses()
+    # Megatron's optimizer may be a fused kernel (Transformer Engine, Apex): close, not
+    # necessarily bit-identical to torch.optim.
+    torch.testing.assert_close(losses["megatron"], losses["torch"], rtol=1e-4, atol=1e-6)
+    finish()

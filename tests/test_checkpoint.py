@@ -3,7 +3,6 @@ optimizer state made ready for loading."""
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -113,9 +112,9 @@ def test_materialize_optimizer_state_changes_no_parameter() -> None:
         assert torch.equal(a, b)
 
 
-def two_rank_worker(rank: int, port: int, directory: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=60))  # fmt: skip
+def two_rank_worker(rank: int, store: str, directory: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))  # fmt: skip
     manager = CheckpointManager(directory)
     replicated = torch.arange(4.0)
     manager.save(5, {"w": replicated, "rank_note": f"written by {rank}"}, meta={"rank": rank})
@@ -129,8 +128,7 @@ def two_rank_worker(rank: int, port: int, directory: str) -> None:
 
 @pytest.mark.distributed
 def test_two_ranks_save_and_agree_on_the_latest(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(two_rank_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
-    assert (tmp_path / "step-00000005" / "aiopipe-meta.json").is_file()
+    # a file store: no port to pick, so none another process can take meanwhile
+    store = tmp_path / "store"
+    mp.spawn(two_rank_worker, args=(str(store), str(tmp_path / "ckpt")), nprocs=2, join=True)
+    assert (tmp_path / "ckpt" / "step-00000005" / "aiopipe-meta.json").is_file()

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,3 +47,16 @@ def test_train_hstu_demo_writes_its_report(tmp_path: Path) -> None:
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e.get("cat") == "task" for e in events) == 6 * 13  # every task, every step
     assert timeline.read_text().count('class="task"') == 3 * 13  # iterations 3-5
+    assert "torch DDP" in out  # "auto" on a CPU
+
+
+@pytest.mark.distributed
+def test_train_hstu_demo_explains_megatron_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: Megatron DDP would run")
+    result = subprocess.run(
+        [sys.executable, "examples/train_hstu.py", "--steps", "2", "--data-parallel", "megatron"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "needs a CUDA device" in result.stderr and "Traceback" not in result.stderr

@@ -13,18 +13,20 @@ from hypothesis import strategies as st
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 import hstu_workers
-from hstu_tasks import DataConfig, SyntheticHSTUData, balanced_partition
+from hstu_tasks import DataConfig, SyntheticHSTUData, TrainingSetup, balanced_partition
+from hstu_tasks import training_state
+from hstu_tasks.parallel import resolve_data_parallel
 from hstu_tasks.model import attention_mask, interleave
 
 pytestmark = pytest.mark.distributed
 
 
-def spawn(worker: object, *args: object) -> None:
+def spawn(worker: object, *args: object, nprocs: int = 2) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(worker, args=(port, *args), nprocs=2, join=True)  # type: ignore[arg-type]
+    mp.spawn(worker, args=(port, *args), nprocs=nprocs, join=True)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -101,3 +103,36 @@ def test_synthetic_data_is_deterministic_and_distinct_per_rank() -> None:
     zipf = SyntheticHSTUData(DataConfig(batch_size=256, length_distribution="zipf"), 1).batch(0)
     lengths = zipf.history_lengths()
     assert lengths.float().median() < (DataConfig.min_history + DataConfig.max_history) / 2
+
+
+@pytest.mark.parametrize(("optimizer", "overlap"), [("sgd", True), ("adam", False)])
+def test_megatron_ddp_trains_like_torch_ddp(optimizer: str, overlap: bool) -> None:
+    """Megatron DDP for the dense part (real megatron-core hooks, buckets and
+    finalize_model_grads on gloo; only its buffer device is pointed at the CPU):
+    finalize_model_grads completes the reduction, and every pipeline trains bit for bit
+    like torch DDP's plain loop."""
+    spawn(hstu_workers.megatron_worker, optimizer, overlap)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron DDP unpatched needs a GPU")
+def test_megatron_ddp_on_gpu_trains_like_torch_ddp() -> None:
+    world = min(2, torch.cuda.device_count())
+    spawn(hstu_workers.megatron_gpu_worker, world, nprocs=world)
+
+
+def test_data_parallel_choice() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_data_parallel("auto", cpu) == "torch"
+    assert resolve_data_parallel("torch", gpu) == "torch"
+    assert resolve_data_parallel("auto", gpu) == "megatron"  # megatron-core is installed
+    assert resolve_data_parallel("megatron", gpu) == "megatron"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_data_parallel("megatron", cpu)
+    with pytest.raises(ValueError, match="'auto', 'torch' or 'megatron'"):
+        resolve_data_parallel("fsdp", cpu)  # type: ignore[arg-type]
+
+
+def test_checkpoints_refuse_megatron_setups() -> None:
+    setup = TrainingSetup(torch.nn.Linear(1, 1), None, torch.device("cpu"), "megatron")  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="torch-DDP setups"):
+        training_state(setup)
