@@ -5,8 +5,10 @@ Every configuration trains the same model on the same data, with torch DDP for t
 dense part; they are interleaved over ``--repeats`` rounds and the median is
 reported.  On a CUDA machine each rank takes one GPU (NCCL; ``--ranks`` at most the
 GPU count) and, when megatron-core is installed, a row with Megatron DDP is added.
+``--replicate-tables`` skips torchrec's sharding (for GPUs without fbgemm's CUDA
+kernels): the model alone on the engine, without the torchrec row.
 
-    ./dev bench hstu_steps [--ranks 2] [--steps 60] [--repeats 3]
+    ./dev bench hstu_steps [--ranks 2] [--steps 60] [--repeats 3] [--replicate-tables]
 """
 
 from __future__ import annotations
@@ -62,8 +64,11 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
     samples: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for repeat in range(args["repeats"] + 1):  # the first round warms up
         for name, (mode, thread_map, data_parallel) in CONFIGS.items():
+            if mode == "torchrec" and args["replicate_tables"]:
+                continue  # torchrec's pipeline needs sharded tables
             setup = build_training(ModelConfig(), config, OptimizerConfig(), seed=0,
-                                   data_parallel=data_parallel)  # type: ignore[arg-type]
+                                   data_parallel=data_parallel,  # type: ignore[arg-type]
+                                   shard_embeddings=not args["replicate_tables"])  # fmt: skip
             data = list(SyntheticHSTUData(config, args["steps"], seed=repeat, rank=rank))
             dist.barrier()
             if thread_map == "kk":  # balance the attention workload across ranks
@@ -81,18 +86,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_hstu_arguments(parser)
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
+    parser.add_argument("--replicate-tables", action="store_true",
+                        help="no torchrec sharding (and no torchrec row)")
     args = vars(parser.parse_args())
     if torch.cuda.is_available() and args["ranks"] > torch.cuda.device_count():
         parser.error(f"--ranks {args['ranks']}: this machine has "
                      f"{torch.cuda.device_count()} GPU(s), one per rank")  # fmt: skip
     samples = spawn_ranks(worker, args)
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    rows = [[name, f"{rate:.2f}", f"{rate / medians['torchrec']:.3f}", f"{rate / medians['none']:.3f}"]
-            for name, rate in medians.items()]  # fmt: skip
+    medians = {name: statistics.median(values) for name, values in samples.items() if values}
+    torchrec = medians.get("torchrec")
+    rows = [[name, f"{rate:.2f}", f"{rate / torchrec:.3f}" if torchrec else "--",
+             f"{rate / medians['none']:.3f}"] for name, rate in medians.items()]  # fmt: skip
+    tables = "replicated tables" if args["replicate_tables"] else "sharded tables"
     print_table(
         f"HSTU step, {args['ranks']} ranks on "
-        f"{'NCCL (GPU)' if torch.cuda.is_available() else 'gloo (CPU)'}, {args['steps']} steps, "
-        f"median of {args['repeats']}",
+        f"{'NCCL (GPU)' if torch.cuda.is_available() else 'gloo (CPU)'}, {tables}, "
+        f"{args['steps']} steps, median of {args['repeats']}",
         ["pipeline", "steps / s", "x torchrec", "x plain loop"],
         rows,
     )

@@ -42,6 +42,10 @@ def parse_args() -> argparse.Namespace:
                         help="dense replication: torch DDP, or Megatron DDP + its optimizer "
                              "(GPU); auto = megatron on CUDA with megatron-core installed, "
                              "except for --pipeline torchrec and checkpointed runs")
+    parser.add_argument("--replicate-tables", action="store_true",
+                        help="no torchrec sharding: tables are ordinary parameters replicated "
+                             "on every rank (plain torch operators only, e.g. for a GPU "
+                             "without fbgemm's CUDA kernels)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-history", type=int, default=48)
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
@@ -75,6 +79,9 @@ def main() -> None:
     args = parse_args()
     if args.checkpoint_every < 1:
         raise SystemExit("--checkpoint-every must be >= 1")
+    if args.replicate_tables and (args.pipeline == "torchrec" or args.checkpoint_dir):
+        raise SystemExit("train_hstu.py: --pipeline torchrec and --checkpoint-dir need sharded "
+                         "tables (drop --replicate-tables)")  # fmt: skip
     quiet_torchrec()
     rank, world = init_distributed(datetime.timedelta(seconds=args.collective_timeout))
     data_config = DataConfig(
@@ -86,7 +93,8 @@ def main() -> None:
         data_parallel = "torch"  # torchrec's pipeline and checkpoints need torch DDP
     try:
         setup = build_training(ModelConfig(), data_config, OptimizerConfig(kind=args.optimizer),
-                               seed=args.seed, data_parallel=data_parallel)  # fmt: skip
+                               seed=args.seed, data_parallel=data_parallel,
+                               shard_embeddings=not args.replicate_tables)  # fmt: skip
     except (ValueError, ImportError) as error:  # e.g. --data-parallel megatron without a GPU
         raise SystemExit(f"train_hstu.py: {error}") from None
     manager = CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -96,7 +104,8 @@ def main() -> None:
     if rank == 0:
         resumed = f", resuming after step {start}" if start else ""
         print(f"HSTU ranking: {args.pipeline}, {world} rank(s) on {setup.device}, "
-              f"{setup.data_parallel} DDP, {args.steps} steps, {args.optimizer}{resumed}",
+              f"{setup.data_parallel} DDP, tables {'sharded' if setup.sharded else 'replicated'}, "
+              f"{args.steps} steps, {args.optimizer}{resumed}",
               flush=True)  # fmt: skip
     bar = tqdm(total=args.steps, initial=start, disable=rank != 0, unit="step", file=sys.stdout)
     result = RunResult()

@@ -14,11 +14,13 @@ __all__ = ("restore_training", "training_state")
 
 def training_state(setup: TrainingSetup) -> dict[str, Any]:
     """What a checkpoint holds: the model (its tables as sharded tensors), the fused
-    optimizer applied in backward, and the dense optimizer (torch DDP setups only)."""
-    if setup.data_parallel != "torch":
+    optimizer applied in backward, and the dense optimizer (sharded torch-DDP setups
+    only)."""
+    if setup.data_parallel != "torch" or not setup.sharded:
         raise NotImplementedError(
-            "checkpoints cover torch-DDP setups; a Megatron-DDP setup has no restorable "
-            "model state dict here (build it with data_parallel='torch')"
+            "checkpoints cover sharded torch-DDP setups (a Megatron-DDP model's state dict "
+            "cannot be loaded back through its wrapper; an unsharded one has no fused "
+            "optimizer): build it with data_parallel='torch', shard_embeddings=True"
         )
     return {
         "model": setup.model.state_dict(),

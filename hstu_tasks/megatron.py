@@ -86,6 +86,12 @@ class MegatronDataParallelWrapper(DataParallelWrapper):
         self.bucket_size = bucket_size
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        root = dmp._dmp_wrapped_module.to(device)  # as torchrec's default wrapper does
+        self.wrap_dense_children(root)
+
+    def wrap_dense_children(self, root: torch.nn.Module) -> None:
+        """Wrap each trainable direct child of ``root`` without a sharded module (on a
+        model that torchrec does not shard, every trainable child)."""
         ensure_model_parallel()
         with _quiet():
             from megatron.core.distributed import (
@@ -100,7 +106,6 @@ class MegatronDataParallelWrapper(DataParallelWrapper):
         ddp_config = DistributedDataParallelConfig(
             overlap_grad_reduce=self.overlap_grad_reduce, bucket_size=self.bucket_size
         )
-        root = dmp._dmp_wrapped_module.to(device)  # as torchrec's default wrapper does
         for name, child in list(root.named_children()):
             if any(isinstance(m, ShardedModule) for m in child.modules()):
                 continue

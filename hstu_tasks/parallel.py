@@ -70,12 +70,15 @@ class OptimizerConfig:
 
 @dataclass
 class TrainingSetup:
-    model: DistributedModelParallel
+    #: ``DistributedModelParallel`` when the tables are sharded; otherwise the model
+    #: itself, or torch DDP around it.
+    model: torch.nn.Module
     #: ``torch.optim`` for torch DDP, Megatron's optimizer with Megatron DDP (both
     #: offer ``zero_grad()``, ``step()`` and ``state_dict()``).
     optimizer: Any
     device: torch.device
     data_parallel: Literal["torch", "megatron"] = "torch"
+    sharded: bool = True
 
 
 def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, int]:
@@ -204,12 +207,16 @@ def build_training(
     seed: int = 0,
     device: torch.device | None = None,
     data_parallel: DataParallel = "auto",
+    shard_embeddings: bool = True,
 ) -> TrainingSetup:
-    """The sharded model and the dense optimizer, identical on every call with the
-    same arguments (so several pipelines can be compared bit for bit).
+    """The model and its dense optimizer, identical on every call with the same
+    arguments (so several pipelines can be compared bit for bit).
 
     ``data_parallel`` picks how the dense part is replicated (see
-    :data:`DataParallel`)."""
+    :data:`DataParallel`).  ``shard_embeddings=False`` skips torchrec's sharding: the
+    tables are ordinary parameters replicated like the rest and stepped by the dense
+    optimizer (for machines without fbgemm's GPU kernels; the model then uses only
+    plain torch operators)."""
     if not dist.is_initialized():
         raise RuntimeError("call init_distributed() (or run under torchrun) first")
     if device is None:
@@ -217,6 +224,8 @@ def build_training(
             torch.cuda.is_available()
         ) else torch.device("cpu")  # fmt: skip
     kind = resolve_data_parallel(data_parallel, device)
+    if not shard_embeddings:
+        return _replicated_training(model_config, data_config, optimizer, seed, device, kind)
     if kind == "megatron":
         model = shard_model(model_config, data_config, optimizer, seed=seed, device=device,
                             data_parallel_wrapper=MegatronDataParallelWrapper())  # fmt: skip
@@ -225,11 +234,37 @@ def build_training(
                              device, "megatron")  # fmt: skip
     model = shard_model(model_config, data_config, optimizer, seed=seed, device=device)
     dense = [p for name, p in model.named_parameters() if "embeddings." not in name]
-    if optimizer.kind == "sgd":
-        dense_optimizer: torch.optim.Optimizer = torch.optim.SGD(dense, lr=optimizer.dense_lr)
-    else:
-        dense_optimizer = torch.optim.Adam(dense, lr=optimizer.dense_lr)
-    return TrainingSetup(model, dense_optimizer, device)
+    return TrainingSetup(model, _torch_optimizer(dense, optimizer), device)
+
+
+def _torch_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
+    if config.kind == "sgd":
+        return torch.optim.SGD(params, lr=config.dense_lr)
+    return torch.optim.Adam(params, lr=config.dense_lr)
+
+
+def _replicated_training(
+    model_config: ModelConfig,
+    data_config: DataConfig,
+    optimizer: OptimizerConfig,
+    seed: int,
+    device: torch.device,
+    kind: Literal["torch", "megatron"],
+) -> TrainingSetup:
+    torch.manual_seed(seed)
+    model: torch.nn.Module = HSTURankingModel(model_config, data_config, embedding_device=device)
+    model.to(device)
+    if kind == "megatron":
+        MegatronDataParallelWrapper().wrap_dense_children(model)
+        chunks = grad_buffer_chunks(model)
+        return TrainingSetup(model, megatron_optimizer(chunks, optimizer.kind, optimizer.dense_lr),
+                             device, "megatron", sharded=False)  # fmt: skip
+    if dist.get_world_size() > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=None if device.type == "cpu" else [device]
+        )
+    params = list(model.parameters())
+    return TrainingSetup(model, _torch_optimizer(params, optimizer), device, sharded=False)
 
 
 def dp_size() -> int:

@@ -24,6 +24,7 @@ from torchrec.distributed.train_pipeline.utils import (
     _rewrite_model,
     _start_data_dist,
 )
+from torchrec.distributed.types import ShardedModule
 
 from aiopipe import (
     AsyncExecutor,
@@ -244,16 +245,19 @@ class HSTUPipeline:
         with pool.use("memcpy"):
             batch = peek.to(state.device, non_blocking=True)
         pool.wait_stream("data_dist", "memcpy")
-        forward_type = PrefetchPipelinedForward if state.prefetch else PipelinedForward
-        modules, _, originals, _, _ = _rewrite_model(
-            model=state.model,
-            context=context,
-            dist_stream=state.streams["data_dist"],
-            default_stream=state.streams["default"],
-            batch=batch,
-            pipelined_forward=forward_type,
-        )
-        state.pipelined_modules, self._original_forwards = modules, originals
+        modules: list[Any] = []
+        if any(isinstance(m, ShardedModule) for m in state.model.modules()):
+            forward_type = PrefetchPipelinedForward if state.prefetch else PipelinedForward
+            modules, _, originals, _, _ = _rewrite_model(
+                model=state.model,
+                context=context,
+                dist_stream=state.streams["data_dist"],
+                default_stream=state.streams["default"],
+                batch=batch,
+                pipelined_forward=forward_type,
+            )
+            state.pipelined_modules, self._original_forwards = modules, originals
+        # else an unsharded model: nothing to distribute, the input-dist tasks idle
         seed: dict[str, Any] = {"batch_cpu": peek, "batch_gpu": batch, "torchrec_ctx": context}
         with pool.use("data_dist"):
             if state.shuffler.is_identity:

@@ -150,6 +150,9 @@ def run_pipeline(
                 "torchrec's TrainPipelineSparseDist has no finalize_model_grads step for "
                 "Megatron DDP; build the setup with data_parallel='torch' to compare with it"
             )
+        if not setup.sharded:
+            raise ValueError("torchrec's TrainPipelineSparseDist needs sharded embeddings "
+                             "(build the setup with shard_embeddings=True)")  # fmt: skip
         _torchrec(setup, data, result, on_step)
     elif mode == "none":
         for batch in data:

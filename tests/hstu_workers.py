@@ -245,7 +245,9 @@ def megatron_worker(rank: int, port: int, kind: str, overlap: bool) -> None:
 
 
 def megatron_gpu_worker(rank: int, port: int, world: int) -> None:
-    """One GPU per rank, NCCL: Megatron DDP and Megatron's optimizer unpatched."""
+    """One GPU per rank, NCCL: Megatron DDP and Megatron's optimizer unpatched.  The
+    tables are replicated (shard_embeddings=False), so fbgemm's GPU kernels are not
+    needed."""
     faulthandler.enable()
     quiet_torchrec()
     torch.cuda.set_device(rank)
@@ -253,11 +255,54 @@ def megatron_gpu_worker(rank: int, port: int, world: int) -> None:
     losses = {}
     for data_parallel in ("torch", "megatron"):
         training = build_training(ModelConfig(), DATA, OptimizerConfig(), seed=3,
-                                  data_parallel=data_parallel)  # fmt: skip
+                                  data_parallel=data_parallel, shard_embeddings=False)  # fmt: skip
         assert training.data_parallel == data_parallel
         data = SyntheticHSTUData(DATA, STEPS, seed=5, rank=rank)
         losses[data_parallel] = run_pipeline("aiopipe", training, data).global_losses()
     # Megatron's optimizer may be a fused kernel (Transformer Engine, Apex): close, not
     # necessarily bit-identical to torch.optim.
     torch.testing.assert_close(losses["megatron"], losses["torch"], rtol=1e-4, atol=1e-6)
+    finish()
+
+
+def unsharded_worker(rank: int, port: int) -> None:
+    """Tables not sharded (every parameter replicated): torch DDP and Megatron DDP
+    (buffers pointed at the CPU, as in megatron_worker) train like the plain loop."""
+    from hstu_tasks import HSTURankingModel
+    from hstu_tasks.megatron import MegatronDataParallelWrapper, grad_buffer_chunks
+    from hstu_tasks.parallel import TrainingSetup
+    from hstu_tasks.runners import parameter_digest
+
+    join(rank, port)
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
+
+    def replicated() -> Any:
+        return build_training(ModelConfig(), DATA, OptimizerConfig(), seed=3,
+                              data_parallel="torch", shard_embeddings=False)  # fmt: skip
+
+    def megatron_replicated() -> Any:
+        torch.manual_seed(3)
+        model = HSTURankingModel(ModelConfig(), DATA, embedding_device="cpu")
+        MegatronDataParallelWrapper(bucket_size=4096).wrap_dense_children(model)
+        chunks = grad_buffer_chunks(model)
+        assert len(chunks) == 2  # the embedding collection and the dense part
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        optimizer = megatron_optimizer_stand_in(torch.optim.SGD)(params, lr=0.05)
+        return TrainingSetup(model, optimizer, torch.device("cpu"), "megatron", sharded=False)
+
+    training = replicated()
+    assert not training.sharded and isinstance(training.model, torch.nn.parallel.DistributedDataParallel)
+    reference = run_pipeline("none", training, SyntheticHSTUData(DATA, STEPS, seed=5, rank=rank))
+    expected = (reference.global_losses(), parameter_digest(training.model.module))
+    runs = [(replicated, "aiopipe", None), (replicated, "aiopipe", "per_task"),
+            (replicated, "aiopipe-prefetch", None), (megatron_replicated, "none", None),
+            (megatron_replicated, "aiopipe", "per_task")]  # fmt: skip
+    for build, mode, thread_map in runs:
+        training = build()
+        data = SyntheticHSTUData(DATA, STEPS, seed=5, rank=rank)
+        result = run_pipeline(mode, training, data, thread_map=thread_map)
+        model = getattr(training.model, "module", training.model)  # torch DDP's prefix
+        assert (result.global_losses(), parameter_digest(model)) == expected, (build, mode)
+    with pytest.raises(ValueError, match="needs sharded embeddings"):
+        run_pipeline("torchrec", replicated(), [])
     finish()

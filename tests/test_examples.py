@@ -51,12 +51,19 @@ def test_train_hstu_demo_writes_its_report(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_train_hstu_demo_explains_megatron_without_a_gpu() -> None:
-    if torch.cuda.is_available():
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--data-parallel", "megatron"), "needs a CUDA device"),
+        (("--replicate-tables", "--pipeline", "torchrec"), "need sharded tables"),
+    ],
+)
+def test_train_hstu_demo_explains_what_it_cannot_do(flags: tuple[str, ...], message: str) -> None:
+    if torch.cuda.is_available() and "megatron" in flags:
         pytest.skip("this machine has a GPU: Megatron DDP would run")
     result = subprocess.run(
-        [sys.executable, "examples/train_hstu.py", "--steps", "2", "--data-parallel", "megatron"],
+        [sys.executable, "examples/train_hstu.py", "--steps", "2", *flags],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 1
-    assert "needs a CUDA device" in result.stderr and "Traceback" not in result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr

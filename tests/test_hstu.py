@@ -114,6 +114,12 @@ def test_megatron_ddp_trains_like_torch_ddp(optimizer: str, overlap: bool) -> No
     spawn(hstu_workers.megatron_worker, optimizer, overlap)
 
 
+def test_unsharded_tables_train_like_the_plain_loop() -> None:
+    """shard_embeddings=False (every parameter replicated, plain torch operators only):
+    aiopipe with torch DDP or Megatron DDP matches the plain loop bit for bit."""
+    spawn(hstu_workers.unsharded_worker)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron DDP unpatched needs a GPU")
 def test_megatron_ddp_on_gpu_trains_like_torch_ddp() -> None:
     world = min(2, torch.cuda.device_count())
@@ -134,5 +140,5 @@ def test_data_parallel_choice() -> None:
 
 def test_checkpoints_refuse_megatron_setups() -> None:
     setup = TrainingSetup(torch.nn.Linear(1, 1), None, torch.device("cpu"), "megatron")  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="torch-DDP setups"):
+    with pytest.raises(NotImplementedError, match="sharded torch-DDP setups"):
         training_state(setup)
