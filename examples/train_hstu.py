@@ -28,6 +28,7 @@ from aiopipe.timeline import write_timeline
 from hstu_tasks import DataConfig, ModelConfig, OptimizerConfig, SyntheticHSTUData
 from hstu_tasks import build_training, init_distributed, leave_and_exit, quiet_torchrec
 from hstu_tasks import restore_training, training_state
+from hstu_tasks.parallel import default_device, resolve_data_parallel
 from hstu_tasks.runners import PIPELINES, RunResult, parameter_checksum, parameter_digest
 from hstu_tasks.runners import run_pipeline
 
@@ -79,24 +80,28 @@ def main() -> None:
     args = parse_args()
     if args.checkpoint_every < 1:
         raise SystemExit("--checkpoint-every must be >= 1")
-    if args.replicate_tables and (args.pipeline == "torchrec" or args.checkpoint_dir):
+    # Refuse what cannot run before joining the group (the other ranks would wait).
+    needs_sharded_torch_ddp = args.pipeline == "torchrec" or args.checkpoint_dir
+    if needs_sharded_torch_ddp and args.replicate_tables:
         raise SystemExit("train_hstu.py: --pipeline torchrec and --checkpoint-dir need sharded "
                          "tables (drop --replicate-tables)")  # fmt: skip
+    if needs_sharded_torch_ddp and args.data_parallel == "megatron":
+        raise SystemExit("train_hstu.py: --pipeline torchrec and --checkpoint-dir need torch "
+                         "DDP (drop --data-parallel megatron)")  # fmt: skip
+    try:
+        resolve_data_parallel(args.data_parallel, default_device())
+    except (ValueError, ImportError) as error:  # e.g. --data-parallel megatron without a GPU
+        raise SystemExit(f"train_hstu.py: {error}") from None
     quiet_torchrec()
     rank, world = init_distributed(datetime.timedelta(seconds=args.collective_timeout))
     data_config = DataConfig(
         batch_size=args.batch_size, max_history=args.max_history,
         length_distribution=args.lengths,
     )  # fmt: skip
-    data_parallel = args.data_parallel
-    if data_parallel == "auto" and (args.pipeline == "torchrec" or args.checkpoint_dir):
-        data_parallel = "torch"  # torchrec's pipeline and checkpoints need torch DDP
-    try:
-        setup = build_training(ModelConfig(), data_config, OptimizerConfig(kind=args.optimizer),
-                               seed=args.seed, data_parallel=data_parallel,
-                               shard_embeddings=not args.replicate_tables)  # fmt: skip
-    except (ValueError, ImportError) as error:  # e.g. --data-parallel megatron without a GPU
-        raise SystemExit(f"train_hstu.py: {error}") from None
+    data_parallel = "torch" if needs_sharded_torch_ddp else args.data_parallel
+    setup = build_training(ModelConfig(), data_config, OptimizerConfig(kind=args.optimizer),
+                           seed=args.seed, data_parallel=data_parallel,
+                           shard_embeddings=not args.replicate_tables)  # fmt: skip
     manager = CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
     start, meta = restore_training(setup, manager) if manager else (0, {})
     earlier_losses: list[float] = meta.get("losses", [])

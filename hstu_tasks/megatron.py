@@ -1,21 +1,23 @@
 """Megatron-core data parallelism for the dense part of a torchrec model.
 
 With ``build_training(data_parallel="megatron")`` (the ``"auto"`` choice when CUDA
-and megatron-core are present) the model's dense children are wrapped in Megatron's
-``DistributedDataParallel`` instead of torch DDP:
+and megatron-core are present) the model's trainable children that torchrec does not
+shard are wrapped in Megatron's ``DistributedDataParallel`` instead of torch DDP:
 
 * backward accumulates gradients into one contiguous buffer per dtype (each
   parameter's ``main_grad``) and, with ``overlap_grad_reduce``, launches the
-  all-reduce of each bucket as soon as its gradients are complete;
+  all-reduce of each bucket as soon as its gradients are complete (from the second
+  step on: the first one records the order in which gradients become ready);
 * the ``finalize_model_grads`` task calls Megatron's ``finalize_model_grads``, which
   waits for those reductions (or issues them, without overlap);
 * the dense optimizer is Megatron's (``get_megatron_optimizer``), which steps on the
   reduced ``main_grad``;
 * ``zero_grad`` also zeroes the gradient buffers (``zero_grad_buffer``).
 
-Embedding tables stay sharded by torchrec, updated by their fused optimizer in
-backward.  Megatron allocates the gradient buffers on the current CUDA device and
-builds its optimizer state there, so this path needs a GPU.
+Sharded tables are left to torchrec and their fused optimizer; with
+``shard_embeddings=False`` the tables are one more wrapped child.  Megatron allocates
+the gradient buffers on the current CUDA device and builds its optimizer state there,
+so this path needs a GPU.
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ __all__ = (
 
 def megatron_available() -> bool:
     """Whether megatron-core is installed (it is imported only when used)."""
-    return importlib.util.find_spec("megatron.core") is not None
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no "megatron" package at all
+        return False
 
 
 @contextmanager
@@ -71,6 +76,14 @@ def ensure_model_parallel() -> None:
         from megatron.core import parallel_state
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
+    # The loss is scaled by the world size (global_loss): every rank must be a replica.
+    replicas = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    if replicas != torch.distributed.get_world_size():
+        raise ValueError(
+            f"Megatron's data-parallel group has {replicas} of "
+            f"{torch.distributed.get_world_size()} ranks (tensor, pipeline or context "
+            "parallelism was set up); this adapter needs every rank to be a replica"
+        )
 
 
 class MegatronDataParallelWrapper(DataParallelWrapper):
@@ -133,8 +146,10 @@ def finalize_grads(chunks: Sequence[torch.nn.Module]) -> None:
     all-reduces started during backward, or issue them without overlap."""
     if not chunks:
         return
-    with _quiet():
-        from megatron.core.distributed import finalize_model_grads
+    # Imported already (quietly) by the wrapper that made the chunks; no warnings
+    # filter is touched here, which runs on a lane thread every step.
+    from megatron.core.distributed import finalize_model_grads
+
     finalize_model_grads(list(chunks))
 
 
@@ -151,4 +166,8 @@ def megatron_optimizer(
             optimizer=kind, lr=lr, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0,
             adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
         )  # fmt: skip
-        return get_megatron_optimizer(config, list(chunks))
+        optimizer = get_megatron_optimizer(config, list(chunks))
+    # One group of dense parameters gives a chain of one; its step would still compute
+    # the gradient norm (a host sync every step) although nothing is clipped.
+    inner = getattr(optimizer, "chained_optimizers", None)
+    return inner[0] if inner is not None and len(inner) == 1 else optimizer

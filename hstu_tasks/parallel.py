@@ -47,6 +47,7 @@ __all__ = (
     "quiet_torchrec",
     "TrainingSetup",
     "build_training",
+    "default_device",
     "global_loss",
     "init_distributed",
     "plain_train_step",
@@ -97,6 +98,8 @@ def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, in
                 os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one GPU per local rank, before anything touches the device
+        torch.cuda.set_device(default_device())
     dist.init_process_group(backend, timeout=timeout)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
@@ -143,6 +146,13 @@ def quiet_torchrec() -> None:
     # torchrec's sharded tables are ShardedTensors, which torch's checkpoint code
     # announces as deprecated on every load.
     warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
+
+
+def default_device() -> torch.device:
+    """This process's device: the GPU of its local rank when CUDA is available."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 def resolve_data_parallel(choice: DataParallel, device: torch.device) -> Literal["torch", "megatron"]:
@@ -215,14 +225,13 @@ def build_training(
     ``data_parallel`` picks how the dense part is replicated (see
     :data:`DataParallel`).  ``shard_embeddings=False`` skips torchrec's sharding: the
     tables are ordinary parameters replicated like the rest and stepped by the dense
-    optimizer (for machines without fbgemm's GPU kernels; the model then uses only
-    plain torch operators)."""
+    optimizer, at ``dense_lr`` (for machines without fbgemm's GPU kernels; the model
+    then uses only plain torch operators)."""
     if not dist.is_initialized():
         raise RuntimeError("call init_distributed() (or run under torchrun) first")
-    if device is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if (
-            torch.cuda.is_available()
-        ) else torch.device("cpu")  # fmt: skip
+    device = device if device is not None else default_device()
+    if device.type == "cuda":  # Megatron allocates on the current device
+        torch.cuda.set_device(device)
     kind = resolve_data_parallel(data_parallel, device)
     if not shard_embeddings:
         return _replicated_training(model_config, data_config, optimizer, seed, device, kind)

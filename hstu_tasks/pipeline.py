@@ -88,11 +88,12 @@ def _stream_pool(device: torch.device) -> StreamPool:
 class HSTUPipeline:
     """``await progress(it) -> (local_loss_sum, global_tokens, output)``.
 
-    ``model`` is the ``DistributedModelParallel``-wrapped HSTU model, ``optimizer``
-    its dense optimizer (embedding tables update in backward): ``torch.optim`` with
+    ``model`` is the HSTU model, ``DistributedModelParallel``-wrapped when its tables
+    are sharded (otherwise the input-dist tasks have nothing to do).  ``optimizer``
+    is its dense optimizer (sharded tables update in backward): ``torch.optim`` with
     torch DDP, Megatron's with Megatron DDP (then ``finalize_model_grads`` finishes
-    the gradient reduction).  ``prefetch=True``
-    adds ``prefetch_embeddings`` and keeps ``prefetch_depth + 1`` batches ahead.
+    the gradient reduction).  ``prefetch=True`` adds ``prefetch_embeddings`` and
+    keeps ``prefetch_depth + 1`` batches ahead.
     ``thread_map`` defaults to :data:`HSTU_DEFAULT_THREAD_MAP`; ``executor`` may be
     ``"sequential"`` or an executor instance instead.  ``trace=True`` (or a
     :class:`aiopipe.Tracer`) records a span per task run (see ``docs/tracing.md``).
