@@ -94,7 +94,9 @@ class MegatronDataParallelWrapper(DataParallelWrapper):
     ``overlap_grad_reduce`` all-reduces gradient buckets during backward;
     ``bucket_size`` is in elements (Megatron's default when ``None``)."""
 
-    def __init__(self, *, overlap_grad_reduce: bool = True, bucket_size: int | None = None) -> None:
+    def __init__(
+        self, *, overlap_grad_reduce: bool = True, bucket_size: int | None = None
+    ) -> None:
         self.overlap_grad_reduce = overlap_grad_reduce
         self.bucket_size = bucket_size
 
@@ -153,9 +155,7 @@ def finalize_grads(chunks: Sequence[torch.nn.Module]) -> None:
     finalize_model_grads(list(chunks))
 
 
-def megatron_optimizer(
-    chunks: Sequence[torch.nn.Module], kind: str, lr: float
-) -> Any:
+def megatron_optimizer(chunks: Sequence[torch.nn.Module], kind: str, lr: float) -> Any:
     """Megatron's optimizer over the dense parameters of ``chunks``, configured to
     match ``torch.optim`` (``kind`` "sgd" or "adam"): no weight decay, no gradient
     clipping, no momentum, torch's Adam betas and epsilon."""

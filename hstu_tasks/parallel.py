@@ -1,11 +1,13 @@
 """Building the sharded model and its optimizers, and the plain training step.
 
 Embedding tables are row-wise sharded by torchrec's ``DistributedModelParallel``
-with a fused optimizer applied in backward; the dense part is replicated either
-with torch DDP (DMP's default data-parallel wrapper, gloo on CPU) and stepped by a
-``torch.optim`` optimizer, or -- on GPU with megatron-core -- with Megatron DDP and
-Megatron's optimizer (see ``megatron.py``).  The loss is ``loss_sum * dp_size / global_tokens`` with
-the loss-token count all-reduced, so every rank differentiates the exact global mean.
+with a fused optimizer applied in backward (or, with ``shard_embeddings=False``,
+replicated like the rest).  The dense part is replicated either with torch DDP
+(DMP's default data-parallel wrapper, gloo on CPU) and stepped by a ``torch.optim``
+optimizer, or -- on GPU with megatron-core -- with Megatron DDP and Megatron's
+optimizer (see ``megatron.py``).  The loss is ``loss_sum * dp_size / global_tokens``
+with the loss-token count all-reduced, so every rank differentiates the exact global
+mean.
 """
 
 from __future__ import annotations
@@ -155,7 +157,9 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_data_parallel(choice: DataParallel, device: torch.device) -> Literal["torch", "megatron"]:
+def resolve_data_parallel(
+    choice: DataParallel, device: torch.device
+) -> Literal["torch", "megatron"]:
     """The data-parallel implementation ``choice`` means on ``device``; a clear error
     when Megatron is asked for where it cannot run."""
     if choice == "auto":
@@ -246,7 +250,9 @@ def build_training(
     return TrainingSetup(model, _torch_optimizer(dense, optimizer), device)
 
 
-def _torch_optimizer(params: list[torch.nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
+def _torch_optimizer(
+    params: list[torch.nn.Parameter], config: OptimizerConfig
+) -> torch.optim.Optimizer:
     if config.kind == "sgd":
         return torch.optim.SGD(params, lr=config.dense_lr)
     return torch.optim.Adam(params, lr=config.dense_lr)

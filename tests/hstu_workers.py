@@ -309,7 +309,8 @@ def unsharded_worker(rank: int, port: int) -> None:
         return TrainingSetup(model, optimizer, torch.device("cpu"), "megatron", sharded=False)
 
     training = replicated()
-    assert not training.sharded and isinstance(training.model, torch.nn.parallel.DistributedDataParallel)
+    assert not training.sharded
+    assert isinstance(training.model, torch.nn.parallel.DistributedDataParallel)
     reference = run_pipeline("none", training, SyntheticHSTUData(DATA, STEPS, seed=5, rank=rank))
     expected = (reference.global_losses(), parameter_digest(training.model.module))
     runs = [(replicated, "aiopipe", None), (replicated, "aiopipe", "per_task"),

@@ -146,6 +146,6 @@ def test_data_parallel_choice() -> None:
 
 
 def test_checkpoints_refuse_megatron_setups() -> None:
-    setup = TrainingSetup(torch.nn.Linear(1, 1), None, torch.device("cpu"), "megatron")  # type: ignore[arg-type]
+    setup = TrainingSetup(torch.nn.Linear(1, 1), None, torch.device("cpu"), "megatron")
     with pytest.raises(NotImplementedError, match="sharded torch-DDP setups"):
         training_state(setup)
