@@ -41,6 +41,17 @@ from hstu_tasks import (  # noqa: E402
 from hstu_tasks.megatron import megatron_available  # noqa: E402
 from hstu_tasks.runners import run_pipeline  # noqa: E402
 
+
+def one_lane(task: Any) -> str:
+    """Every task on one lane thread (fewer threads than the io/compute default)."""
+    return "compute"
+
+
+def on_the_loop(task: Any) -> str:
+    """Every task inline on the event loop: no lane thread at all."""
+    return "loop"
+
+
 # name: (pipeline, thread map or "kk" for the shuffler, data parallel)
 CONFIGS: dict[str, tuple[str, Any, str]] = {
     "none": ("none", None, "torch"),
@@ -50,6 +61,8 @@ CONFIGS: dict[str, tuple[str, Any, str]] = {
     "aiopipe, dist lane": ("aiopipe", HSTU_DIST_LANE_THREAD_MAP, "torch"),
     "aiopipe-prefetch, dist lane": ("aiopipe-prefetch", HSTU_DIST_LANE_THREAD_MAP, "torch"),
     "aiopipe + KK shuffler": ("aiopipe", "kk", "torch"),
+    "aiopipe, one lane": ("aiopipe", one_lane, "torch"),
+    "aiopipe, on the loop": ("aiopipe", on_the_loop, "torch"),
 }
 if torch.cuda.is_available() and megatron_available():
     CONFIGS["aiopipe, Megatron DDP"] = ("aiopipe", None, "megatron")
