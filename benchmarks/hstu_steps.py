@@ -109,14 +109,19 @@ def main() -> None:
     samples = spawn_ranks(worker, args)
     medians = {name: statistics.median(values) for name, values in samples.items() if values}
     torchrec = medians.get("torchrec")
-    rows = [[name, f"{rate:.2f}", f"{rate / torchrec:.3f}" if torchrec else "--",
+
+    def spread(name: str) -> str:  # half the range of the rounds, relative to the median
+        values = samples[name]
+        return f"+-{50 * (max(values) - min(values)) / medians[name]:.0f}%"
+
+    rows = [[name, f"{rate:.2f}", spread(name), f"{rate / torchrec:.3f}" if torchrec else "--",
              f"{rate / medians['none']:.3f}"] for name, rate in medians.items()]  # fmt: skip
     tables = "replicated tables" if args["replicate_tables"] else "sharded tables"
     print_table(
         f"HSTU step, {args['ranks']} ranks on "
         f"{'NCCL (GPU)' if torch.cuda.is_available() else 'gloo (CPU)'}, {tables}, "
         f"{args['steps']} steps, median of {args['repeats']}",
-        ["pipeline", "steps / s", "x torchrec", "x plain loop"],
+        ["pipeline", "steps / s", "rounds", "x torchrec", "x plain loop"],
         rows,
     )
     print_json("hstu_steps", {"args": args, "steps_per_s": medians, "samples": samples})
