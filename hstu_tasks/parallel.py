@@ -101,7 +101,11 @@ def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, in
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":  # one GPU per local rank, before anything touches the device
-        torch.cuda.set_device(default_device())
+        device, gpus = default_device(), torch.cuda.device_count()
+        if device.index is not None and device.index >= gpus:
+            raise RuntimeError(f"local rank {device.index} has no GPU of its own: this machine "
+                               f"has {gpus}; start at most {gpus} ranks per machine")  # fmt: skip
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timeout)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
