@@ -70,9 +70,7 @@ if torch.cuda.is_available() and megatron_available():
 
 def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> None:
     quiet_torchrec()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank)
-    join_local_group(rank, ranks, port)
+    join_local_group(rank, ranks, port)  # on CUDA, also makes cuda:rank the current device
     config = DataConfig(batch_size=args["batch_size"], max_history=args["max_history"],
                         length_distribution=args["lengths"])  # fmt: skip
     samples: dict[str, list[float]] = {name: [] for name in CONFIGS}

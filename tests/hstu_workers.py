@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 from conftest import collect
 
+import hstu_tasks.tasks as tasks_module
 from aiopipe import PipelineStateError
 from hstu_tasks import (
     DataConfig,
     HSTUPipelineFactory,
+    HSTURankingModel,
     KarmarkarKarpShuffler,
     ModelConfig,
     OptimizerConfig,
@@ -24,7 +26,14 @@ from hstu_tasks import (
     leave_and_exit,
     quiet_torchrec,
 )
-from hstu_tasks.runners import PIPELINES, parameter_checksum, run_pipeline
+from hstu_tasks.megatron import (
+    MegatronDataParallelWrapper,
+    finalize_grads,
+    grad_buffer_chunks,
+    zero_grad_buffers,
+)
+from hstu_tasks.parallel import TrainingSetup, global_loss, global_tokens, shard_model
+from hstu_tasks.runners import PIPELINES, parameter_checksum, parameter_digest, run_pipeline
 
 DATA = DataConfig(batch_size=8, max_history=24)
 STEPS = 6
@@ -168,9 +177,6 @@ def megatron_optimizer_stand_in(base: type[torch.optim.Optimizer]) -> type[torch
 
 
 def megatron_setup(kind: str, overlap: bool) -> Any:
-    from hstu_tasks.megatron import MegatronDataParallelWrapper, grad_buffer_chunks
-    from hstu_tasks.parallel import TrainingSetup, shard_model
-
     config = OptimizerConfig(kind=kind)
     model = shard_model(
         ModelConfig(), DATA, config, seed=3, device=torch.device("cpu"),
@@ -186,10 +192,6 @@ def megatron_setup(kind: str, overlap: bool) -> Any:
 
 
 def megatron_worker(rank: int, port: int, kind: str, overlap: bool) -> None:
-    from hstu_tasks.megatron import finalize_grads, grad_buffer_chunks, zero_grad_buffers
-    from hstu_tasks.parallel import global_loss, global_tokens
-    from hstu_tasks.runners import parameter_digest
-
     join(rank, port)
     # Megatron allocates its gradient buffers on torch.cuda.current_device(); this
     # process has no GPU, so point that at the CPU.  Everything else -- Megatron DDP's
@@ -246,8 +248,6 @@ def megatron_worker(rank: int, port: int, kind: str, overlap: bool) -> None:
     if not overlap:  # the check above can fail: with a no-op finalize task the ranks
         # step on their own gradients.  (With overlap Megatron itself refuses the next
         # step, so a failed rank could leave the other in a collective.)
-        import hstu_tasks.tasks as tasks_module
-
         real, tasks_module.finalize_grads = tasks_module.finalize_grads, lambda chunks: None
         try:
             training = megatron_setup(kind, overlap)
@@ -286,11 +286,6 @@ def megatron_gpu_worker(rank: int, port: int, world: int) -> None:
 def unsharded_worker(rank: int, port: int) -> None:
     """Tables not sharded (every parameter replicated): torch DDP and Megatron DDP
     (buffers pointed at the CPU, as in megatron_worker) train like the plain loop."""
-    from hstu_tasks import HSTURankingModel
-    from hstu_tasks.megatron import MegatronDataParallelWrapper, grad_buffer_chunks
-    from hstu_tasks.parallel import TrainingSetup
-    from hstu_tasks.runners import parameter_digest
-
     join(rank, port)
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
 
