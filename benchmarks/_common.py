@@ -73,3 +73,14 @@ def spawn_ranks(worker: Callable[..., None], args: dict[str, Any]) -> Any:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         mp.spawn(worker, args=(port, args["ranks"], args, out.name), nprocs=args["ranks"])
         return json.loads(Path(out.name).read_text())
+
+
+def report_and_leave(rank: int, out: str, payload: Any) -> None:
+    """End a ``spawn_ranks`` worker: rank 0 writes ``payload`` to ``out``, then every
+    rank leaves the group with ``hstu_tasks.leave_and_exit`` (no native exit-time
+    teardown, which aborted once in a benchmark rank)."""
+    from hstu_tasks import leave_and_exit
+
+    if rank == 0:
+        Path(out).write_text(json.dumps(payload))
+    leave_and_exit(0)

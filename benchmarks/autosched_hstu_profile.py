@@ -27,7 +27,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import add_hstu_arguments, print_json, print_table, spawn_ranks  # noqa: E402
+from _common import (  # noqa: E402
+    add_hstu_arguments,
+    print_json,
+    print_table,
+    report_and_leave,
+    spawn_ranks,
+)
 
 from aiopipe import Schedule, Tracer  # noqa: E402
 from aiopipe.autosched import CostModel, CostProfiler, calibrate_engine, joint_search  # noqa: E402
@@ -43,7 +49,6 @@ from hstu_tasks import (  # noqa: E402
     SyntheticHSTUData,
     build_training,
     join_local_group,
-    leave_and_exit,
     quiet_torchrec,
 )
 from hstu_tasks.pipeline import STREAMS  # noqa: E402
@@ -99,9 +104,7 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
                 if repeat:
                     times[name].append(ms)
         payload["measured_ms_per_step"] = times
-    if rank == 0:
-        Path(out).write_text(json.dumps(payload))
-    leave_and_exit(0)  # skips native exit-time teardown (see its docstring)
+    report_and_leave(rank, out, payload)
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ kernels): the model alone on the engine, without the torchrec row.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -24,7 +23,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _common import add_hstu_arguments, print_json, print_table, spawn_ranks  # noqa: E402
+from _common import (  # noqa: E402
+    add_hstu_arguments,
+    print_json,
+    print_table,
+    report_and_leave,
+    spawn_ranks,
+)
 
 from hstu_tasks import (  # noqa: E402
     HSTU_DIST_LANE_THREAD_MAP,
@@ -35,7 +40,6 @@ from hstu_tasks import (  # noqa: E402
     SyntheticHSTUData,
     build_training,
     join_local_group,
-    leave_and_exit,
     quiet_torchrec,
 )
 from hstu_tasks.megatron import megatron_available  # noqa: E402
@@ -89,9 +93,7 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
                 result = run_pipeline(mode, setup, data, thread_map=thread_map)  # type: ignore[arg-type]
             if repeat:
                 samples[name].append(args["steps"] / result.seconds)
-    if rank == 0:
-        Path(out).write_text(json.dumps(samples))
-    leave_and_exit(0)  # skips native exit-time teardown (see its docstring)
+    report_and_leave(rank, out, samples)
 
 
 def main() -> None:
