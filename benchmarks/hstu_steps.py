@@ -3,8 +3,10 @@ plain loop, side by side in one run (ranks on gloo, CPU by default).
 
 Every configuration trains the same model on the same data, with torch DDP for the
 dense part; they are interleaved over ``--repeats`` rounds and the median is
-reported.  On a CUDA machine each rank takes one GPU (NCCL; ``--ranks`` at most the
-GPU count) and, when megatron-core is installed, a row with Megatron DDP is added.
+reported, with how busy the ranks kept the machine's cores (on CPU, ``1 / busy``
+bounds what any schedule of the same work could gain).  On a CUDA machine each rank
+takes one GPU (NCCL; ``--ranks`` at most the GPU count) and, when megatron-core is
+installed, a row with Megatron DDP is added.
 ``--replicate-tables`` skips torchrec's sharding (for GPUs without fbgemm's CUDA
 kernels): the model alone on the engine, without the torchrec row.
 
@@ -14,6 +16,7 @@ kernels): the model alone on the engine, without the torchrec row.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -78,6 +81,7 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
     config = DataConfig(batch_size=args["batch_size"], max_history=args["max_history"],
                         length_distribution=args["lengths"])  # fmt: skip
     samples: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    busy: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for repeat in range(args["repeats"] + 1):  # the first round warms up
         for name, (mode, thread_map, data_parallel) in CONFIGS.items():
             if mode == "torchrec" and args["replicate_tables"]:
@@ -93,7 +97,18 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
                 result = run_pipeline(mode, setup, data, thread_map=thread_map)  # type: ignore[arg-type]
             if repeat:
                 samples[name].append(args["steps"] / result.seconds)
-    report_and_leave(rank, out, samples)
+                busy[name].append(machine_busy(result.seconds, result.cpu_seconds))
+    report_and_leave(rank, out, {"steps_per_s": samples, "busy": busy})
+
+
+def machine_busy(seconds: float, cpu_seconds: float) -> float:
+    """The share of this machine's cores the ranks kept busy over a run: every rank's
+    CPU time (all its threads) over wall time x cores.  A schedule that does the same
+    work can run at most ``1 / busy`` times faster."""
+    totals = torch.tensor([cpu_seconds, seconds], dtype=torch.float64)
+    dist.all_reduce(totals)
+    mean_wall = float(totals[1]) / dist.get_world_size()
+    return float(totals[0]) / (mean_wall * len(os.sched_getaffinity(0)))
 
 
 def main() -> None:
@@ -106,7 +121,8 @@ def main() -> None:
     if torch.cuda.is_available() and args["ranks"] > torch.cuda.device_count():
         parser.error(f"--ranks {args['ranks']}: this machine has "
                      f"{torch.cuda.device_count()} GPU(s), one per rank")  # fmt: skip
-    samples = spawn_ranks(worker, args)
+    report = spawn_ranks(worker, args)
+    samples, busy = report["steps_per_s"], report["busy"]
     medians = {name: statistics.median(values) for name, values in samples.items() if values}
     torchrec = medians.get("torchrec")
 
@@ -115,16 +131,24 @@ def main() -> None:
         return f"+-{50 * (max(values) - min(values)) / medians[name]:.0f}%"
 
     rows = [[name, f"{rate:.2f}", spread(name), f"{rate / torchrec:.3f}" if torchrec else "--",
-             f"{rate / medians['none']:.3f}"] for name, rate in medians.items()]  # fmt: skip
+             f"{rate / medians['none']:.3f}", f"{statistics.median(busy[name]):.0%}"]
+            for name, rate in medians.items()]  # fmt: skip
     tables = "replicated tables" if args["replicate_tables"] else "sharded tables"
     print_table(
         f"HSTU step, {args['ranks']} ranks on "
         f"{'NCCL (GPU)' if torch.cuda.is_available() else 'gloo (CPU)'}, {tables}, "
         f"{args['steps']} steps, median of {args['repeats']}",
-        ["pipeline", "steps / s", "rounds", "x torchrec", "x plain loop"],
+        ["pipeline", "steps / s", "rounds", "x torchrec", "x plain loop", "cores busy"],
         rows,
     )
-    print_json("hstu_steps", {"args": args, "steps_per_s": medians, "samples": samples})
+    print(f"cores busy: every rank's CPU time over wall time x {len(os.sched_getaffinity(0))} "
+          "cores")
+    if not torch.cuda.is_available():  # on CPU the cores bound every schedule
+        baseline = "torchrec" if torchrec else "none"
+        print(f"the same work can run at most {1 / statistics.median(busy[baseline]):.2f}x "
+              f"as fast as {baseline} on these cores")  # fmt: skip
+    print_json("hstu_steps", {"args": args, "steps_per_s": medians, "samples": samples,
+                              "busy": busy})  # fmt: skip
 
 
 if __name__ == "__main__":

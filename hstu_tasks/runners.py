@@ -37,6 +37,7 @@ class RunResult:
     loss_sums: list[float] = field(default_factory=list)
     tokens: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time over the run, every thread counted
 
     def record(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
         self.loss_sums.append(float(loss_sum))
@@ -140,7 +141,7 @@ def run_pipeline(
     tracing).  ``on_step(n)`` runs after the n-th step, at a progress boundary (a
     checkpoint may be taken there); pass ``result`` to read the losses so far in it."""
     result = result if result is not None else RunResult()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if mode in ("aiopipe", "aiopipe-prefetch"):
         _aiopipe(setup, data, mode == "aiopipe-prefetch", result, on_step, thread_map, shuffler,
                  tracer)  # fmt: skip
@@ -162,4 +163,5 @@ def run_pipeline(
     else:
         raise ValueError(f"unknown pipeline {mode!r}; choose from {PIPELINES}")
     result.seconds = time.perf_counter() - start
+    result.cpu_seconds = time.process_time() - cpu_start
     return result

@@ -15,7 +15,10 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 import hstu_workers
 from hstu_tasks import DataConfig, SyntheticHSTUData, TrainingSetup, balanced_partition
 from hstu_tasks import training_state
+from aiopipe import Schedule, topological_sort
 from hstu_tasks.parallel import resolve_data_parallel
+from hstu_tasks.shuffler import IdentityShuffler
+from hstu_tasks.tasks import PipelineState, build_tasks
 from hstu_tasks.model import attention_mask, interleave
 
 pytestmark = pytest.mark.distributed
@@ -70,6 +73,18 @@ def test_balanced_partition_beats_round_robin_on_skewed_weights() -> None:
     assert spread(balanced_partition(weights, 4)) < spread(round_robin) / 4
     with pytest.raises(ValueError, match="evenly"):
         balanced_partition([1, 2, 3], 2)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_next_input_dist_is_waited_for_between_forward_and_backward(prefetch: bool) -> None:
+    # torchrec's order: the next batch's splits all-to-all has this forward to arrive
+    state = PipelineState(torch.nn.Linear(1, 1), None, torch.device("cpu"), IdentityShuffler(),
+                          prefetch=prefetch)  # fmt: skip
+    order = [task.name for task in topological_sort(Schedule.of(build_tasks(state)))]
+    chain = ["start_input_dist", "forward", "wait_input_dist", "backward", "optimizer_step"]
+    if prefetch:
+        chain.insert(3, "prefetch_embeddings")
+    assert sorted(chain, key=order.index) == chain, order
 
 
 def test_interleave_alternates_items_and_actions_then_candidates() -> None:
