@@ -4,7 +4,9 @@
 
     aiopipe validate TARGET [--thread-map MAP] [--json]
     aiopipe graph    TARGET [--format dot|mermaid|svg|png|pdf] [-o FILE] [--thread-map MAP]
-    aiopipe trace    TARGET --progresses N -o trace.json [--svg timeline.svg]
+                     [--group-by lane|stream|none] [--title TEXT]
+    aiopipe trace    TARGET --progresses N -o trace.json [--executor async|sequential]
+                     [--thread-map MAP] [--svg timeline.svg]
     aiopipe plan     ...    (the auto-scheduler: aiopipe.autosched)
 
 ``TARGET`` is ``MODULE:FUNC`` or ``FILE.py:FUNC``: a function (or attribute) giving
@@ -128,7 +130,10 @@ def _cmd_validate(args: argparse.Namespace, target: Target, tracer: Tracer | Non
 
 def _cmd_graph(args: argparse.Namespace, target: Target, tracer: Tracer | None) -> int:
     thread_map = _thread_map(args, target)
-    fmt = args.format or (diagram.format_for(args.output) if args.output else "dot")
+    try:
+        fmt = args.format or (diagram.format_for(args.output) if args.output else "dot")
+    except diagram.RenderError as exc:  # an unknown -o suffix is a command-line error
+        raise TargetError(str(exc)) from None
     options: dict[str, Any] = {"group_by": args.group_by, "title": args.title or args.target}
     if fmt == "dot":
         data: str | bytes = diagram.to_dot(target.schedule, thread_map, **options)

@@ -91,7 +91,9 @@ class TaskContext:
         thread with the task's stream current, and await its result.
 
         This is how coroutine tasks submit GPU work: stream and device state are
-        thread-local and must never be held across an ``await``.
+        thread-local and must never be held across an ``await``.  Where the task has
+        no lane thread (``SequentialExecutor``, or lane ``"loop"``) it runs inline on
+        the calling thread.
         """
         running = self._running()
         stream = running.task.stream

@@ -357,7 +357,7 @@ def write(
     dot: str = "dot",
 ) -> Path:
     """Write a diagram of ``schedule`` to ``path``; the format defaults to the one its
-    suffix names (``.dot``/``.gv``, ``.mmd``, ``.svg``, ``.png``, ``.pdf``)."""
+    suffix names (``.dot``/``.gv``, ``.mmd``/``.mermaid``, ``.svg``, ``.png``, ``.pdf``)."""
     format = format or format_for(path)
     target = Path(path)
     if format == "dot":

@@ -30,7 +30,12 @@ async def wait_for_event(
     max_poll_s: float = 2e-3,
     handoff_after_s: float = 0.05,
 ) -> None:
-    """Return once ``event`` has completed (``None`` counts as complete)."""
+    """Return once ``event`` has completed (``None`` counts as complete).
+
+    The loop polls ``event.query()`` first after ``first_poll_s``, doubling the
+    interval up to ``max_poll_s``; work still running after ``handoff_after_s`` is
+    waited for by a helper thread in ``event.synchronize()``, which wakes the loop.
+    """
     loop = running_loop("aiopipe.wait_for_event")  # asyncio only: a clear error on trio
     if event is None or event.query():
         return

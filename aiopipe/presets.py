@@ -116,7 +116,9 @@ def _copy_lane(task: Task) -> str:
 class BasicPipeline(Pipeline):
     """The pipeline ``basic()`` builds.  With ``grad_accumulation=k`` the optimizer
     steps after every k-th batch and once more after a trailing partial group, when
-    the source ends -- exactly as ``if (i + 1) % k == 0 or i == last: step()``."""
+    the source ends -- exactly as ``if (i + 1) % k == 0 or i == last: step()``.
+    ``drain()`` is not the source's end: a partial group keeps its accumulated
+    gradients and is completed by the next batches ``progress`` pulls."""
 
     def __init__(self, *args: Any, finish: Callable[[], None] | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

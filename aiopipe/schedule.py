@@ -45,7 +45,8 @@ class Schedule:
 
     @classmethod
     def of(cls, tasks: Iterable[Task], stream_slots: Iterable[str] | None = None) -> Schedule:
-        """A single-stage schedule; streams default to the ones the tasks name."""
+        """A single-stage schedule; streams default to ``"default"`` plus the ones the
+        tasks name."""
         tasks = tuple(tasks)
         if stream_slots is None:
             stream_slots = dict.fromkeys(["default", *(t.stream for t in tasks)])

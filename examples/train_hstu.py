@@ -81,6 +81,9 @@ def main() -> None:
     if args.checkpoint_every < 1:
         raise SystemExit("--checkpoint-every must be >= 1")
     # Refuse what cannot run before joining the group (the other ranks would wait).
+    if (args.trace or args.timeline) and not args.pipeline.startswith("aiopipe"):
+        raise SystemExit(f"train_hstu.py: --trace and --timeline record aiopipe's tasks; "
+                         f"--pipeline {args.pipeline} has none")  # fmt: skip
     needs_sharded_torch_ddp = args.pipeline == "torchrec" or args.checkpoint_dir
     if needs_sharded_torch_ddp and args.replicate_tables:
         raise SystemExit("train_hstu.py: --pipeline torchrec and --checkpoint-dir need sharded "

@@ -41,6 +41,7 @@ from aiopipe.source import END, Feed, Source
 from aiopipe.trace import resolve_tracer
 
 from .data import check_batch
+from .megatron import grad_buffer_chunks
 from .shuffler import BatchShuffler, IdentityShuffler
 from .tasks import PipelineState, build_tasks
 
@@ -115,6 +116,11 @@ class HSTUPipeline:
     ) -> None:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        if prefetch_depth != 1 and not prefetch:
+            raise ValueError(
+                f"prefetch_depth={prefetch_depth} applies to the prefetch variant only: "
+                f"pass prefetch=True (or create 'hstu_prefetch_sparse_dist')"
+            )
         self._state = PipelineState(
             model=model,
             optimizer=optimizer,
@@ -184,8 +190,16 @@ class HSTUPipeline:
         return self._state.model
 
     def attach(self, model: torch.nn.Module | None = None) -> None:
+        """Train again after ``detach()``; the next ``progress`` rebuilds the pipeline.
+        ``model`` swaps in another model, stepped by the same optimizer (so it must
+        hold that optimizer's parameters); refused while the pipeline runs."""
         if model is not None:
+            if self._engine is not None:
+                raise PipelineStateError(
+                    "the pipeline is running on its model: detach() before attaching another"
+                )
             self._state.model = model
+            self._state.grad_chunks = grad_buffer_chunks(model)
         self._attached = True
 
     def reset(self) -> None:

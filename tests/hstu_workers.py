@@ -111,6 +111,8 @@ def contract_worker(rank: int, port: int) -> None:
             await pipe.progress(iter(data))
         pipe.attach()
         assert len(await collect(pipe, iter(data))) == 4
+        with pytest.raises(PipelineStateError, match="detach"):  # not under a running pipeline
+            pipe.attach(training.model)
 
     asyncio.run(scenario())
     # the blocking form raises StopIteration at the end, like torchrec

@@ -138,6 +138,8 @@ def test_graph_writes_dot_and_mermaid(tmp_path: Path, capsys: pytest.CaptureFixt
     assert status == 0 and "wrote" in err and text.startswith('---\ntitle: "quick: 3 tasks')
     assert 'subgraph g0["lane io"]' in text and 'subgraph g1["lane compute"]' in text
     assert 't_train ==>|"depends_on"| t_step' in text
+    status, _, err = run_cli(capsys, "graph", TRAINING, "-o", str(tmp_path / "t.txt"))
+    assert status == 2 and "cannot tell the diagram format" in err  # a command-line error
 
 
 def test_graph_renders_through_graphviz(

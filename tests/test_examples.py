@@ -57,6 +57,7 @@ def test_train_hstu_demo_writes_its_report(tmp_path: Path) -> None:
         (("--data-parallel", "megatron"), "needs a CUDA device"),
         (("--replicate-tables", "--pipeline", "torchrec"), "need sharded tables"),
         (("--data-parallel", "megatron", "--checkpoint-dir", "ckpt"), "need torch DDP"),
+        (("--pipeline", "none", "--timeline", "t.svg"), "record aiopipe's tasks"),
     ],
 )
 def test_train_hstu_demo_explains_what_it_cannot_do(flags: tuple[str, ...], message: str) -> None:

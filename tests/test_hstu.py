@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 import hstu_workers
-from hstu_tasks import DataConfig, SyntheticHSTUData, TrainingSetup, balanced_partition
+from hstu_tasks import DataConfig, HSTUPipeline, SyntheticHSTUData, TrainingSetup
+from hstu_tasks import balanced_partition
 from hstu_tasks import training_state
 from aiopipe import Schedule, topological_sort
 from hstu_tasks.parallel import resolve_data_parallel
@@ -85,6 +86,33 @@ def test_next_input_dist_is_waited_for_between_forward_and_backward(prefetch: bo
     if prefetch:
         chain.insert(3, "prefetch_embeddings")
     assert sorted(chain, key=order.index) == chain, order
+
+
+def test_pipeline_refuses_a_prefetch_depth_without_prefetch() -> None:
+    with pytest.raises(ValueError, match="prefetch variant only"):
+        HSTUPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"), prefetch_depth=2)
+    pipe = HSTUPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"), prefetch=True,
+                        prefetch_depth=2)  # fmt: skip
+    assert pipe.engine is None  # built lazily, on the first progress
+    pipe.shutdown()
+
+
+class _MegatronLikeChunk(torch.nn.Linear):
+    """What ``grad_buffer_chunks`` recognises: Megatron DDP's two buffer methods."""
+
+    def finish_grad_sync(self) -> None: ...
+
+    def zero_grad_buffer(self) -> None: ...
+
+
+def test_attaching_another_model_finds_its_megatron_chunks() -> None:
+    pipe = HSTUPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"))
+    assert pipe._state.grad_chunks == []
+    chunk = _MegatronLikeChunk(1, 1)
+    pipe.detach()
+    pipe.attach(torch.nn.Sequential(chunk))
+    assert pipe._state.grad_chunks == [chunk]  # zero_grad/finalize reach the new buffers
+    pipe.shutdown()
 
 
 def test_interleave_alternates_items_and_actions_then_candidates() -> None:

@@ -115,6 +115,23 @@ async def test_gradient_accumulation_is_explicit_and_exact(executor: str) -> Non
         SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, grad_accumulation=0)
 
 
+async def test_drain_leaves_a_partial_accumulation_group_to_the_next_batches() -> None:
+    data = batches(6)
+    model, opt = make(0, "sgd")
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward,
+                                     grad_accumulation=3, prefetch=True)  # fmt: skip
+    source = iter(data)
+    async with pipe:
+        await pipe.progress(source)  # batch 1 in flight behind it: 2 batches pulled
+        assert len(await pipe.drain()) == 1  # batch 2: a group of 2 so far, no step yet
+        # the same source continues; batches 3-6 finish that group and start another
+        rest = await collect(pipe, source)
+    assert len(rest) == 4
+    expected_params = plain_loop(data, "sgd", accumulate=3)[1]  # steps after 3 and 6
+    for got, want in zip(model.parameters(), expected_params):
+        assert torch.equal(got, want)
+
+
 async def test_loss_fn_may_return_a_tuple() -> None:
     model, opt = make(0, "sgd")
 

@@ -30,8 +30,10 @@ __all__ = (
     "task_levels",
 )
 
-#: The tie-break policies :func:`fire_order` knows (``"declaration"``: priority 0
-#: everywhere, i.e. the declared order).
+#: The tie-break policies :func:`fire_order` knows: ``"declaration"`` (priority 0
+#: everywhere, i.e. the declared order), ``"critical_path"``,
+#: ``"critical_anchor_chain"``, ``"longest_off_anchor"``, ``"nccl_early"``,
+#: ``"pcie_early"`` and ``"min_slack"``.
 FIRE_POLICIES = (
     "declaration",
     "critical_path",
@@ -136,7 +138,8 @@ def fire_order(
     ``policy``; declaration order breaks the policy's own ties.
 
     ``anchor_stream`` is the stream of the frozen main chain (forward, backward,
-    optimizer) for the policies that favour or defer it.
+    optimizer) for the policies that favour or defer it.  Every policy but
+    ``"declaration"`` needs ``cost_model`` (:data:`FIRE_POLICIES` lists them).
     """
     if policy == "declaration":
         return tuple(task.name for task in topological_sort(schedule))

@@ -126,6 +126,10 @@ class _TensorMap:
 
 @dataclass(frozen=True)
 class GraphStatistics:
+    """A snapshot of a :class:`TaskGraph`: nodes submitted but not finished, tensors
+    tagged, scopes open, buffers from :meth:`TaskGraph.alloc` still referenced, and
+    the lanes in use."""
+
     in_flight: int
     tracked_tensors: int
     open_scopes: int
