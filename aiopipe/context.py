@@ -9,7 +9,7 @@ own context, so concurrent tasks never see each other's slots.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from contextvars import ContextVar
+from contextvars import ContextVar, copy_context
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from .errors import PipelineStateError
@@ -88,7 +88,8 @@ class TaskContext:
 
     async def run_on_lane(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """From an ``async def`` task: run ``fn(*args, **kwargs)`` on this task's lane
-        thread with the task's stream current, and await its result.
+        thread with the task's stream current, and await its result.  ``fn`` sees the
+        same ``ctx`` (slots, stream, batch index) as the task.
 
         This is how coroutine tasks submit GPU work: stream and device state are
         thread-local and must never be held across an ``await``.  Where the task has
@@ -105,7 +106,10 @@ class TaskContext:
 
         if running.run_on_lane is None:
             return call()
-        result: T = await running.run_on_lane(call)
+        # The lane thread sees this task's context (ctx.slots, ctx.stream) as the
+        # loop does: run fn in a copy of the coroutine's context variables.
+        variables = copy_context()
+        result: T = await running.run_on_lane(lambda: variables.run(call))
         return result
 
     def __repr__(self) -> str:

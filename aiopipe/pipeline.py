@@ -94,7 +94,12 @@ class SchedulablePipeline:
         )
         self._feed: Feed | None = None
         self._seed: dict[str, Any] | None = None
+        self._seed_refused = 0  # items refused before the seeded batch (adapters)
         self._initialised = False
+        self._init_done: set[str] = set()  # tasks whose init() has run
+        # The ring's top store holds a batch pulled for a step that has not run (its
+        # progress was cancelled or failed before any task started): run it next.
+        self._top_pulled = False
         self._busy = False
         self._broken: str | None = None
         self._closed = False
@@ -197,16 +202,24 @@ class SchedulablePipeline:
         finally:
             self._busy = False
 
-    def seed_first_batch(self, contents: Mapping[str, Any]) -> None:
+    def seed_first_batch(self, contents: Mapping[str, Any], *, refused: int = 0) -> None:
         """Pre-populate the store of the next batch to be pulled, for adapters that
         had to fetch (and partly process) one batch before the pipeline existed.  The
-        seeded batch counts as the first batch of the next source; none is lost."""
+        seeded batch counts as the first batch of the next source; none is lost.
+        ``refused``: items of that source the adapter refused before it (counted in
+        :attr:`PipelineStatistics.refused`, so the source's position stays exact)."""
         self._check_usable()
         if self._feed is not None and self._feed.in_flight:
             raise PipelineStateError(
                 f"cannot seed a batch while {self._feed.in_flight} batch(es) are in flight"
             )
+        if self._feed is not None and not self._feed.finished:
+            raise PipelineStateError(
+                "seed_first_batch seeds the first batch of a source: call it before the "
+                "first progress(), after drain(), or once the current source has ended"
+            )
         self._seed = dict(contents)
+        self._seed_refused = refused
 
     def reset(self) -> None:
         """Discard every batch in flight and any interrupted state; the next
@@ -214,8 +227,10 @@ class SchedulablePipeline:
         if self._busy:
             raise PipelineStateError("cannot reset while a progress is running")
         self._retire_all(self._ring.reset())
+        self._top_pulled = False
         self._feed = None
         self._seed = None
+        self._seed_refused = 0
         self._broken = None
 
     def shutdown(self) -> None:
@@ -278,7 +293,9 @@ class SchedulablePipeline:
                 f"iterator until StopAsyncIteration, or call drain() first."
             )
         new_feed = Feed(source)
+        new_feed.refused, self._seed_refused = self._seed_refused, 0
         self._retire_all(self._ring.reset())
+        self._top_pulled = False
         self._feed = new_feed
         return new_feed
 
@@ -294,7 +311,7 @@ class SchedulablePipeline:
             await self._init_tasks()
         plan, ring = self._plan, self._ring
         while True:
-            if not feed.exhausted:
+            if not feed.exhausted and not self._top_pulled:
                 await self._pull(feed)
             if feed.finished:
                 raise StopAsyncIteration
@@ -311,7 +328,8 @@ class SchedulablePipeline:
                         f"iteration {iteration} was interrupted by "
                         f"{type(exc).__name__} after some of its tasks ran"
                     )
-                raise
+                raise  # before any task ran: the next call runs this step, batch and all
+            self._top_pulled = False
             produced = 0 <= iteration - plan.max_lookahead < feed.pulled
             result = ring.at(0).get(RESULT_SLOT) if produced else None
             self._retire(ring.advance())
@@ -335,6 +353,7 @@ class SchedulablePipeline:
             top.set(BATCH_SLOT, batch)
         top.batch_index = feed.pulled
         feed.pulled += 1
+        self._top_pulled = True
 
     def _refuse_bad(self, batch: Any, feed: Feed) -> None:
         """Refuse ``batch`` before it enters the ring; it is dropped, nothing else is."""
@@ -358,6 +377,8 @@ class SchedulablePipeline:
 
     async def _init_tasks(self) -> None:
         for task in self._plan.order:
+            if task.name in self._init_done:  # an earlier call failed after it
+                continue
             token = CURRENT.set(Running(task, None, -1, -1, None))
             try:
                 result = task.init(self._ctx)
@@ -365,6 +386,7 @@ class SchedulablePipeline:
                     await result
             finally:
                 CURRENT.reset(token)
+            self._init_done.add(task.name)
         self._initialised = True
 
     def _retire(self, store: SlotStore) -> None:

@@ -16,9 +16,10 @@ copy of batch K+1 overlaps the step of batch K.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -61,7 +62,12 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
         }
         return dataclasses.replace(batch, **changes)
     if isinstance(batch, Mapping):
-        return type(batch)({k: move_to_device(v, device, non_blocking) for k, v in batch.items()})  # type: ignore[call-arg]
+        moved = {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
+        if isinstance(batch, MutableMapping):  # keeps the type and its state (defaultdict)
+            result = copy.copy(batch)
+            result.update(moved)
+            return result
+        return type(batch)(moved)  # type: ignore[call-arg]
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
         return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
     if isinstance(batch, (list, tuple)):

@@ -82,10 +82,19 @@ def check_batch(batch: object) -> None:
             f"features describe {features.stride()} samples but num_candidates has "
             f"{candidates.numel()}"
         )
-    if candidates.device.type == "cpu" and labels.numel() != int(candidates.sum()):
+    if candidates.device.type != "cpu":
+        return  # the host checks below would wait for the device
+    if labels.numel() != int(candidates.sum()):
         raise ValueError(
             f"labels has {labels.numel()} entries, one per candidate expected "
             f"({int(candidates.sum())})"
+        )
+    items, actions = features["item"].lengths(), features["action"].lengths()
+    wrong = (items != actions + candidates).nonzero().flatten().tolist()
+    if wrong:  # each user: one item per action (the history), then the candidates
+        raise ValueError(
+            f"sample(s) {wrong[:5]} have item lengths {items[wrong[:5]].tolist()}, expected "
+            f"action lengths + num_candidates = {(actions + candidates)[wrong[:5]].tolist()}"
         )
 
 
@@ -101,6 +110,20 @@ class DataConfig:
     length_distribution: Literal["uniform", "zipf"] = "uniform"
     zipf_alpha: float = 1.2
 
+    def __post_init__(self) -> None:
+        sizes = {name: getattr(self, name) for name in (
+            "batch_size", "min_history", "max_candidates", "num_items", "num_actions",
+            "num_tasks")}  # fmt: skip
+        too_small = [f"{name}={value}" for name, value in sizes.items() if value < 1]
+        if too_small:
+            raise ValueError(f"DataConfig sizes must be >= 1, got {', '.join(too_small)}")
+        if self.max_history < self.min_history:
+            raise ValueError(f"need min_history <= max_history, got {self.min_history} > "
+                             f"{self.max_history}")  # fmt: skip
+        if self.length_distribution not in ("uniform", "zipf"):
+            raise ValueError(f"length_distribution must be 'uniform' or 'zipf', got "
+                             f"{self.length_distribution!r}")  # fmt: skip
+
 
 class SyntheticHSTUData:
     """``num_batches`` batches for one rank; iterating again yields the same batches.
@@ -110,10 +133,8 @@ class SyntheticHSTUData:
     """
 
     def __init__(self, config: DataConfig, num_batches: int, *, seed: int = 0, rank: int = 0) -> None:
-        if config.min_history < 1 or config.max_history < config.min_history:
-            raise ValueError(f"need 1 <= min_history <= max_history, got {config}")
-        if config.max_candidates < 1:
-            raise ValueError("max_candidates must be >= 1")
+        if num_batches < 0:
+            raise ValueError(f"num_batches must be >= 0, got {num_batches}")
         self.config = config
         self.num_batches = num_batches
         self.seed = seed

@@ -70,6 +70,10 @@ class OptimizerConfig:
     dense_lr: float = 0.05
     embedding_lr: float = 0.05
 
+    def __post_init__(self) -> None:
+        if self.kind not in ("sgd", "adam"):  # the tables and the dense part must agree
+            raise ValueError(f"OptimizerConfig.kind must be 'sgd' or 'adam', got {self.kind!r}")
+
 
 @dataclass
 class TrainingSetup:
@@ -223,7 +227,7 @@ def build_training(
     optimizer: OptimizerConfig,
     *,
     seed: int = 0,
-    device: torch.device | None = None,
+    device: torch.device | str | None = None,
     data_parallel: DataParallel = "auto",
     shard_embeddings: bool = True,
 ) -> TrainingSetup:
@@ -237,7 +241,7 @@ def build_training(
     then uses only plain torch operators)."""
     if not dist.is_initialized():
         raise RuntimeError("call init_distributed() (or run under torchrun) first")
-    device = device if device is not None else default_device()
+    device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":  # Megatron allocates on the current device
         torch.cuda.set_device(device)
     kind = resolve_data_parallel(data_parallel, device)

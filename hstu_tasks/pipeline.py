@@ -36,7 +36,7 @@ from aiopipe import (
     StreamPool,
     Tracer,
 )
-from aiopipe.executors.lanes import ThreadMap
+from aiopipe.executors.lanes import ThreadMap, resolve_lane
 from aiopipe.source import END, Feed, Source
 from aiopipe.trace import resolve_tracer
 
@@ -131,7 +131,11 @@ class HSTUPipeline:
             memory_limit_bytes=memory_limit_bytes,
         )
         self._thread_map = thread_map if thread_map is not None else HSTU_DEFAULT_THREAD_MAP
+        if executor is None:  # a bad thread map fails here, not after a batch was taken
+            for task in build_tasks(self._state):
+                resolve_lane(task, self._thread_map)
         self._executor_choice = executor
+        self._executor_used = False  # an executor instance serves one engine
         # One tracer for the pipeline's lifetime: detach/attach rebuilds keep adding to it.
         self._tracer = resolve_tracer(trace)
         self._engine: SchedulablePipeline | None = None
@@ -139,6 +143,11 @@ class HSTUPipeline:
         self._original_kjt_dist_forwards: list[Any] = []
         self._attached = True
         self._closed = False
+        self._bootstrapping = False
+        # The source's first batch, taken by a bootstrap that then failed: the next
+        # bootstrap on that source trains it (nothing lost); and the items refused.
+        self._kept: tuple[Source, Any] | None = None
+        self._refused: tuple[Source, int] | None = None
 
     # -- the progress contract ---------------------------------------------------------
 
@@ -163,7 +172,15 @@ class HSTUPipeline:
         if not self._attached:
             raise PipelineStateError("the model is detached; call attach() first")
         if self._engine is None:
-            await self._bootstrap(source)
+            if self._bootstrapping:
+                raise PipelineStateError(
+                    "another progress() is already running on this pipeline; await it first"
+                )
+            self._bootstrapping = True
+            try:
+                await self._bootstrap(source)
+            finally:
+                self._bootstrapping = False
         assert self._engine is not None
         return await self._engine.progress(source)  # type: ignore[no-any-return]
 
@@ -183,7 +200,8 @@ class HSTUPipeline:
         engine = self._engine
         if engine is not None and engine.statistics().in_flight:
             raise PipelineStateError(
-                f"{engine.statistics().in_flight} batch(es) are in flight; drain() first"
+                f"{engine.statistics().in_flight} batch(es) are in flight; drain() first "
+                f"(or reset(), after a failed progress)"
             )
         self._teardown()
         self._attached = False
@@ -211,6 +229,7 @@ class HSTUPipeline:
         if self._closed:
             raise PipelineStateError("the HSTU pipeline has been shut down")
         self._teardown()
+        self._kept = self._refused = None
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -246,21 +265,72 @@ class HSTUPipeline:
     # -- bootstrap ---------------------------------------------------------------------
 
     async def _bootstrap(self, source: Source) -> None:
+        """Build the engine, then take the source's first batch, trace the model on it
+        and seed it.  Whatever fails leaves the model as it was and keeps the batch."""
         state = self._state
         pool = _stream_pool(state.device)  # streams first: bootstrap work uses them
         state.streams = {name: pool.get(name) for name in pool.names()}
-        peek = await Feed(source).next()
-        if peek is END:
+        engine = SchedulablePipeline(
+            Schedule.of(build_tasks(state), stream_slots=STREAMS), pool, self._new_executor(),
+            trace=self._tracer, check_batch=check_batch,
+        )  # fmt: skip
+        try:
+            peek = await self._first_batch(source)
+            seed = self._rewrite_and_seed(pool, peek)
+            refused = self._refused[1] if self._refused and self._refused[0] is source else 0
+            engine.seed_first_batch(seed, refused=refused)
+        except BaseException:
+            engine.shutdown()
+            self._teardown()  # the model's own forwards back, if they were replaced
+            raise
+        self._engine, self._kept, self._refused = engine, None, None
+
+    def _new_executor(self) -> Any:
+        choice = self._executor_choice
+        if choice is None:
+            return AsyncExecutor(self._thread_map)
+        if not isinstance(choice, str):
+            if self._executor_used:
+                raise PipelineStateError(
+                    "the executor instance given to HSTUPipeline served the pipeline that "
+                    "detach()/reset() tore down, and an executor serves one pipeline; build "
+                    "a new HSTUPipeline, or pass thread_map= instead of an executor instance"
+                )
+            self._executor_used = True
+        return choice
+
+    async def _first_batch(self, source: Source) -> Any:
+        """The source's first batch: the one a failed bootstrap kept, or a new one."""
+        if self._kept is not None:
+            kept_source, batch = self._kept
+            if kept_source is not source:
+                raise PipelineStateError(
+                    "a batch taken from the previous source is still waiting to be "
+                    "trained: pass that source again, or reset() to drop the batch"
+                )
+            return batch
+        batch = await Feed(source).next()
+        if batch is END:
             raise StopAsyncIteration
         try:
-            check_batch(peek)
+            check_batch(batch)
         except (TypeError, ValueError) as exc:  # nothing in flight yet: nothing else lost
+            count = self._refused[1] if self._refused and self._refused[0] is source else 0
+            self._refused = (source, count + 1)
             raise BadBatchError(f"the source's first batch was refused: {exc}") from exc
+        self._kept = (source, batch)
+        return batch
+
+    def _rewrite_and_seed(self, pool: StreamPool, peek: Any) -> dict[str, Any]:
+        """Copy ``peek``, let torchrec rewrite the model on it and start its input
+        distribution: what the first ring slot is seeded with."""
+        state = self._state
         context = state.create_context(0)
         with pool.use("memcpy"):
             batch = peek.to(state.device, non_blocking=True)
         pool.wait_stream("data_dist", "memcpy")
         modules: list[Any] = []
+        self._original_kjt_dist_forwards = []
         if any(isinstance(m, ShardedModule) for m in state.model.modules()):
             forward_type = PrefetchPipelinedForward if state.prefetch else PipelinedForward
             modules, _, originals, _, _ = _rewrite_model(
@@ -281,12 +351,7 @@ class HSTUPipeline:
             else:  # the real batch must be shuffled first: initialise on a throwaway
                 _initialise_input_dists(modules, batch, state.create_context(-1))
         self._original_kjt_dist_forwards = _override_input_dist_forwards(modules)
-        executor = self._executor_choice or AsyncExecutor(self._thread_map)
-        schedule = Schedule.of(build_tasks(state), stream_slots=STREAMS)
-        self._engine = SchedulablePipeline(
-            schedule, pool, executor, trace=self._tracer, check_batch=check_batch
-        )
-        self._engine.seed_first_batch(seed)
+        return seed
 
 
 def _initialise_input_dists(modules: list[Any], batch: Any, context: Any) -> None:

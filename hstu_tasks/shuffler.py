@@ -110,7 +110,7 @@ class KarmarkarKarpShuffler:
     ) -> None:
         self._group = process_group
         self._workload = workload
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiopipe-kk")
+        self._pool: ThreadPoolExecutor | None = None  # made on first use, again after close()
 
     def _world(self) -> tuple[int, int]:
         return dist.get_rank(self._group), dist.get_world_size(self._group)
@@ -118,9 +118,15 @@ class KarmarkarKarpShuffler:
     def start_shuffle_async(self, batch: HSTUBatch) -> ShuffleWork:
         _, world = self._world()
         local = self._workload(batch).to(torch.int64)
-        gathered = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local, group=self._group)
+        gathered = _all_gather_padded(local, world, self._group)  # batch sizes may differ
         weights = torch.cat(gathered).tolist()
+        if len(weights) % world:  # every rank sees the same sizes: all raise together
+            raise ValueError(
+                f"the ranks' batches hold {[len(g) for g in gathered]} samples, "
+                f"{len(weights)} in all, which {world} ranks cannot share equally"
+            )
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiopipe-kk")
         return ShuffleWork(batch, self._pool.submit(balanced_partition, weights, world))
 
     def finish_shuffle(self, work: ShuffleWork) -> HSTUBatch:
@@ -130,7 +136,11 @@ class KarmarkarKarpShuffler:
         return _select(everyone, mine)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Stop the partitioning thread; a later shuffle starts a new one (a pipeline
+        closes its shuffler at shutdown, and the same shuffler may serve the next)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def _all_gather_padded(tensor: torch.Tensor, world: int, group: Any) -> list[torch.Tensor]:
@@ -149,10 +159,8 @@ def _all_gather_padded(tensor: torch.Tensor, world: int, group: Any) -> list[tor
 def _all_gather_batch(batch: HSTUBatch, world: int, group: Any) -> HSTUBatch:
     """One batch holding every rank's samples, rank 0's first."""
     item, action = batch.features["item"], batch.features["action"]
-    lengths = torch.stack([item.lengths(), action.lengths(), batch.num_candidates])
-    gathered_lengths = [torch.empty_like(lengths) for _ in range(world)]
-    dist.all_gather(gathered_lengths, lengths, group=group)
-    all_lengths = torch.cat(gathered_lengths, dim=1)
+    lengths = torch.stack([item.lengths(), action.lengths(), batch.num_candidates], dim=1)
+    all_lengths = torch.cat(_all_gather_padded(lengths, world, group)).T  # [3, samples]
     items = torch.cat(_all_gather_padded(item.values(), world, group))
     actions = torch.cat(_all_gather_padded(action.values(), world, group))
     labels = torch.cat(_all_gather_padded(batch.labels, world, group))

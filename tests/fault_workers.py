@@ -14,7 +14,9 @@ import threading
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import hstu_tasks.pipeline as hstu_pipeline
 from aiopipe import BadBatchError, PipelineStateError
@@ -135,7 +137,15 @@ async def feed_bad_batches(pipe: HSTUPipeline, data: SyntheticHSTUData) -> dict[
     good = [data.batch(i) for i in range(4)]
     float_labels = dataclasses.replace(good[1], labels=good[1].labels.float())
     short_labels = dataclasses.replace(good[2], labels=good[2].labels[:-1])
-    source = iter([good[0], good[1], float_labels, good[2], None, short_labels, good[3]])
+    item, action = good[3].features["item"], good[3].features["action"]
+    item_lengths = item.lengths().clone()
+    item_lengths[0] -= 1  # the first user is one item short: it would read the next's
+    short_items = dataclasses.replace(good[3], features=KeyedJaggedTensor.from_lengths_sync(
+        keys=["item", "action"], values=torch.cat([item.values()[1:], action.values()]),
+        lengths=torch.cat([item_lengths, action.lengths()]),
+    ))  # fmt: skip
+    source = iter([good[0], good[1], float_labels, good[2], None, short_labels, short_items,
+                   good[3]])  # fmt: skip
     pipe.reset()
     results, errors = 0, []
     while True:
@@ -147,18 +157,41 @@ async def feed_bad_batches(pipe: HSTUPipeline, data: SyntheticHSTUData) -> dict[
         except StopAsyncIteration:
             break
     pipe.reset()
+    source = iter([None, *good])
     try:
-        await pipe.progress(iter([None, good[0]]))
+        await pipe.progress(source)
         first = "accepted"
     except BadBatchError as exc:
         first = str(exc)
+    after_first = len(await collect_all(pipe, source))  # the same source goes on
+    assert pipe.engine is not None
+    refused_first = pipe.engine.statistics().refused  # the source's position stays exact
+    # a bootstrap that fails after taking the first batch keeps it for the next try
+    pipe.reset()
+    rewrite = pipe._rewrite_and_seed
+
+    def fail_once(*args: Any) -> Any:
+        pipe._rewrite_and_seed = rewrite  # type: ignore[method-assign]
+        raise RuntimeError("injected bootstrap failure")
+
+    pipe._rewrite_and_seed = fail_once  # type: ignore[method-assign]
+    source = iter(good)
+    try:
+        await pipe.progress(source)
+        failed_bootstrap = "no failure"
+    except RuntimeError as exc:
+        failed_bootstrap = str(exc)
+    after_failed_bootstrap = len(await collect_all(pipe, source))
     pipe.reset()
     try:
         await pipe.progress(iter(()))
         empty = "accepted"
     except StopAsyncIteration:
         empty = "StopAsyncIteration"
-    return {"results": results, "errors": errors, "first": first, "empty": empty}
+    return {"results": results, "errors": errors, "first": first, "empty": empty,
+            "after_first": after_first, "refused_first": refused_first,
+            "failed_bootstrap": failed_bootstrap,
+            "after_failed_bootstrap": after_failed_bootstrap}  # fmt: skip
 
 
 async def drive(pipe: HSTUPipeline, source: Any) -> dict[str, Any]:

@@ -12,9 +12,11 @@ import torch.distributed as dist
 from conftest import collect
 
 import hstu_tasks.tasks as tasks_module
-from aiopipe import PipelineStateError
+from aiopipe import AsyncExecutor, PipelineStateError
 from hstu_tasks import (
+    HSTU_DEFAULT_THREAD_MAP,
     DataConfig,
+    HSTUPipeline,
     HSTUPipelineFactory,
     HSTURankingModel,
     KarmarkarKarpShuffler,
@@ -122,6 +124,17 @@ def contract_worker(rank: int, port: int) -> None:
     with pytest.raises(StopIteration):
         blocking.progress(source)
     blocking.shutdown()
+    # an executor instance serves one engine: a rebuild is refused before taking a batch
+    pipe = HSTUPipeline(training.model, training.optimizer, training.device,
+                        executor=AsyncExecutor(HSTU_DEFAULT_THREAD_MAP))  # fmt: skip
+    assert len(asyncio.run(collect(pipe, iter(data)))) == 4
+    pipe.detach()
+    pipe.attach()
+    source = iter(data)
+    with pytest.raises(PipelineStateError, match="executor serves one pipeline"):
+        asyncio.run(pipe.progress(source))
+    assert torch.equal(next(source).labels, data.batch(0).labels)  # nothing was taken
+    pipe.shutdown()
     finish()
 
 
@@ -129,34 +142,40 @@ def shuffle_worker(rank: int, port: int) -> None:
     join(rank, port)
     shuffler = KarmarkarKarpShuffler()
     config = DataConfig(batch_size=8, max_history=40, length_distribution="zipf")
-    batches = list(SyntheticHSTUData(config, 3, seed=9, rank=rank))
-    for batch in batches:
-        mine = shuffler.finish_shuffle(shuffler.start_shuffle_async(batch))
-        assert mine.batch_size == batch.batch_size
-        # every sample of every rank lands on exactly one rank: compare multisets
-        def signature(b: Any) -> list[tuple[int, ...]]:
-            items = b.features["item"].values().split(b.features["item"].lengths().tolist())
-            return sorted(tuple(i.tolist()) for i in items)
+    uneven = DataConfig(batch_size=6 if rank == 0 else 2, max_history=40)  # 8 to share
 
+    def signature(b: Any) -> list[tuple[int, ...]]:
+        items = b.features["item"].values().split(b.features["item"].lengths().tolist())
+        return sorted(tuple(i.tolist()) for i in items)
+
+    batches = list(SyntheticHSTUData(config, 3, seed=9, rank=rank))
+    for batch in [*batches, next(iter(SyntheticHSTUData(uneven, 1, seed=9, rank=rank)))]:
+        mine = shuffler.finish_shuffle(shuffler.start_shuffle_async(batch))
+        assert mine.batch_size == (8 if batch.batch_size == 8 else 4)  # the uneven pair: 4 each
+        # every sample of every rank lands on exactly one rank: compare multisets
         gathered: list[Any] = [None, None]
         dist.all_gather_object(gathered, (signature(batch), signature(mine)))
         before = sorted(s for original, _ in gathered for s in original)
         after = sorted(s for _, shuffled in gathered for s in shuffled)
         assert before == after
-    # and the whole pipeline trains with it
-    training = setup()
-    pipe = HSTUPipelineFactory.create("hstu_sparse_dist", model=training.model,
-                                      optimizer=training.optimizer, device=training.device,
-                                      batch_shuffler=KarmarkarKarpShuffler())  # fmt: skip
-    results = asyncio.run(collect(pipe, iter(SyntheticHSTUData(config, 5, seed=4, rank=rank))))
-    assert len(results) == 5
-    tokens = [float(t) for _, t, _ in results]
-    reference = [float(b.loss_tokens()) for b in SyntheticHSTUData(config, 5, seed=4, rank=rank)]
-    totals = torch.tensor(reference)
-    dist.all_reduce(totals)
-    assert tokens == totals.tolist()  # the global token count is preserved by shuffling
-    pipe.shutdown()
-    shuffler.close()
+    odd = DataConfig(batch_size=3 if rank == 0 else 2, max_history=40)  # 5 samples, 2 ranks
+    with pytest.raises(ValueError, match="cannot share equally"):  # on both ranks, no hang
+        shuffler.start_shuffle_async(next(iter(SyntheticHSTUData(odd, 1, rank=rank))))
+    # and the whole pipeline trains with it, twice: a pipeline's shutdown closes the
+    # shuffler's thread, and the next pipeline's first shuffle starts a new one
+    for _ in range(2):
+        training = setup()
+        pipe = HSTUPipelineFactory.create("hstu_sparse_dist", model=training.model,
+                                          optimizer=training.optimizer, device=training.device,
+                                          batch_shuffler=shuffler)  # fmt: skip
+        data = SyntheticHSTUData(config, 5, seed=4, rank=rank)
+        results = asyncio.run(collect(pipe, iter(data)))
+        assert len(results) == 5
+        tokens = [float(t) for _, t, _ in results]
+        totals = torch.tensor([float(b.loss_tokens()) for b in data])
+        dist.all_reduce(totals)
+        assert tokens == totals.tolist()  # the global token count is preserved by shuffling
+        pipe.shutdown()
     finish()
 
 

@@ -160,6 +160,22 @@ async def test_timeout_cancels_cleanly_after_running_bodies_finish(where: str) -
     release.set()
 
 
+async def test_a_progress_cancelled_before_any_task_ran_loses_no_batch() -> None:
+    def record(ctx: TaskContext) -> None:
+        ctx.slots.set("step_result", (ctx.batch_index, ctx.slots["batch_cpu"]))
+
+    pipe = Pipeline([Task.from_fn("t", record)], thread_map="per_task")  # a lane hand-off
+    source = iter(range(4))
+    first = asyncio.ensure_future(pipe.progress(source))
+    await asyncio.sleep(0)  # batch 0 pulled and handed over; no task has run yet
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    # the pulled batch is trained by the next call: every batch once, in order
+    assert await collect(pipe, source) == [(i, i) for i in range(4)]
+    pipe.shutdown()
+
+
 async def test_cancelling_while_waiting_for_a_ticket() -> None:
     gate = threading.Event()
 

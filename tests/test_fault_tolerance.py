@@ -72,11 +72,16 @@ def test_fault_matrix_every_hstu_task_in_every_phase(tmp_path: Path) -> None:
     # malformed batches: refused with what was wrong, skipped, every good batch trained
     bad = report["bad_input"]
     assert bad["results"] == 4
-    assert len(bad["errors"]) == 3
+    assert len(bad["errors"]) == 4
     assert "labels must hold integer ids" in bad["errors"][0]
     assert "yielded None" in bad["errors"][1]
     assert "one per candidate" in bad["errors"][2]
+    assert "expected action lengths + num_candidates" in bad["errors"][3]
     assert "first batch was refused: expected an HSTUBatch, got NoneType" in bad["first"]
+    assert bad["after_first"] == 4 and bad["refused_first"] == 1
+    # a bootstrap failing after it took the first batch loses nothing
+    assert bad["failed_bootstrap"] == "injected bootstrap failure"
+    assert bad["after_failed_bootstrap"] == 4
     assert bad["empty"] == "StopAsyncIteration"
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 import hstu_workers
-from hstu_tasks import DataConfig, HSTUPipeline, SyntheticHSTUData, TrainingSetup
+from hstu_tasks import DataConfig, HSTUPipeline, OptimizerConfig, SyntheticHSTUData, TrainingSetup
 from hstu_tasks import balanced_partition
 from hstu_tasks import training_state
 from aiopipe import Schedule, topological_sort
@@ -95,6 +95,21 @@ def test_pipeline_refuses_a_prefetch_depth_without_prefetch() -> None:
                         prefetch_depth=2)  # fmt: skip
     assert pipe.engine is None  # built lazily, on the first progress
     pipe.shutdown()
+
+
+def test_configs_refuse_what_cannot_run() -> None:
+    with pytest.raises(ValueError, match="min_history <= max_history"):
+        DataConfig(min_history=10, max_history=5)
+    with pytest.raises(ValueError, match="batch_size=0, num_items=0"):
+        DataConfig(batch_size=0, num_items=0)
+    with pytest.raises(ValueError, match="length_distribution"):
+        DataConfig(length_distribution="normal")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_batches"):
+        SyntheticHSTUData(DataConfig(), -1)
+    with pytest.raises(ValueError, match="'sgd' or 'adam'"):
+        OptimizerConfig(kind="Adam")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown thread_map"):  # before any batch is taken
+        HSTUPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"), thread_map="bogus")
 
 
 class _MegatronLikeChunk(torch.nn.Linear):

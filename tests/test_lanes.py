@@ -76,6 +76,16 @@ async def test_run_on_lane_reaches_the_tasks_lane_thread() -> None:
     assert seen.count(loop_thread) == 4
 
 
+@pytest.mark.parametrize("thread_map", ["per_task", {"double": "loop"}])
+async def test_run_on_lane_sees_the_tasks_context(thread_map: object) -> None:
+    async def double(ctx: TaskContext) -> None:
+        value = await ctx.run_on_lane(lambda: ctx.slots["batch_cpu"] * 2)
+        ctx.slots.set("step_result", value)
+
+    async with Pipeline([Task.from_fn("double", double)], thread_map=thread_map) as pipe:  # type: ignore[arg-type]
+        assert await collect(pipe, iter(range(3))) == [0, 2, 4]
+
+
 async def test_run_on_lane_propagates_errors() -> None:
     async def body(ctx: TaskContext) -> None:
         await ctx.run_on_lane(lambda: 1 / 0)

@@ -181,6 +181,26 @@ async def test_init_runs_once_before_the_first_iteration(executor: str) -> None:
     assert calls == ["init a", "run", "run", "run"]
 
 
+async def test_a_failed_init_does_not_repeat_the_inits_before_it() -> None:
+    calls: list[str] = []
+
+    def init_a(ctx: TaskContext) -> None:
+        calls.append("a")
+
+    def init_b(ctx: TaskContext) -> None:
+        calls.append("b")
+        if calls.count("b") == 1:
+            raise RuntimeError("b's resource is not ready yet")
+
+    tasks = [Task.from_fn("a", lambda ctx: None, init=init_a),
+             Task.from_fn("b", lambda ctx: None, init=init_b)]  # fmt: skip
+    async with Pipeline(tasks) as pipe:
+        with pytest.raises(RuntimeError, match="not ready"):
+            await pipe.progress(iter(range(2)))
+        assert len(await collect(pipe, iter(range(2)))) == 2
+    assert calls == ["a", "b", "b"]
+
+
 async def test_slots_are_unavailable_during_init() -> None:
     def init(ctx: TaskContext) -> None:
         ctx.slots  # noqa: B018

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import gc
@@ -209,6 +210,13 @@ def test_nested_batches_move_every_tensor_and_keep_their_structure() -> None:
     assert moved["record"].extras["w"].device == meta and moved["record"].label == "keep"
     assert moved["count"] == 7
     assert batch["pair"].x.device.type == "cpu"  # the original is untouched
+
+
+def test_mappings_keep_their_type_and_state() -> None:
+    batch = collections.defaultdict(list, {"x": torch.ones(2)})
+    moved = move_to_device(batch, torch.device("meta"))
+    assert isinstance(moved, collections.defaultdict) and moved.default_factory is list
+    assert moved["x"].device.type == "meta" and batch["x"].device.type == "cpu"
 
 
 def test_objects_with_a_to_method_are_moved_by_it() -> None:
