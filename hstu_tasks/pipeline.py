@@ -11,6 +11,7 @@ other and none is lost.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -64,7 +65,9 @@ HSTU_DEFAULT_THREAD_MAP: dict[str, str] = {
 }  # fmt: skip
 
 #: Three lanes: the input distribution (and prefetch) of the next batch on its own
-#: lane, so its waits for the other ranks overlap this batch's forward and backward.
+#: lane, so its waits for the other ranks can overlap this batch's forward and
+#: backward where a collective task holds its ticket only while it submits (GPU); on
+#: CPU every collective runs inside its task, and the tickets serialise them.
 HSTU_DIST_LANE_THREAD_MAP: dict[str, str] = {
     **HSTU_DEFAULT_THREAD_MAP,
     "start_input_dist": "dist",
@@ -134,6 +137,11 @@ class HSTUPipeline:
         if executor is None:  # a bad thread map fails here, not after a batch was taken
             for task in build_tasks(self._state):
                 resolve_lane(task, self._thread_map)
+            if isinstance(self._thread_map, Mapping):  # a misspelt task would go to "default"
+                unknown = sorted(set(self._thread_map) - set(HSTU_DEFAULT_THREAD_MAP))
+                if unknown:
+                    raise ValueError(f"thread_map names no HSTU task {unknown}; the tasks are "
+                                     f"{sorted(HSTU_DEFAULT_THREAD_MAP)}")  # fmt: skip
         self._executor_choice = executor
         self._executor_used = False  # an executor instance serves one engine
         # One tracer for the pipeline's lifetime: detach/attach rebuilds keep adding to it.
