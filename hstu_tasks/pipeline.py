@@ -285,8 +285,7 @@ class HSTUPipeline:
         try:
             peek = await self._first_batch(source)
             seed = self._rewrite_and_seed(pool, peek)
-            refused = self._refused[1] if self._refused and self._refused[0] is source else 0
-            engine.seed_first_batch(seed, refused=refused)
+            engine.seed_first_batch(seed, refused=self._refused_from(source))
         except BaseException:
             engine.shutdown()
             self._teardown()  # the model's own forwards back, if they were replaced
@@ -323,11 +322,14 @@ class HSTUPipeline:
         try:
             check_batch(batch)
         except (TypeError, ValueError) as exc:  # nothing in flight yet: nothing else lost
-            count = self._refused[1] if self._refused and self._refused[0] is source else 0
-            self._refused = (source, count + 1)
+            self._refused = (source, self._refused_from(source) + 1)
             raise BadBatchError(f"the source's first batch was refused: {exc}") from exc
         self._kept = (source, batch)
         return batch
+
+    def _refused_from(self, source: Source) -> int:
+        """First batches of ``source`` refused before the engine existed."""
+        return self._refused[1] if self._refused and self._refused[0] is source else 0
 
     def _rewrite_and_seed(self, pool: StreamPool, peek: Any) -> dict[str, Any]:
         """Copy ``peek``, let torchrec rewrite the model on it and start its input

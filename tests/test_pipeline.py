@@ -138,6 +138,16 @@ async def test_seeded_batch_is_the_first_batch_and_none_is_lost(
         assert recorder.batches_of("step") == list(range(5))
 
 
+async def test_a_seed_is_refused_in_the_middle_of_a_source() -> None:
+    async with Pipeline([Task.from_fn("a", lambda ctx: None)]) as pipe:
+        source = iter(range(3))
+        await pipe.progress(source)  # nothing in flight, but the source goes on
+        with pytest.raises(PipelineStateError, match="first batch of a source"):
+            pipe.seed_first_batch({"batch_cpu": 99})
+        assert len(await collect(pipe, source)) == 2
+        assert pipe.statistics().returned == 3
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 async def test_results_async_for(recorder: Recorder, executor: str) -> None:
     async with three_stage(recorder, executor) as pipe:
