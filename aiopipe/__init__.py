@@ -24,6 +24,7 @@ from .errors import BackPressureTimeout as BackPressureTimeout
 from .errors import BadBatchError as BadBatchError
 from .errors import CollectiveOrderError as CollectiveOrderError
 from .errors import GraphError as GraphError
+from .errors import NoRunningLoopError as NoRunningLoopError
 from .errors import PipelineError as PipelineError
 from .errors import PipelineStateError as PipelineStateError
 from .errors import PoisonedError as PoisonedError
@@ -71,6 +72,7 @@ __all__ = (
     "Edge",
     "Executor",
     "GraphError",
+    "NoRunningLoopError",
     "Pipeline",
     "PipelineError",
     "PipelineStateError",

@@ -80,8 +80,13 @@ class BlockingPipeline:
         self._pipeline.reset()  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
-        """Shut the pipeline down and close the private loop.  Idempotent."""
-        self._pipeline.shutdown()
+        """Shut the pipeline down and close the private loop.  Idempotent.  An
+        iteration interrupted by Ctrl-C is finished first (see ``aclose``)."""
+        aclose = getattr(self._pipeline, "aclose", None)
+        if aclose is not None and self._runner.usable:
+            self._runner.run(aclose)
+        else:
+            self._pipeline.shutdown()
         self._runner.close()
 
     def __enter__(self) -> BlockingPipeline:

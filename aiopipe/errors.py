@@ -14,6 +14,7 @@ __all__ = (
     "BackPressureTimeout",
     "CollectiveOrderError",
     "GraphError",
+    "NoRunningLoopError",
     "PipelineError",
     "PipelineStateError",
     "PoisonedError",
@@ -50,6 +51,12 @@ class PipelineStateError(PipelineError, RuntimeError):
     use after an interrupted progress (until ``reset()``), or the blocking API
     called from inside a running event loop.
     """
+
+
+class NoRunningLoopError(PipelineError, TypeError):
+    """A coroutine API (``progress``, ``step``, ``drain``, ...) was called from code
+    with no running event loop, where its coroutine would never be awaited.  The
+    message names the blocking form to use instead."""
 
 
 class CollectiveOrderError(PipelineError, RuntimeError):

@@ -24,8 +24,10 @@ class Pipeline(SchedulablePipeline):
 
     Streams are the ones the tasks name: CPU null streams unless ``device`` is a CUDA
     device (then ``"default"`` is the current stream and every other name a new
-    stream), or pass your own ``stream_pool``.  ``executor`` defaults to
-    ``"sequential"``, or to an :class:`AsyncExecutor` when ``thread_map`` is given.
+    stream), or pass your own ``stream_pool``.  ``executor`` defaults to an
+    :class:`AsyncExecutor` -- sync bodies on one lane thread per stream (or per
+    ``thread_map``), so the event loop never waits for them; ``"sequential"`` runs
+    them inline on the loop instead (cheapest for tiny bodies, but it blocks the loop).
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class Pipeline(SchedulablePipeline):
         nvtx: bool | Annotator | None = None,
         trace: bool | Tracer | None = None,
         check_batch: Callable[[Any], None] | None = None,
+        read_ahead: bool = True,
     ) -> None:
         schedule = Schedule.of(tasks)
         if stream_pool is None:
@@ -48,7 +51,8 @@ class Pipeline(SchedulablePipeline):
                 raise ValueError("thread_map configures the async executor; drop one of them")
             executor = AsyncExecutor(thread_map)
         elif executor is None:
-            executor = "sequential"
+            executor = "async"
         super().__init__(
-            schedule, stream_pool, executor, nvtx=nvtx, trace=trace, check_batch=check_batch
-        )
+            schedule, stream_pool, executor, nvtx=nvtx, trace=trace, check_batch=check_batch,
+            read_ahead=read_ahead,
+        )  # fmt: skip

@@ -31,21 +31,24 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import math
 import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
-from .errors import AsyncLibraryError, PipelineStateError
+from .errors import AsyncLibraryError, NoRunningLoopError, PipelineStateError
 from .executors.signals import settle_future
 from .runner import _finish_loop, new_event_loop
 from .source import END, Source
 
-__all__ = ("TrioBridge", "current_trio", "in_trio", "running_loop")
+__all__ = ("TrioBridge", "current_trio", "in_trio", "needs_event_loop", "running_loop")
 
 T = TypeVar("T")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 BRIDGE_THREAD_NAME = "aiopipe-trio-bridge"
 
@@ -84,6 +87,27 @@ def running_loop(api: str) -> asyncio.AbstractEventLoop:
             f"'await trio.to_thread.run_sync(event.synchronize)'."
         )
     return asyncio.get_running_loop()  # asyncio's own "no running event loop" error
+
+
+def needs_event_loop(api: Callable[P, R]) -> Callable[P, R]:
+    """Make coroutine API ``api`` refuse to be called with no running event loop
+    (asyncio or trio), where its coroutine would silently never run."""
+    name = api.__name__
+
+    @functools.wraps(api)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        if asyncio._get_running_loop() is None and current_trio() is None:
+            owner = type(args[0]).__name__ if args else "the pipeline"
+            raise NoRunningLoopError(
+                f"{owner}.{name}() is a coroutine function and was called with no event "
+                f"loop running, so it would never run. In an ordinary script use the "
+                f"blocking form: 'pipe = pipe.blocking(); pipe.{name}(...)', or wrap your "
+                f"async code in 'aiopipe.run(main())'; in async code write "
+                f"'await pipe.{name}(...)'."
+            )
+        return api(*args, **kwargs)
+
+    return checked
 
 
 class TrioBridge:
@@ -283,6 +307,8 @@ class _CallerSource:
     item is pulled by the trio task awaiting the current call."""
 
     __slots__ = ("source",)
+    #: Pulled by the trio caller during its own call, so never read ahead between calls.
+    pulled_inline = True
 
     def __init__(self, source: AsyncIterator[Any]) -> None:
         self.source = source

@@ -9,6 +9,7 @@ result raises ``StopAsyncIteration``.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import inspect
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -20,11 +21,12 @@ from .context import CURRENT, Running, TaskContext
 from .errors import BadBatchError, PipelineStateError
 from .executors import Executor, make_executor
 from .executors.base import Step
-from .interop import TrioBridge, in_trio
+from .executors.signals import wait_settled
+from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, SlotStore
 from .schedule import Schedule
-from .source import END, Feed, Source
+from .source import END, Feed, OneBatch, Source
 from .streams import StreamPool
 from .task import BATCH_SLOT, RESULT_SLOT
 from .trace import Tracer, resolve_tracer
@@ -58,8 +60,10 @@ class PipelineStatistics:
 class SchedulablePipeline:
     """Runs a validated :class:`Schedule` with an executor.
 
-    ``executor`` is ``"sequential"``, ``"async"`` (:class:`AsyncExecutor` with the
-    default ``by_stream`` lanes) or an executor instance.  ``stream_pool`` defaults
+    ``executor`` is ``"async"`` (the default: :class:`AsyncExecutor` with one lane
+    thread per stream, so sync bodies never block the event loop), ``"sequential"``
+    (every body inline on the loop) or an executor instance.  ``read_ahead=False``
+    stops reading the next batch while an iteration runs.  ``stream_pool`` defaults
     to CPU null streams for every name in ``schedule.stream_slots``.  ``trace=True``
     (or a shared :class:`~aiopipe.trace.Tracer`) records a span per task run.
     ``check_batch(batch)`` may raise to refuse a malformed batch before it enters the
@@ -71,11 +75,12 @@ class SchedulablePipeline:
         self,
         schedule: Schedule,
         stream_pool: StreamPool | None = None,
-        executor: str | Executor = "sequential",
+        executor: str | Executor = "async",
         *,
         nvtx: bool | Annotator | None = None,
         trace: bool | Tracer | None = None,
         check_batch: Callable[[Any], None] | None = None,
+        read_ahead: bool = True,
     ) -> None:
         if stream_pool is None:
             stream_pool = StreamPool({name: None for name in schedule.stream_slots})
@@ -108,6 +113,11 @@ class SchedulablePipeline:
         self._retiring: collections.deque[tuple[SlotStore, list[Any]]] = collections.deque()
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
+        self._read_ahead = read_ahead
+        # The iteration under way (a task: cancelling a caller never cancels it), and
+        # the failure of one whose caller was cancelled, raised by the next call.
+        self._running: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
 
     # -- introspection ----------------------------------------------------------------
 
@@ -152,28 +162,45 @@ class SchedulablePipeline:
 
     # -- the progress contract -------------------------------------------------------
 
+    @needs_event_loop
     async def progress(self, source: Source) -> Any:
         """Advance until the oldest batch in flight completes; return its
         ``step_result``.  Raises ``StopAsyncIteration`` once every batch of ``source``
-        has been returned."""
+        has been returned.
+
+        Cancel-safe: cancelling the caller (a timeout, a cancel scope) never cancels
+        the iteration under way.  It runs to completion, and its result is returned
+        by the next call, in order; no batch is lost or repeated."""
         if in_trio():  # the engine needs asyncio: hand the call to the bridge (interop.py)
             feed = self._feed
             source = self._trio.source_for(source, feed.source if feed is not None else None)
             return await self._trio.call(SchedulablePipeline.progress, self, source)
         self._begin_call()
         try:
-            return await self._progress(source)
+            feed = self._adopt(source)
+            produced, result = await self._next_result(feed)
+            if not produced:
+                self._on_source_end()
+                raise StopAsyncIteration
+            return result
         finally:
             self._busy = False
 
+    @needs_event_loop
     async def step(self, batch: Any) -> Any:
         """Process one batch to completion and return its result.
 
         Convenient for feeding batches one at a time; successive calls do not overlap
         (nothing is known about the next batch yet).  Pass an iterator to
-        ``progress`` to keep several batches in flight."""
-        return await self.progress(iter((batch,)))
+        ``progress`` to keep several batches in flight.  A cancelled ``step`` still
+        trains its batch; the next call waits for that, drops its result (its caller
+        is gone) and then runs its own batch."""
+        feed = self._feed
+        if feed is not None and isinstance(feed.source, OneBatch) and not feed.finished:
+            await self.drain()
+        return await self.progress(OneBatch(batch))
 
+    @needs_event_loop
     async def results(self, source: Source) -> AsyncIterator[Any]:
         """``async for result in pipe.results(it)``: every remaining result."""
         while True:
@@ -183,10 +210,13 @@ class SchedulablePipeline:
                 return
             yield result
 
+    @needs_event_loop
     async def drain(self) -> list[Any]:
-        """Stop pulling from the current source and finish the batches in flight;
-        return their results.  The source is then forgotten: passing it again
-        continues with its next batch, passing another one starts afresh."""
+        """Stop pulling from the current source and finish the batches in flight
+        (a batch already read ahead included); return their results.  The source is
+        then forgotten: passing it again continues with its next batch, passing
+        another one starts afresh.  Cancel-safe like ``progress``: results finished
+        by an interrupted ``drain`` are returned by the next call."""
         if in_trio():  # as in progress()
             return await self._trio.call(SchedulablePipeline.drain, self)
         self._begin_call()
@@ -194,13 +224,37 @@ class SchedulablePipeline:
             results: list[Any] = []
             feed = self._feed
             if feed is not None:
-                feed.exhausted = True
-                while not feed.finished:
-                    results.append(await self._progress(feed.source))
+                feed.draining = True
+                while True:
+                    produced, result = await self._next_result(feed)
+                    if not produced:
+                        break
+                    results.append(result)
             self._feed = None
             return results
+        except BaseException:
+            if feed is not None:  # what was collected goes back, in front, for the next call
+                feed.returned -= len(results)
+                feed.outbox.extendleft(reversed(results))
+            raise
         finally:
             self._busy = False
+
+    async def aclose(self) -> None:
+        """Wait for an iteration still running (its caller was cancelled), then shut
+        down.  ``async with pipe:`` calls it on exit."""
+        if in_trio():  # the iteration runs on the bridge's loop
+            await self._trio.call(SchedulablePipeline._finish_running, self)
+        else:
+            await self._finish_running()
+        self.shutdown()
+
+    async def _finish_running(self) -> None:
+        while (running := self._running) is not None:
+            try:
+                await wait_settled(running)
+            except asyncio.CancelledError:  # cancel scopes re-deliver: finish anyway
+                continue
 
     def seed_first_batch(self, contents: Mapping[str, Any], *, refused: int = 0) -> None:
         """Pre-populate the store of the next batch to be pulled, for adapters that
@@ -226,6 +280,10 @@ class SchedulablePipeline:
         ``progress`` starts afresh with whatever source it is given."""
         if self._busy:
             raise PipelineStateError("cannot reset while a progress is running")
+        self._refuse_while_running("reset()")
+        if self._feed is not None:
+            self._feed.close()
+        self._failure = None
         self._retire_all(self._ring.reset())
         self._top_pulled = False
         self._feed = None
@@ -239,6 +297,9 @@ class SchedulablePipeline:
             return
         if self._busy:
             raise PipelineStateError("cannot shut down while a progress is running")
+        self._refuse_while_running("shutdown()")
+        if self._feed is not None:
+            self._feed.close()
         self._closed = True
         self._executor.shutdown()
         self._trio.close()
@@ -248,7 +309,7 @@ class SchedulablePipeline:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self.shutdown()
+        await self.aclose()
 
     @staticmethod
     def basic(model: Any, optimizer: Any, **options: Any) -> BasicPipeline:
@@ -268,6 +329,10 @@ class SchedulablePipeline:
     def _check_usable(self) -> None:
         if self._closed:
             raise PipelineStateError("the pipeline has been shut down")
+        failure = self._failure
+        if failure is not None:  # its caller was cancelled: this call reports it, once
+            self._failure = None
+            raise failure
         if self._broken is not None:
             raise PipelineStateError(
                 f"{self._broken}; the batches in flight are in an unknown state. Call "
@@ -282,6 +347,17 @@ class SchedulablePipeline:
             )
         self._busy = True
 
+    def _refuse_while_running(self, what: str) -> None:
+        if self._running is not None:
+            raise PipelineStateError(
+                f"cannot call {what} while an iteration is still running (the progress() "
+                f"that started it was cancelled); 'await pipe.aclose()', or any call that "
+                f"awaits it first (progress, drain), finishes it"
+            )
+
+    def _on_source_end(self) -> None:
+        """Called once the last result of a source has been returned (presets hook)."""
+
     def _adopt(self, source: Source) -> Feed:
         feed = self._feed
         if feed is not None and source is feed.source:
@@ -290,18 +366,23 @@ class SchedulablePipeline:
             raise PipelineStateError(
                 f"a new iterator was passed while {feed.in_flight} batch(es) of the previous "
                 f"one are in flight; none of its batches was taken. Keep passing the same "
-                f"iterator until StopAsyncIteration, or call drain() first."
+                f"iterator until the end (StopAsyncIteration, or StopIteration from the "
+                f"blocking form), or call drain() first."
             )
-        new_feed = Feed(source)
+        if feed is not None:
+            feed.close()
+        new_feed = Feed(source, read_ahead=self._read_ahead)
         new_feed.refused, self._seed_refused = self._seed_refused, 0
         self._retire_all(self._ring.reset())
         self._top_pulled = False
         self._feed = new_feed
         return new_feed
 
-    async def _progress(self, source: Source) -> Any:
-        feed = self._adopt(source)
-        if feed.lost is not None and not feed.exhausted:
+    async def _next_result(self, feed: Feed) -> tuple[bool, Any]:
+        """Deliver the next result of ``feed``, running iterations as needed;
+        ``(False, None)`` once every result has been delivered.  Cancelling the
+        caller leaves the iteration under way running (see ``_iterate``)."""
+        if feed.lost is not None and not (feed.exhausted or feed.draining):
             raise PipelineStateError(
                 f"{feed.lost}: the rest of its items cannot be read. drain() finishes the "
                 f"{feed.in_flight} batch(es) in flight; then pass a new source (a cancel-safe "
@@ -309,34 +390,63 @@ class SchedulablePipeline:
             )
         if not self._initialised:
             await self._init_tasks()
-        plan, ring = self._plan, self._ring
         while True:
-            if not feed.exhausted and not self._top_pulled:
-                await self._pull(feed)
-            if feed.finished:
-                raise StopAsyncIteration
-            iteration = feed.iteration
-            step = Step(
-                plan, ring, self._ctx, iteration, plan.active(iteration, feed.pulled),
-                self._annotator, self._tracer, self._lanes,
-            )  # fmt: skip
-            try:
-                await self._executor.run_step(step)
-            except BaseException as exc:
-                if step.started:
-                    self._broken = (
-                        f"iteration {iteration} was interrupted by "
-                        f"{type(exc).__name__} after some of its tasks ran"
-                    )
-                raise  # before any task ran: the next call runs this step, batch and all
-            self._top_pulled = False
-            produced = 0 <= iteration - plan.max_lookahead < feed.pulled
-            result = ring.at(0).get(RESULT_SLOT) if produced else None
-            self._retire(ring.advance())
-            feed.iteration += 1
-            if produced:
+            if feed.outbox:
                 feed.returned += 1
-                return result
+                return True, feed.outbox.popleft()
+            failure = self._failure
+            if failure is not None:  # an iteration failed with no caller to tell
+                self._failure = None
+                raise failure
+            running = self._running
+            if running is None:
+                if not feed.exhausted and not self._top_pulled:
+                    await self._pull(feed)
+                if feed.finished:
+                    return False, None
+                running = self._start_iteration(feed)
+                if feed.read_ahead_allowed and not feed.draining:
+                    # Read the next batch while this iteration runs.  First let the
+                    # iteration hand its work to the lanes (tasks start in FIFO order).
+                    await asyncio.sleep(0)
+                    feed.read_ahead()
+            await wait_settled(running)
+
+    def _start_iteration(self, feed: Feed) -> asyncio.Task[None]:
+        plan = self._plan
+        step = Step(
+            plan, self._ring, self._ctx, feed.iteration, plan.active(feed.iteration, feed.pulled),
+            self._annotator, self._tracer, self._lanes,
+        )  # fmt: skip
+        running = self._running = asyncio.ensure_future(self._iterate(feed, step))
+        return running
+
+    async def _iterate(self, feed: Feed, step: Step) -> None:
+        """One internal iteration, as a task of its own: a cancelled caller stops
+        waiting for it, but it runs on, and its result lands in ``feed.outbox``.
+        Only shutting the loop down cancels it (the executor then stops cleanly)."""
+        iteration, plan, ring = step.iteration, self._plan, self._ring
+        try:
+            await self._executor.run_step(step)
+        except BaseException as exc:
+            if step.started:
+                self._broken = (
+                    f"iteration {iteration} was interrupted by "
+                    f"{type(exc).__name__} after some of its tasks ran"
+                )
+            # Before any task ran, the next call runs this step again, batch and all.
+            if not isinstance(exc, Exception):
+                raise  # the loop shutting down, KeyboardInterrupt: let it through
+            self._failure = exc  # raised by the caller, or by the next call
+            return
+        finally:
+            self._running = None
+        self._top_pulled = False
+        produced = 0 <= iteration - plan.max_lookahead < feed.pulled
+        if produced:
+            feed.outbox.append(ring.at(0).get(RESULT_SLOT))
+        self._retire(ring.advance())
+        feed.iteration += 1
 
     async def _pull(self, feed: Feed) -> None:
         top = self._ring.top
@@ -345,7 +455,10 @@ class SchedulablePipeline:
             for name, value in seed.items():
                 top.set(name, value)
         else:
-            batch = await feed.next()
+            if feed.draining and feed.ahead is None:
+                feed.exhausted = True  # drain(): nothing new is read
+                return
+            batch = await feed.take()
             if batch is END:
                 feed.exhausted = True
                 return

@@ -30,7 +30,6 @@ from .errors import PipelineError
 from .executors import AsyncExecutor, Executor
 from .executors.lanes import ThreadMap
 from .facade import Pipeline
-from .source import Source
 from .task import Task
 from .trace import Tracer
 
@@ -115,8 +114,8 @@ def _loss_tensor(value: Any) -> torch.Tensor:
     return loss
 
 
-def _copy_lane(task: Task) -> str:
-    return "io" if task.name == "h2d" else "loop"
+def _preset_lane(task: Task) -> str:
+    return "io" if task.name == "h2d" and task.stream == "memcpy" else "compute"
 
 
 class BasicPipeline(Pipeline):
@@ -130,13 +129,9 @@ class BasicPipeline(Pipeline):
         super().__init__(*args, **kwargs)
         self._finish = finish
 
-    async def progress(self, source: Source) -> Any:
-        try:
-            return await super().progress(source)
-        except StopAsyncIteration:
-            if self._finish is not None:
-                self._finish()
-            raise
+    def _on_source_end(self) -> None:
+        if self._finish is not None:
+            self._finish()
 
 
 def basic(
@@ -159,9 +154,10 @@ def basic(
 
     ``loss_fn(output)`` or ``loss_fn(output, batch)``; ``forward(model, batch)``
     defaults to ``model(batch)``.  ``device`` defaults to the model's.  The executor
-    defaults to ``"sequential"``; with ``memcpy_stream=True`` to an
-    :class:`AsyncExecutor` that runs ``h2d`` on lane ``"io"`` and the rest on the
-    event loop; with ``thread_map`` to an :class:`AsyncExecutor` on that map.
+    defaults to an :class:`AsyncExecutor` that runs the model's work on lane
+    ``"compute"`` (and, with ``memcpy_stream=True``, ``h2d`` on lane ``"io"``), so
+    the event loop stays free; ``thread_map`` picks other lanes, ``executor=
+    "sequential"`` runs everything inline on the loop.
     """
     if grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be >= 1, got {grad_accumulation}")
@@ -215,11 +211,10 @@ def basic(
         la = 1 if prefetch else 0
         tasks.insert(0, Task.from_fn("h2d", h2d, lookahead=la, stream=copy_stream,
                                      writes=("batch_device",)))  # fmt: skip
-    if executor is None and thread_map is None and memcpy_stream:
-        # Copies on their own lane; the model's work stays on the loop thread.  On CPU
-        # that matters: torch's OpenMP pool is per calling thread, and compute moved off
-        # the thread that first used it ran ~1.4x slower here (docs/performance.md).
-        executor = AsyncExecutor(_copy_lane)
+    if executor is None and thread_map is None:
+        # The model's work on lane "compute", copies (T2) on lane "io": the event loop
+        # stays free, and the lane runs torch at full speed (see aiopipe/_openmp.py).
+        executor = AsyncExecutor(_preset_lane)
     return BasicPipeline(
         tasks,
         executor=executor,

@@ -51,11 +51,13 @@ class LoopRunner:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._interrupts = 0
+        self._closed = False
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None or self._loop.is_closed():
             self._loop = new_event_loop()
+            self._closed = False
         return self._loop
 
     def run(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any) -> T:
@@ -66,7 +68,11 @@ class LoopRunner:
                 "code use 'await pipe.progress(...)' instead"
             )
         loop = self.loop
-        task = loop.create_task(fn(*args))
+
+        async def call() -> T:  # fn(*args) is made inside the loop: coroutine APIs check
+            return await fn(*args)
+
+        task = loop.create_task(call())
         install = (
             threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -93,9 +99,16 @@ class LoopRunner:
             return
         raise KeyboardInterrupt()
 
+    @property
+    def usable(self) -> bool:
+        """Whether :meth:`run` may be called now: not closed, and no loop is running
+        in this thread."""
+        return not self._closed and not _loop_running_in_this_thread()
+
     def close(self) -> None:
         """Cancel what is left on the loop and close it.  Safe from a finalizer: if
         another loop runs in this thread, the loop is just closed."""
+        self._closed = True
         loop, self._loop = self._loop, None
         if loop is None or loop.is_closed() or loop.is_running():
             return

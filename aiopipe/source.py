@@ -1,28 +1,55 @@
-"""``Feed``: the batches pulled from one source and where the pipeline stands in it."""
+"""``Feed``: the batches pulled from one source and where the pipeline stands in it.
+
+Pulls are cancel-safe.  An async source is pulled by a task of its own that a
+cancelled caller leaves running (its item is kept for the next call), so a
+cancellation never lands inside the source and never loses an item.  A sync source is
+called inline: ``next()`` cannot be interrupted half-way.
+
+While an iteration runs, the pipeline reads the next item ahead (:meth:`read_ahead`),
+so a slow source overlaps compute instead of preceding it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Union
 
-__all__ = ("END", "Feed", "Source")
+from .executors.signals import wait_settled
 
-#: Returned by :meth:`Feed.next` once the source is exhausted.
+__all__ = ("END", "Feed", "OneBatch", "Source")
+
+#: Returned by :meth:`Feed.take` once the source is exhausted.
 END: Any = object()
 Source = Union[Iterator[Any], AsyncIterator[Any]]
+
+
+class OneBatch(Iterator[Any]):
+    """The one-item source behind ``step(batch)``."""
+
+    __slots__ = ("_batch", "_taken")
+
+    def __init__(self, batch: Any) -> None:
+        self._batch, self._taken = batch, False
+
+    def __next__(self) -> Any:
+        if self._taken:
+            raise StopIteration
+        self._taken = True
+        return self._batch
 
 
 class Feed:
     """One source (a sync or async iterator) and the progress made through it."""
 
     __slots__ = (
-        "_async", "_sync", "exhausted", "iteration", "lost", "pulled", "refused", "returned",
-        "source",
+        "_async", "_sync", "ahead", "draining", "exhausted", "iteration", "lost", "outbox",
+        "pulled", "read_ahead_allowed", "refused", "returned", "source",
     )  # fmt: skip
 
-    def __init__(self, source: Source) -> None:
+    def __init__(self, source: Source, *, read_ahead: bool = True) -> None:
         self._async: AsyncIterator[Any] | None = None
         self._sync: Iterator[Any] | None = None
         given: object = source  # checked at run time: callers pass anything
@@ -39,44 +66,99 @@ class Feed:
         else:
             raise TypeError(f"progress() takes a sync or async iterator, got {source!r}")
         self.source = source
-        #: Batches pulled so far (the final count once ``exhausted``).
+        #: Batches placed in the ring so far (the final count once ``exhausted``).
         self.pulled = 0
         #: Results handed back to the caller.
         self.returned = 0
+        #: Results of finished iterations not handed out yet (their caller was cancelled).
+        self.outbox: collections.deque[Any] = collections.deque()
         #: The next internal iteration to run.
         self.iteration = 0
         self.exhausted = False
+        #: ``drain()`` was called: take what was already read, read nothing new.
+        self.draining = False
         #: Items the pipeline refused (``BadBatchError``): the source's position is
         #: ``returned + refused`` once nothing is in flight.
         self.refused = 0
         #: Why the source can no longer be read, when a cancelled pull closed it.
         self.lost: str | None = None
+        #: The next item, read ahead or being read (a future, done for sync sources).
+        self.ahead: asyncio.Future[Any] | None = None
+        # A trio caller's source is pulled by the caller during its own call
+        # (interop.py): it cannot be read between calls.
+        self.read_ahead_allowed = read_ahead and not getattr(source, "pulled_inline", False)
 
     @property
     def in_flight(self) -> int:
-        """Batches pulled whose results have not been returned yet."""
-        return self.pulled - self.returned
+        """Batches taken from the source whose results have not been returned yet
+        (the one read ahead included)."""
+        return self.pulled - self.returned + (1 if self._holds_ahead() else 0)
 
     @property
     def finished(self) -> bool:
         return self.exhausted and self.returned >= self.pulled
 
-    async def next(self) -> Any:
-        """The next batch, or :data:`END`.
+    def _holds_ahead(self) -> bool:
+        ahead = self.ahead
+        if ahead is None:
+            return False
+        return not ahead.done() or ahead.cancelled() or ahead.exception() is not None or (
+            ahead.result() is not END
+        )
 
-        Sync iterators are called inline with a default (never through a thread:
-        ``StopIteration`` crossing a future hangs, CPython gh-112182).
-        """
+    def read_ahead(self) -> None:
+        """Start reading the next item while the current iteration runs.  A sync
+        source is called now, inline (the loop waits for one ``next()``)."""
+        if self.ahead is not None or self.exhausted or self.draining:
+            return
+        if not self.read_ahead_allowed:
+            return
         if self._async is not None:
-            try:
-                return await anext(self._async, END)
-            except asyncio.CancelledError:
-                # The cancellation was thrown into an async generator's frame: unless
-                # it caught it, the generator is finished and its remaining items gone.
-                # (Under trio the bridge's stand-in holds the caller's generator.)
-                source = getattr(self._async, "source", self._async)
-                if inspect.isasyncgen(source) and source.ag_frame is None:
-                    self.lost = "a cancelled progress() closed this async generator mid-pull"
-                raise
+            self.ahead = asyncio.ensure_future(self._pull_async())
+            return
         assert self._sync is not None
-        return next(self._sync, END)
+        future = asyncio.get_running_loop().create_future()
+        try:
+            future.set_result(next(self._sync, END))
+        except Exception as exc:  # the source's own error: raised when the item is taken
+            future.set_exception(exc)
+        self.ahead = future
+
+    async def take(self) -> Any:
+        """The next item (read ahead or pulled now), or :data:`END`.  Cancelling the
+        caller leaves a pull under way running; the item waits for the next call."""
+        if self.ahead is None:
+            if self._sync is not None:
+                # Never through a thread: StopIteration crossing a future hangs
+                # (CPython gh-112182); next() with a default cannot raise it.
+                return next(self._sync, END)
+            if not self.read_ahead_allowed:
+                return await self._pull_async()
+            self.ahead = asyncio.ensure_future(self._pull_async())
+        await wait_settled(self.ahead)
+        ahead, self.ahead = self.ahead, None
+        return ahead.result()
+
+    def close(self) -> None:
+        """Stop a pull under way (the pipeline is reset or shut down)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return
+        if ahead.done():
+            if not ahead.cancelled():
+                ahead.exception()  # retrieved: no "never retrieved" warning
+        else:
+            ahead.cancel()
+
+    async def _pull_async(self) -> Any:
+        assert self._async is not None
+        try:
+            return await anext(self._async, END)
+        except asyncio.CancelledError:
+            # The cancellation was thrown into an async generator's frame: unless it
+            # caught it, the generator is finished and its remaining items gone.
+            # (Under trio the bridge's stand-in holds the caller's generator.)
+            source = getattr(self._async, "source", self._async)
+            if inspect.isasyncgen(source) and source.ag_frame is None:
+                self.lost = "a cancelled progress() closed this async generator mid-pull"
+            raise

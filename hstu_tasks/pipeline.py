@@ -38,6 +38,7 @@ from aiopipe import (
     Tracer,
 )
 from aiopipe.executors.lanes import ThreadMap, resolve_lane
+from aiopipe.interop import needs_event_loop
 from aiopipe.source import END, Feed, Source
 from aiopipe.trace import resolve_tracer
 
@@ -173,6 +174,7 @@ class HSTUPipeline:
         """The underlying engine, once the first progress has built it."""
         return self._engine
 
+    @needs_event_loop
     async def progress(self, source: Source) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Train (or evaluate, in eval mode) one batch; ``StopAsyncIteration`` at the end."""
         if self._closed:
@@ -192,9 +194,17 @@ class HSTUPipeline:
         assert self._engine is not None
         return await self._engine.progress(source)  # type: ignore[no-any-return]
 
+    @needs_event_loop
     async def drain(self) -> list[Any]:
         """Finish the batches in flight (e.g. before switching train -> eval)."""
         return [] if self._engine is None else await self._engine.drain()
+
+    async def aclose(self) -> None:
+        """Wait for an iteration whose caller was cancelled, then shut down
+        (``async with`` calls it)."""
+        if self._engine is not None:
+            await self._engine.aclose()
+        self.shutdown()
 
     def blocking(self) -> BlockingPipeline:
         """The torchrec-style blocking form: ``progress(it)`` raises ``StopIteration``."""
@@ -254,7 +264,7 @@ class HSTUPipeline:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self.shutdown()
+        await self.aclose()
 
     def _teardown(self) -> None:
         if self._engine is not None:
@@ -316,7 +326,7 @@ class HSTUPipeline:
                     "trained: pass that source again, or reset() to drop the batch"
                 )
             return batch
-        batch = await Feed(source).next()
+        batch = await Feed(source, read_ahead=False).take()
         if batch is END:
             raise StopAsyncIteration
         try:

@@ -79,7 +79,8 @@ async def test_new_iterator_while_in_flight_is_refused_and_untouched(
         first = iter(range(5))
         await pipe.progress(first)
         second = iter(range(100, 105))
-        with pytest.raises(PipelineStateError, match="2 batch"):
+        # two batches in the ring, and the one read ahead while the first ran
+        with pytest.raises(PipelineStateError, match="3 batch"):
             await pipe.progress(second)
         assert next(second) == 100  # none of its batches was taken
         # the first source carries on where it was
@@ -103,26 +104,44 @@ async def test_drain_finishes_in_flight_batches_and_forgets_the_source(executor:
         source = iter(range(10))
         assert await pipe.progress(source) == 0
         assert await pipe.progress(source) == 1
-        assert await pipe.drain() == [2]
+        assert await pipe.drain() == [2, 3]  # the batch in the ring, the one read ahead
         assert pipe.statistics().in_flight == 0
         assert await pipe.drain() == []
         # the same iterator carries on with its next batch, as a fresh source
-        assert await collect(pipe, source) == list(range(3, 10))
+        assert await collect(pipe, source) == list(range(4, 10))
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
-async def test_lookahead_zero_pipelines_may_switch_iterators_any_time(
+async def test_lookahead_zero_pipelines_without_read_ahead_may_switch_iterators_any_time(
+    recorder: Recorder, executor: str
+) -> None:
+    task = recorder.task("only", writes=("step_result",))
+    async with Pipeline([task], executor=executor, read_ahead=False) as pipe:
+        assert await pipe.progress(iter(range(5))) == "result-0"
+        assert await pipe.progress(iter(range(5))) == "result-0"
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+async def test_the_batch_read_ahead_is_in_flight_until_drained(
     recorder: Recorder, executor: str
 ) -> None:
     async with Pipeline([recorder.task("only", writes=("step_result",))], executor=executor) as pipe:
-        assert await pipe.progress(iter(range(5))) == "result-0"
-        assert await pipe.progress(iter(range(5))) == "result-0"
+        first = iter(range(5))
+        assert await pipe.progress(first) == "result-0"
+        assert pipe.statistics().in_flight == 1  # batch 1, read while batch 0 ran
+        with pytest.raises(PipelineStateError, match="1 batch"):
+            await pipe.progress(iter(range(5)))
+        assert await pipe.drain() == ["result-1"]
+        assert await pipe.progress(iter(range(7, 9))) == "result-0"  # a fresh source
 
 
 def test_an_iterable_is_not_an_iterator(recorder: Recorder) -> None:
     pipe = three_stage(recorder, "sequential")
+    async def main() -> None:
+        await pipe.progress([1, 2, 3])  # type: ignore[arg-type]
+
     with pytest.raises(TypeError, match=r"iter\(\.\.\.\)"):
-        asyncio.run(pipe.progress([1, 2, 3]))  # type: ignore[arg-type]
+        asyncio.run(main())
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -141,8 +160,8 @@ async def test_seeded_batch_is_the_first_batch_and_none_is_lost(
 async def test_a_seed_is_refused_in_the_middle_of_a_source() -> None:
     async with Pipeline([Task.from_fn("a", lambda ctx: None)]) as pipe:
         source = iter(range(3))
-        await pipe.progress(source)  # nothing in flight, but the source goes on
-        with pytest.raises(PipelineStateError, match="first batch of a source"):
+        await pipe.progress(source)  # the source goes on (its next batch read ahead)
+        with pytest.raises(PipelineStateError, match="seed"):
             pipe.seed_first_batch({"batch_cpu": 99})
         assert len(await collect(pipe, source)) == 2
         assert pipe.statistics().returned == 3

@@ -123,11 +123,12 @@ async def test_drain_leaves_a_partial_accumulation_group_to_the_next_batches() -
                                      grad_accumulation=3, prefetch=True)  # fmt: skip
     source = iter(data)
     async with pipe:
-        await pipe.progress(source)  # batch 1 in flight behind it: 2 batches pulled
-        assert len(await pipe.drain()) == 1  # batch 2: a group of 2 so far, no step yet
-        # the same source continues; batches 3-6 finish that group and start another
+        # batch 2 in flight behind it, batch 3 read ahead: a group of 1 so far
+        await pipe.progress(source)
+        assert len(await pipe.drain()) == 2  # batches 2-3: a group of 3, one step
+        # the same source continues; batches 4-6 make the next group
         rest = await collect(pipe, source)
-    assert len(rest) == 4
+    assert len(rest) == 3
     expected_params = plain_loop(data, "sgd", accumulate=3)[1]  # steps after 3 and 6
     for got, want in zip(model.parameters(), expected_params):
         assert torch.equal(got, want)

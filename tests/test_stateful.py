@@ -1,19 +1,20 @@
 """Hypothesis stateful test: random sequences of progress, source switches, drains,
-cancellations, resets and shutdown against a model of what must come out.
+cancellations and shutdown against a model of what must come out.
 
-The model tracks, per source, the items returned and pulled: a progress returns the
-oldest item not yet returned and leaves ``min(len, returned + 1 + L)`` pulled (L =
-max lookahead 2); a cancelled progress breaks the pipeline until ``reset`` and the
-iterator then continues after what was pulled; ``drain`` returns the batches in
-flight and forgets the source.
+The model tracks, per source, the items returned and taken: a progress returns the
+oldest item not yet returned and leaves ``min(len, returned + L + 1)`` taken (L = max
+lookahead 2, plus the one read ahead); a cancelled progress changes nothing the
+caller can see -- its iteration runs on and its result is returned by the next call
+-- but ``reset``/``shutdown`` are refused until a call has waited for it; ``drain``
+returns the batches in flight and forgets the source, which continues after them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import operator
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -30,12 +31,14 @@ class PipelineMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.slow = threading.Event()
+        self.hold = False  # train bodies wait for the gate (set by the cancel rule)
+        self.gate = threading.Event()
+        self.started = asyncio.Event()
         self.pipe = Pipeline(self.tasks(), thread_map={"load": "io", "prep": "io",
                                                        "train": "compute"})  # fmt: skip
         self.labels = itertools.count()
         self.new_source(3)
-        self.broken = False
+        self.interrupted = False  # a cancelled call's iteration may still be running
         self.closed = False
 
     def tasks(self) -> list[Task]:
@@ -46,8 +49,9 @@ class PipelineMachine(RuleBasedStateMachine):
             ctx.slots.set("x", ctx.slots["raw"])
 
         def train(ctx: TaskContext) -> None:
-            if self.slow.is_set():
-                time.sleep(0.05)  # a cancellation lands while this body runs
+            if self.hold:
+                self.loop.call_soon_threadsafe(self.started.set)
+                assert self.gate.wait(10)  # the cancellation lands while this body runs
             ctx.slots.set("step_result", ctx.slots["x"])
 
         return [
@@ -60,88 +64,120 @@ class PipelineMachine(RuleBasedStateMachine):
         self.items = [next(self.labels) for _ in range(length)]
         self.source = iter(list(self.items))
         self.returned = 0
-        self.pulled = 0
-
-    def rest_of_source(self) -> None:
-        """The engine forgot the source; the iterator goes on after what was pulled."""
-        self.items = self.items[self.pulled:]
-        self.returned = self.pulled = 0
+        self.taken = 0
 
     def run(self, coroutine: Any) -> Any:
         return self.loop.run_until_complete(coroutine)
+
+    def call(self, api: str, *args: Any) -> Any:
+        async def call() -> Any:  # made inside the loop: coroutine APIs need one running
+            return await getattr(self.pipe, api)(*args)
+
+        return self.run(call())
 
     # -- rules ---------------------------------------------------------------------------
 
     @rule()
     def progress(self) -> None:
-        if self.closed or self.broken:
-            with pytest.raises(PipelineStateError, match="shut down" if self.closed else "reset"):
-                self.run(self.pipe.progress(self.source))
+        if self.closed:
+            with pytest.raises(PipelineStateError, match="shut down"):
+                self.call("progress", self.source)
             return
+        self.interrupted = False
         if self.returned == len(self.items):
             with pytest.raises(StopAsyncIteration):
-                self.run(self.pipe.progress(self.source))
+                self.call("progress", self.source)
             return
-        assert self.run(self.pipe.progress(self.source)) == self.items[self.returned]
+        assert self.call("progress", self.source) == self.items[self.returned]
         self.returned += 1
-        self.pulled = min(len(self.items), self.returned + LOOKAHEAD)
+        self.taken = min(len(self.items), self.returned + LOOKAHEAD + 1)
 
     @rule(length=st.integers(0, 6))
     def switch_source(self, length: int) -> None:
-        if self.closed or self.broken:
+        if self.closed:
             return
-        in_flight = self.pulled - self.returned
         candidate = iter([-1])
-        if in_flight:
+        if self.interrupted or self.taken > self.returned:
             with pytest.raises(PipelineStateError, match="in flight"):
-                self.run(self.pipe.progress(candidate))
+                self.call("progress", candidate)
             assert next(candidate) == -1  # nothing taken from it
             return
         self.new_source(length)
 
-    @precondition(lambda self: not self.closed and not self.broken)
+    @precondition(lambda self: not self.closed)
     @rule()
     def drain(self) -> None:
-        expected = self.items[self.returned:self.pulled]
-        assert self.run(self.pipe.drain()) == expected
-        self.rest_of_source()
+        drained = self.call("drain")
+        # after an interruption the read-ahead may or may not have happened
+        possible = {self.taken} | ({self.taken + 1} if self.interrupted else set())
+        assert self.returned + len(drained) in {min(t, len(self.items)) for t in possible}
+        assert drained == self.items[self.returned:self.returned + len(drained)]
+        self.items = self.items[self.returned + len(drained):]  # the source goes on after
+        self.returned = self.taken = 0
+        self.interrupted = False
 
-    @precondition(lambda self: not self.closed and not self.broken)
+    @precondition(lambda self: not self.closed and not self.interrupted)
     @rule()
     def cancel_during_a_task(self) -> None:
         if self.returned == len(self.items):
             return
-        self.slow.set()
+
+        async def cancel_while_train_runs() -> None:
+            self.started.clear()
+            self.gate.clear()
+            self.hold = True
+            call = asyncio.ensure_future(self.pipe.progress(self.source))
+            await self.started.wait()
+            self.hold = False
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            self.gate.set()  # the iteration finishes without its caller
+
+        self.run(cancel_while_train_runs())
+        self.interrupted = True  # its task completes when the loop next runs
+        # the interrupted iteration holds batches up to returned + L; the read-ahead
+        # of one more may or may not have happened before the cancellation
+        self.taken = min(len(self.items), self.returned + LOOKAHEAD + 1)
+
+    def still_running(self, action: str) -> bool:
+        """Try ``action``; after a cancellation it is refused while the interrupted
+        iteration runs (it may also have finished already: both are fine)."""
         try:
-            with pytest.raises(TimeoutError):
-                self.run(asyncio.wait_for(self.pipe.progress(self.source), 0.01))
-        finally:
-            self.slow.clear()
-        self.pulled = min(len(self.items), self.returned + 1 + LOOKAHEAD)
-        self.broken = True
+            getattr(self.pipe, action)()
+        except PipelineStateError as exc:
+            assert self.interrupted and "still running" in str(exc)
+            return True
+        return False
 
     @precondition(lambda self: not self.closed)
     @rule()
     def reset(self) -> None:
-        self.pipe.reset()
-        self.broken = False
-        self.rest_of_source()
+        if self.still_running("reset"):
+            return
+        # the batches in flight are dropped; the iterator goes on after what it gave
+        self.items = self.items[len(self.items) - operator.length_hint(self.source):]
+        self.returned = self.taken = 0
+        self.interrupted = False
 
     @rule()
     def shutdown(self) -> None:
-        self.pipe.shutdown()
+        if self.still_running("shutdown"):
+            self.run(self.pipe.aclose())  # waits for the iteration, then shuts down
         self.closed = True
+        self.interrupted = False
 
     @invariant()
     def statistics_agree(self) -> None:
         stats = self.pipe.statistics()
         assert stats.closed == self.closed
-        assert (stats.broken is not None) == self.broken
-        if not self.closed and not self.broken:
-            assert stats.in_flight == self.pulled - self.returned
+        assert stats.broken is None  # a cancelled caller never breaks the pipeline
+        if not self.closed and not self.interrupted:
+            assert stats.in_flight == self.taken - self.returned
 
     def teardown(self) -> None:
-        self.pipe.shutdown()
+        self.gate.set()
+        self.run(self.pipe.aclose())
         self.loop.close()
 
 

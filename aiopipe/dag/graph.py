@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..interop import needs_event_loop
 from ..errors import BackPressureTimeout, GraphError, PoisonedError
 from ..executors.base import annotate_failure
 from ..executors.lanes import LOOP_LANE, LanePool, call_on_lane
@@ -197,6 +198,7 @@ class TaskGraph:
 
     # -- submission ------------------------------------------------------------------
 
+    @needs_event_loop
     async def submit(
         self, fn: Callable[..., Any], /, *args: Any, lane: str | None = None,
         name: str | None = None, **kwargs: Any,
@@ -204,6 +206,7 @@ class TaskGraph:
         """Submit ``fn(*args, **kwargs)``; tagged arguments are passed untagged."""
         return await self._submit(fn, [args], lane, name, kwargs, group=False)
 
+    @needs_event_loop
     async def submit_group(
         self, fn: Callable[..., Any], args_list: Sequence[Sequence[Any]], /, *,
         lane: str | None = None, name: str | None = None, **kwargs: Any,

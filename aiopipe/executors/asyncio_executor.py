@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from .._openmp import release_thread_pool
 from ..errors import CollectiveOrderError, TicketAbortedError
 from ..plan import ExecutionPlan
 from .base import Step
@@ -137,6 +138,7 @@ class AsyncExecutor:
         self._plan: ExecutionPlan | None = None
         self._lane_of: tuple[str, ...] = ()
         self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self._compute_off_loop = False
 
     # -- protocol ----------------------------------------------------------------------
 
@@ -151,8 +153,15 @@ class AsyncExecutor:
                 f"max_lanes={self._lanes.max_lanes}; group tasks onto fewer lanes"
             )
         self._plan, self._lane_of = plan, lane_of
+        # Every sync body runs on a lane thread: the loop thread's OpenMP pool only
+        # slows the lanes' pools down (see _openmp.py), so it is released per step.
+        self._compute_off_loop = bool(threads) and not any(
+            lane == LOOP_LANE and not plan.is_async[i] for i, lane in enumerate(lane_of)
+        )
 
     async def run_step(self, step: Step) -> None:
+        if self._compute_off_loop:
+            release_thread_pool()
         for active in step.active.stages:
             if active:
                 await self._run_stage(step, active)

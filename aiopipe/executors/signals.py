@@ -12,7 +12,7 @@ import asyncio
 import threading
 from typing import Any
 
-__all__ = ("LoopWaker", "Signal", "settle_future")
+__all__ = ("LoopWaker", "Signal", "settle_future", "wait_settled")
 
 
 class LoopWaker:
@@ -45,6 +45,21 @@ def settle_future(future: asyncio.Future[Any], exc: BaseException | None, result
         future.set_result(result)
     else:
         future.set_exception(exc)
+
+
+async def wait_settled(future: asyncio.Future[Any]) -> None:
+    """Wait until ``future`` is done without cancelling it when the waiter is
+    cancelled (``await future`` would; ``asyncio.shield`` costs twice as much)."""
+    if future.done():
+        return
+    waiter = future.get_loop().create_future()
+
+    def wake(_: object) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    future.add_done_callback(wake)
+    await waiter
 
 
 class Signal:
