@@ -11,6 +11,7 @@ installed, a row with Megatron DDP is added.
 kernels): the model alone on the engine, without the torchrec row.
 
     ./dev bench hstu_steps [--ranks 2] [--steps 60] [--repeats 3] [--replicate-tables]
+                           [--configs none torchrec aiopipe ...]
 """
 
 from __future__ import annotations
@@ -80,10 +81,14 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
     join_local_group(rank, ranks, port)  # on CUDA, also makes cuda:rank the current device
     config = DataConfig(batch_size=args["batch_size"], max_history=args["max_history"],
                         length_distribution=args["lengths"])  # fmt: skip
-    samples: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    busy: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    chosen = {name: CONFIGS[name] for name in args["configs"]}
+    samples: dict[str, list[float]] = {name: [] for name in chosen}
+    busy: dict[str, list[float]] = {name: [] for name in chosen}
     for repeat in range(args["repeats"] + 1):  # the first round warms up
-        for name, (mode, thread_map, data_parallel) in CONFIGS.items():
+        if rank == 0:
+            print(f"round {repeat}/{args['repeats']}" + (" (warm-up)" if not repeat else ""),
+                  file=sys.stderr, flush=True)  # fmt: skip
+        for name, (mode, thread_map, data_parallel) in chosen.items():
             if mode == "torchrec" and args["replicate_tables"]:
                 continue  # torchrec's pipeline needs sharded tables
             setup = build_training(ModelConfig(), config, OptimizerConfig(), seed=0,
@@ -117,7 +122,11 @@ def main() -> None:
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
     parser.add_argument("--replicate-tables", action="store_true",
                         help="no torchrec sharding (and no torchrec row)")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
+                        metavar="NAME", help=f"rows to run (default: all of {list(CONFIGS)})")
     args = vars(parser.parse_args())
+    if "none" not in args["configs"]:
+        args["configs"].insert(0, "none")  # every ratio is also given against the plain loop
     if torch.cuda.is_available() and args["ranks"] > torch.cuda.device_count():
         parser.error(f"--ranks {args['ranks']}: this machine has "
                      f"{torch.cuda.device_count()} GPU(s), one per rank")  # fmt: skip

@@ -92,31 +92,32 @@ def main() -> None:
         data = [(x.pin_memory(), y.pin_memory()) for x, y in data]
     configs = {
         "plain loop": lambda: plain(data, device, args.width),
-        "T1 sequential": lambda: piped(data, device, args.width),
-        "T1, compute on a lane thread": lambda: piped(data, device, args.width, executor="async"),
-        "T2 (h2d ahead on lane 'io', compute on loop)": lambda: piped(
+        "T1 (default: compute on lane 'compute')": lambda: piped(data, device, args.width),
+        "T2 (default: h2d ahead on lane 'io', compute on lane 'compute')": lambda: piped(
             data, device, args.width, prefetch=True, memcpy_stream=True
         ),
-        "T2, compute on a lane thread": lambda: piped(
-            data, device, args.width, prefetch=True, memcpy_stream=True, thread_map="by_stream"
+        "T1, executor='sequential' (opt-in: on the loop)": lambda: piped(
+            data, device, args.width, executor="sequential"
         ),
     }
     samples: dict[str, list[float]] = {name: [] for name in configs}
     for name, run in configs.items():  # warm-up
         run()
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name, run in configs.items():
             samples[name].append(run())
+        print(f"round {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     base = statistics.median(samples["plain loop"])
     rows, payload = [], {}
     for name, seconds in samples.items():
         median = statistics.median(seconds)
+        spread = 50 * (max(seconds) - min(seconds)) / median
         rows.append([name, f"{median / args.steps * 1e3:.3f}", f"{args.steps / median:.1f}",
-                     f"{median / base:.3f}"])  # fmt: skip
+                     f"+-{spread:.0f}%", f"{median / base:.3f}"])  # fmt: skip
         payload[name] = {"ms_per_step": median / args.steps * 1e3, "x_plain": median / base}
     print_table(
         f"basic() preset vs plain loop, {device}, {args.steps} steps, median of {args.repeats}",
-        ["config", "ms / step", "steps / s", "time x plain"],
+        ["config", "ms / step", "steps / s", "rounds", "time x plain"],
         rows,
     )
     print_json("presets", {"device": str(device), "results": payload})

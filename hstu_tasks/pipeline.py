@@ -192,12 +192,18 @@ class HSTUPipeline:
             finally:
                 self._bootstrapping = False
         assert self._engine is not None
-        return await self._engine.progress(source)  # type: ignore[no-any-return]
+        try:
+            return await self._engine.progress(source)  # type: ignore[no-any-return]
+        except StopAsyncIteration:
+            self._state.watch.flush()  # the last steps' losses, checked before the end
+            raise
 
     @needs_event_loop
     async def drain(self) -> list[Any]:
         """Finish the batches in flight (e.g. before switching train -> eval)."""
-        return [] if self._engine is None else await self._engine.drain()
+        results = [] if self._engine is None else await self._engine.drain()
+        self._state.watch.flush()
+        return results
 
     async def aclose(self) -> None:
         """Wait for an iteration whose caller was cancelled, then shut down
@@ -247,6 +253,7 @@ class HSTUPipeline:
         if self._closed:
             raise PipelineStateError("the HSTU pipeline has been shut down")
         self._teardown()
+        self._state.watch.discard()
         self._kept = self._refused = None
 
     # -- lifetime ----------------------------------------------------------------------

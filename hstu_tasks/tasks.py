@@ -36,7 +36,6 @@ prefetch).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +52,7 @@ from .data import HSTUBatch
 from .megatron import finalize_grads, grad_buffer_chunks, zero_grad_buffers
 from .parallel import global_loss, global_tokens
 from .shuffler import BatchShuffler
+from .watchdog import LossWatch
 
 __all__ = ("PipelineState", "build_tasks")
 
@@ -69,6 +69,7 @@ class PipelineState:
     prefetch_depth: int = 1
     memory_limit_bytes: int | None = None
     streams: dict[str, Any] = field(default_factory=dict)
+    watch: LossWatch = field(default_factory=LossWatch)
     pipelined_modules: list[Any] = field(default_factory=list)
     #: Megatron DDP modules in the model (empty with torch DDP).
     grad_chunks: list[torch.nn.Module] = field(init=False, default_factory=list)
@@ -185,9 +186,8 @@ def build_tasks(state: PipelineState) -> list[Task]:
         )
 
     def watchdog_step(ctx: TaskContext) -> None:
-        loss_sum = ctx.slots["loss_sum"]
-        if not math.isfinite(float(loss_sum)):
-            raise FloatingPointError(f"loss became {float(loss_sum)} at batch {ctx.batch_index}")
+        # No float(loss) here: on a GPU that is a host sync per step (watchdog.py).
+        state.watch.submit(ctx.slots["loss_sum"], ctx.batch_index)
         limit = state.memory_limit_bytes
         if limit is not None and state.device.type == "cuda":
             used = torch.cuda.memory_allocated(state.device)

@@ -32,9 +32,10 @@ def restore_imports() -> Iterator[None]:
     yield
     sys.path[:] = path
     loaded_here = (str(ROOT / "examples"), tempfile.gettempdir())
+    installed = (sys.prefix, sys.base_prefix)  # a virtualenv may itself live in /tmp
     for name in set(sys.modules) - modules:
         file = getattr(sys.modules[name], "__file__", None) or ""
-        if file.startswith(loaded_here):
+        if file.startswith(loaded_here) and not file.startswith(installed):
             del sys.modules[name]
 
 
