@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import inspect
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -371,7 +372,10 @@ class SchedulablePipeline:
             )
         if feed is not None:
             feed.close()
-        new_feed = Feed(source, read_ahead=self._read_ahead)
+        new_feed = Feed(
+            source, read_ahead=self._read_ahead,
+            inspect=functools.partial(_problem_of, self._check_batch),  # no cycle via self
+        )  # fmt: skip
         new_feed.refused, self._seed_refused = self._seed_refused, 0
         self._retire_all(self._ring.reset())
         self._top_pulled = False
@@ -458,28 +462,19 @@ class SchedulablePipeline:
             if feed.draining and feed.ahead is None:
                 feed.exhausted = True  # drain(): nothing new is read
                 return
-            batch = await feed.take()
+            batch, problem = await feed.take()
             if batch is END:
                 feed.exhausted = True
                 return
-            self._refuse_bad(batch, feed)
+            if problem is not None:
+                self._refuse(problem, feed)
             top.set(BATCH_SLOT, batch)
         top.batch_index = feed.pulled
         feed.pulled += 1
         self._top_pulled = True
 
-    def _refuse_bad(self, batch: Any, feed: Feed) -> None:
-        """Refuse ``batch`` before it enters the ring; it is dropped, nothing else is."""
-        problem: BaseException | None = None
-        if batch is None:
-            problem = TypeError("the source yielded None")
-        elif self._check_batch is not None:
-            try:
-                self._check_batch(batch)
-            except Exception as exc:
-                problem = exc
-        if problem is None:
-            return
+    def _refuse(self, problem: BaseException, feed: Feed) -> None:
+        """Refuse the batch before it enters the ring; it is dropped, nothing else is."""
         feed.refused += 1
         raise BadBatchError(
             f"the source's next batch (after {feed.pulled} taken) was refused: {problem}. "
@@ -521,3 +516,16 @@ class SchedulablePipeline:
             f"<SchedulablePipeline tasks={len(self._plan)} in_flight={stats.in_flight} "
             f"executor={self._executor!r}>"
         )
+
+
+def _problem_of(check_batch: Callable[[Any], None] | None, batch: Any) -> BaseException | None:
+    """Why ``batch`` must be refused, if it must.  Runs when the batch is read (ahead,
+    while an iteration runs), not on the critical path into the ring."""
+    if batch is None:
+        return TypeError("the source yielded None")
+    if check_batch is not None:
+        try:
+            check_batch(batch)
+        except Exception as exc:
+            return exc
+    return None

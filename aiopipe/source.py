@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Union
 
 from .executors.signals import wait_settled
@@ -24,6 +24,9 @@ __all__ = ("END", "Feed", "OneBatch", "Source")
 #: Returned by :meth:`Feed.take` once the source is exhausted.
 END: Any = object()
 Source = Union[Iterator[Any], AsyncIterator[Any]]
+#: What the pipeline finds wrong with an item (``None``: nothing).
+Inspect = Callable[[Any], Union[BaseException, None]]
+Taken = tuple[Any, Union[BaseException, None]]
 
 
 class OneBatch(Iterator[Any]):
@@ -45,11 +48,15 @@ class Feed:
     """One source (a sync or async iterator) and the progress made through it."""
 
     __slots__ = (
-        "_async", "_sync", "ahead", "draining", "exhausted", "iteration", "lost", "outbox",
+        "_async", "_inspect", "_sync", "ahead", "draining", "exhausted", "iteration", "lost", "outbox",
         "pulled", "read_ahead_allowed", "refused", "returned", "source",
     )  # fmt: skip
 
-    def __init__(self, source: Source, *, read_ahead: bool = True) -> None:
+    def __init__(
+        self, source: Source, *, read_ahead: bool = True, inspect: Inspect | None = None
+    ) -> None:
+        #: Checks each item when it is read (ahead: off the step's critical path).
+        self._inspect = inspect or _nothing_wrong
         self._async: AsyncIterator[Any] | None = None
         self._sync: Iterator[Any] | None = None
         given: object = source  # checked at run time: callers pass anything
@@ -103,7 +110,7 @@ class Feed:
         if ahead is None:
             return False
         return not ahead.done() or ahead.cancelled() or ahead.exception() is not None or (
-            ahead.result() is not END
+            ahead.result()[0] is not END
         )
 
     def read_ahead(self) -> None:
@@ -119,25 +126,29 @@ class Feed:
         assert self._sync is not None
         future = asyncio.get_running_loop().create_future()
         try:
-            future.set_result(next(self._sync, END))
+            future.set_result(self._checked(next(self._sync, END)))
         except Exception as exc:  # the source's own error: raised when the item is taken
             future.set_exception(exc)
         self.ahead = future
 
-    async def take(self) -> Any:
-        """The next item (read ahead or pulled now), or :data:`END`.  Cancelling the
-        caller leaves a pull under way running; the item waits for the next call."""
+    async def take(self) -> Taken:
+        """The next item (read ahead or pulled now), or :data:`END`, with what is
+        wrong with it.  Cancelling the caller leaves a pull under way running; the
+        item waits for the next call."""
         if self.ahead is None:
             if self._sync is not None:
                 # Never through a thread: StopIteration crossing a future hangs
                 # (CPython gh-112182); next() with a default cannot raise it.
-                return next(self._sync, END)
+                return self._checked(next(self._sync, END))
             if not self.read_ahead_allowed:
                 return await self._pull_async()
             self.ahead = asyncio.ensure_future(self._pull_async())
         await wait_settled(self.ahead)
         ahead, self.ahead = self.ahead, None
-        return ahead.result()
+        return ahead.result()  # type: ignore[no-any-return]
+
+    def _checked(self, item: Any) -> Taken:
+        return item, (None if item is END else self._inspect(item))
 
     def close(self) -> None:
         """Stop a pull under way (the pipeline is reset or shut down)."""
@@ -150,10 +161,10 @@ class Feed:
         else:
             ahead.cancel()
 
-    async def _pull_async(self) -> Any:
+    async def _pull_async(self) -> Taken:
         assert self._async is not None
         try:
-            return await anext(self._async, END)
+            return self._checked(await anext(self._async, END))
         except asyncio.CancelledError:
             # The cancellation was thrown into an async generator's frame: unless it
             # caught it, the generator is finished and its remaining items gone.
@@ -162,3 +173,7 @@ class Feed:
             if inspect.isasyncgen(source) and source.ag_frame is None:
                 self.lost = "a cancelled progress() closed this async generator mid-pull"
             raise
+
+
+def _nothing_wrong(item: Any) -> None:
+    return None

@@ -333,7 +333,7 @@ class HSTUPipeline:
                     "trained: pass that source again, or reset() to drop the batch"
                 )
             return batch
-        batch = await Feed(source, read_ahead=False).take()
+        batch, _ = await Feed(source, read_ahead=False).take()
         if batch is END:
             raise StopAsyncIteration
         try:
