@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 import pytest
 from conftest import Recorder, collect
 
 from aiopipe import AsyncExecutor, Pipeline, Task, TaskContext
+from aiopipe.executors.asyncio_executor import LOOP_SWITCH_INTERVAL_S
 from aiopipe.executors.lanes import resolve_lane
 
 
@@ -167,3 +169,19 @@ async def test_shutdown_joins_every_lane() -> None:
     assert sum(t.name.startswith("aiopipe-lane") for t in threading.enumerate()) == 4
     pipe.shutdown()
     assert not [t for t in threading.enumerate() if t.name.startswith("aiopipe-lane")]
+
+
+def test_lanes_lower_the_gil_switch_interval_and_never_raise_it() -> None:
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)  # the interpreter's default
+        Pipeline([Task.from_fn("t", noop)], thread_map="per_task").shutdown()
+        assert sys.getswitchinterval() == pytest.approx(LOOP_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(0.0002)  # a user's own, shorter setting stays
+        Pipeline([Task.from_fn("t", noop)], thread_map="per_task").shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+        sys.setswitchinterval(0.005)  # the opt-in sequential executor leaves it alone
+        Pipeline([Task.from_fn("t", noop)], executor="sequential").shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,20 @@ from .order_check import CollectiveOrderCheck
 from .signals import LoopWaker, Signal
 from .tickets import TicketLock, TicketStatistics
 
-__all__ = ("AsyncExecutor", "ExecutorStatistics")
+__all__ = ("AsyncExecutor", "ExecutorStatistics", "LOOP_SWITCH_INTERVAL_S", "keep_loop_responsive")
+
+#: The interpreter's GIL switch interval while lanes run (its default is 5 ms).
+LOOP_SWITCH_INTERVAL_S = 0.001
+
+
+def keep_loop_responsive() -> None:
+    """Lower the GIL switch interval to :data:`LOOP_SWITCH_INTERVAL_S` (never raise
+    it).  A lane running Python code keeps the GIL for up to one interval before the
+    event-loop thread may take it, so with the default 5 ms a coroutine on the loop
+    could be held that long.  Measured on the HSTU step, the shorter interval costs no
+    throughput (docs/performance.md).  It is process-wide, like torch's thread count."""
+    if sys.getswitchinterval() > LOOP_SWITCH_INTERVAL_S:
+        sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,8 @@ class AsyncExecutor:
         self._compute_off_loop = bool(threads) and not any(
             lane == LOOP_LANE and not plan.is_async[i] for i, lane in enumerate(lane_of)
         )
+        if threads:
+            keep_loop_responsive()
 
     async def run_step(self, step: Step) -> None:
         if self._compute_off_loop:
