@@ -207,3 +207,26 @@ async def test_cancelling_while_waiting_for_a_ticket() -> None:
     assert len(await collect(pipe, source)) == 3
     assert pipe.executor.statistics().tickets.waiting == ()  # type: ignore[attr-defined]
     await pipe.aclose()
+
+
+async def test_a_cancelled_step_still_trains_its_batch_and_the_next_step_gets_its_own() -> None:
+    gate, started = threading.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    trained: list[int] = []
+
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 1:
+            loop.call_soon_threadsafe(started.set)
+            assert gate.wait(10)
+        trained.append(ctx.slots["batch_cpu"])
+        ctx.slots.set("step_result", ctx.slots["batch_cpu"] * 10)
+
+    async with Pipeline([Task.from_fn("train", train, writes=("step_result",))]) as pipe:
+        call = asyncio.ensure_future(pipe.step(1))
+        await started.wait()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        gate.set()
+        assert await pipe.step(2) == 20  # its own result, not the cancelled step's
+        assert trained == [1, 2]  # the cancelled step's batch was trained, once
