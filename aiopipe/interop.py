@@ -14,10 +14,10 @@ stopped by ``shutdown()``:
   under asyncio;
 * cancelling that trio task (a cancel scope, ``fail_after``, Ctrl-C) cancels the
   call on the loop and waits, shielded, until it has unwound -- what cancelling the
-  caller does under asyncio: nothing keeps running, and the pipeline is reusable or
-  says that it is not.  A call that completed before the cancellation reached it
-  keeps its outcome (no result is lost); trio raises ``Cancelled`` at the caller's
-  next checkpoint.
+  caller does under asyncio: the iteration under way runs on to completion on the
+  bridge loop, and the next call returns its result.  A call that completed before
+  the cancellation reached it keeps its outcome (no result is lost); trio raises
+  ``Cancelled`` at the caller's next checkpoint.
 
 Not bridged: ``wait_for_event`` / ``copy_to_host`` and ``aiopipe.dag.TaskGraph``
 awaited from trio code raise :class:`AsyncLibraryError`, and task bodies always run

@@ -215,6 +215,10 @@ class RankingService:
                              writes=("step_result",)),
             ],  # fmt: skip
             thread_map=THREAD_MAP,
+            # The batcher forms each micro-batch when the pipeline asks for it, so the
+            # requests that arrived during the last step join it; reading ahead would
+            # fix the next batch (often empty) at the start of each step instead.
+            read_ahead=False,
         )
 
     def _collate(self, ctx: TaskContext) -> None:
