@@ -48,7 +48,7 @@ class PipelineStateError(PipelineError, RuntimeError):
     """The pipeline cannot do what was asked in its current state.
 
     Raised for a new iterator while batches are in flight, use after ``shutdown()``,
-    use after an interrupted progress (until ``reset()``), or the blocking API
+    use after a failed progress (until ``reset()``), or the blocking API
     called from inside a running event loop.
     """
 

@@ -245,7 +245,8 @@ class HSTUPipeline:
         self._attached = True
 
     def reset(self) -> None:
-        """After a failed or cancelled progress (the engine then refuses to go on):
+        """After a failed progress (the engine then refuses to go on; a cancelled one
+        needs nothing, its iteration finishes and the next call returns its result):
         drop the batches in flight and give the model its own forwards back; the next
         ``progress`` rebuilds the pipeline on whatever source it gets.  The failed
         step may have applied part of its update: resume from a checkpoint when the
