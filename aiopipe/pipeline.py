@@ -330,10 +330,7 @@ class SchedulablePipeline:
     def _check_usable(self) -> None:
         if self._closed:
             raise PipelineStateError("the pipeline has been shut down")
-        failure = self._failure
-        if failure is not None:  # its caller was cancelled: this call reports it, once
-            self._failure = None
-            raise failure
+        self._raise_pending_failure()
         if self._broken is not None:
             raise PipelineStateError(
                 f"{self._broken}; the batches in flight are in an unknown state. Call "
@@ -347,6 +344,14 @@ class SchedulablePipeline:
                 "another progress() is already running on this pipeline; await it first"
             )
         self._busy = True
+
+    def _raise_pending_failure(self) -> None:
+        """An iteration failed with no caller waiting (it was cancelled): the next
+        call reports the original error, once."""
+        failure = self._failure
+        if failure is not None:
+            self._failure = None
+            raise failure
 
     def _refuse_while_running(self, what: str) -> None:
         if self._running is not None:
@@ -398,10 +403,7 @@ class SchedulablePipeline:
             if feed.outbox:
                 feed.returned += 1
                 return True, feed.outbox.popleft()
-            failure = self._failure
-            if failure is not None:  # an iteration failed with no caller to tell
-                self._failure = None
-                raise failure
+            self._raise_pending_failure()
             running = self._running
             if running is None:
                 if not feed.exhausted and not self._top_pulled:
@@ -409,7 +411,7 @@ class SchedulablePipeline:
                 if feed.finished:
                     return False, None
                 running = self._start_iteration(feed)
-                if feed.read_ahead_allowed and not feed.draining:
+                if feed.can_read_ahead:
                     # Read the next batch while this iteration runs.  First let the
                     # iteration hand its work to the lanes (tasks start in FIFO order).
                     await asyncio.sleep(0)
@@ -422,8 +424,8 @@ class SchedulablePipeline:
             plan, self._ring, self._ctx, feed.iteration, plan.active(feed.iteration, feed.pulled),
             self._annotator, self._tracer, self._lanes,
         )  # fmt: skip
-        running = self._running = asyncio.ensure_future(self._iterate(feed, step))
-        return running
+        self._running = asyncio.ensure_future(self._iterate(feed, step))
+        return self._running
 
     async def _iterate(self, feed: Feed, step: Step) -> None:
         """One internal iteration, as a task of its own: a cancelled caller stops

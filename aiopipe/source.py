@@ -113,15 +113,21 @@ class Feed:
             ahead.result()[0] is not END
         )
 
+    @property
+    def can_read_ahead(self) -> bool:
+        """Whether :meth:`read_ahead` would start reading an item now."""
+        return (
+            self.read_ahead_allowed and self.ahead is None
+            and not (self.exhausted or self.draining)
+        )  # fmt: skip
+
     def read_ahead(self) -> None:
         """Start reading the next item while the current iteration runs.  A sync
         source is called now, inline (the loop waits for one ``next()``)."""
-        if self.ahead is not None or self.exhausted or self.draining:
-            return
-        if not self.read_ahead_allowed:
+        if not self.can_read_ahead:
             return
         if self._async is not None:
-            self.ahead = asyncio.ensure_future(self._pull_async())
+            self._pull_in_task()
             return
         assert self._sync is not None
         future = asyncio.get_running_loop().create_future()
@@ -142,10 +148,17 @@ class Feed:
                 return self._checked(next(self._sync, END))
             if not self.read_ahead_allowed:
                 return await self._pull_async()
-            self.ahead = asyncio.ensure_future(self._pull_async())
-        await wait_settled(self.ahead)
-        ahead, self.ahead = self.ahead, None
+            self._pull_in_task()
+        ahead = self.ahead
+        assert ahead is not None
+        await wait_settled(ahead)
+        self.ahead = None
         return ahead.result()  # type: ignore[no-any-return]
+
+    def _pull_in_task(self) -> None:
+        """Pull the async source in a task of its own, which no cancelled caller
+        cancels: the item is kept in :attr:`ahead` for whichever call takes it."""
+        self.ahead = asyncio.ensure_future(self._pull_async())
 
     def _checked(self, item: Any) -> Taken:
         return item, (None if item is END else self._inspect(item))

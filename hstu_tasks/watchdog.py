@@ -52,10 +52,7 @@ class LossWatch:
         """Queue a host copy that is complete once ``event`` (``query()`` /
         ``synchronize()``, a CUDA event) has completed."""
         self._pending.append((batch_index, host, event))
-        self.poll()
-        while len(self._pending) > self.max_lag:
-            self._pending[0][2].synchronize()
-            self.poll()
+        self._check_until(self.max_lag)
 
     def poll(self) -> None:
         """Check the copies that have arrived (never blocks)."""
@@ -65,7 +62,13 @@ class LossWatch:
 
     def flush(self) -> None:
         """Wait for and check every pending copy (at the end of a source)."""
-        while self._pending:
+        self._check_until(0)
+
+    def _check_until(self, most_pending: int) -> None:
+        """Check what has arrived, then wait for the oldest copies until at most
+        ``most_pending`` are left unchecked."""
+        self.poll()
+        while len(self._pending) > most_pending:
             self._pending[0][2].synchronize()
             self.poll()
 
