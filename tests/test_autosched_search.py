@@ -182,6 +182,38 @@ def test_search_beats_the_default_thread_map_within_its_limits() -> None:
     assert report["baseline"]["latency_ms"] > report["best"]["latency_ms"]
 
 
+def test_search_finds_a_schedule_that_needs_a_stream_and_a_lane_move_together() -> None:
+    # Side work (stats, report) shares the main chain's stream and lane.  A spare
+    # stream alone leaves it on the lane; a lane alone leaves it in the stream's
+    # FIFO order behind the main chain: only both moves at once overlap it.
+    tasks = [
+        task("load", lookahead=1, writes=("x",)),
+        task("forward", reads=("x",), writes=("y",)),
+        task("backward", reads=("y",), writes=("g",)),
+        Task.from_fn("optimizer", step_result, reads=("g",)),
+        task("stats", reads=("x",), writes=("s",)),
+        task("report", reads=("s",)),
+    ]
+    schedule = Schedule.of(tasks, ("default", "side"))
+    ms = {"load": 1.0, "forward": 4.0, "backward": 5.0, "optimizer": 1.0, "stats": 3.0,
+          "report": 3.0}  # fmt: skip
+    model = CostModel.from_host_ms(ms, CHEAP)
+    one_lane = {name: "main" for name in ms}
+    side = ("stats", "report")
+    only_streams = rebuild_schedule(schedule, streams={n: "side" for n in side})
+    only_lanes = {**one_lane, **{n: "side" for n in side}}
+    base = simulate(schedule, model, one_lane).steady_ms
+    assert simulate(only_streams, model, one_lane).steady_ms >= base * 0.99
+    assert simulate(schedule, model, only_lanes).steady_ms >= base * 0.99
+    result = joint_search(schedule, model, thread_map=one_lane, frozen=FROZEN,
+                          max_threads=2, allow_loop=False)  # fmt: skip
+    assert result.predicted_gain > 0.3
+    picked = result.schedule
+    for name in side:
+        assert picked.task(name).stream != "default"
+        assert result.thread_map[name] != result.thread_map["forward"]
+
+
 def test_max_threads_bounds_the_pick() -> None:
     schedule = hstu_like()
     model = CostModel.from_host_ms(HSTU_MS, CHEAP)

@@ -8,8 +8,9 @@ lookaheads depend on all of them -- so they are searched together.  The procedur
 1. start from the schedule as declared (its thread map, streams and order);
 2. each round, mutate every beam candidate: thread map (presets, and moving a
    stream group or a single task to another lane, a new lane or the loop), stream
-   map (a movable group to another stream), fire order (the list-scheduling policies
-   and swaps of adjacent independent tasks);
+   map (a movable group to another stream, alone or together with a move onto that
+   stream's lane or a new one), fire order (the list-scheduling policies and swaps of
+   adjacent independent tasks);
 3. reject candidates that move a frozen task's stream or lookahead or need more
    than ``max_threads`` lane threads; score the rest by simulation;
 4. give the most promising ones their lookaheads (``auto_assign_lookaheads`` under
@@ -209,14 +210,29 @@ class _Search:
                 yield replace(c, thread_map=_pairs(moved), note=f"threads: {label} -> {lane}")
 
     def mutate_stream_map(self, c: Candidate) -> Iterator[Candidate]:
-        streams = dict(c.streams)
+        streams, lanes = dict(c.streams), dict(c.thread_map)
         for group in self.groups:
             movable = [n for n in group if n not in self.frozen]
             for stream in self.streams:
                 if movable and any(streams[n] != stream for n in movable):
                     moved = {**streams, **{n: stream for n in movable}}
-                    yield replace(c, streams=_pairs(moved),
-                                  note=f"streams: {'/'.join(movable)} -> {stream}")  # fmt: skip
+                    label = f"streams: {'/'.join(movable)} -> {stream}"
+                    yield replace(c, streams=_pairs(moved), note=label)
+                    # A stream move alone often gains nothing (the tasks still share
+                    # a lane with their old stream's), and the lane move alone gains
+                    # nothing either (the stream's FIFO order still chains them): each
+                    # half would be pruned before the other could pay off.  So also
+                    # offer both at once, onto the target stream's lane or a new one.
+                    for lane in self._lanes_for_stream(stream, streams, lanes, movable):
+                        yield replace(c, streams=_pairs(moved), note=f"{label}, lane {lane}",
+                                      thread_map=_pairs({**lanes, **{n: lane for n in movable}}))
+
+    def _lanes_for_stream(self, stream: str, streams: Mapping[str, str],
+                          lanes: Mapping[str, str], movable: Sequence[str]) -> list[str]:
+        residents = {lanes[n] for n in self.names if streams[n] == stream and n not in movable}
+        candidates = [*sorted(residents - {LOOP_LANE}), f"lane_{stream}"]
+        return [lane for lane in dict.fromkeys(candidates)
+                if any(lanes[n] != lane for n in movable)]  # fmt: skip
 
     def mutate_fire_order(self, c: Candidate) -> Iterator[Candidate]:
         built = self.materialise(c)
