@@ -154,6 +154,10 @@ class Snippet:
 
 def snippets_of(page: str, text: str) -> list[Snippet]:
     lines = text.splitlines()
+    for row, line in enumerate(lines):
+        if _MARKER.match(line) and not (row + 1 < len(lines) and _FENCE.match(lines[row + 1])):
+            raise ValueError(f"{page}:{row + 1}: a snippet marker must sit on the line just "
+                             f"before a ```python fence")  # fmt: skip
     found: list[Snippet] = []
     i = 0
     while i < len(lines):
@@ -293,6 +297,7 @@ def test_snippets_are_found_with_their_lines_and_skips() -> None:
         ("```python\nx = 1\n", "never closed"),
         ("<!-- snippet: skip () -->\n```python\nx = 1\n```\n", "must say why"),
         ("<!-- snippet: skipped -->\n```python\nx = 1\n```\n", "write the marker as"),
+        ("<!-- snippet: skip (GPU) -->\n\n```python\nx = 1\n```\n", "line just before"),
     ],
 )
 def test_malformed_pages_are_reported(text: str, problem: str) -> None:
