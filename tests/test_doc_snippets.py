@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import gc
 import inspect
 import re
@@ -43,7 +44,7 @@ import pytest
 import torch
 
 import aiopipe
-from aiopipe import BlockingPipeline, SchedulablePipeline, Schedule, Task, TaskContext
+from aiopipe import BlockingPipeline, PipelineError, SchedulablePipeline, Schedule, Task, TaskContext
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = {"docs/api.md"}
@@ -223,7 +224,8 @@ def close_pipelines(namespace: dict[str, Any], threads_before: set[threading.Thr
     """Shut down the pipelines a page left open, and wait for their lane threads."""
     for value in list(namespace.values()):
         if isinstance(value, (SchedulablePipeline, BlockingPipeline)):
-            value.shutdown()
+            with contextlib.suppress(PipelineError):  # a failed snippet's error comes first
+                value.shutdown()
     namespace.clear()
     gc.collect()  # pipelines dropped without shutdown() stop their lanes when collected
     for thread in set(threading.enumerate()) - threads_before:
@@ -232,8 +234,8 @@ def close_pipelines(namespace: dict[str, Any], threads_before: set[threading.Thr
 
 
 def run_page(snippets: list[Snippet]) -> None:
-    namespace = stand_ins()
     threads_before = set(threading.enumerate())
+    namespace = stand_ins()
     try:
         with asyncio.Runner() as runner:
             for snippet in snippets:
