@@ -18,10 +18,11 @@ event loop is refused: use ``await pipe.progress(it)`` there.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .runner import LoopRunner
+from .source import iterate
 
 if TYPE_CHECKING:
     from .source import Source
@@ -65,8 +66,11 @@ class BlockingPipeline:
         """Like ``await pipeline.step(batch)``: one batch, to completion."""
         return self._runner.run(self._pipeline.step, batch)  # type: ignore[attr-defined]
 
-    def results(self, source: Source) -> Iterator[Any]:
-        """``for result in pipe.results(it)``: every remaining result."""
+    def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> Iterator[Any]:
+        """``for result in pipe.results(loader)``: one result per batch, like ``for
+        batch in loader`` (an iterable gets a fresh iterator, an iterator continues
+        where it stands)."""
+        source = iterate(source)
         while True:
             try:
                 yield self.progress(source)

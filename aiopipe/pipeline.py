@@ -13,7 +13,7 @@ import asyncio
 import collections
 import functools
 import inspect
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,7 @@ from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, SlotStore
 from .schedule import Schedule
-from .source import END, Feed, OneBatch, Source
+from .source import END, Feed, OneBatch, Source, iterate
 from .streams import StreamPool
 from .task import BATCH_SLOT, RESULT_SLOT
 from .trace import Tracer, resolve_tracer
@@ -202,8 +202,12 @@ class SchedulablePipeline:
         return await self.progress(OneBatch(batch))
 
     @needs_event_loop
-    async def results(self, source: Source) -> AsyncIterator[Any]:
-        """``async for result in pipe.results(it)``: every remaining result."""
+    async def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+        """``async for result in pipe.results(loader)``: one result per batch, like
+        ``for batch in loader``.  An iterable (a list, a ``DataLoader``) gets a fresh
+        iterator, so each call is a new pass over it; an iterator continues where it
+        stands (every remaining result)."""
+        source = iterate(source)
         while True:
             try:
                 result = await self.progress(source)
@@ -372,8 +376,8 @@ class SchedulablePipeline:
             raise PipelineStateError(
                 f"a new iterator was passed while {feed.in_flight} batch(es) of the previous "
                 f"one are in flight; none of its batches was taken. Keep passing the same "
-                f"iterator until the end (StopAsyncIteration, or StopIteration from the "
-                f"blocking form), or call drain() first."
+                f"iterator until progress() reports its end, or call drain() first to "
+                f"finish the batches in flight."
             )
         if feed is not None:
             feed.close()

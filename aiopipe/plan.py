@@ -17,7 +17,7 @@ from .schedule import Schedule
 from .streams import StreamPool
 from .task import Task
 
-__all__ = ("ExecutionPlan", "IndexedWait")
+__all__ = ("ActiveSet", "ExecutionPlan", "IndexedWait")
 
 #: ``(producer_index, producer_stream, slot_offset)``
 IndexedWait = tuple[int, str, int]
@@ -25,7 +25,13 @@ IndexedWait = tuple[int, str, int]
 
 @dataclass(frozen=True)
 class ActiveSet:
-    """The tasks that fire in one iteration, per stage, in topological order."""
+    """The tasks that fire in one iteration (``Step.active``), as task numbers of the
+    :class:`ExecutionPlan`.
+
+    * ``stages``: one tuple per stage, in topological order; stages run one after
+      another.
+    * ``all``: every active task, stage after stage.
+    """
 
     stages: tuple[tuple[int, ...], ...]
     all: tuple[int, ...] = field(init=False)
@@ -35,7 +41,23 @@ class ActiveSet:
 
 
 class ExecutionPlan:
-    """The compiled form of ``(schedule, stream_pool)``."""
+    """The compiled form of ``(schedule, stream_pool)``: what an executor reads.
+
+    Tasks are numbered by their position in ``order``; every per-task fact is a tuple
+    indexed by that number:
+
+    * ``order``: the tasks, in topological order; ``index``: task name -> number.
+    * ``stream``: each task's stream name; ``on_device``: whether that stream is a
+      real (CUDA) stream rather than a null one.
+    * ``is_async``: the body is ``async def`` (run it with ``Step.invoke_async``).
+    * ``nccl``: the task issues collectives (it takes a ticket).
+    * ``preds``: same-progress predecessors, which must finish before the task starts.
+    * ``lookahead``, ``lag`` (``max_lookahead - lookahead``), ``stage_of``,
+      ``waits`` (cross-stream event waits), ``records_event``.
+    * ``schedule``, ``stream_pool``, ``max_lookahead``, ``num_stages``.
+
+    The engine builds it; an executor receives it in ``bind(plan)``.
+    """
 
     def __init__(self, schedule: Schedule, stream_pool: StreamPool) -> None:
         self.schedule = schedule
@@ -98,6 +120,7 @@ class ExecutionPlan:
 
     @cached_property
     def distinct_lookaheads(self) -> tuple[int, ...]:
+        """The lookaheads the tasks use, ascending."""
         return tuple(sorted(set(self.lookahead)))
 
     def same_stream_predecessor(self, active: Sequence[int]) -> dict[int, int]:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, Union
 
 from .executors.signals import wait_settled
 
-__all__ = ("END", "Feed", "OneBatch", "Source")
+__all__ = ("END", "Feed", "OneBatch", "Source", "iterate")
 
 #: Returned by :meth:`Feed.take` once the source is exhausted.
 END: Any = object()
@@ -27,6 +27,21 @@ Source = Union[Iterator[Any], AsyncIterator[Any]]
 #: What the pipeline finds wrong with an item (``None``: nothing).
 Inspect = Callable[[Any], Union[BaseException, None]]
 Taken = tuple[Any, Union[BaseException, None]]
+
+
+def iterate(items: Iterable[Any] | AsyncIterable[Any]) -> Source:
+    """The source for one pass over ``items``, as ``for`` / ``async for`` would make it:
+    an iterator is returned as it is (the pass continues where it stands), an
+    iterable gets a fresh iterator (``iter()`` / ``aiter()``: a new pass, a new epoch
+    of a ``DataLoader``)."""
+    given: object = items  # checked at run time: callers pass anything
+    if isinstance(given, (Iterator, AsyncIterator)):
+        return given
+    if isinstance(given, AsyncIterable):
+        return aiter(given)
+    if isinstance(given, Iterable):
+        return iter(given)
+    raise TypeError(f"results() takes an iterable or async iterable of batches, got {items!r}")
 
 
 class OneBatch(Iterator[Any]):
@@ -68,7 +83,8 @@ class Feed:
             raise TypeError(
                 f"progress() takes an iterator, got the iterable {type(source).__name__}: "
                 f"create it once with iter(...) / aiter(...) and pass the same iterator on "
-                f"every call (a fresh iterator per call would restart the pipeline)"
+                f"every call (a fresh iterator per call would restart the pipeline), or "
+                f"loop over results({type(source).__name__}), which does that for you"
             )
         else:
             raise TypeError(f"progress() takes a sync or async iterator, got {source!r}")

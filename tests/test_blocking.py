@@ -47,6 +47,23 @@ def test_blocking_results_and_drain() -> None:
         assert list(pipe.results(source)) == [6, 8]
 
 
+def test_blocking_results_of_an_iterable_is_one_pass_per_call() -> None:
+    loader = range(3)
+    with echo_pipeline().blocking() as pipe:
+        assert list(pipe.results(loader)) == [0, 2, 4]
+        assert list(pipe.results(loader)) == [0, 2, 4]
+
+
+def test_blocking_source_switch_error_names_no_async_exception() -> None:
+    """A script's user never sees ``StopAsyncIteration``: the message must not name it."""
+    with echo_pipeline().blocking() as pipe:
+        assert pipe.progress(iter(range(5))) == 0
+        with pytest.raises(PipelineStateError, match="new iterator was passed") as caught:
+            pipe.progress(iter(range(5)))
+        assert "StopAsyncIteration" not in str(caught.value)
+        assert "call drain() first" in str(caught.value)
+
+
 async def test_blocking_refuses_inside_a_running_loop() -> None:
     pipe = echo_pipeline().blocking()
     with pytest.raises(PipelineStateError, match="await pipe.progress"):

@@ -173,6 +173,36 @@ async def test_results_async_for(recorder: Recorder, executor: str) -> None:
         assert [r async for r in pipe.results(iter(range(3)))] == ["result-0", "result-1", "result-2"]
 
 
+async def test_results_of_an_iterable_is_one_pass_per_call(recorder: Recorder) -> None:
+    """``results(loader)`` behaves like ``for batch in loader``: each call is a fresh
+    pass (a new epoch); an iterator passed instead continues where it stands."""
+    loader = [0, 1, 2]
+
+    async def epoch() -> AsyncIterator[int]:
+        for b in (0, 1):
+            yield b
+
+    class AsyncLoader:  # an async iterable that is not an iterator
+        def __aiter__(self) -> AsyncIterator[int]:
+            return epoch()
+
+    async with three_stage(recorder, "async") as pipe:
+        assert [r async for r in pipe.results(loader)] == ["result-0", "result-1", "result-2"]
+        assert [r async for r in pipe.results(loader)] == ["result-0", "result-1", "result-2"]
+        assert [r async for r in pipe.results(AsyncLoader())] == ["result-0", "result-1"]
+        source = iter(range(4))
+        assert await pipe.progress(source) == "result-0"
+        assert [r async for r in pipe.results(source)] == ["result-1", "result-2", "result-3"]
+        with pytest.raises(TypeError, match="results\\(\\) takes an iterable"):
+            [r async for r in pipe.results(5)]  # type: ignore[arg-type]
+
+
+async def test_progress_refuses_an_iterable_and_names_results(recorder: Recorder) -> None:
+    async with three_stage(recorder, "async") as pipe:
+        with pytest.raises(TypeError, match="takes an iterator, got the iterable list.*results\\(list\\)"):
+            await pipe.progress([1, 2])
+
+
 async def test_step_result_defaults_to_none(recorder: Recorder) -> None:
     async with Pipeline([recorder.task("a", lookahead=1), recorder.task("b")]) as pipe:
         assert await collect(pipe, iter(range(3))) == [None, None, None]

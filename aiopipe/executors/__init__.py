@@ -1,16 +1,21 @@
 """Executors: strategies for running the active tasks of one iteration.
 
 ``SequentialExecutor`` is the reference; ``AsyncExecutor`` runs one event loop plus
-GPU-submit lane threads.  Any object following :class:`Executor` plugs in.
+GPU-submit lane threads.  Any object following :class:`Executor` plugs in: it is
+bound to an :class:`ExecutionPlan` once and runs one :class:`Step` per iteration.
 """
 
 from __future__ import annotations
 
+from ..plan import ActiveSet, ExecutionPlan
 from .asyncio_executor import AsyncExecutor
 from .base import Executor, Step
 from .sequential import SequentialExecutor
 
-__all__ = ("AsyncExecutor", "Executor", "SequentialExecutor", "Step", "make_executor")
+__all__ = (
+    "ActiveSet", "AsyncExecutor", "ExecutionPlan", "Executor", "SequentialExecutor", "Step",
+    "make_executor",
+)  # fmt: skip
 
 
 def make_executor(spec: str | Executor) -> Executor:

@@ -65,7 +65,14 @@ def annotate_failure(exc: BaseException, task_name: str, iteration: int, batch: 
 
 
 class Step:
-    """The active tasks of one internal iteration and the means to run them."""
+    """The active tasks of one internal iteration and the means to run them.
+
+    An executor's ``run_step(step)`` reads ``step.plan`` (the :class:`ExecutionPlan`),
+    ``step.iteration`` and ``step.active`` (an :class:`~aiopipe.plan.ActiveSet` of task
+    numbers), and runs each active task once with :meth:`invoke` (a synchronous body,
+    on the calling thread) or :meth:`invoke_async` (an ``async def`` body).
+    ``step.started`` turns true once any body has begun.
+    """
 
     __slots__ = (
         "_annotator", "_ctx", "_lanes", "_ready_ns", "_ring", "_tracer", "active", "iteration",
