@@ -13,7 +13,6 @@ import copy
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
 
 from .errors import TaskDefinitionError
@@ -127,15 +126,19 @@ def _normalise_cross_iter(refs: Any, task_name: str) -> tuple[tuple[str, int], .
 
 def _normalise_sides(
     sides: Any, names: tuple[str, ...], task_name: str
-) -> Mapping[str, SyncSide]:
+) -> tuple[tuple[str, SyncSide], ...]:
+    """A mapping (or the normalised pairs) as ``(producer, side)`` pairs in the order
+    of ``same_progress_sync``: immutable like every declared field."""
     if sides is None:
         sides = {}
-    if not isinstance(sides, Mapping):
+    try:
+        given = dict(sides)
+    except (TypeError, ValueError):
         raise TypeError(
             f"Task {task_name!r}: same_progress_sync_sides must map producer names to "
             f"'cpu' or 'device', got {sides!r}"
-        )
-    for producer, side in sides.items():
+        ) from None
+    for producer, side in given.items():
         if producer not in names:
             raise TaskDefinitionError(
                 f"Task {task_name!r}: same_progress_sync_sides names {producer!r}, which is "
@@ -147,8 +150,7 @@ def _normalise_sides(
                 f"'cpu' (bodies in order, no device wait) or 'device' (stream wait only), or "
                 f"leave the name out for both."
             )
-    # Read-only like every declared field: a view the caller's dict cannot change.
-    return MappingProxyType(dict(sides))
+    return tuple((producer, given[producer]) for producer in names if producer in given)
 
 
 class Task:
@@ -188,7 +190,8 @@ class Task:
     depends_on: tuple[str, ...] = ()
     cross_iter_depends_on: tuple[tuple[str, int], ...] = ()
     same_progress_sync: tuple[str, ...] = ()
-    same_progress_sync_sides: Mapping[str, SyncSide] = MappingProxyType({})
+    # Declared as given (a mapping); normalised to ``(producer, side)`` pairs.
+    same_progress_sync_sides: tuple[tuple[str, SyncSide], ...] = ()
     nccl: bool = False
     nvtx_tag: str | None = None
 
@@ -276,7 +279,10 @@ class Task:
 
     def sync_side(self, producer: str) -> Literal["both", "cpu", "device"]:
         """Which sides of the ``same_progress_sync`` edge on ``producer`` apply."""
-        return self.same_progress_sync_sides.get(producer, "both")
+        for name, side in self.same_progress_sync_sides:
+            if name == producer:
+                return side
+        return "both"
 
     def _check_fields_disjoint(self) -> None:
         fields = {

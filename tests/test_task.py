@@ -229,6 +229,7 @@ def test_same_progress_sync_sides_name_listed_producers_and_a_known_side() -> No
         Task.from_fn("c", noop, same_progress_sync=("a",), same_progress_sync_sides={"a": "gpu"})
     with pytest.raises(TypeError, match="must map producer names"):
         Task.from_fn("c", noop, same_progress_sync=("a",), same_progress_sync_sides=["a"])  # type: ignore[arg-type]
+    assert task.same_progress_sync_sides == (("a", "cpu"), ("b", "device"))  # sync order
 
 
 def test_same_progress_sync_sides_as_a_class_attribute() -> None:
@@ -240,7 +241,7 @@ def test_same_progress_sync_sides_as_a_class_attribute() -> None:
         same_progress_sync_sides = sides
 
     task = Backward()
-    sides["prefetch"] = "cpu"  # the task keeps its own read-only copy
+    sides["prefetch"] = "cpu"  # the task keeps its own immutable copy
+    assert task.same_progress_sync_sides == (("prefetch", "device"),)
     assert task.sync_side("prefetch") == "device"
-    with pytest.raises(TypeError):
-        task.same_progress_sync_sides["prefetch"] = "cpu"  # type: ignore[index]
+    assert task.replace(stream="s").sync_side("prefetch") == "device"  # normalised again
