@@ -551,7 +551,7 @@ def _warn_without_result(schedule: Schedule) -> None:
         return
     names = ", ".join(task.name for task in schedule.tasks)
     # Point at the user's line: the first frame outside this package.
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     frame: FrameType | None = sys._getframe()
     level = 1
     while frame is not None and frame.f_code.co_filename.startswith(package):
