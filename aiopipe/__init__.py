@@ -25,6 +25,7 @@ from .errors import BadBatchError as BadBatchError
 from .errors import CollectiveOrderError as CollectiveOrderError
 from .errors import GraphError as GraphError
 from .errors import NoRunningLoopError as NoRunningLoopError
+from .errors import NoStepResultWarning as NoStepResultWarning
 from .errors import PipelineError as PipelineError
 from .errors import PipelineStateError as PipelineStateError
 from .errors import PoisonedError as PoisonedError
@@ -73,6 +74,7 @@ __all__ = (
     "Executor",
     "GraphError",
     "NoRunningLoopError",
+    "NoStepResultWarning",
     "Pipeline",
     "PipelineError",
     "PipelineStateError",

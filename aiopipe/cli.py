@@ -183,7 +183,9 @@ def _trace_pipeline(
         executor = AsyncExecutor(_thread_map(args, target))
     elif args.thread_map:
         raise TargetError("--thread-map configures the async executor; drop one of them")
-    return SchedulablePipeline(target.schedule, None, executor, trace=tracer), tracer
+    # Traced for its timings: the results are not looked at.
+    pipe = SchedulablePipeline(target.schedule, None, executor, trace=tracer, expect_result=False)
+    return pipe, tracer
 
 
 async def _run_progresses(pipe: SchedulablePipeline, batches: Iterable[Any], count: int) -> int:

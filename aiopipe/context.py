@@ -4,6 +4,10 @@ The pipeline hands every task the same ``TaskContext`` object; what it returns
 depends on the task currently running *in this thread or coroutine*, which is kept
 in a ``contextvars.ContextVar``.  Lane threads and loop coroutines each have their
 own context, so concurrent tasks never see each other's slots.
+
+Named events (:meth:`TaskContext.record_event` / :meth:`TaskContext.wait_event`)
+order device work around state that lives outside slots.  They live in a registry
+of their own, apart from the events the engine records per task in the slot stores.
 """
 
 from __future__ import annotations
@@ -40,13 +44,23 @@ class Running(NamedTuple):
 CURRENT: ContextVar[Running | None] = ContextVar("aiopipe_current_task", default=None)
 
 
+class _NamedEvent(NamedTuple):
+    """The latest record of a user-named event."""
+
+    event: Any  # None when recorded on a CPU null stream
+    batch_index: int
+
+
 class TaskContext:
     """Per-pipeline handle passed to every ``run(ctx)`` / ``init(ctx)``."""
 
-    __slots__ = ("_stream_pool",)
+    __slots__ = ("_named_events", "_stream_pool")
 
     def __init__(self, stream_pool: StreamPool) -> None:
         self._stream_pool = stream_pool
+        # Kept apart from the engine's per-task events (SlotStore.record_event): a
+        # user name can never shadow or be shadowed by a task's name.
+        self._named_events: dict[str, _NamedEvent] = {}
 
     @staticmethod
     def _running() -> Running:
@@ -86,6 +100,41 @@ class TaskContext:
         """This task's stream (``None`` on a CPU null stream)."""
         return self._stream_pool.get(self._running().task.stream)
 
+    def record_event(self, name: str) -> Any:
+        """Record the event ``name`` on this task's stream, after the work queued on it
+        so far, and return it (``None`` on a CPU null stream).
+
+        For state outside slots (a cache, a module attribute) whose readers run on
+        other streams.  An event name is one per pipeline: each record replaces the
+        previous one, whichever task, batch or progress made it (as re-recording a
+        CUDA event does), and stays until the next record.  Names are separate from
+        task names and from the engine's own events."""
+        _check_event_name(name)
+        running = self._running()
+        event = self._stream_pool.record_event(running.task.stream)
+        self._named_events[name] = _NamedEvent(event, running.batch_index)
+        return event
+
+    def wait_event(self, name: str) -> int | None:
+        """Make this task's stream wait, on the device, for the latest record of the
+        event ``name``; the host thread never blocks.  Returns the batch index the
+        recording task was processing (``-1`` from ``init``), or ``None`` if ``name``
+        was never recorded -- then there is nothing to wait for and nothing is issued.
+
+        It waits for the record made *before this call*: declare a dependency on the
+        recording task (``depends_on``, ``same_progress_sync`` or
+        ``cross_iter_depends_on``) so its record comes first.  On a CPU null stream
+        the wait itself is a no-op; the bookkeeping (and the return value) is the same.
+        """
+        _check_event_name(name)
+        running = self._running()
+        named = self._named_events.get(name)
+        if named is None:
+            return None
+        if named.event is not None:
+            self._stream_pool.wait_event(running.task.stream, named.event)
+        return named.batch_index
+
     async def run_on_lane(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """From an ``async def`` task: run ``fn(*args, **kwargs)`` on this task's lane
         thread with the task's stream current, and await its result.  ``fn`` sees the
@@ -116,3 +165,10 @@ class TaskContext:
         running = CURRENT.get()
         where = f"task={running.task.name!r} batch={running.batch_index}" if running else "idle"
         return f"<TaskContext {where}>"
+
+
+def _check_event_name(name: object) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"an event name must be a string, got {name!r}")
+    if not name:
+        raise ValueError("an event name must not be empty: name the state it guards")

@@ -15,6 +15,7 @@ __all__ = (
     "CollectiveOrderError",
     "GraphError",
     "NoRunningLoopError",
+    "NoStepResultWarning",
     "PipelineError",
     "PipelineStateError",
     "PoisonedError",
@@ -87,6 +88,10 @@ class AsyncLibraryError(PipelineError, RuntimeError):
 
 
 class BadBatchError(PipelineError, ValueError):
-    """The source yielded a batch the pipeline refuses (``None``, or one its
-    ``check_batch`` rejects); the batch was not taken and the batches in flight are
-    intact."""
+    """The source yielded a batch the pipeline's ``check_batch`` rejects; the batch
+    was not taken and the batches in flight are intact."""
+
+
+class NoStepResultWarning(UserWarning):
+    """A pipeline was built whose tasks never write ``step_result``, so ``progress``
+    returns ``None`` for every batch; pass ``expect_result=False`` when that is meant."""

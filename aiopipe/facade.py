@@ -28,6 +28,9 @@ class Pipeline(SchedulablePipeline):
     :class:`AsyncExecutor` -- sync bodies on one lane thread per stream (or per
     ``thread_map``), so the event loop never waits for them; ``"sequential"`` runs
     them inline on the loop instead (cheapest for tiny bodies, but it blocks the loop).
+    The other options (``check_batch``, ``expect_result``, ...) are those of
+    :class:`SchedulablePipeline`.  A non-``Task`` entry in ``tasks`` raises
+    ``TypeError`` naming it and its position; an empty list is refused.
     """
 
     def __init__(
@@ -42,6 +45,7 @@ class Pipeline(SchedulablePipeline):
         trace: bool | Tracer | None = None,
         check_batch: Callable[[Any], None] | None = None,
         read_ahead: bool = True,
+        expect_result: bool = True,
     ) -> None:
         schedule = Schedule.of(tasks)
         if stream_pool is None:
@@ -54,5 +58,5 @@ class Pipeline(SchedulablePipeline):
             executor = "async"
         super().__init__(
             schedule, stream_pool, executor, nvtx=nvtx, trace=trace, check_batch=check_batch,
-            read_ahead=read_ahead,
+            read_ahead=read_ahead, expect_result=expect_result,
         )  # fmt: skip

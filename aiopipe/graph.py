@@ -16,6 +16,10 @@ depends_on X                X.la - c.la   (>= 0 required)   c.la
 cross_iter_depends_on X,-N  X.la + N - c.la (>= 0 required) c.la - N (X.la if Δ=0)
 same_progress_sync X        0                               X.la
 ==========================  ==============================  =====================
+
+A ``same_progress_sync`` edge may keep one side only (``Task.same_progress_sync_sides``):
+``"cpu"`` orders the bodies but issues no event wait; ``"device"`` issues the event
+wait but adds no topological or CPU edge (see ``Step`` for where that wait goes).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ __all__ = (
 )
 
 EdgeKind = Literal["slot", "depends_on", "cross_iter", "same_progress_sync"]
+EdgeSides = Literal["both", "cpu", "device"]
 #: ``(producer_name, producer_stream, slot_offset)``
 EventWait = tuple[str, str, int]
 
@@ -52,11 +57,14 @@ class Edge:
     delta: int
     slot_offset: int
     slot: str | None = None  # the slot name, for ``kind == "slot"``
+    #: ``"both"``, or the one side a ``same_progress_sync`` edge keeps.
+    sides: EdgeSides = "both"
 
     @property
     def intra_progress(self) -> bool:
-        """True when both sides run in the same progress (Δ = 0): a topological edge."""
-        return self.delta == 0
+        """True for a topological (and CPU) edge: both tasks run in the same
+        progress (Δ = 0) and the edge keeps its CPU side."""
+        return self.delta == 0 and self.sides != "device"
 
 
 def _writers_by_slot(tasks: Sequence[Task]) -> dict[str, tuple[Task, int]]:
@@ -131,9 +139,12 @@ def dependency_edges(tasks: Sequence[Task] | Schedule) -> list[Edge]:
             edges.append(Edge(name, consumer.name, "cross_iter", delta, slot_offset))
         for name in consumer.same_progress_sync:
             producer = producer_of(consumer, name, "same_progress_sync")
-            edges.append(Edge(name, consumer.name, "same_progress_sync", 0, producer.lookahead))
+            edges.append(Edge(
+                name, consumer.name, "same_progress_sync", 0, producer.lookahead,
+                sides=consumer.sync_side(name),
+            ))  # fmt: skip
     for edge in edges:
-        if edge.intra_progress and edge.producer == edge.consumer:
+        if edge.delta == 0 and edge.producer == edge.consumer:
             raise ScheduleValidationError(
                 6,
                 f"task {edge.consumer!r} waits for itself in the same progress ({edge.kind}); "
@@ -220,7 +231,9 @@ def infer_cross_stream_event_deps(schedule: Schedule) -> dict[str, list[EventWai
     """Per consumer, the GPU event waits to issue before it runs.
 
     Returns ``{consumer: [(producer, producer_stream, slot_offset), ...]}``.  Same-stream
-    edges need no wait (stream FIFO).  Per (consumer, producer stream) only the most
+    edges need no wait (stream FIFO).  CPU-only ``same_progress_sync`` edges issue no
+    wait; device-only ones are not listed here either: their producer may not have
+    run yet when the consumer starts (the executors place those waits themselves).  Per (consumer, producer stream) only the most
     recently recorded event is kept -- events on one stream complete in record order,
     so it implies the others.  A cross-stream wait whose event would already have
     rotated out of the ring (``slot_offset < 0``) is rejected (rule 8).
@@ -231,7 +244,7 @@ def infer_cross_stream_event_deps(schedule: Schedule) -> dict[str, list[EventWai
     chosen: dict[tuple[str, str], Edge] = {}
     for edge in dependency_edges(schedule):
         producer, consumer = by_name[edge.producer], by_name[edge.consumer]
-        if producer.stream == consumer.stream:
+        if producer.stream == consumer.stream or edge.sides != "both":
             continue
         if edge.slot_offset < 0:
             raise ScheduleValidationError(

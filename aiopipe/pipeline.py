@@ -13,23 +13,27 @@ import asyncio
 import collections
 import functools
 import inspect
+import os
+import sys
+import warnings
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from ._nvtx import Annotator, resolve_annotator
 from .context import CURRENT, Running, TaskContext
-from .errors import BadBatchError, PipelineStateError
+from .errors import BadBatchError, NoStepResultWarning, PipelineStateError
 from .executors import Executor, make_executor
 from .executors.base import Step
 from .executors.signals import wait_settled
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, SlotStore
-from .schedule import Schedule
+from .schedule import Schedule, Stage
 from .source import END, Feed, OneBatch, Source, iterate
 from .streams import StreamPool
-from .task import BATCH_SLOT, RESULT_SLOT
+from .task import BATCH_SLOT, RESULT_SLOT, Task
 from .trace import Tracer, resolve_tracer
 from .validate import validate_schedule
 
@@ -68,8 +72,14 @@ class SchedulablePipeline:
     to CPU null streams for every name in ``schedule.stream_slots``.  ``trace=True``
     (or a shared :class:`~aiopipe.trace.Tracer`) records a span per task run.
     ``check_batch(batch)`` may raise to refuse a malformed batch before it enters the
-    ring (``None`` batches are always refused): progress then raises
-    :class:`~aiopipe.errors.BadBatchError` and the batches in flight stay intact.
+    ring: progress then raises :class:`~aiopipe.errors.BadBatchError` and the batches
+    in flight stay intact.  Any value is a batch, ``None`` included (tasks that make
+    their own data run with ``step(None)``).
+
+    ``progress`` returns the ``step_result`` slot of each batch.  When no task writes
+    it, every result is ``None``: construction warns with
+    :class:`~aiopipe.errors.NoStepResultWarning` unless ``expect_result=False``
+    says the pipeline runs for its side effects.
     """
 
     def __init__(
@@ -82,11 +92,15 @@ class SchedulablePipeline:
         trace: bool | Tracer | None = None,
         check_batch: Callable[[Any], None] | None = None,
         read_ahead: bool = True,
+        expect_result: bool = True,
     ) -> None:
         if stream_pool is None:
             stream_pool = StreamPool({name: None for name in schedule.stream_slots})
         validate_schedule(schedule, stream_pool)
+        if expect_result:
+            _warn_without_result(schedule)
         self._plan = ExecutionPlan(schedule, stream_pool)
+        self._schedule = _in_order(schedule, self._plan.order)
         self._executor = make_executor(executor)
         self._executor.bind(self._plan)
         self._ring = BatchRing(self._plan.max_lookahead + 1)
@@ -124,8 +138,9 @@ class SchedulablePipeline:
 
     @property
     def schedule(self) -> Schedule:
-        """The schedule, its single-stage tasks in execution (topological) order."""
-        return self._plan.schedule
+        """The schedule with each stage's tasks in execution (topological) order, the
+        order ``plan.order`` runs them in (the declared schedule is ``plan.schedule``)."""
+        return self._schedule
 
     @property
     def plan(self) -> ExecutionPlan:
@@ -438,6 +453,7 @@ class SchedulablePipeline:
         iteration, plan, ring = step.iteration, self._plan, self._ring
         try:
             await self._executor.run_step(step)
+            step.finish()
         except BaseException as exc:
             if step.started:
                 self._broken = (
@@ -524,11 +540,39 @@ class SchedulablePipeline:
         )
 
 
+def _in_order(schedule: Schedule, order: tuple[Task, ...]) -> Schedule:
+    """``schedule`` with each stage's tasks in ``order`` (stages keep their order)."""
+    position = {task.name: i for i, task in enumerate(order)}
+    stages = tuple(
+        Stage(tasks=tuple(sorted(stage.tasks, key=lambda task: position[task.name])))
+        for stage in schedule.stages
+    )
+    return Schedule(stages=stages, stream_slots=schedule.stream_slots)
+
+
+def _warn_without_result(schedule: Schedule) -> None:
+    if any(slot.name == RESULT_SLOT for task in schedule.tasks for slot in task.writes):
+        return
+    names = ", ".join(task.name for task in schedule.tasks)
+    # Point at the user's line: the first frame outside this package.
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame: FrameType | None = sys._getframe()
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"no task writes {RESULT_SLOT!r}, so progress() will return None for every batch "
+        f"(tasks: {names}). Declare writes=({RESULT_SLOT!r},) on the task that makes the "
+        f"result and call ctx.slots.set({RESULT_SLOT!r}, value) in it, or pass "
+        f"expect_result=False if the pipeline runs for its side effects.",
+        NoStepResultWarning,
+        stacklevel=level,
+    )
+
+
 def _problem_of(check_batch: Callable[[Any], None] | None, batch: Any) -> BaseException | None:
     """Why ``batch`` must be refused, if it must.  Runs when the batch is read (ahead,
     while an iteration runs), not on the critical path into the ring."""
-    if batch is None:
-        return TypeError("the source yielded None")
     if check_batch is not None:
         try:
             check_batch(batch)

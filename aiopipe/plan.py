@@ -35,9 +35,11 @@ class ActiveSet:
 
     stages: tuple[tuple[int, ...], ...]
     all: tuple[int, ...] = field(init=False)
+    members: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "all", tuple(i for stage in self.stages for i in stage))
+        object.__setattr__(self, "members", frozenset(self.all))
 
 
 class ExecutionPlan:
@@ -79,9 +81,14 @@ class ExecutionPlan:
         self.num_stages = len(schedule.stages)
 
         preds: list[set[int]] = [set() for _ in self.order]
+        device_only: list[list[IndexedWait]] = [[] for _ in self.order]
         for edge in dependency_edges(schedule):
             if edge.intra_progress:
                 preds[index[edge.consumer]].add(index[edge.producer])
+            elif edge.sides == "device":
+                source, target = index[edge.producer], index[edge.consumer]
+                if self.stream[source] != self.stream[target]:
+                    device_only[target].append((source, self.stream[source], edge.slot_offset))
         #: Same-progress (Δ = 0) predecessors of each task, sorted.
         self.preds: tuple[tuple[int, ...], ...] = tuple(tuple(sorted(p)) for p in preds)
 
@@ -92,7 +99,14 @@ class ExecutionPlan:
         self.waits: tuple[tuple[IndexedWait, ...], ...] = (
             tuple(() for _ in self.order) if stream_pool.is_null else tuple(waits)
         )
-        consumed = {p for entries in self.waits for p, _, _ in entries}
+        #: Device-only ``same_progress_sync`` waits of each task: issued before its body
+        #: when the producer has recorded by then, else at the end of the iteration.
+        self.device_syncs: tuple[tuple[IndexedWait, ...], ...] = (
+            tuple(() for _ in self.order)
+            if stream_pool.is_null
+            else tuple(tuple(entries) for entries in device_only)
+        )
+        consumed = {p for entries in self.waits + self.device_syncs for p, _, _ in entries}
         #: Whether a task's completion event is ever waited on.
         self.records_event = tuple(i in consumed for i in range(len(self.order)))
         self._active_cache: dict[tuple[int, ...], ActiveSet] = {}

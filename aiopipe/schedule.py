@@ -10,6 +10,32 @@ from .task import Task
 __all__ = ("Schedule", "Stage")
 
 
+def _checked_tasks(entries: Iterable[object], where: str) -> tuple[Task, ...]:
+    """``entries`` as a tuple of tasks; anything else is named with its position."""
+    if isinstance(entries, Task):
+        raise TypeError(f"{where}: expected a list of tasks, got the single task {entries!r}: "
+                        f"wrap it, [task]")  # fmt: skip
+    try:
+        tasks = tuple(entries)
+    except TypeError:
+        raise TypeError(f"{where}: expected a list of tasks, got {entries!r}") from None
+    for position, entry in enumerate(tasks):
+        if isinstance(entry, type) and issubclass(entry, Task):
+            raise TypeError(f"{where}[{position}] is the class {entry.__name__}, not a task: "
+                            f"pass an instance, {entry.__name__}()")  # fmt: skip
+        if not isinstance(entry, Task):
+            raise TypeError(
+                f"{where}[{position}] is {entry!r} ({type(entry).__name__}), not a Task; "
+                f"build tasks with Task.from_fn(name, fn, ...) or a Task subclass"
+            )
+        if not entry._sealed:
+            raise TypeError(
+                f"{where}[{position}] ({type(entry).__name__}) was never initialised as a "
+                f"Task: its __init__ must call super().__init__(...)"
+            )
+    return tasks  # type: ignore[return-value]  # each entry was checked above
+
+
 @dataclass(frozen=True)
 class Stage:
     """A group of tasks.  Stages run one after another within every iteration;
@@ -18,11 +44,7 @@ class Stage:
     tasks: tuple[Task, ...]
 
     def __post_init__(self) -> None:
-        tasks = tuple(self.tasks)
-        for task in tasks:
-            if not isinstance(task, Task):
-                raise TypeError(f"Stage.tasks entries must be Task instances, got {task!r}")
-        object.__setattr__(self, "tasks", tasks)
+        object.__setattr__(self, "tasks", _checked_tasks(self.tasks, "Stage.tasks"))
 
 
 @dataclass(frozen=True)
@@ -46,8 +68,9 @@ class Schedule:
     @classmethod
     def of(cls, tasks: Iterable[Task], stream_slots: Iterable[str] | None = None) -> Schedule:
         """A single-stage schedule; streams default to ``"default"`` plus the ones the
-        tasks name."""
-        tasks = tuple(tasks)
+        tasks name.  A non-``Task`` entry raises ``TypeError`` naming it and its
+        position."""
+        tasks = _checked_tasks(tasks, "tasks")
         if stream_slots is None:
             stream_slots = dict.fromkeys(["default", *(t.stream for t in tasks)])
         return cls(stages=(Stage(tasks=tasks),), stream_slots=tuple(stream_slots))

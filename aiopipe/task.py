@@ -9,10 +9,11 @@ identically.
 
 from __future__ import annotations
 
+import copy
 import inspect
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
 
 from .errors import TaskDefinitionError
 
@@ -50,6 +51,9 @@ class DataSlot:
 SlotRef = Union[str, DataSlot]
 CrossIterRef = Union[str, tuple[str, int]]
 TaskBody = Callable[["TaskContext"], Union[None, Awaitable[None]]]
+#: Which half of a ``same_progress_sync`` edge a task asks for (see ``Task``).
+SyncSide = Literal["cpu", "device"]
+_SYNC_SIDES = ("cpu", "device")
 
 
 def _as_tuple(value: Any, field: str, task_name: str) -> tuple[Any, ...]:
@@ -76,7 +80,7 @@ def _normalise_slots(refs: Any, field: str, task_name: str, lookahead: int) -> t
         if isinstance(ref, DataSlot):
             out.append(ref)
         elif isinstance(ref, str) and ref:
-            out.append(DataSlot(ref, lookahead if lookahead >= 0 else 0))
+            out.append(DataSlot(ref, lookahead))
         else:
             raise TypeError(
                 f"Task {task_name!r}: {field} entries must be slot names or DataSlot, got {ref!r}"
@@ -120,6 +124,35 @@ def _normalise_cross_iter(refs: Any, task_name: str) -> tuple[tuple[str, int], .
     return _dedupe(out)
 
 
+def _normalise_sides(
+    sides: Any, names: tuple[str, ...], task_name: str
+) -> tuple[tuple[str, SyncSide], ...]:
+    """A mapping (or the normalised pairs) as ``(producer, side)`` pairs in the order
+    of ``same_progress_sync``: immutable like every declared field."""
+    if sides is None:
+        sides = {}
+    try:
+        given = dict(sides)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"Task {task_name!r}: same_progress_sync_sides must map producer names to "
+            f"'cpu' or 'device', got {sides!r}"
+        ) from None
+    for producer, side in given.items():
+        if producer not in names:
+            raise TaskDefinitionError(
+                f"Task {task_name!r}: same_progress_sync_sides names {producer!r}, which is "
+                f"not in its same_progress_sync {names}; add it there first."
+            )
+        if side not in _SYNC_SIDES:
+            raise TaskDefinitionError(
+                f"Task {task_name!r}: same_progress_sync_sides[{producer!r}] is {side!r}; use "
+                f"'cpu' (bodies in order, no device wait) or 'device' (stream wait only), or "
+                f"leave the name out for both."
+            )
+    return tuple((producer, given[producer]) for producer in names if producer in given)
+
+
 class Task:
     """A unit of work the engine schedules.
 
@@ -133,7 +166,18 @@ class Task:
     * ``cross_iter_depends_on``: a different, earlier batch -- ``"X"`` or
       ``("X", -N)`` waits for X on batch K-N.
     * ``same_progress_sync``: X's work in this same ``progress()`` call, whatever
-      batch either task processes (a stream-coherency wait).
+      batch either task processes (a stream-coherency wait).  It has two sides: on
+      the CPU this task's body starts after X's body, on the device this task's
+      stream waits for X's event.  ``same_progress_sync_sides={"X": "cpu"}`` keeps
+      only the first, ``{"X": "device"}`` only the second: then neither the order of
+      the bodies nor this task's host thread waits for X, and the stream wait is
+      issued before this body if X has recorded its event by then, otherwise at the
+      end of the progress (before any later work on this task's stream).
+
+    The declared fields are read-only once the task is built: the engine derives
+    order, ring depth and event waits from them once.  :meth:`replace` builds a
+    modified copy.  A subclass may set them as class attributes, as keyword
+    arguments, or on ``self`` before calling ``super().__init__``.
     """
 
     name: str = ""
@@ -146,13 +190,18 @@ class Task:
     depends_on: tuple[str, ...] = ()
     cross_iter_depends_on: tuple[tuple[str, int], ...] = ()
     same_progress_sync: tuple[str, ...] = ()
+    # Declared as given (a mapping); normalised to ``(producer, side)`` pairs.
+    same_progress_sync_sides: tuple[tuple[str, SyncSide], ...] = ()
     nccl: bool = False
     nvtx_tag: str | None = None
 
     _FIELDS: ClassVar[tuple[str, ...]] = (
         "stream", "priority", "lookahead", "reads", "writes", "depends_on",
-        "cross_iter_depends_on", "same_progress_sync", "nccl", "nvtx_tag",
+        "cross_iter_depends_on", "same_progress_sync", "same_progress_sync_sides", "nccl",
+        "nvtx_tag",
     )  # fmt: skip
+    #: Set once ``__init__`` has normalised the fields; from then on they are read-only.
+    _sealed: bool = False
 
     def __init__(self, name: str | None = None, **fields: Any) -> None:
         unknown = set(fields) - set(self._FIELDS)
@@ -168,15 +217,51 @@ class Task:
             if value is not None:
                 setattr(self, key, value)
         self._normalise()
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if self._sealed and (key == "name" or key in self._FIELDS):
+            raise AttributeError(
+                f"Task {self.name!r}: {key} is read-only once the task is built (the "
+                f"pipeline derives its order, ring depth and event waits from the "
+                f"declaration once); build a modified copy with task.replace({key}=...)"
+            )
+        object.__setattr__(self, key, value)
+
+    def __delattr__(self, key: str) -> None:
+        if self._sealed and (key == "name" or key in self._FIELDS):
+            raise AttributeError(f"Task {self.name!r}: {key} is read-only")
+        object.__delattr__(self, key)
+
+    def replace(self, **changes: Any) -> Task:
+        """A copy of this task with some declared fields changed (``name`` included),
+        normalised and checked like a new task; the body is shared."""
+        unknown = set(changes) - {"name", *self._FIELDS}
+        if unknown:
+            raise TypeError(f"Task.replace got unknown field(s) {sorted(unknown)}")
+        clone = copy.copy(self)
+        object.__setattr__(clone, "_sealed", False)
+        for key, value in changes.items():
+            setattr(clone, key, value)
+        clone._normalise()
+        object.__setattr__(clone, "_sealed", True)
+        return clone
 
     def _normalise(self) -> None:
         name = self.name
+        if not isinstance(name, str) or not name:
+            raise TaskDefinitionError("Task.name must be a non-empty string")
         if not isinstance(self.stream, str) or not self.stream:
             raise TypeError(f"Task {name!r}: stream must be a non-empty string")
         for field in ("lookahead", "priority"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"Task {name!r}: {field} must be an int, got {value!r}")
+        if self.lookahead < 0:
+            raise TaskDefinitionError(
+                f"Task {name!r}: lookahead is {self.lookahead}; it must be >= 0 (0 works on "
+                f"the batch being finished, k on the batch k iterations ahead)"
+            )
         if self.nvtx_tag is not None and not isinstance(self.nvtx_tag, str):
             raise TypeError(f"Task {name!r}: nvtx_tag must be a string or None")
         self.nccl = bool(self.nccl)
@@ -186,8 +271,18 @@ class Task:
         self.same_progress_sync = _normalise_names(
             self.same_progress_sync, "same_progress_sync", name
         )
+        self.same_progress_sync_sides = _normalise_sides(
+            self.same_progress_sync_sides, self.same_progress_sync, name
+        )
         self.cross_iter_depends_on = _normalise_cross_iter(self.cross_iter_depends_on, name)
         self._check_fields_disjoint()
+
+    def sync_side(self, producer: str) -> Literal["both", "cpu", "device"]:
+        """Which sides of the ``same_progress_sync`` edge on ``producer`` apply."""
+        for name, side in self.same_progress_sync_sides:
+            if name == producer:
+                return side
+        return "both"
 
     def _check_fields_disjoint(self) -> None:
         fields = {
@@ -233,6 +328,7 @@ class Task:
         depends_on: Iterable[str] = (),
         cross_iter_depends_on: Iterable[CrossIterRef] = (),
         same_progress_sync: Iterable[str] = (),
+        same_progress_sync_sides: Mapping[str, SyncSide] | None = None,
         nccl: bool = False,
         nvtx_tag: str | None = None,
         priority: int = 0,
@@ -252,6 +348,7 @@ class Task:
             depends_on=depends_on,
             cross_iter_depends_on=cross_iter_depends_on,
             same_progress_sync=same_progress_sync,
+            same_progress_sync_sides=same_progress_sync_sides,
             nccl=nccl,
             nvtx_tag=nvtx_tag,
             priority=priority,

@@ -3,8 +3,9 @@
 =====  ==========================================================================
 rule   requirement
 =====  ==========================================================================
-1      task names are unique
-2      lookaheads are >= 0 and every declared slot sits at its task's lookahead
+1      there is at least one task, and task names are unique
+2      every declared slot sits at its task's lookahead (``Task`` itself refuses
+       a negative lookahead)
 3      every task's stream is in ``Schedule.stream_slots`` and in the StreamPool
 4      every slot name has one writer (``batch_cpu`` is written by the engine)
 5      every read has a writer at a lookahead >= the reader's (``batch_cpu`` exempt)
@@ -32,6 +33,10 @@ __all__ = ("validate_schedule",)
 
 
 def _rule_1_unique_names(tasks: tuple[Task, ...]) -> None:
+    if not tasks:
+        raise ScheduleValidationError(
+            1, "the schedule has no tasks; a pipeline needs at least one task to run"
+        )
     duplicates = sorted(name for name, n in Counter(t.name for t in tasks).items() if n > 1)
     if duplicates:
         raise ScheduleValidationError(1, f"task names must be unique; repeated: {duplicates}")
@@ -39,10 +44,6 @@ def _rule_1_unique_names(tasks: tuple[Task, ...]) -> None:
 
 def _rule_2_offsets(tasks: tuple[Task, ...]) -> None:
     for task in tasks:
-        if task.lookahead < 0:
-            raise ScheduleValidationError(
-                2, f"task {task.name!r} has lookahead {task.lookahead}; it must be >= 0"
-            )
         for field, slots in (("reads", task.reads), ("writes", task.writes)):
             for slot in slots:
                 if slot.offset != task.lookahead:

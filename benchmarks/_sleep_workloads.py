@@ -121,7 +121,7 @@ def measure_ms(schedule: Schedule, thread_map: ThreadMap, iterations: int, repea
     """Median over ``repeats`` of the steady-state ms per progress."""
 
     def once() -> float:
-        pipe = SchedulablePipeline(schedule, executor=AsyncExecutor(thread_map))
+        pipe = SchedulablePipeline(schedule, executor=AsyncExecutor(thread_map), expect_result=False)
         try:
             seconds: float = run_on(new_event_loop, time_progress(pipe, iterations, warmup=10))
         finally:

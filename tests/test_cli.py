@@ -232,7 +232,7 @@ def test_trace_failure_still_writes_the_trace(
 def test_trace_needs_a_tracing_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = write_target(tmp_path, """
         def untraced():
-            return Pipeline([Task.from_fn("t", lambda ctx: None)])
+            return Pipeline([Task.from_fn("t", lambda ctx: None)], expect_result=False)
     """)  # fmt: skip
     status, _, err = run_cli(capsys, "trace", f"{target}:untraced", "--progresses", "1",
                              "-o", str(tmp_path / "t.json"))  # fmt: skip
@@ -260,7 +260,7 @@ def test_target_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             def build():
                 return Schedule.of(_tasks()), iter([1, 2])
         def pipeline(trace=None):
-            return Pipeline(_tasks(), executor="sequential", trace=trace)
+            return Pipeline(_tasks(), executor="sequential", trace=trace, expect_result=False)
         def tasks():
             return _tasks()
     """, name="demo.py")  # fmt: skip

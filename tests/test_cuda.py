@@ -87,3 +87,67 @@ async def test_copy_to_host_returns_the_device_values() -> None:
     host = await copy_to_host(device)
     assert host.device.type == "cpu" and host.is_pinned()
     assert torch.equal(host, torch.arange(1000, dtype=torch.float32) * 3)
+
+
+def slow_fill(buffer: torch.Tensor, value: float, spin: int) -> None:
+    """Fill ``buffer`` on the current stream after ~``spin`` cycles of device time, so
+    a reader on another stream that did not wait reads the old values."""
+    torch.cuda._sleep(spin)
+    buffer.fill_(value)
+
+
+@pytest.mark.parametrize("producer_first", [True, False])
+async def test_a_device_only_sync_orders_the_streams_without_a_host_wait(
+    producer_first: bool,
+) -> None:
+    """State outside slots: ``update`` rewrites one of two buffers every progress on
+    its own stream.  With the producer first, ``read`` sees this progress's buffer
+    (waited before its body); with ``read`` first, it sees the previous progress's
+    buffer (waited at the end of that progress)."""
+    spin = sleep_cycles(0.02)
+    buffers = [torch.zeros(N, device="cuda"), torch.zeros(N, device="cuda")]
+    lag = 0 if producer_first else 1
+
+    def update(ctx: TaskContext) -> None:
+        slow_fill(buffers[ctx.iter_count % 2], float(ctx.iter_count + 1), spin)
+
+    def read(ctx: TaskContext) -> None:
+        seen = ctx.iter_count - lag
+        if seen >= 0:
+            ctx.slots.set("step_result", buffers[seen % 2].sum())
+
+    updater = Task.from_fn("update", update, stream="prefetch")
+    reader = Task.from_fn("read", read, writes=("step_result",), same_progress_sync=("update",),
+                          same_progress_sync_sides={"update": "device"})  # fmt: skip
+    tasks = [updater, reader] if producer_first else [reader, updater]
+    pool = StreamPool.for_device(("default", "prefetch"), "cuda")
+    async with Pipeline(tasks, executor="sequential", stream_pool=pool) as pipe:
+        sums = await collect(pipe, iter(range(6)))
+    torch.cuda.synchronize()
+    expected = [float(N * (i - lag + 1)) for i in range(6) if i - lag >= 0]
+    assert [float(s) for s in sums if s is not None] == expected
+
+
+@pytest.mark.parametrize("executor", ["sequential", "async"])
+async def test_a_named_event_orders_a_reader_of_out_of_slot_state(executor: str) -> None:
+    spin = sleep_cycles(0.02)
+    cache = torch.zeros(N, device="cuda")
+
+    def update(ctx: TaskContext) -> None:
+        slow_fill(cache, float(ctx.batch_index + 1), spin)
+        ctx.record_event("cache")
+
+    def read(ctx: TaskContext) -> None:
+        ctx.wait_event("cache")
+        ctx.slots.set("step_result", cache.sum())
+
+    tasks = [
+        Task.from_fn("update", update, stream="prefetch"),
+        Task.from_fn("read", read, writes=("step_result",), same_progress_sync=("update",),
+                     same_progress_sync_sides={"update": "cpu"}),  # order only: the event waits
+    ]  # fmt: skip
+    pool = StreamPool.for_device(("default", "prefetch"), "cuda")
+    async with Pipeline(tasks, executor=executor, stream_pool=pool) as pipe:
+        sums = await collect(pipe, iter(range(6)))
+    torch.cuda.synchronize()
+    assert [float(s) for s in sums] == [float(N * (b + 1)) for b in range(6)]

@@ -74,7 +74,7 @@ def test_fault_matrix_every_hstu_task_in_every_phase(tmp_path: Path) -> None:
     assert bad["results"] == 4
     assert len(bad["errors"]) == 4
     assert "labels must hold integer ids" in bad["errors"][0]
-    assert "yielded None" in bad["errors"][1]
+    assert "expected an HSTUBatch, got NoneType" in bad["errors"][1]  # check_batch's verdict
     assert "one per candidate" in bad["errors"][2]
     assert "expected action lengths + num_candidates" in bad["errors"][3]
     assert "first batch was refused: expected an HSTUBatch, got NoneType" in bad["first"]

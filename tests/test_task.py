@@ -148,3 +148,100 @@ def test_duplicate_entries_collapse() -> None:
     task = Task.from_fn("t", noop, reads=("a", "a"), depends_on=("x", "x"))
     assert task.reads == (DataSlot("a", 0),)
     assert task.depends_on == ("x",)
+
+
+def test_negative_lookahead_is_refused_at_construction() -> None:
+    with pytest.raises(TaskDefinitionError, match="'t': lookahead is -2; it must be >= 0"):
+        Task.from_fn("t", noop, lookahead=-2)
+
+    class Deep(Task):
+        name = "deep"
+        lookahead = -1
+
+    with pytest.raises(TaskDefinitionError, match="'deep': lookahead is -1"):
+        Deep()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("name", "other"), ("lookahead", 3), ("stream", "memcpy"), ("reads", ("x",)),
+        ("writes", ("y",)), ("depends_on", ("p",)), ("cross_iter_depends_on", ("p",)),
+        ("same_progress_sync", ("p",)), ("same_progress_sync_sides", {}), ("nccl", True),
+        ("priority", 2),
+    ],
+)  # fmt: skip
+def test_declared_fields_are_read_only_after_construction(field: str, value: object) -> None:
+    task = Task.from_fn("t", noop, lookahead=1, writes=("w",))
+    before = getattr(task, field)
+    with pytest.raises(AttributeError, match=rf"'t': {field} is read-only.*task.replace\({field}="):
+        setattr(task, field, value)
+    with pytest.raises(AttributeError, match="read-only"):
+        delattr(task, field)
+    assert getattr(task, field) == before
+
+
+def test_subclasses_set_fields_before_super_init_and_keep_their_own_attributes() -> None:
+    class Prefetch(Task):
+        name = "prefetch"
+        stream = "prefetch"
+
+        def __init__(self, depth: int) -> None:
+            self.lookahead = depth  # before super().__init__: still being declared
+            super().__init__()
+            self.calls = 0  # not a declared field: free to change
+
+        def run(self, ctx: object) -> None:
+            self.calls += 1
+
+    task = Prefetch(2)
+    assert (task.lookahead, task.stream) == (2, "prefetch")
+    task.run(None)
+    assert task.calls == 1
+    with pytest.raises(AttributeError, match="'prefetch': lookahead is read-only"):
+        task.lookahead = 3
+
+
+def test_replace_builds_a_normalised_copy_and_leaves_the_task_alone() -> None:
+    task = Task.from_fn("t", noop, lookahead=1, reads=("x",), same_progress_sync=("p",))
+    moved = task.replace(lookahead=2, reads=("x",), stream="memcpy", name="t2")
+    assert (moved.name, moved.lookahead, moved.stream) == ("t2", 2, "memcpy")
+    assert moved.reads == (DataSlot("x", 2),)  # bare names normalised again
+    assert moved.same_progress_sync == ("p",)  # unchanged fields carried over
+    assert (task.name, task.lookahead, task.reads) == ("t", 1, (DataSlot("x", 1),))
+    with pytest.raises(AttributeError, match="read-only"):
+        moved.lookahead = 0
+    with pytest.raises(TaskDefinitionError, match="lookahead is -1"):
+        task.replace(lookahead=-1)
+    with pytest.raises(TypeError, match="unknown field"):
+        task.replace(lookahaed=1)
+
+
+def test_same_progress_sync_sides_name_listed_producers_and_a_known_side() -> None:
+    task = Task.from_fn("c", noop, same_progress_sync=("a", "b", "x"),
+                        same_progress_sync_sides={"a": "cpu", "b": "device"})  # fmt: skip
+    assert (task.sync_side("a"), task.sync_side("b"), task.sync_side("x")) == (
+        "cpu", "device", "both",
+    )  # fmt: skip
+    with pytest.raises(TaskDefinitionError, match="names 'z', which is not in its same_progress_sync"):
+        Task.from_fn("c", noop, same_progress_sync=("a",), same_progress_sync_sides={"z": "cpu"})
+    with pytest.raises(TaskDefinitionError, match=r"\['a'\] is 'gpu'; use 'cpu'"):
+        Task.from_fn("c", noop, same_progress_sync=("a",), same_progress_sync_sides={"a": "gpu"})
+    with pytest.raises(TypeError, match="must map producer names"):
+        Task.from_fn("c", noop, same_progress_sync=("a",), same_progress_sync_sides=["a"])  # type: ignore[arg-type]
+    assert task.same_progress_sync_sides == (("a", "cpu"), ("b", "device"))  # sync order
+
+
+def test_same_progress_sync_sides_as_a_class_attribute() -> None:
+    sides = {"prefetch": "device"}
+
+    class Backward(Task):
+        name = "backward"
+        same_progress_sync = ("prefetch",)
+        same_progress_sync_sides = sides
+
+    task = Backward()
+    sides["prefetch"] = "cpu"  # the task keeps its own immutable copy
+    assert task.same_progress_sync_sides == (("prefetch", "device"),)
+    assert task.sync_side("prefetch") == "device"
+    assert task.replace(stream="s").sync_side("prefetch") == "device"  # normalised again

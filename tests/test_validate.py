@@ -11,6 +11,7 @@ from aiopipe import (
     ScheduleValidationError,
     StreamPool,
     Task,
+    TaskDefinitionError,
     validate_schedule,
 )
 
@@ -40,9 +41,14 @@ def test_rule_1_duplicate_names() -> None:
     assert rule == 1 and "'a'" in message
 
 
-def test_rule_2_negative_lookahead() -> None:
-    rule, message = rule_of([t("a", -1)])
-    assert rule == 2 and "'a'" in message and "-1" in message
+def test_rule_1_an_empty_schedule_is_refused() -> None:
+    rule, message = rule_of([])
+    assert rule == 1 and "no tasks" in message
+
+
+def test_a_negative_lookahead_is_refused_when_the_task_is_built() -> None:
+    with pytest.raises(TaskDefinitionError, match="'a': lookahead is -1; it must be >= 0"):
+        t("a", -1)
 
 
 def test_rule_2_slot_offset_must_match_lookahead() -> None:
@@ -111,7 +117,7 @@ def test_rule_8_cross_stream_event_rotated_out() -> None:
 
 
 def test_rules_are_checked_in_order() -> None:
-    rule, _ = rule_of([t("a", -1, reads=("ghost",)), t("a")])
+    rule, _ = rule_of([t("a", 0, reads=(DataSlot("ghost", 2),)), t("a")])
     assert rule == 1
 
 

@@ -64,7 +64,7 @@ async def _ms_per_iteration(
     schedule: Schedule, thread_map: ThreadMap, iterations: int, sleeper: _Sleeper | None = None
 ) -> float:
     """Steady ms per progress, less the time the bodies spent sleeping."""
-    pipe = SchedulablePipeline(schedule, executor=AsyncExecutor(thread_map))
+    pipe = SchedulablePipeline(schedule, executor=AsyncExecutor(thread_map), expect_result=False)
     source = iter(range(iterations + 20))
     try:
         for _ in range(20):  # warm-up: lanes started, layouts cached

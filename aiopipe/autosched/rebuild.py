@@ -8,7 +8,6 @@ copied: only the declaration fields change.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 
 from ..schedule import Schedule, Stage
@@ -31,13 +30,13 @@ def streams_of(schedule: Schedule) -> dict[str, str]:
 def _moved(task: Task, lookahead: int, stream: str, priority: int) -> Task:
     if (lookahead, stream, priority) == (task.lookahead, task.stream, task.priority):
         return task
-    clone = copy.copy(task)
     # Rule 2 keeps every declared slot at its task's lookahead, so a slot at the old
     # lookahead moves with the task; any other offset is kept as declared.
-    clone.reads = tuple(_shift(slot, task.lookahead, lookahead) for slot in task.reads)
-    clone.writes = tuple(_shift(slot, task.lookahead, lookahead) for slot in task.writes)
-    clone.lookahead, clone.stream, clone.priority = lookahead, stream, priority
-    return clone
+    return task.replace(
+        reads=tuple(_shift(slot, task.lookahead, lookahead) for slot in task.reads),
+        writes=tuple(_shift(slot, task.lookahead, lookahead) for slot in task.writes),
+        lookahead=lookahead, stream=stream, priority=priority,
+    )  # fmt: skip
 
 
 def _shift(slot: DataSlot, old: int, new: int) -> DataSlot:

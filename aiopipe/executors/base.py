@@ -16,7 +16,8 @@ A custom executor implements three methods::
 ``run_step`` must run every task of ``step.active`` exactly once, never start a task
 before its same-progress predecessors (``plan.preds``) and the previous active task
 on its stream have finished, run stages in order, and raise the first task failure
-after every started task has finished.
+after every started task has finished.  Device-only ``same_progress_sync`` waits need
+nothing from it: ``Step`` issues them, and the pipeline calls :meth:`Step.finish`.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class Step:
     """
 
     __slots__ = (
-        "_annotator", "_ctx", "_lanes", "_ready_ns", "_ring", "_tracer", "active", "iteration",
-        "plan", "started",
+        "_annotator", "_ctx", "_deferred_syncs", "_lanes", "_ready_ns", "_ring", "_tracer",
+        "active", "iteration", "plan", "started",
     )  # fmt: skip
 
     def __init__(
@@ -102,6 +103,9 @@ class Step:
         self._tracer = tracer
         self._lanes = lanes
         self._ready_ns: dict[int, int] = {}
+        #: Device-only syncs whose producer had not recorded when the consumer started:
+        #: ``(consumer, producer, slot_offset)``, issued by :meth:`finish`.
+        self._deferred_syncs: list[tuple[int, int, int]] = []
 
     @property
     def tracing(self) -> bool:
@@ -137,6 +141,34 @@ class Step:
                     pool.wait_stream(stream, producer_stream)
                 else:
                     pool.wait_event(stream, event)
+
+    def _device_syncs(self, index: int) -> None:
+        """Device-only ``same_progress_sync`` waits: never hold this thread for the
+        producer.  If it has recorded this progress, wait before the body; if it will
+        run later in this progress, :meth:`finish` issues the wait."""
+        plan, ring = self.plan, self._ring
+        pool, stream = plan.stream_pool, plan.stream[index]
+        for producer, producer_stream, slot_offset in plan.device_syncs[index]:
+            if producer not in self.active.members:  # it does not run this progress
+                pool.wait_stream(stream, producer_stream)
+                continue
+            event = ring.at(slot_offset).event_of(plan.order[producer].name)
+            if event is None:
+                self._deferred_syncs.append((index, producer, slot_offset))
+            else:
+                pool.wait_event(stream, event)
+
+    def finish(self) -> None:
+        """Called by the pipeline once every task of the iteration has run: issue the
+        device-only waits their consumers could not issue before their bodies."""
+        plan, ring = self.plan, self._ring
+        for consumer, producer, slot_offset in self._deferred_syncs:
+            event = ring.at(slot_offset).event_of(plan.order[producer].name)
+            if event is None:  # recorded nothing (no device work): cover its stream
+                plan.stream_pool.wait_stream(plan.stream[consumer], plan.stream[producer])
+            else:
+                plan.stream_pool.wait_event(plan.stream[consumer], event)
+        self._deferred_syncs.clear()
 
     def _record(self, index: int) -> None:
         plan = self.plan
@@ -179,6 +211,8 @@ class Step:
         try:
             if plan.waits[index]:
                 self._wait_events(index)
+            if plan.device_syncs[index]:
+                self._device_syncs(index)
             annotator = self._annotator
             if plan.on_device[index]:
                 if gpu_started is not None:  # tracing: after the waits, so stalls don't count
@@ -235,6 +269,8 @@ class Step:
             handle = annotator.start(task.nvtx_tag or task.name)
         try:
             self._wait_events(index)
+            if plan.device_syncs[index]:
+                self._device_syncs(index)
             await task.run(self._ctx)  # type: ignore[misc]
             if plan.records_event[index]:
                 self._record(index)
