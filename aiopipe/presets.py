@@ -4,9 +4,9 @@
 
     for batch in loader:
         optimizer.zero_grad()
-        loss = loss_fn(model(batch))
-        loss.backward()
-        optimizer.step()
+        loss = loss_fn(model(batch))        # or taken from the model's output
+        backward_fn(loss)                   # default: loss.backward()
+        optimizer_step_fn(optimizer)        # default: optimizer.step()
 
 as ``zero_grad -> forward -> backward -> optimizer_step`` (preset T1).  With
 ``prefetch=True`` an ``h2d`` task moves each batch to the device one batch ahead, and
