@@ -39,7 +39,7 @@ from .validate import validate_schedule
 
 if TYPE_CHECKING:
     from .blocking import BlockingPipeline
-    from .presets import BasicPipeline
+    from .presets import basic as basic_preset
 
 __all__ = ("PipelineStatistics", "SchedulablePipeline")
 
@@ -60,6 +60,16 @@ class PipelineStatistics:
     broken: str | None
     closed: bool
     refused: int = 0
+
+
+class _BasicPreset:
+    """``SchedulablePipeline.basic`` is :func:`aiopipe.presets.basic`, looked up when
+    used: the preset builds on this module, so this module cannot import it."""
+
+    def __get__(self, instance: object, owner: type | None = None) -> Callable[..., Any]:
+        from .presets import basic
+
+        return basic
 
 
 class SchedulablePipeline:
@@ -331,12 +341,10 @@ class SchedulablePipeline:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    @staticmethod
-    def basic(model: Any, optimizer: Any, **options: Any) -> BasicPipeline:
-        """The standard training-step preset; see :func:`aiopipe.presets.basic`."""
-        from .presets import basic
-
-        return basic(model, optimizer, **options)
+    if TYPE_CHECKING:
+        basic = staticmethod(basic_preset)
+    else:
+        basic = _BasicPreset()
 
     def blocking(self) -> BlockingPipeline:
         """A blocking view for ordinary scripts (``progress`` raises ``StopIteration``)."""

@@ -4,9 +4,9 @@
 
     for batch in loader:
         optimizer.zero_grad()
-        loss = loss_fn(model(batch))
-        loss.backward()
-        optimizer.step()
+        loss = loss_fn(model(batch))        # or taken from the model's output
+        backward_fn(loss)                   # default: loss.backward()
+        optimizer_step_fn(optimizer)        # default: optimizer.step()
 
 as ``zero_grad -> forward -> backward -> optimizer_step`` (preset T1).  With
 ``prefetch=True`` an ``h2d`` task moves each batch to the device one batch ahead, and
@@ -20,7 +20,7 @@ import copy
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,10 +33,29 @@ from .facade import Pipeline
 from .task import Task
 from .trace import Tracer
 
-__all__ = ("BasicPipeline", "basic", "move_to_device")
+__all__ = (
+    "BackwardFn",
+    "BasicPipeline",
+    "ForwardFn",
+    "LossFn",
+    "OptimizerStepFn",
+    "basic",
+    "move_to_device",
+)
 
+ModelT = TypeVar("ModelT", bound=torch.nn.Module)
+OptimizerT = TypeVar("OptimizerT", bound=torch.optim.Optimizer)
+
+#: ``loss_fn(output)`` or ``loss_fn(output, target_or_batch)``: the loss tensor, or a
+#: tuple whose first item is the loss.
 LossFn = Callable[..., Any]
-ForwardFn = Callable[[torch.nn.Module, Any], Any]
+#: ``forward(model, batch) -> output``.
+ForwardFn = Callable[[ModelT, Any], Any]
+#: ``backward_fn(loss)``: back-propagates the loss (``loss.backward()`` by default).
+BackwardFn = Callable[[torch.Tensor], object]
+#: ``optimizer_step_fn(optimizer)``: applies the gradients (``optimizer.step()`` by
+#: default).
+OptimizerStepFn = Callable[[OptimizerT], object]
 
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -90,7 +109,7 @@ def _detach(value: Any) -> Any:
 
 
 def _loss_arity(loss_fn: LossFn) -> int:
-    """1: ``loss_fn(output)``; 2: ``loss_fn(output, batch)``."""
+    """1: ``loss_fn(output)``; 2: ``loss_fn(output, target_or_batch)``."""
     try:
         params = inspect.signature(loss_fn).parameters.values()
     except (TypeError, ValueError):
@@ -104,6 +123,42 @@ def _loss_arity(loss_fn: LossFn) -> int:
     return 1
 
 
+def _is_pair(batch: Any) -> bool:
+    """A plain ``(inputs, target)`` tuple or list (named tuples are records, not pairs)."""
+    return isinstance(batch, (tuple, list)) and len(batch) == 2 and not hasattr(batch, "_fields")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _loss_of_output(output: Any) -> torch.Tensor:
+    """``loss_fn=None``: the output when it is a one-element tensor, else its ``.loss``
+    (attribute or key, as model outputs that compute their own loss carry it), else
+    its first item."""
+    if isinstance(output, torch.Tensor):
+        loss: Any = output
+    elif isinstance(getattr(output, "loss", None), torch.Tensor):
+        loss = output.loss
+    elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        loss = output["loss"]
+    elif isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    else:
+        loss = None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise PipelineError(
+            f"basic() has no loss_fn, so the loss must be the model's output as a "
+            f"one-element tensor, its .loss, or its first item; the model returned "
+            f"{_describe(output)}. Pass loss_fn=..., e.g. loss_fn=lambda output: "
+            f"output.sum(), or loss_fn=torch.nn.CrossEntropyLoss() for batches of "
+            f"(inputs, target)"
+        )
+    return loss
+
+
 def _loss_tensor(value: Any) -> torch.Tensor:
     loss = value[0] if isinstance(value, (tuple, list)) else value
     if not isinstance(loss, torch.Tensor):
@@ -112,6 +167,51 @@ def _loss_tensor(value: Any) -> torch.Tensor:
             f"differentiate; got {type(loss).__name__}"
         )
     return loss
+
+
+def _note_pair_hint(exc: BaseException) -> None:
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(
+            "aiopipe: basic() called the model with the whole batch, an (inputs, target) "
+            "pair. To call model(inputs) and loss_fn(output, target), pass a loss_fn that "
+            "takes two arguments, e.g. loss_fn=torch.nn.CrossEntropyLoss(); or pass "
+            "forward=lambda model, batch: model(batch[0]) and "
+            "loss_fn=lambda output, batch: ..."
+        )
+
+
+def _compute_loss(
+    model: ModelT, loss_fn: LossFn | None, forward: ForwardFn[ModelT] | None
+) -> Callable[[Any], Any]:
+    """``batch -> what loss_fn returned`` (or the loss taken from the output)."""
+    two_args = loss_fn is not None and _loss_arity(loss_fn) == 2
+
+    def run(batch: Any) -> Any:
+        if forward is not None:
+            output = forward(model, batch)
+        elif loss_fn is not None and two_args and _is_pair(batch):
+            inputs, target = batch  # the common (inputs, target) form
+            return loss_fn(model(inputs), target)
+        else:
+            try:
+                output = model(batch)
+            except TypeError as exc:
+                if _is_pair(batch):
+                    _note_pair_hint(exc)
+                raise
+        if loss_fn is None:
+            return _loss_of_output(output)
+        return loss_fn(output, batch) if two_args else loss_fn(output)
+
+    return run
+
+
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
 
 
 def _preset_lane(task: Task) -> str:
@@ -135,11 +235,13 @@ class BasicPipeline(Pipeline):
 
 
 def basic(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: ModelT,
+    optimizer: OptimizerT,
     *,
-    loss_fn: LossFn,
-    forward: ForwardFn | None = None,
+    loss_fn: LossFn | None = None,
+    forward: ForwardFn[ModelT] | None = None,
+    backward_fn: BackwardFn | None = None,
+    optimizer_step_fn: OptimizerStepFn[OptimizerT] | None = None,
     prefetch: bool = False,
     memcpy_stream: bool = False,
     device: torch.device | str | None = None,
@@ -149,15 +251,26 @@ def basic(
     nvtx: bool | Annotator | None = None,
     trace: bool | Tracer | None = None,
 ) -> BasicPipeline:
-    """A pipeline of the standard training step; each result is what ``loss_fn``
-    returned for that batch (tensors detached).
+    """A pipeline of the standard training step; each result is the loss of that
+    batch (what ``loss_fn`` returned, tensors detached).
 
-    ``loss_fn(output)`` or ``loss_fn(output, batch)``; ``forward(model, batch)``
-    defaults to ``model(batch)``.  ``device`` defaults to the model's.  The executor
-    defaults to an :class:`AsyncExecutor` that runs the model's work on lane
-    ``"compute"`` (and, with ``memcpy_stream=True``, ``h2d`` on lane ``"io"``), so
-    the event loop stays free; ``thread_map`` picks other lanes, ``executor=
-    "sequential"`` runs everything inline on the loop.
+    The loss: ``loss_fn(output)`` or ``loss_fn(output, batch)`` (chosen by its
+    signature).  When no ``forward`` is given and a batch is an ``(inputs, target)``
+    tuple or list, a two-argument ``loss_fn`` -- ``torch.nn.CrossEntropyLoss()``,
+    say -- gets ``loss_fn(model(inputs), target)``.  Without ``loss_fn`` the loss is
+    the model's output when it is a one-element tensor, else its ``.loss``, else its
+    first item.  ``forward(model, batch)`` defaults to ``model(batch)``.
+
+    Hooks for AMP and clipping: ``backward_fn(loss)`` (default ``loss.backward()``;
+    ``lambda loss: scaler.scale(loss).backward()``) and
+    ``optimizer_step_fn(optimizer)`` (default ``optimizer.step()``; unscale, clip,
+    ``scaler.step(optimizer)``, ``scaler.update()``).
+
+    ``device`` defaults to the model's.  The executor defaults to an
+    :class:`AsyncExecutor` that runs the model's work on lane ``"compute"`` (and,
+    with ``memcpy_stream=True``, ``h2d`` on lane ``"io"``), so the event loop stays
+    free; ``thread_map`` picks other lanes, ``executor="sequential"`` runs
+    everything inline on the loop.
     """
     if grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be >= 1, got {grad_accumulation}")
@@ -165,8 +278,9 @@ def basic(
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
-    call_model: ForwardFn = forward or (lambda module, batch: module(batch))
-    two_args = _loss_arity(loss_fn) == 2
+    compute_loss = _compute_loss(model, loss_fn, forward)
+    back_propagate: BackwardFn = backward_fn or _backward
+    apply_step: Callable[[OptimizerT], object] = optimizer_step_fn or _optimizer_step
     moves = prefetch or memcpy_stream
     pending = {"batches": 0}  # micro-batches since the last optimizer step
 
@@ -179,23 +293,22 @@ def basic(
 
     def forward_task(ctx: TaskContext) -> None:
         batch = ctx.slots["batch_device"] if moves else move_to_device(ctx.slots["batch_cpu"], device)
-        output = call_model(model, batch)
-        ctx.slots.set("loss", loss_fn(output, batch) if two_args else loss_fn(output))
+        ctx.slots.set("loss", compute_loss(batch))
 
     def backward(ctx: TaskContext) -> None:
         loss = _loss_tensor(ctx.slots["loss"])
-        (loss / grad_accumulation if grad_accumulation > 1 else loss).backward()  # type: ignore[no-untyped-call]
+        back_propagate(loss / grad_accumulation if grad_accumulation > 1 else loss)
 
     def optimizer_step(ctx: TaskContext) -> None:
         pending["batches"] += 1
         if pending["batches"] == grad_accumulation:
-            optimizer.step()
+            apply_step(optimizer)
             pending["batches"] = 0
         ctx.slots.set("step_result", _detach(ctx.slots["loss"]))
 
     def finish() -> None:  # a trailing partial accumulation group still updates
         if pending["batches"]:
-            optimizer.step()
+            apply_step(optimizer)
             pending["batches"] = 0
 
     copy_stream = "memcpy" if memcpy_stream else "default"

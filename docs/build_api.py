@@ -32,6 +32,7 @@ OUTPUT = ROOT / "docs" / "api.md"
 MODULES = (
     "aiopipe",
     "aiopipe.executors",
+    "aiopipe.presets",
     "aiopipe.trace",
     "aiopipe.timeline",
     "aiopipe.checkpoint",
@@ -228,6 +229,11 @@ def _members(cls: type) -> Iterator[tuple[str, str | None, str | None]]:
             kind = "staticmethod" if isinstance(raw, staticmethod) else "classmethod"
             shown = signature(name, function, isinstance(raw, classmethod), width=None)
             yield shown or name, kind, inspect.getdoc(function)
+        elif not inspect.isfunction(raw) and inspect.isfunction(getattr(cls, name, None)):
+            # a descriptor that resolves to a plain function (SchedulablePipeline.basic)
+            function = getattr(cls, name)
+            shown = signature(name, function, False, width=None)
+            yield shown or name, "staticmethod", inspect.getdoc(function)
         elif inspect.isfunction(raw):
             is_async = inspect.iscoroutinefunction(raw) or inspect.isasyncgenfunction(raw)
             kind = "async" if is_async else None

@@ -20,7 +20,10 @@ import aiopipe
 from aiopipe import Pipeline, Task
 
 
-def make_batches(steps: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_batches(steps: int, seed: int) -> list[Batch]:
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(steps):
@@ -36,7 +39,7 @@ def make_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.05)
 
 
-def features(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def features(batch: Batch) -> Batch:
     x, y = batch
     return (x - x.mean(dim=0)) / (x.std(dim=0) + 1e-5), y
 
@@ -66,7 +69,7 @@ def build_pipeline(model: torch.nn.Module, opt: torch.optim.Optimizer, executor:
     return Pipeline(tasks, executor=executor)
 
 
-async def train_with_aiopipe(batches: list, seed: int, executor: str) -> tuple[list[float], torch.nn.Module]:
+async def train_with_aiopipe(batches: list[Batch], seed: int, executor: str) -> tuple[list[float], torch.nn.Module]:
     model, opt = make_model(seed)
     losses: list[float] = []
     async with build_pipeline(model, opt, executor) as pipe:
@@ -78,7 +81,7 @@ async def train_with_aiopipe(batches: list, seed: int, executor: str) -> tuple[l
     return losses, model
 
 
-def train_plain(batches: list, seed: int) -> tuple[list[float], torch.nn.Module]:
+def train_plain(batches: list[Batch], seed: int) -> tuple[list[float], torch.nn.Module]:
     model, opt = make_model(seed)
     losses = []
     for batch in batches:

@@ -267,3 +267,141 @@ def test_migration_example_is_a_small_diff_with_identical_results() -> None:
     while any(t.name.startswith("aiopipe-lane") for t in threading.enumerate()):
         assert time.monotonic() < deadline, "lanes of a dropped pipeline kept running"
         time.sleep(0.01)
+
+
+# -- the loss without loss_fn, (inputs, target) pairs, backward/step hooks -------------------
+
+
+def classification(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(16, 8, generator=generator), torch.randint(0, 3, (16,), generator=generator))
+            for _ in range(count)]  # fmt: skip
+
+
+def classifier() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+async def test_inputs_target_pairs_work_with_a_loss_module_and_no_forward(preset: str) -> None:
+    data = classification(6)
+    model, opt = classifier()
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=torch.nn.CrossEntropyLoss(),
+                                     **PRESETS[preset])  # fmt: skip
+    async with pipe:
+        losses = [float(loss) for loss in await collect(pipe, iter(data))]
+    plain_model, plain_opt = classifier()
+    expected = []
+    for inputs, target in data:
+        plain_opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(plain_model(inputs), target)
+        loss.backward()
+        plain_opt.step()
+        expected.append(loss.item())
+    assert losses == expected
+    for got, want in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(got, want)
+
+
+class SelfScoring(torch.nn.Module):
+    """A model that computes its own loss from a dict batch and returns it as ``kind``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.net = torch.nn.Linear(8, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> object:
+        output = self.net(batch["x"])
+        loss = torch.nn.functional.mse_loss(output, batch["y"])
+        if self.kind == "scalar":
+            return loss
+        if self.kind == "attribute":
+            return collections.namedtuple("Output", "logits loss")(output, loss)
+        if self.kind == "key":
+            return {"logits": output, "loss": loss}
+        return (loss, output)  # "first item"
+
+
+@pytest.mark.parametrize("kind", ["scalar", "attribute", "key", "first item"])
+async def test_without_loss_fn_the_loss_comes_from_the_output(kind: str) -> None:
+    data = [{"x": x, "y": y} for x, y in batches(4)]
+    torch.manual_seed(0)
+    model = SelfScoring(kind)
+    plain = SelfScoring("scalar")
+    plain.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    pipe = SchedulablePipeline.basic(model, opt)
+    async with pipe:
+        results = await collect(pipe, iter(data))
+    expected = []
+    for batch in data:
+        plain_opt.zero_grad()
+        loss = plain(batch)
+        loss.backward()
+        plain_opt.step()
+        expected.append(loss.item())
+    assert all(isinstance(r, torch.Tensor) and not r.requires_grad for r in results)
+    assert [float(r) for r in results] == expected
+    assert torch.equal(model.net.weight, plain.net.weight)
+
+
+async def test_an_output_that_is_not_a_loss_says_what_to_pass() -> None:
+    model, opt = make(0, "sgd")  # returns (batch, 1) predictions, not a loss
+    pipe = SchedulablePipeline.basic(model, opt)
+    async with pipe:
+        with pytest.raises(PipelineError, match=r"tensor of shape \(4, 1\).*Pass loss_fn="):
+            await pipe.progress(iter([torch.randn(4, 8)]))
+
+
+async def test_a_pair_given_whole_to_the_model_gets_a_hint() -> None:
+    model, opt = make(0, "sgd")
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=lambda output: output.sum())
+    async with pipe:
+        with pytest.raises(TypeError) as caught:
+            await pipe.progress(iter(batches(1)))
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "(inputs, target) pair" in notes and "loss_fn=torch.nn.CrossEntropyLoss()" in notes
+
+
+@pytest.mark.parametrize("executor", ["sequential", "async"])
+async def test_clipping_through_the_step_hook_equals_the_plain_loop(executor: str) -> None:
+    data = batches(10)  # groups of 3: steps after batches 3, 6, 9 and the trailing 10th
+    model, opt = make(0, "sgd")
+    backward_losses: list[float] = []
+    stepped: list[torch.optim.Optimizer] = []
+
+    def backward_fn(loss: torch.Tensor) -> None:
+        backward_losses.append(loss.item())
+        loss.backward()
+
+    def clip_and_step(optimizer: torch.optim.Optimizer) -> None:
+        stepped.append(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward,
+                                     backward_fn=backward_fn, optimizer_step_fn=clip_and_step,
+                                     grad_accumulation=3, prefetch=True, executor=executor)  # fmt: skip
+    async with pipe:
+        losses = [float(loss) for loss in await collect(pipe, iter(data))]
+
+    plain_model, plain_opt = make(0, "sgd")
+    expected = []
+    for i, batch in enumerate(data):
+        if i % 3 == 0:
+            plain_opt.zero_grad()
+        loss = loss_fn(forward(plain_model, batch), batch)
+        (loss / 3).backward()
+        if (i + 1) % 3 == 0 or i == len(data) - 1:
+            torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 0.05)
+            plain_opt.step()
+        expected.append(loss.item())
+    assert losses == expected
+    assert backward_losses == [float(torch.tensor(v) / 3) for v in expected]  # the scaled loss
+    assert stepped == [opt] * 4
+    for got, want in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(got, want)

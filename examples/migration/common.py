@@ -13,14 +13,15 @@ class Classifier(torch.nn.Module):
         )
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.net(batch["features"])
+        logits: torch.Tensor = self.net(batch["features"])
+        return logits
 
 
 def loss_fn(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits, batch["labels"])
 
 
-def setup(steps: int = 40, seed: int = 0) -> tuple[Classifier, torch.optim.Optimizer, list]:
+def setup(steps: int = 40, seed: int = 0) -> tuple[Classifier, torch.optim.Optimizer, list[dict[str, torch.Tensor]]]:
     torch.manual_seed(seed)
     model = Classifier()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
