@@ -7,7 +7,12 @@
 ``POST /rank`` takes one user -- history ``items`` with one ``actions`` entry each, and
 the ``candidates`` to rank -- and answers ``{"scores": [[p_0, p_1, p_2], ...]}``: per
 candidate, the probability of each task.  ``GET /stats`` reports the requests served
-and the batch-size histogram; ``GET /health`` answers ``ok``.
+and the batch-size histogram; ``GET /health`` answers ``ok``.  Every error answer is
+``{"error": "..."}``: ``400`` malformed request, ``413`` body over 1 MiB, ``500`` the
+model failed on the request's batch, ``503`` shutting down.
+
+On SIGTERM the server stops accepting connections, answers the requests queued and in
+flight, answers ``503`` to new requests on connections already open, then exits 0.
 
 Design (docs/serving.md): handlers queue their request with a future and wait; a
 ``MicroBatcher`` is the pipeline's async source -- while the model is idle it waits for
@@ -25,6 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
+import os
 import signal
 import socket
 import time
@@ -34,6 +41,7 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import aiopipe
@@ -41,6 +49,7 @@ from aiopipe import Pipeline, Task, TaskContext
 from hstu_tasks import DataConfig, HSTUBatch, HSTURankingModel, ModelConfig, quiet_torchrec
 
 THREAD_MAP = {"collate": "io", "forward": "compute", "scatter": "loop"}
+TEST_GATE_ENV = "SERVE_HSTU_TEST_GATE"
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,38 @@ def scores(model: HSTURankingModel, batch: HSTUBatch) -> torch.Tensor:
     return torch.sigmoid(logits)
 
 
+class ForwardGate:
+    """Test-only hook that holds each batch before the model, so a test can keep
+    requests in flight for as long as it needs.  Enabled by the environment variable
+    ``SERVE_HSTU_TEST_GATE=HELD_FD:RELEASE_FD`` (two pipe ends the server inherits):
+    before each forward the batch's request count is written to HELD_FD as a line, then
+    the model waits for one byte on RELEASE_FD; once RELEASE_FD reaches end of file,
+    every batch passes."""
+
+    def __init__(self, held_fd: int, release_fd: int) -> None:
+        self._held = os.fdopen(held_fd, "w", buffering=1)  # line-buffered: one line per batch
+        self._release_fd = release_fd
+        self._released = False
+
+    @classmethod
+    def from_environ(cls) -> ForwardGate | None:
+        value = os.environ.get(TEST_GATE_ENV)
+        if not value:
+            return None
+        try:
+            held_fd, release_fd = (int(fd) for fd in value.split(":"))
+        except ValueError:
+            raise SystemExit(f"{TEST_GATE_ENV}={value!r}: expected HELD_FD:RELEASE_FD") from None
+        return cls(held_fd, release_fd)
+
+    def wait(self, requests: int) -> None:
+        """On the compute lane: announce the batch, then block until released."""
+        if self._released:
+            return
+        self._held.write(f"{requests}\n")
+        self._released = os.read(self._release_fd, 1) == b""
+
+
 class ServiceClosed(RuntimeError):
     """The service is shutting down and takes no new requests."""
 
@@ -150,6 +191,10 @@ class MicroBatcher:
         """No new requests; the queued ones are still served, then the source ends."""
         self._closed = True
         self._arrived.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __aiter__(self) -> AsyncIterator[list[Pending]]:
         return self
@@ -201,9 +246,12 @@ class MicroBatcher:
 class RankingService:
     """The eval pipeline, its micro-batcher and statistics."""
 
-    def __init__(self, model: HSTURankingModel, config: ServeConfig) -> None:
+    def __init__(self, model: HSTURankingModel, config: ServeConfig,
+                 gate: ForwardGate | None = None) -> None:  # fmt: skip
         self.model = model
         self.config = config
+        self.gate = gate
+        self._serving: asyncio.Task[None] | None = None  # started by the app's lifespan
         self.batcher = MicroBatcher(config.max_batch, config.max_wait_ms / 1e3)
         self.histogram: collections.Counter[int] = collections.Counter()
         self.forward_seconds = 0.0  # time in the model, summed over batches
@@ -230,6 +278,8 @@ class RankingService:
         if batch is None:
             ctx.slots.set("scores", None)
             return
+        if self.gate is not None:
+            self.gate.wait(len(batch.num_candidates))
         start = time.perf_counter()
         ctx.slots.set("scores", scores(self.model, batch))
         self.forward_seconds += time.perf_counter() - start  # one lane writes it
@@ -278,31 +328,77 @@ class RankingService:
 
     async def lifespan(self, app: web.Application) -> AsyncIterator[None]:
         """aiohttp cleanup context: serve while the app runs, then drain and stop."""
-        task = asyncio.create_task(self.serve())
+        self._serving = asyncio.create_task(self.serve())
         yield
-        self.batcher.close()
         try:
-            await task
+            await self.drain()
         finally:
             self.pipeline.shutdown()
+
+    async def drain(self) -> None:
+        """Refuse new requests (``ServiceClosed``); return once every request queued or
+        in flight is answered."""
+        self.batcher.close()
+        if self._serving is not None:
+            # Shielded: a cancelled drain (Ctrl-C) must not cancel serving, which the
+            # cleanup context still awaits.
+            await asyncio.shield(self._serving)
 
 
 SERVICE = web.AppKey("service", RankingService)
 
 
+def error_response(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def decode_json(body: bytes) -> Any:
+    """``json.loads`` whose every failure is a ``ValueError`` (a 400, not a 500)."""
+    try:
+        return json.loads(body)
+    except RecursionError:  # e.g. 200 KB of "[[[..."
+        raise ValueError("the JSON body is nested too deeply") from None
+
+
 async def handle_rank(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
-    try:
-        ranked = RankRequest.parse(await request.json(), service.config)
+    try:  # a body over client_max_size (1 MiB) raises 413 here: see json_errors
+        ranked = RankRequest.parse(decode_json(await request.read()), service.config)
     except ValueError as exc:  # includes malformed JSON
-        return web.json_response({"error": str(exc)}, status=400)
+        return error_response(400, str(exc))
     try:
         result = await service.rank(ranked)
     except ServiceClosed as exc:
-        return web.json_response({"error": str(exc)}, status=503)
+        return error_response(503, str(exc))
     except Exception as exc:  # the model failed on this request's batch
-        return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
+        return error_response(500, f"{type(exc).__name__}: {exc}")
     return web.json_response({"scores": result})
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own error answers (413 body too large, 404, 405) in the documented
+    ``{"error": ...}`` form."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = error_response(exc.status, exc.text or exc.reason)
+        if "Allow" in exc.headers:  # 405 names the methods the route takes
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+
+
+@web.middleware
+async def close_while_draining(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """During the drain every answer says "Connection: close", so a client opens a new
+    connection for its next request (refused at once) instead of sending it down one
+    that the server is about to close (reset, with the request lost in between)."""
+    response = await handler(request)
+    if request.app[SERVICE].batcher.closed:
+        response.force_close()
+    return response
 
 
 async def handle_stats(request: web.Request) -> web.Response:
@@ -313,9 +409,10 @@ async def handle_health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-def create_app(config: ServeConfig, model: HSTURankingModel | None = None) -> web.Application:
-    service = RankingService(model if model is not None else build_model(config), config)
-    app = web.Application()
+def create_app(config: ServeConfig, model: HSTURankingModel | None = None,
+               gate: ForwardGate | None = None) -> web.Application:  # fmt: skip
+    service = RankingService(model if model is not None else build_model(config), config, gate)
+    app = web.Application(middlewares=[close_while_draining, json_errors])
     app[SERVICE] = service
     app.cleanup_ctx.append(service.lifespan)
     app.add_routes([web.post("/rank", handle_rank), web.get("/stats", handle_stats),
@@ -323,8 +420,10 @@ def create_app(config: ServeConfig, model: HSTURankingModel | None = None) -> we
     return app
 
 
-async def serve_forever(config: ServeConfig, host: str, port: int) -> None:
-    runner = web.AppRunner(create_app(config), access_log=None)
+async def serve_forever(config: ServeConfig, host: str, port: int,
+                        gate: ForwardGate | None = None) -> None:  # fmt: skip
+    app = create_app(config, gate=gate)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     sock = socket.create_server((host, port))
     site = web.SockSite(runner, sock)
@@ -336,8 +435,14 @@ async def serve_forever(config: ServeConfig, host: str, port: int) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:
         await stop.wait()  # Ctrl-C cancels this; SIGTERM sets it
+        await site.stop()  # new connections are refused from here on
+        print("draining: answering the requests in flight, 503 for new ones", flush=True)
+        # Before runner.cleanup, which closes the idle keep-alive connections first and
+        # runs the app's cleanup (closing the batcher) last: a request arriving on an
+        # open connection during the drain gets a 503, not a closed connection.
+        await app[SERVICE].drain()
     finally:
-        await runner.cleanup()  # serves what is queued, stops the pipeline's lanes
+        await runner.cleanup()  # closes the connections, stops the pipeline's lanes
 
 
 def parse_args() -> argparse.Namespace:
@@ -358,7 +463,7 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
     config = ServeConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, seed=args.seed)
     try:
-        aiopipe.run(serve_forever(config, args.host, args.port))
+        aiopipe.run(serve_forever(config, args.host, args.port, ForwardGate.from_environ()))
     except KeyboardInterrupt:
         pass
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import io
+import os
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -20,13 +23,15 @@ from typing import Any
 
 import pytest
 import torch
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession, TCPConnector, web
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hstu_tasks import HSTUBatch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ATOL = 1e-5
+STARTUP_S = 90.0  # bound on a server process importing torch and torchrec on a busy machine
+DEADLINE_S = 30.0  # bound on each other wait for the server process
 
 
 def load_example(name: str) -> ModuleType:
@@ -126,8 +131,16 @@ async def test_bad_requests_get_400_and_the_service_keeps_serving(server: Server
     assert [status for status, _ in answers] == [400] * len(bad) + [200]
     assert all("error" in answer for _, answer in answers[:-1])
     async with ClientSession(server.url) as session:
-        async with session.post("/rank", data=b"{not json") as response:
-            assert response.status == 400
+        for body, status in [(b"{not json", 400),
+                             (b"[" * 100_000 + b"]" * 100_000, 400),  # nested too deeply
+                             (b" " * (2**20 + 1), 413)]:  # over aiohttp's 1 MiB limit  # fmt: skip
+            async with session.post("/rank", data=io.BytesIO(body)) as response:
+                assert response.status == status
+                assert "error" in await response.json()  # the documented error body
+        async with session.get("/rank") as response:  # aiohttp's own errors as well
+            assert response.status == 405 and "error" in await response.json()
+        async with session.post("/rank", json=good) as response:
+            assert response.status == 200
 
 
 async def test_a_failing_batch_gets_an_error_and_the_service_recovers(
@@ -199,3 +212,80 @@ async def test_the_load_generator_reports_throughput_latency_and_batches(server:
     assert report.server["requests"] == 60  # the batches of this run only
     with pytest.raises(SystemExit, match="loopback"):
         load.require_loopback("http://192.0.2.1:8080")
+
+
+async def pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+    reader = asyncio.StreamReader()
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    return reader, transport
+
+
+async def rank(session: ClientSession, body: dict[str, Any]) -> tuple[int, Any, str | None]:
+    """Status, decoded body and ``Connection`` header of one ``POST /rank``."""
+    async with session.post("/rank", json=body) as response:
+        return response.status, await response.json(), response.headers.get("Connection")
+
+
+@pytest.mark.one_loop  # the server runs in its own process, on its own loop
+@pytest.mark.timeout(STARTUP_S + 4 * DEADLINE_S)
+async def test_sigterm_answers_requests_in_flight_and_503s_new_ones(
+    tmp_path: Path, model: Any
+) -> None:
+    """A real server process and real SIGTERM; the test holds a batch in the model
+    (serve_hstu's test gate) to make "a request arrives during the drain" certain."""
+    held_read, held_write = os.pipe()  # the server announces each batch it holds
+    release_read, release_write = os.pipe()  # closing release_write lets every batch pass
+    with open(tmp_path / "stderr", "w+") as stderr:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(EXAMPLES / "serve_hstu.py"), "--port", "0",
+            "--max-batch", "3", "--max-wait-ms", "600000",  # the three requests: one batch
+            env={**os.environ, serve.TEST_GATE_ENV: f"{held_write}:{release_read}"},
+            pass_fds=(held_write, release_read), stdout=asyncio.subprocess.PIPE, stderr=stderr,
+        )  # fmt: skip
+        os.close(held_write)
+        os.close(release_read)
+        held, held_transport = await pipe_reader(held_read)
+        assert process.stdout is not None
+        try:
+            line = await asyncio.wait_for(process.stdout.readline(), STARTUP_S)
+            assert line.startswith(b"serving on "), line
+            url = line.decode().split()[-1]
+            bodies = load.make_requests(3, seed=11)
+            keep_alive = TCPConnector(keepalive_timeout=STARTUP_S)  # outlives the test's waits
+            async with ClientSession(url) as busy, ClientSession(url, connector=keep_alive) as idle:
+                in_flight = [asyncio.ensure_future(rank(busy, body)) for body in bodies]
+                assert await asyncio.wait_for(held.readline(), DEADLINE_S) == b"3\n"
+                async with idle.get("/health") as response:  # leaves an open connection
+                    assert await response.text() == "ok"
+
+                process.send_signal(signal.SIGTERM)
+                line = await asyncio.wait_for(process.stdout.readline(), DEADLINE_S)
+                assert line.startswith(b"draining"), line
+                host, port = url.removeprefix("http://").split(":")
+                with pytest.raises(ConnectionRefusedError):  # no new connections...
+                    await asyncio.open_connection(host, int(port))
+                status, answer, connection = await rank(idle, bodies[0])  # on open ones: 503
+                assert (status, connection) == (503, "close")
+                assert "shutting down" in answer["error"]
+                assert not any(request.done() for request in in_flight)  # still in the model
+
+                os.close(release_write)
+                release_write = -1
+                answers = await asyncio.wait_for(asyncio.gather(*in_flight), DEADLINE_S)
+            for body, (status, answer, connection) in zip(bodies, answers):
+                assert (status, connection) == (200, "close"), answer  # answered in the drain
+                torch.testing.assert_close(torch.tensor(answer["scores"]), alone(model, body),
+                                           rtol=0, atol=ATOL)  # fmt: skip
+            assert await asyncio.wait_for(process.wait(), DEADLINE_S) == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            held_transport.close()
+            if release_write >= 0:
+                os.close(release_write)
+            stderr.seek(0)
+            log = stderr.read()
+        assert "Traceback" not in log, log
