@@ -4,8 +4,7 @@ A ``producer`` on stream ``"memcpy"`` writes ``x``; a ``consumer`` on the defaul
 stream reads it and writes ``step_result``.  The engine infers the cross-stream
 event wait from the slot they share.  ``Schedule``/``Stage`` and the ``StreamPool``
 are spelt out here (``Pipeline(tasks, device=...)`` builds both from a task list).
-The tasks ignore the batch, so the pipeline is driven with the step number as
-the batch: ``step(i)``.
+The tasks ignore the batch, so the pipeline is driven with ``step(None)``.
 
     python examples/spec/hand_built_schedule.py
 """
@@ -47,7 +46,7 @@ def compute_plain(steps: int) -> list[float]:
 def compute_pipelined(steps: int) -> list[float]:
     pipe = build_pipeline(torch.Generator().manual_seed(0), toy.device()).blocking()
     with pipe:
-        return [pipe.step(i).item() for i in range(steps)]
+        return [pipe.step(None).item() for _ in range(steps)]
 
 
 def main() -> None:
