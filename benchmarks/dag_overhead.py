@@ -1,5 +1,7 @@
-"""Per-node overhead of aiopipe.dag (submit -> complete) for chains and wide
-fan-outs, against running the same functions through ``asyncio.TaskGroup``.
+"""Per-node overhead of aiopipe.dag against asyncio.TaskGroup, chains and fan-outs.
+
+Each node is timed from submit to complete, for chains and wide fan-outs, against
+running the same functions through ``asyncio.TaskGroup``.
 
 A chain: each node INOUT-updates one tensor (each waits for the previous).  A
 fan-out: N independent nodes, each writing its own tensor.  Functions are no-ops

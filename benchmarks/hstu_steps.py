@@ -1,5 +1,7 @@
-"""Steps/s of the HSTU step: aiopipe vs torchrec's TrainPipelineSparseDist vs the
-plain loop, side by side in one run (ranks on gloo, CPU by default).
+"""Steps/s of the HSTU step: aiopipe vs torchrec's pipeline vs the plain loop.
+
+aiopipe, torchrec's TrainPipelineSparseDist and the plain loop run side by side in
+one run (ranks on gloo, CPU by default).
 
 Every configuration trains the same model on the same data, with torch DDP for the
 dense part; they are interleaved over ``--repeats`` rounds and the median is
