@@ -23,7 +23,7 @@ def current_venv() -> None:
 
 def dev(*args: str, cwd: Path, status: int = 0) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([DEV, *args], cwd=cwd, env=activated_env(), capture_output=True,
-                          text=True, timeout=110)  # fmt: skip
+                          text=True, timeout=280)  # fmt: skip
     assert done.returncode == status, f"./dev {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
     return done
 
@@ -54,6 +54,7 @@ def test_bench_names_the_benchmarks_for_an_unknown_one(tmp_path: Path) -> None:
     dev("bench", "_common", cwd=tmp_path, status=2)  # helpers are not benchmarks
 
 
+@pytest.mark.timeout(300)
 def test_demo_with_no_steps_writes_its_report_in_the_callers_folder(tmp_path: Path) -> None:
     done = dev("demo", "--steps", "0", "--json", "run.json", cwd=tmp_path)
     assert "no steps run (--steps 0)" in done.stdout and "Traceback" not in done.stderr
@@ -62,6 +63,7 @@ def test_demo_with_no_steps_writes_its_report_in_the_callers_folder(tmp_path: Pa
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(600)
 def test_rerunning_a_finished_checkpointed_demo_says_nothing_was_left(tmp_path: Path) -> None:
     flags = ("--steps", "2", "--checkpoint-dir", "ckpt", "--checkpoint-every", "1")
     first = dev("demo", *flags, cwd=tmp_path)
