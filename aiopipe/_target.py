@@ -123,7 +123,8 @@ def load_target(spec: str, *, tracer: Tracer | None = None) -> Target:
     on ``sys.path`` (as when running it as a script), so its sibling imports work.
     ``FUNC`` may be a dotted attribute path.  When it names a callable, it is called
     with no arguments -- except that a callable with a ``trace`` parameter is passed
-    ``tracer`` when one is given (``aiopipe trace`` does) -- and may return (or be):
+    ``tracer`` when one is given (``aiopipe trace`` does); one that needs other
+    arguments is a :class:`TargetError` -- and may return (or be):
 
     * a :class:`Schedule`, or a list of :class:`Task` (one stage);
     * a :class:`SchedulablePipeline` (e.g. a ``Pipeline``): its schedule, stream pool
@@ -144,10 +145,24 @@ def load_target(spec: str, *, tracer: Tracer | None = None) -> Target:
             raise TargetError(f"{location} has no attribute {attribute!r}") from None
     if callable(obj):
         try:
-            accepts_trace = "trace" in inspect.signature(obj).parameters
-        except (TypeError, ValueError):
-            accepts_trace = False
-        obj = obj(trace=tracer) if accepts_trace and tracer is not None else obj()
+            signature: inspect.Signature | None = inspect.signature(obj)
+        except (TypeError, ValueError):  # some builtins have none: just call them
+            signature = None
+        accepts_trace = signature is not None and "trace" in signature.parameters
+        kwargs = {"trace": tracer} if accepts_trace and tracer is not None else {}
+        if signature is not None:
+            try:
+                signature.bind(**kwargs)
+            except TypeError:
+                needed = ", ".join(name for name, p in signature.parameters.items()
+                                   if p.default is p.empty and name not in kwargs
+                                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))  # fmt: skip
+                raise TargetError(
+                    f"{spec} needs arguments ({needed}); the command calls it with none. "
+                    f"Name a function that builds the schedule by itself (one that calls "
+                    f"this one with your arguments)"
+                ) from None
+        obj = obj(**kwargs)
     return _normalise(spec, obj)
 
 

@@ -5,7 +5,7 @@
     aiopipe validate TARGET [--thread-map MAP] [--json]
     aiopipe graph    TARGET [--format dot|mermaid|svg|png|pdf] [-o FILE] [--thread-map MAP]
                      [--group-by lane|stream|none] [--title TEXT]
-    aiopipe trace    TARGET --progresses N -o trace.json [--executor async|sequential]
+    aiopipe trace    TARGET [--progresses 20] -o trace.json [--executor async|sequential]
                      [--thread-map MAP] [--svg timeline.svg]
     aiopipe plan     ...    (the auto-scheduler: aiopipe.autosched)
 
@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import diagram
+from . import __version__, diagram
 from ._target import Target, TargetError, load_target, parse_thread_map
 from .errors import PipelineError, ScheduleValidationError
 from .executors import AsyncExecutor, Executor
@@ -267,6 +267,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="TARGET is MODULE:FUNC or FILE.py:FUNC returning a Schedule, a list of "
                "Tasks, a SchedulablePipeline, or a (one of those, batches) pair.",
     )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"aiopipe {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
@@ -274,23 +275,27 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("target", metavar="TARGET", help="MODULE:FUNC or FILE.py:FUNC")
         return sub
 
-    thread_map_help = "by_stream, per_task, a JSON object or task=lane,... (lanes)"
+    thread_map_help = ("the lanes: by_stream, per_task, a JSON object or task=lane,... "
+                       "(default: the target's, else one lane per stream)")
     validate = command("validate", "check a schedule against rules 1-8 and report it")
-    validate.add_argument("--thread-map", help=thread_map_help)
+    validate.add_argument("--thread-map", metavar="MAP", help=thread_map_help)
     validate.add_argument("--json", action="store_true", help="print the report as JSON")
     graph = command("graph", "draw a schedule as DOT, Mermaid, or an SVG/PNG/PDF picture")
     graph.add_argument("--format", choices=("dot", "mermaid", "svg", "png", "pdf"),
                        help="default: from the -o suffix, else dot")  # fmt: skip
-    graph.add_argument("-o", "--output", help="write here instead of standard output")
-    graph.add_argument("--thread-map", help=thread_map_help)
-    graph.add_argument("--group-by", choices=("lane", "stream", "none"), default="lane")
+    graph.add_argument("-o", "--output", metavar="FILE",
+                       help="write here instead of standard output")  # fmt: skip
+    graph.add_argument("--thread-map", metavar="MAP", help=thread_map_help)
+    graph.add_argument("--group-by", choices=("lane", "stream", "none"), default="lane",
+                       help="one box per lane (default), per stream, or no boxes")  # fmt: skip
     graph.add_argument("--title", help="caption (default: TARGET)")
     trace = command("trace", "run N progresses and write a Chrome trace (Perfetto)")
-    trace.add_argument("--progresses", type=_positive, required=True, metavar="N")
-    trace.add_argument("-o", "--output", required=True, help="the trace JSON file")
+    trace.add_argument("--progresses", type=_positive, default=20, metavar="N",
+                       help="progresses to run (default 20)")  # fmt: skip
+    trace.add_argument("-o", "--output", required=True, metavar="FILE", help="the trace JSON file")
     trace.add_argument("--executor", choices=("async", "sequential"),
                        help="for a schedule target (default: async)")  # fmt: skip
-    trace.add_argument("--thread-map", help=thread_map_help)
+    trace.add_argument("--thread-map", metavar="MAP", help=thread_map_help)
     trace.add_argument("--svg", metavar="FILE", help="also draw the last three iterations here")
     # Listed for --help only: main() hands "plan" and its arguments to aiopipe.autosched.
     commands.add_parser("plan", help="auto-schedule: `aiopipe plan --help` for its options",

@@ -1,17 +1,20 @@
-"""Shared helpers for the benchmark scripts: timing pipelines and printing results."""
+"""Shared helpers for the benchmark scripts: timing pipelines, interleaved rounds,
+progress on stderr, and tables printed row by row with the spread over rounds."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from aiopipe import SchedulablePipeline
 
@@ -35,18 +38,81 @@ def run_on(loop_factory: Callable[[], asyncio.AbstractEventLoop], coro: Any) -> 
         loop.close()
 
 
-def best_of(repeats: int, measure: Callable[[], float]) -> float:
-    """The median of ``repeats`` measurements (machines are noisy)."""
-    return statistics.median(measure() for _ in range(repeats))
+# When the benchmark started; spawned ranks inherit it, so their lines count alike.
+_STARTED = float(os.environ.setdefault("AIOPIPE_BENCH_STARTED", str(time.time())))
+Key = TypeVar("Key")
+
+
+def progress(message: str) -> None:
+    """One line on stderr, after the seconds since the benchmark started: long runs
+    show they are moving while stdout keeps only the tables and the JSON line."""
+    print(f"[{time.time() - _STARTED:5.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+def spread(values: Sequence[float]) -> str:
+    """Half the range of ``values`` relative to their median, ``+-N%``: printed next
+    to the median, it shows how far one round strays (one noisy round reads as noise)."""
+    median = statistics.median(values)
+    if len(values) < 2 or not median:
+        return "--"
+    return f"+-{50 * (max(values) - min(values)) / abs(median):.0f}%"
+
+
+def with_spread(values: Sequence[float], digits: int = 3) -> str:
+    """``median +-N%`` of ``values``, for one table cell."""
+    return f"{statistics.median(values):.{digits}f} {spread(values)}"
+
+
+def interleaved_rounds(
+    configs: Mapping[Key, Callable[[], float]],
+    repeats: int,
+    *,
+    warmup: bool = False,
+    show: Callable[[float], str] = lambda value: f"{value:.3g}",
+) -> dict[Key, list[float]]:
+    """Measure every config once per round, ``repeats`` rounds, so that drift in the
+    machine's speed hits all alike; ``warmup`` runs one round first and drops it.
+    Each round ends with a progress line giving what every config measured in it."""
+    samples: dict[Key, list[float]] = {key: [] for key in configs}
+    first = 0 if warmup else 1
+    for round_no in range(first, repeats + 1):
+        measured = {key: measure() for key, measure in configs.items()}
+        if round_no:
+            for key, value in measured.items():
+                samples[key].append(value)
+        label = f"round {round_no}/{repeats}" + (" (warm-up, dropped)" if not round_no else "")
+        progress(f"{label}: " + ", ".join(f"{_name(k)} {show(v)}" for k, v in measured.items()))
+    return samples
+
+
+def _name(key: Any) -> str:
+    return "/".join(key) if isinstance(key, tuple) else str(key)
+
+
+class Table:
+    """A table printed row by row as results come in: a long benchmark shows each row
+    as soon as it is measured.  Column widths are fixed up front (the headers', or
+    ``widths`` where wider); a longer cell only shifts the rest of its row."""
+
+    def __init__(self, title: str, headers: Sequence[str], widths: Sequence[int] = ()) -> None:
+        self.widths = [max([len(str(h)), *widths[i:i + 1]]) for i, h in enumerate(headers)]
+        print(f"\n{title}")
+        self._print(headers)
+        self._print(["-" * w for w in self.widths])
+
+    def row(self, *cells: Any) -> None:
+        self._print(cells)
+
+    def _print(self, cells: Sequence[Any]) -> None:
+        print("  ".join(str(c).ljust(w) for c, w in zip(cells, self.widths)).rstrip(), flush=True)
 
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
-    print(f"\n{title}")
-    print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
-    print("  ".join("-" * w for w in widths))
+    """A table whose rows are all known: the columns fit the widest cell."""
+    widths = [max(len(str(r[i])) for r in rows) if rows else 0 for i in range(len(headers))]
+    table = Table(title, headers, widths)
     for row in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+        table.row(*row)
 
 
 def print_json(name: str, payload: dict[str, Any]) -> None:

@@ -7,7 +7,6 @@ the one the costs are profiled under.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -117,8 +116,10 @@ WORKLOADS: dict[str, Callable[[float], Workload]] = {
 }
 
 
-def measure_ms(schedule: Schedule, thread_map: ThreadMap, iterations: int, repeats: int) -> float:
-    """Median over ``repeats`` of the steady-state ms per progress."""
+def measure_ms(
+    schedule: Schedule, thread_map: ThreadMap, iterations: int, repeats: int
+) -> list[float]:
+    """The steady-state ms per progress, measured ``repeats`` times."""
 
     def once() -> float:
         pipe = SchedulablePipeline(schedule, executor=AsyncExecutor(thread_map), expect_result=False)
@@ -128,7 +129,7 @@ def measure_ms(schedule: Schedule, thread_map: ThreadMap, iterations: int, repea
             pipe.shutdown()
         return seconds * 1e3
 
-    return statistics.median(once() for _ in range(repeats))
+    return [once() for _ in range(repeats)]
 
 
 def profile(

@@ -31,8 +31,10 @@ from _common import (  # noqa: E402
     add_hstu_arguments,
     print_json,
     print_table,
+    progress,
     report_and_leave,
     spawn_ranks,
+    spread,
 )
 
 from aiopipe import Schedule, Tracer  # noqa: E402
@@ -103,6 +105,9 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
                 ms = steady_ms_per_step(setup, data, thread_map=thread_map)
                 if repeat:
                     times[name].append(ms)
+                if rank == 0:
+                    progress(f"round {repeat}/{args['repeats']}"
+                             f"{' (warm-up)' if not repeat else ''}: {name} {ms:.3f} ms/step")
         payload["measured_ms_per_step"] = times
     report_and_leave(rank, out, payload)
 
@@ -122,6 +127,7 @@ def main() -> None:
     if args["costs"]:
         costs = CostModel.load(args["costs"])
     else:
+        progress(f"profiling {args['steps']} steps on {args['ranks']} ranks")
         profiled = spawn_ranks(worker, {**args, "measure": False})
         engine = run(calibrate_engine())
         meta = {"workload": "HSTU ranking step, aiopipe default thread map",
@@ -133,6 +139,7 @@ def main() -> None:
         costs = CostModel(costs.tasks, costs.engine, meta)
         costs.save(args["output"])
         print(f"cost profile written to {args['output']}")
+    progress("searching")
     result = joint_search(schedule, costs, thread_map=HSTU_DEFAULT_THREAD_MAP, frozen=FROZEN,
                           presets={"dist lane": HSTU_DIST_LANE_THREAD_MAP},
                           max_threads=4, max_in_flight=5)  # fmt: skip
@@ -144,16 +151,19 @@ def main() -> None:
     if args["measure"]:
         pick_map = result.thread_map
         lanes_only = simulate(schedule, costs, pick_map).steady_ms
+        progress("measuring the default and the pick's thread map")
         measured = spawn_ranks(worker, {**args, "measure": True, "pick_map": pick_map})
         measured = measured["measured_ms_per_step"]
         rows = []
         predicted = {"default": result.baseline.score, "pick": lanes_only}
         for name, values in measured.items():
             median = statistics.median(values)
-            rows.append([name, f"{predicted[name]:.3f}", f"{median:.3f}",
+            rows.append([name, f"{predicted[name]:.3f}", f"{median:.3f}", spread(values),
                          f"{(predicted[name] - median) / median:+.1%}"])  # fmt: skip
-        print_table("HSTU step on CPU: thread map only (declared lookaheads, streams, order)",
-                    ["thread map", "simulated ms", "measured ms / step", "sim error"], rows)
+        print_table("HSTU step on CPU: thread map only (declared lookaheads, streams, order), "
+                    f"median of {args['repeats']} rounds",
+                    ["thread map", "simulated ms", "measured ms / step", "spread", "sim error"],
+                    rows)  # fmt: skip
         payload["measured_ms_per_step"] = measured
         payload["simulated_ms"] = predicted
     print_json("autosched_hstu_profile", payload)

@@ -20,7 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import print_json, print_table, run_on  # noqa: E402
+from _common import (  # noqa: E402
+    interleaved_rounds,
+    print_json,
+    print_table,
+    progress,
+    run_on,
+    spread,
+)
 from _sleep_workloads import HSTU_FROZEN, hstu, measure_ms, profile  # noqa: E402
 from hstu_shape import IO_COMPUTE_THREAD_MAP  # noqa: E402
 
@@ -35,8 +42,10 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every sleep")
     args = parser.parse_args()
     workload = hstu(args.scale)
+    progress("calibrating the engine's overheads, profiling the task costs")
     engine = run_on(new_event_loop, calibrate_engine())
     costs = profile(workload.schedule, IO_COMPUTE_THREAD_MAP, engine)
+    progress("searching")
     started = time.perf_counter()
     result = joint_search(
         workload.schedule, costs, thread_map=IO_COMPUTE_THREAD_MAP, frozen=HSTU_FROZEN,
@@ -48,22 +57,24 @@ def main() -> None:
         "search pick": (result.schedule, result.thread_map),
     }
     predicted = {name: simulate(s, costs, tm).steady_ms for name, (s, tm) in configs.items()}
-    samples: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(args.repeats):  # interleaved: drift hits both alike
-        for name, (schedule, thread_map) in configs.items():
-            samples[name].append(measure_ms(schedule, thread_map, args.iterations, 1))
+    progress(f"search done in {search_s:.1f} s; measuring the default and the pick")
+    samples = interleaved_rounds(
+        {name: lambda s=schedule, tm=thread_map: measure_ms(s, tm, args.iterations, 1)[0]
+         for name, (schedule, thread_map) in configs.items()},
+        args.repeats, show=lambda ms: f"{ms:.3f} ms",
+    )  # fmt: skip
     measured = {name: statistics.median(values) for name, values in samples.items()}
     base, pick = "default (io/compute)", "search pick"
     predicted_gain = 1 - predicted[pick] / predicted[base]
     measured_gain = 1 - measured[pick] / measured[base]
     gain_error = (measured_gain - predicted_gain) / predicted_gain
-    rows = [[name, f"{predicted[name]:.3f}", f"{measured[name]:.3f}",
+    rows = [[name, f"{predicted[name]:.3f}", f"{measured[name]:.3f}", spread(samples[name]),
              f"{(predicted[name] - measured[name]) / measured[name]:+.1%}"]
             for name in configs]  # fmt: skip
     print_table(
-        f"HSTU-shaped sleep workload, ms per progress (search: {result.evaluated} candidates "
-        f"in {search_s:.1f} s, {result.rounds} rounds)",
-        ["schedule", "simulated", "measured", "sim error"],
+        f"HSTU-shaped sleep workload, ms per progress, median of {args.repeats} rounds "
+        f"(search: {result.evaluated} candidates in {search_s:.1f} s, {result.rounds} rounds)",
+        ["schedule", "simulated", "measured", "spread", "sim error"],
         rows,
     )
     print_table(

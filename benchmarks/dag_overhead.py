@@ -1,5 +1,7 @@
-"""Per-node overhead of aiopipe.dag (submit -> complete) for chains and wide
-fan-outs, against running the same functions through ``asyncio.TaskGroup``.
+"""Per-node overhead of aiopipe.dag against asyncio.TaskGroup, chains and fan-outs.
+
+Each node is timed from submit to complete, for chains and wide fan-outs, against
+running the same functions through ``asyncio.TaskGroup``.
 
 A chain: each node INOUT-updates one tensor (each waits for the previous).  A
 fan-out: N independent nodes, each writing its own tensor.  Functions are no-ops
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 import uvloop  # noqa: E402
-from _common import print_json, print_table, run_on  # noqa: E402
+from _common import interleaved_rounds, print_json, print_table, run_on, spread  # noqa: E402
 
 from aiopipe.dag import INOUT, OUTPUT, TaskGraph  # noqa: E402
 
@@ -88,15 +90,17 @@ def main() -> None:
         ("fan-out", "aiopipe.dag"): lambda: graph_fanout(n, tensors),
         ("fan-out", "asyncio.TaskGroup"): lambda: taskgroup_fanout(n, tensors),
     }
-    samples: dict[tuple[str, str], list[float]] = {key: [] for key in configs}
-    for _ in range(args.repeats):
-        for key, make in configs.items():
-            samples[key].append(run_on(uvloop.new_event_loop, make()))
+    samples = interleaved_rounds(
+        {key: lambda make=make: run_on(uvloop.new_event_loop, make())
+         for key, make in configs.items()},
+        args.repeats, show=lambda s: f"{s / n * 1e6:.2f} us/node",
+    )  # fmt: skip
     us = {key: statistics.median(v) / n * 1e6 for key, v in samples.items()}
-    rows = [[shape, impl, f"{value:.2f}", f"{value / us[(shape, 'asyncio.TaskGroup')]:.2f}"]
+    rows = [[shape, impl, f"{value:.2f}", spread(samples[(shape, impl)]),
+             f"{value / us[(shape, 'asyncio.TaskGroup')]:.2f}"]
             for (shape, impl), value in us.items()]  # fmt: skip
-    print_table(f"per-node overhead, {n} nodes, median of {args.repeats} (uvloop)",
-                ["shape", "runner", "us / node", "x TaskGroup"], rows)  # fmt: skip
+    print_table(f"per-node overhead, {n} nodes, median of {args.repeats} rounds (uvloop)",
+                ["shape", "runner", "us / node", "spread", "x TaskGroup"], rows)  # fmt: skip
     print_json("dag_overhead", {"nodes": n, "us_per_node": {f"{s}/{i}": v for (s, i), v in us.items()}})
 
 

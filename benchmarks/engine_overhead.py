@@ -20,7 +20,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import uvloop  # noqa: E402
-from _common import print_json, print_table, run_on, time_progress  # noqa: E402
+from _common import (  # noqa: E402
+    interleaved_rounds,
+    print_json,
+    print_table,
+    run_on,
+    time_progress,
+    with_spread,
+)
 from hstu_shape import IO_COMPUTE_THREAD_MAP, HSTU_TASKS, hstu_schedule  # noqa: E402
 from threaded_baseline import ThreadedExecutor  # noqa: E402
 
@@ -57,23 +64,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     tasks = len(HSTU_TASKS)
-    samples: dict[tuple[str, str], list[float]] = {}
-    for _ in range(args.repeats):  # interleaved, so drifts in machine speed hit all alike
-        for loop in LOOPS:
-            for config in CONFIGS:
-                samples.setdefault((config, loop), []).append(measure(config, loop, args.iterations))
+    samples = interleaved_rounds(
+        {(config, loop): lambda c=config, lp=loop: measure(c, lp, args.iterations)
+         for loop in LOOPS for config in CONFIGS},
+        args.repeats, show=lambda s: f"{s * 1e6 / tasks:.2f}",
+    )  # fmt: skip
+    per_task = {key: [s * 1e6 / tasks for s in seconds] for key, seconds in samples.items()}
     results: dict[str, dict[str, float]] = {}
-    for (config, loop), seconds in samples.items():
-        results.setdefault(config, {})[loop] = statistics.median(seconds) * 1e6 / tasks
+    for (config, loop), us in per_task.items():
+        results.setdefault(config, {})[loop] = statistics.median(us)
     baseline = results["threaded baseline (io/compute)"]
     rows = [
-        [config, f"{per['asyncio']:.2f}", f"{per['uvloop']:.2f}",
+        [config, with_spread(per_task[(config, "asyncio")], 2),
+         with_spread(per_task[(config, "uvloop")], 2),
          f"{per['asyncio'] / baseline['asyncio']:.2f}", f"{per['uvloop'] / baseline['uvloop']:.2f}"]
         for config, per in results.items()
     ]  # fmt: skip
     print_table(
-        f"engine overhead, {tasks} no-op tasks, median of {args.repeats} x {args.iterations} "
-        f"progresses (us per task)",
+        f"engine overhead, {tasks} no-op tasks, median of {args.repeats} rounds x "
+        f"{args.iterations} progresses (us per task, +- half the range of the rounds)",
         ["executor", "asyncio", "uvloop", "x baseline (asyncio)", "x baseline (uvloop)"],
         rows,
     )

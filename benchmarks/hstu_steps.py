@@ -1,5 +1,7 @@
-"""Steps/s of the HSTU step: aiopipe vs torchrec's TrainPipelineSparseDist vs the
-plain loop, side by side in one run (ranks on gloo, CPU by default).
+"""Steps/s of the HSTU step: aiopipe vs torchrec's pipeline vs the plain loop.
+
+aiopipe, torchrec's TrainPipelineSparseDist and the plain loop run side by side in
+one run (ranks on gloo, CPU by default).
 
 Every configuration trains the same model on the same data, with torch DDP for the
 dense part; they are interleaved over ``--repeats`` rounds and the median is
@@ -31,8 +33,10 @@ from _common import (  # noqa: E402
     add_hstu_arguments,
     print_json,
     print_table,
+    progress,
     report_and_leave,
     spawn_ranks,
+    spread,
 )
 
 from hstu_tasks import (  # noqa: E402
@@ -85,9 +89,7 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
     samples: dict[str, list[float]] = {name: [] for name in chosen}
     busy: dict[str, list[float]] = {name: [] for name in chosen}
     for repeat in range(args["repeats"] + 1):  # the first round warms up
-        if rank == 0:
-            print(f"round {repeat}/{args['repeats']}" + (" (warm-up)" if not repeat else ""),
-                  file=sys.stderr, flush=True)  # fmt: skip
+        round_name = f"round {repeat}/{args['repeats']}" + (" (warm-up)" if not repeat else "")
         for name, (mode, thread_map, data_parallel) in chosen.items():
             if mode == "torchrec" and args["replicate_tables"]:
                 continue  # torchrec's pipeline needs sharded tables
@@ -100,9 +102,13 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
                 result = run_pipeline(mode, setup, data, shuffler=KarmarkarKarpShuffler())
             else:
                 result = run_pipeline(mode, setup, data, thread_map=thread_map)  # type: ignore[arg-type]
+            rate = args["steps"] / result.seconds
+            cores_busy = machine_busy(result.seconds, result.cpu_seconds)
             if repeat:
-                samples[name].append(args["steps"] / result.seconds)
-                busy[name].append(machine_busy(result.seconds, result.cpu_seconds))
+                samples[name].append(rate)
+                busy[name].append(cores_busy)
+            if rank == 0:
+                progress(f"{round_name}: {name} {rate:.2f} steps/s")
     report_and_leave(rank, out, {"steps_per_s": samples, "busy": busy})
 
 
@@ -135,19 +141,16 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in samples.items() if values}
     torchrec = medians.get("torchrec")
 
-    def spread(name: str) -> str:  # half the range of the rounds, relative to the median
-        values = samples[name]
-        return f"+-{50 * (max(values) - min(values)) / medians[name]:.0f}%"
-
-    rows = [[name, f"{rate:.2f}", spread(name), f"{rate / torchrec:.3f}" if torchrec else "--",
+    rows = [[name, f"{rate:.2f}", spread(samples[name]),
+             f"{rate / torchrec:.3f}" if torchrec else "--",
              f"{rate / medians['none']:.3f}", f"{statistics.median(busy[name]):.0%}"]
             for name, rate in medians.items()]  # fmt: skip
     tables = "replicated tables" if args["replicate_tables"] else "sharded tables"
     print_table(
         f"HSTU step, {args['ranks']} ranks on "
         f"{'NCCL (GPU)' if torch.cuda.is_available() else 'gloo (CPU)'}, {tables}, "
-        f"{args['steps']} steps, median of {args['repeats']}",
-        ["pipeline", "steps / s", "rounds", "x torchrec", "x plain loop", "cores busy"],
+        f"{args['steps']} steps, median of {args['repeats']} rounds (spread: half their range)",
+        ["pipeline", "steps / s", "spread", "x torchrec", "x plain loop", "cores busy"],
         rows,
     )
     print(f"cores busy: every rank's CPU time over wall time x {len(os.sched_getaffinity(0))} "

@@ -24,7 +24,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _common import print_json, print_table  # noqa: E402
+from _common import Table, print_json, progress  # noqa: E402
 
 from aiopipe import Pipeline, SchedulablePipeline, Schedule, Task, TaskContext, run  # noqa: E402
 from aiopipe.presets import basic  # noqa: E402
@@ -145,17 +145,14 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=200.0)
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
+    table = Table(f"1 ms ticker on the pipeline's event loop, {args.steps} steps per row",
+                  ["constructor (defaults)", "step ms", "max tick delay ms", "p99 ms", "ticks"],
+                  [max(map(len, ROWS))])  # fmt: skip
     for name in ROWS:
-        results[name] = run(measure(name, args.steps, args.step_ms))
-        print(f"{name}: max tick delay {results[name]['max_ms']:.1f} ms", file=sys.stderr,
-              flush=True)  # fmt: skip
-    rows = [[name, f"{r['step_ms']:.0f}", f"{r['max_ms']:.1f}", f"{r['p99_ms']:.1f}",
-             int(r["ticks"])] for name, r in results.items()]  # fmt: skip
-    print_table(
-        f"1 ms ticker on the pipeline's event loop, {args.steps} steps per row",
-        ["constructor (defaults)", "step ms", "max tick delay ms", "p99 ms", "ticks"],
-        rows,
-    )
+        progress(f"measuring {name}")
+        r = results[name] = run(measure(name, args.steps, args.step_ms))
+        table.row(name, f"{r['step_ms']:.0f}", f"{r['max_ms']:.1f}", f"{r['p99_ms']:.1f}",
+                  int(r["ticks"]))  # fmt: skip
     worst = max(r["max_ms"] for name, r in results.items() if "opt-in" not in name)
     print(f"worst max delay under the defaults: {worst:.1f} ms")
     print_json("loop_latency", {"args": vars(args), "results": results,

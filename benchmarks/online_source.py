@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import print_json, print_table  # noqa: E402
+from _common import print_json, print_table, progress, spread  # noqa: E402
 
 from aiopipe import run  # noqa: E402
 from hstu_tasks import (  # noqa: E402
@@ -129,19 +129,18 @@ def main() -> None:
             rate = measure(name, args.steps, latency, seed=repeat)
             if repeat:
                 samples[name].append(rate)
-        print(f"round {repeat}/{args.repeats} done" + (" (warm-up)" if not repeat else ""),
-              file=sys.stderr, flush=True)  # fmt: skip
+            progress(f"round {repeat}/{args.repeats}{' (warm-up)' if not repeat else ''}: "
+                     f"{name} {rate:.1f} steps/s")  # fmt: skip
     medians = {name: statistics.median(values) for name, values in samples.items()}
     rows = [
-        [name, f"{rate:.1f}",
-         f"+-{50 * (max(samples[name]) - min(samples[name])) / rate:.0f}%",
+        [name, f"{rate:.1f}", spread(samples[name]),
          f"{rate / medians['torchrec']:.2f}", f"{rate / medians['prefetch thread']:.2f}"]
         for name, rate in medians.items()
     ]  # fmt: skip
     print_table(
         f"HSTU step with a {latency[0]:g}-{latency[1]:g} ms fetch per batch, {args.steps} "
-        f"steps, median of {args.repeats}",
-        ["pipeline", "steps / s", "rounds", "x torchrec", "x prefetch thread"],
+        f"steps, median of {args.repeats} rounds (spread: half their range)",
+        ["pipeline", "steps / s", "spread", "x torchrec", "x prefetch thread"],
         rows,
     )
     print_json("online_source", {"args": vars(args), "steps_per_s": medians,

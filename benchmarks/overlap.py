@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import uvloop  # noqa: E402
-from _common import best_of, print_json, print_table, run_on, time_progress  # noqa: E402
+from _common import print_json, print_table, progress, run_on, spread, time_progress  # noqa: E402
 
 from aiopipe import AsyncExecutor, Pipeline, Task  # noqa: E402
 
@@ -55,6 +55,7 @@ def main() -> None:
     stage_s = args.stage_ms / 1e3
     rows, payload = [], {}
     durations: list[float] = []
+    spreads: dict[str, str] = {}
     for name, make in CONFIGS.items():
 
         def measure() -> float:
@@ -64,19 +65,22 @@ def main() -> None:
             finally:
                 pipe.shutdown()
 
-        seconds = best_of(args.repeats, measure)
-        payload[name] = {"ms_per_progress": seconds * 1e3}
+        runs = [measure() for _ in range(args.repeats)]
+        progress(f"{name}: {', '.join(f'{s * 1e3:.3f}' for s in runs)} ms per progress")
+        payload[name] = {"ms_per_progress": statistics.median(runs) * 1e3}
+        spreads[name] = spread(runs)
     stage_measured = statistics.median(durations)
     for name, result in payload.items():
         seconds = result["ms_per_progress"] / 1e3
         result["vs_nominal"] = stage_s / seconds
         result["vs_measured_stage"] = stage_measured / seconds
-        rows.append([name, f"{seconds * 1e3:.3f}", f"{stage_s / seconds:.3f}",
+        rows.append([name, f"{seconds * 1e3:.3f}", spreads[name], f"{stage_s / seconds:.3f}",
                      f"{stage_measured / seconds:.3f}"])  # fmt: skip
     print_table(
         f"two {args.stage_ms:g} ms stages (one stage measures {stage_measured * 1e3:.3f} ms "
-        f"here), uvloop",
-        ["executor", "ms / progress", f"{args.stage_ms:g} ms / measured", "stage / measured"],
+        f"here), uvloop, median of {args.repeats} runs",
+        ["executor", "ms / progress", "spread", f"{args.stage_ms:g} ms / measured",
+         "stage / measured"],
         rows,
     )
     print_json(

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _common import print_json, print_table  # noqa: E402
+from _common import interleaved_rounds, print_json, print_table, spread  # noqa: E402
 
 import aiopipe  # noqa: E402
 from aiopipe import SchedulablePipeline  # noqa: E402
@@ -100,24 +100,20 @@ def main() -> None:
             data, device, args.width, executor="sequential"
         ),
     }
-    samples: dict[str, list[float]] = {name: [] for name in configs}
-    for name, run in configs.items():  # warm-up
-        run()
-    for repeat in range(args.repeats):
-        for name, run in configs.items():
-            samples[name].append(run())
-        print(f"round {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    samples = interleaved_rounds(configs, args.repeats, warmup=True,
+                                 show=lambda s: f"{s / args.steps * 1e3:.2f} ms/step")  # fmt: skip
     base = statistics.median(samples["plain loop"])
     rows, payload = [], {}
     for name, seconds in samples.items():
         median = statistics.median(seconds)
-        spread = 50 * (max(seconds) - min(seconds)) / median
-        rows.append([name, f"{median / args.steps * 1e3:.3f}", f"{args.steps / median:.1f}",
-                     f"+-{spread:.0f}%", f"{median / base:.3f}"])  # fmt: skip
-        payload[name] = {"ms_per_step": median / args.steps * 1e3, "x_plain": median / base}
+        rows.append([name, f"{median / args.steps * 1e3:.3f}", spread(seconds),
+                     f"{args.steps / median:.1f}", f"{median / base:.3f}"])  # fmt: skip
+        payload[name] = {"ms_per_step": median / args.steps * 1e3, "x_plain": median / base,
+                         "samples_s": seconds}  # fmt: skip
     print_table(
-        f"basic() preset vs plain loop, {device}, {args.steps} steps, median of {args.repeats}",
-        ["config", "ms / step", "steps / s", "rounds", "time x plain"],
+        f"basic() preset vs plain loop, {device}, {args.steps} steps, median of {args.repeats} "
+        f"rounds (spread: half their range)",
+        ["config", "ms / step", "spread", "steps / s", "time x plain"],
         rows,
     )
     print_json("presets", {"device": str(device), "results": payload})

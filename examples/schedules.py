@@ -6,9 +6,10 @@
     aiopipe trace examples/schedules.py:training --progresses 20 -o trace.json
     aiopipe validate examples/schedules.py:broken                      # exits 1
 
-Each function shows one form a target may take: a ``Schedule`` (``overlap``,
-``hstu``), a ``(pipeline, batches)`` pair from a function that accepts the CLI's
-tracer (``training``), a schedule that breaks a rule (``broken``).
+Each function shows one form a target may take: a ``Schedule`` (``overlap``), a
+pipeline that brings its lanes (``hstu``), a ``(pipeline, batches)`` pair from a
+function that accepts the CLI's tracer (``training``), a schedule that breaks a rule
+(``broken``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from aiopipe import Pipeline, Schedule, Task, TaskContext
+from aiopipe import AsyncExecutor, Pipeline, SchedulablePipeline, Schedule, Task, TaskContext
 
 
 def overlap() -> Schedule:
@@ -113,9 +114,12 @@ def training(trace: Any = None, steps: int = 64) -> tuple[Pipeline, Iterator[Any
     return pipe, batches()
 
 
-def hstu(prefetch: bool = False) -> Schedule:
-    """The real HSTU schedule of ``hstu_tasks`` (imports torchrec); the task bodies
-    need a sharded model, so draw and validate it, do not trace it."""
+def hstu(prefetch: bool = False) -> SchedulablePipeline:
+    """The real HSTU schedule of ``hstu_tasks`` (imports torchrec) on the lanes
+    ``HSTUPipeline`` runs it on by default (``HSTU_DEFAULT_THREAD_MAP``: the batch's
+    copy and shuffle on lane ``io``, the rest on ``compute``).  The task bodies need
+    a sharded model, so validate, draw or plan it; do not trace it."""
+    from hstu_tasks import HSTU_DEFAULT_THREAD_MAP
     from hstu_tasks.shuffler import IdentityShuffler
     from hstu_tasks.tasks import PipelineState, build_tasks
 
@@ -123,11 +127,12 @@ def hstu(prefetch: bool = False) -> Schedule:
     state = PipelineState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                           device=torch.device("cpu"), shuffler=IdentityShuffler(),
                           prefetch=prefetch)  # fmt: skip
-    tasks = build_tasks(state)
-    return Schedule.of(tasks, stream_slots=("default", "memcpy", "data_dist", "prefetch"))
+    schedule = Schedule.of(build_tasks(state),
+                           stream_slots=("default", "memcpy", "data_dist", "prefetch"))  # fmt: skip
+    return SchedulablePipeline(schedule, executor=AsyncExecutor(HSTU_DEFAULT_THREAD_MAP))
 
 
-def hstu_prefetch() -> Schedule:
+def hstu_prefetch() -> SchedulablePipeline:
     """The HSTU schedule with embedding prefetch: all fourteen tasks."""
     return hstu(prefetch=True)
 

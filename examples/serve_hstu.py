@@ -446,11 +446,13 @@ async def serve_forever(config: ServeConfig, host: str, port: int,
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
-    parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--max-wait-ms", type=float, default=2.0)
+    parser.add_argument("--max-batch", type=int, default=8, help="requests per forward at most")
+    parser.add_argument("--max-wait-ms", type=float, default=2.0,
+                        help="how long a batch waits for more requests")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="model weights")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="intra-op threads: the lanes already use a core each")  # fmt: skip

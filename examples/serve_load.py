@@ -163,12 +163,14 @@ def print_report(report: LoadReport) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8080")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--url", default="http://127.0.0.1:8080",
+                        help="the server (without --spawn)")  # fmt: skip
     parser.add_argument("--spawn", action="store_true", help="start a server on a free port")
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=2000, help="requests timed")
+    parser.add_argument("--concurrency", type=int, default=64, help="client loops sending at once")
+    parser.add_argument("--seed", type=int, default=0, help="of the random request bodies")
     parser.add_argument("--max-batch", type=int, default=8, help="with --spawn")
     parser.add_argument("--max-wait-ms", type=float, default=2.0, help="with --spawn")
     parser.add_argument("--warmup", type=int, default=100, help="requests sent first, not counted")

@@ -149,8 +149,13 @@ def main() -> None:
     digest = parameter_digest(setup.model)
     steps_per_s = len(result.loss_sums) / result.seconds if result.seconds else 0.0
     if rank == 0:
-        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s, "
-              f"parameter checksum {checksum!r}")  # fmt: skip
+        if result.loss_sums:
+            ran = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s"
+        elif start:  # a finished checkpointed run started again
+            ran = f"nothing left to run: the checkpoint is at step {start} of {args.steps}"
+        else:
+            ran = "no steps run (--steps 0)"
+        print(f"{ran}, parameter checksum {checksum!r}")
         if args.json:
             with open(args.json, "w") as out:
                 json.dump({"pipeline": args.pipeline, "world_size": world, "steps": len(losses),

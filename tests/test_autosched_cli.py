@@ -81,3 +81,13 @@ def test_plan_exit_codes(target: str, costs: Path, capsys: pytest.CaptureFixture
     assert main(["plan", target, "--costs", str(costs), "--frozen", "ghost"]) == 1
     err = capsys.readouterr().err
     assert "missing.json" in err and "ghost" in err
+
+
+def test_plan_counts_lane_threads_in_words(
+    target: str, costs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", target, "--costs", str(costs), "--thread-map", "prep=main,train=main",
+                 "--max-threads", "1"]) == 0  # fmt: skip
+    baseline = next(line for line in capsys.readouterr().out.splitlines()
+                    if line.startswith("baseline"))  # fmt: skip
+    assert baseline.endswith("(1 lane thread)")

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+import aiopipe
 import aiopipe.cli
 from aiopipe import Pipeline, Schedule
 from aiopipe.cli import TargetError, load_target, main, parse_thread_map
@@ -115,10 +116,11 @@ def test_the_real_hstu_schedule_validates(capsys: pytest.CaptureFixture[str]) ->
     pytest.importorskip("torchrec")
     from hstu_tasks import HSTU_DEFAULT_THREAD_MAP
 
-    status, out, _ = run_cli(capsys, "validate", f"{EXAMPLES}:hstu_prefetch", "--json",
-                             "--thread-map", json.dumps(HSTU_DEFAULT_THREAD_MAP))  # fmt: skip
+    # The target brings the lanes HSTUPipeline runs it on: no --thread-map needed.
+    status, out, _ = run_cli(capsys, "validate", f"{EXAMPLES}:hstu_prefetch", "--json")
     report = json.loads(out)
     assert status == 0 and len(report["tasks"]) == 14
+    assert {t["name"]: t["lane"] for t in report["tasks"]} == HSTU_DEFAULT_THREAD_MAP
     order = [t["name"] for t in report["tasks"]]
     assert order.index("forward") < order.index("prefetch_embeddings") < order.index("backward")
     assert report["lanes"] == {"io": 3, "compute": 11}
@@ -338,6 +340,52 @@ def test_plan_without_the_auto_scheduler(
     assert status == 2 and "auto-scheduler (aiopipe.autosched) is not available" in err
     status, out, _ = run_cli(capsys, "validate", OVERLAP)  # the rest still works
     assert status == 0
+
+
+def test_a_target_that_needs_arguments_is_a_loading_error() -> None:
+    command = [sys.executable, "-m", "aiopipe", "validate", "examples/quickstart.py:build_pipeline"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "build_pipeline needs arguments (model, opt, executor)" in done.stderr
+
+
+def test_a_trace_parameter_is_the_only_one_the_loader_fills(tmp_path: Path) -> None:
+    target = write_target(tmp_path, """
+        def needs_trace(trace):
+            return [Task.from_fn("t", lambda ctx: None)]
+    """)  # fmt: skip
+    assert load_target(f"{target}:needs_trace", tracer=aiopipe.Tracer()).schedule.tasks
+    with pytest.raises(TargetError, match=r"needs arguments \(trace\)"):
+        load_target(f"{target}:needs_trace")  # validate and graph pass no tracer
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"aiopipe {aiopipe.__version__}\n"
+
+
+def test_every_option_has_help() -> None:
+    import argparse
+
+    from aiopipe.autosched.cli import add_arguments
+
+    plan = argparse.ArgumentParser()
+    add_arguments(plan)
+    subparsers = next(a for a in aiopipe.cli._parser()._actions
+                      if isinstance(a, argparse._SubParsersAction))  # fmt: skip
+    parsers = {name: p for name, p in subparsers.choices.items() if name != "plan"}
+    parsers["plan"] = plan
+    missing = [f"{name} {action.dest}" for name, parser in parsers.items()
+               for action in parser._actions if not action.help]  # fmt: skip
+    assert len(parsers) == 4 and not missing
+
+
+def test_trace_runs_20_progresses_by_default(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(capsys, "trace", OVERLAP, "-o", str(tmp_path / "t.json"))
+    assert status == 0 and ": 20 progress(es)," in out
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

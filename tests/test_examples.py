@@ -25,6 +25,13 @@ def test_quickstart_matches_a_plain_loop() -> None:
     assert "yes (bit for bit)" in out
 
 
+@pytest.mark.parametrize("script", ["examples/serve_hstu.py", "examples/serve_load.py"])
+def test_serving_scripts_show_their_defaults(script: str) -> None:
+    options = " ".join(run(script, "--help").split("options:")[1].split())  # unwrapped
+    assert "--max-batch" in options and "(default: 8)" in options
+    assert "(default: 2.0)" in options  # --max-wait-ms
+
+
 def test_dag_in_task_orders_the_reduction_after_every_table() -> None:
     out = run("examples/dag_in_task.py")
     magnitudes = [float(line.rsplit("=", 1)[1]) for line in out.splitlines()]

@@ -4,7 +4,7 @@
 
     aiopipe plan TARGET [--costs costs.json | --batches N [--save-costs FILE]]
                  [--thread-map MAP] [--frozen a,b] [--no-loop] [--max-threads 4]
-                 [--max-in-flight 5]
+                 [--max-in-flight 5] [--beam-width 4] [--rounds 6]
                  [--json] [-o plan.json]
 
 ``TARGET`` is what the other subcommands take (``MODULE:FUNC`` or ``FILE.py:FUNC``,
@@ -43,24 +43,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("costs")
     source.add_argument("--costs", metavar="FILE",
                         help="a cost model JSON (default: profile now)")  # fmt: skip
-    source.add_argument("--batches", type=int, default=40,
+    source.add_argument("--batches", type=int, default=40, metavar="N",
                         help="batches to profile without --costs (default 40)")  # fmt: skip
     source.add_argument("--save-costs", metavar="FILE",
                         help="write the profiled cost model here")  # fmt: skip
     source.add_argument("--no-calibrate", action="store_true",
                         help="use default engine overheads instead of measuring them")  # fmt: skip
     search = parser.add_argument_group("search")
-    search.add_argument("--thread-map", help="the baseline lanes: by_stream, per_task, a JSON "
-                        "object or task=lane,... (default: the target's)")  # fmt: skip
-    search.add_argument("--frozen", default="",
+    search.add_argument("--thread-map", metavar="MAP",
+                        help="the baseline lanes: by_stream, per_task, a JSON object or "
+                             "task=lane,... (default: the target's)")  # fmt: skip
+    search.add_argument("--frozen", default="", metavar="TASKS",
                         help="tasks whose stream and lookahead must not change: a,b,c")  # fmt: skip
     search.add_argument("--no-loop", action="store_true",
                         help="never move a task onto the event loop's thread (keep it free "
                              "for async sources and serving)")  # fmt: skip
-    search.add_argument("--max-threads", type=int, default=4)
-    search.add_argument("--max-in-flight", type=int, default=5)
-    search.add_argument("--beam-width", type=int, default=4)
-    search.add_argument("--rounds", type=int, default=6)
+    search.add_argument("--max-threads", type=int, default=4, metavar="N",
+                        help="lane threads a candidate may use (default 4)")  # fmt: skip
+    search.add_argument("--max-in-flight", type=int, default=5, metavar="N",
+                        help="batches in flight, max lookahead + 1, a candidate may keep "
+                             "(default 5)")  # fmt: skip
+    search.add_argument("--beam-width", type=int, default=4, metavar="N",
+                        help="candidates kept from one round to the next (default 4)")  # fmt: skip
+    search.add_argument("--rounds", type=int, default=6, metavar="N",
+                        help="search rounds at most; it stops earlier after two rounds "
+                             "without a gain (default 6)")  # fmt: skip
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print only the JSON report")
     output.add_argument("-o", "--output", metavar="FILE", help="also write the JSON report here")
@@ -95,6 +102,10 @@ def report(result: SearchResult, costs: CostModel) -> dict[str, Any]:
     }
 
 
+def _lane_threads(count: int) -> str:
+    return f"{count} lane thread{'' if count == 1 else 's'}"
+
+
 def format_plan(result: SearchResult, costs: CostModel) -> str:
     """The readable table of a search result: per task, baseline -> pick."""
     base, best = result.baseline, result.best
@@ -119,8 +130,8 @@ def format_plan(result: SearchResult, costs: CostModel) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += [
         "",
-        f"baseline  {base.score:9.3f} ms per progress  ({base.threads} lane threads)",
-        f"pick      {best.score:9.3f} ms per progress  ({best.threads} lane threads)  "
+        f"baseline  {base.score:9.3f} ms per progress  ({_lane_threads(base.threads)})",
+        f"pick      {best.score:9.3f} ms per progress  ({_lane_threads(best.threads)})  "
         f"predicted gain {result.predicted_gain:.1%}",
         f"searched  {result.evaluated} candidates in {result.rounds} rounds; pick made by: "
         f"{best.note}",

@@ -1,0 +1,50 @@
+"""The benchmarks' shared output helpers (benchmarks/_common.py): interleaved rounds
+with a progress line each, the spread next to the median, rows printed as they come."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from _common import Table, interleaved_rounds, print_table, spread, with_spread  # noqa: E402
+
+
+def test_spread_is_half_the_range_over_the_median() -> None:
+    assert spread([9.0, 10.0, 11.0]) == "+-10%"
+    assert spread([10.0, 10.0]) == "+-0%"
+    assert spread([5.0]) == "--"  # one round: no spread to speak of
+    assert with_spread([1.0, 2.0, 3.0], 2) == "2.00 +-50%"
+
+
+def test_rounds_interleave_drop_the_warmup_and_report_each_round(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    calls: list[str] = []
+
+    def counter(name: str) -> Callable[[], float]:
+        values: Iterator[float] = iter(range(100))
+        return lambda: calls.append(name) or float(next(values))
+
+    samples = interleaved_rounds({"a": counter("a"), "b": counter("b")}, 2, warmup=True)
+    assert calls == ["a", "b"] * 3  # interleaved, the warm-up round first
+    assert samples == {"a": [1.0, 2.0], "b": [1.0, 2.0]}  # the warm-up dropped
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 3
+    assert lines[0].endswith("round 0/2 (warm-up, dropped): a 0, b 0")
+    assert lines[2].endswith("round 2/2: a 2, b 2")
+
+
+def test_a_table_prints_each_row_when_it_is_given(capsys: pytest.CaptureFixture[str]) -> None:
+    table = Table("title", ["name", "ms"], [6])
+    assert capsys.readouterr().out == "\ntitle\nname    ms\n------  --\n"
+    table.row("plain", "1.5")
+    assert capsys.readouterr().out == "plain   1.5\n"  # at once, in the fixed columns
+    print_table("t", ["a", "b"], [["long cell", 1]])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2:] == ["a          b", "---------  -", "long cell  1"]  # fitted to the cell
