@@ -130,19 +130,29 @@ def build_dlrm_training(
 
 @dataclass
 class DLRMRun:
-    """Per-step training losses (this rank's), eval outputs per pass, wall time."""
+    """Per-step training losses (this rank's), the eval outputs of each pass (per
+    batch: ``(loss, logits, labels)``), wall time."""
 
     losses: list[float] = field(default_factory=list)
-    evaluations: list[list[torch.Tensor]] = field(default_factory=list)
+    evaluations: list[list[tuple[torch.Tensor, ...]]] = field(default_factory=list)
     seconds: float = 0.0
 
     def global_losses(self) -> list[float]:
         """Per-step loss averaged over the ranks (equal batch sizes)."""
-        losses = torch.tensor(self.losses, dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(losses)
-            losses /= dist.get_world_size()
-        return losses.tolist()
+        return _mean_over_ranks(torch.tensor(self.losses, dtype=torch.float64))
+
+    def global_eval_losses(self) -> list[float]:
+        """Mean loss per evaluation pass, over the ranks (equal batch sizes)."""
+        means = [torch.stack([out[0] for out in outputs]).double().mean()
+                 for outputs in self.evaluations if outputs]  # fmt: skip
+        return _mean_over_ranks(torch.stack(means)) if means else []
+
+
+def _mean_over_ranks(values: torch.Tensor) -> list[float]:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values)
+        values /= dist.get_world_size()
+    return values.tolist()  # type: ignore[no-any-return]
 
 
 #: ``eval_passes(step) -> eval batches``: what to evaluate after training step ``step``
@@ -185,7 +195,7 @@ async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_aft
                     if batches is not None:
                         eval_source = iter(batches)
                         result.evaluations.append(
-                            [logits async for _, logits, _ in _results(evaluator, eval_source)]
+                            [output async for output in _results(evaluator, eval_source)]
                         )
 
 
@@ -231,12 +241,14 @@ def _plain(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: Eval
                 result.evaluations.append(evaluate_plainly(model, batches, setup.device))
 
 
-def evaluate_plainly(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device) -> list[torch.Tensor]:
+def evaluate_plainly(
+    model: torch.nn.Module, batches: Iterable[Batch], device: torch.device
+) -> list[tuple[torch.Tensor, ...]]:
     """The reference: ``model.eval()``, a forward per batch without autograd, then
     ``model.train()``."""
     model.eval()
     try:
         with torch.no_grad():
-            return [model(batch.to(device))[1][1] for batch in batches]
+            return [model(batch.to(device))[1] for batch in batches]
     finally:
         model.train()

@@ -145,7 +145,8 @@ def check_interleaving(rank: int) -> None:
     assert len(evaluated.evaluations) == len(reference.evaluations)
     for got, expected in zip(evaluated.evaluations, reference.evaluations):
         assert len(got) == len(expected)
-        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        for got_output, expected_output in zip(got, expected):  # (loss, logits, labels)
+            assert all(torch.equal(a, b) for a, b in zip(got_output, expected_output))
     assert runs["aiopipe-no-eval"][0].evaluations == []
 
 
