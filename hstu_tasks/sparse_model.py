@@ -45,6 +45,8 @@ class PipelinedModel:
         self.modules: list[Any] = []
         self.rewritten = False
         self.attached = True
+        #: The pipeline whose progress() is running (they take turns).
+        self.busy: Any = None
         #: The engine of each pipeline on this model (once built).
         self.engines: weakref.WeakKeyDictionary[Any, SchedulablePipeline] = (
             weakref.WeakKeyDictionary()

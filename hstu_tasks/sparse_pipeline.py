@@ -70,7 +70,6 @@ class _SparseDistBase:
         self._executor_used = False
         self._tracer = resolve_tracer(trace)
         self._closed = False
-        self._bootstrapping = False
         # The first batch a failed bootstrap took: the next bootstrap on that source
         # trains it (nothing lost).
         self._kept: tuple[Source, Any] | None = None
@@ -98,19 +97,27 @@ class _SparseDistBase:
             raise PipelineStateError(f"the {self._what} has been shut down")
         if not self._shared.attached:
             raise PipelineStateError("the model is detached; call attach() first")
-        source = self._adapt(source)
-        if self.engine is None:
-            if self._bootstrapping:
-                raise PipelineStateError(
-                    "another progress() is already running on this pipeline; await it first"
-                )
-            self._bootstrapping = True
-            try:
-                await self._bootstrap(source)
-            finally:
-                self._bootstrapping = False
+        shared = self._shared
+        if shared.busy is not None:
+            raise PipelineStateError(
+                "another progress() is running on this model; await it first (the "
+                "pipelines of one model take turns: they share its torchrec rewrite)"
+            )
+        shared.busy = self
+        try:
+            return await self._progress(self._adapt(source))
+        finally:
+            shared.busy = None
+
+    async def _progress(self, source: Source) -> Any:
         engine = self.engine
-        assert engine is not None
+        if engine is None:
+            await self._bootstrap(source)
+            engine = self.engine
+            assert engine is not None
+        for other in list(self._shared.engines.values()):  # one whose caller was cancelled
+            if other is not engine:
+                await other._finish_running()
         try:
             return await engine.progress(source)
         except StopAsyncIteration:

@@ -166,11 +166,17 @@ def check_contract(rank: int) -> None:
         assert len(pipe._state.pipelined_modules) == 1  # torchrec rewrote the collection
         with pytest.raises(PipelineStateError, match="in flight"):
             pipe.detach()
+        # the pipelines of one model take turns
+        eval_source = iter(data(rank, 3, seed=7))
+        outcomes = await asyncio.gather(pipe.progress(source), evaluator.progress(eval_source),
+                                        return_exceptions=True)  # fmt: skip
+        assert isinstance(outcomes[1], PipelineStateError) and "take turns" in str(outcomes[1])
+        assert next(eval_source) is not None  # the refused call took nothing
         # the eval pipeline runs beside the two training batches in flight
         before = parameter_digest(setup.model)
         assert len(await collect(evaluator, iter(data(rank, 3, seed=7)))) == 3
         assert parameter_digest(setup.model) == before and setup.model.training
-        assert len(await collect(pipe, source)) == STEPS - 1
+        assert len(await collect(pipe, source)) == STEPS - 2
         with pytest.raises(StopAsyncIteration):  # a plain iterator stays ended
             await pipe.progress(source)
         model = pipe.detach()  # both pipelines' engines are gone, the forwards restored
