@@ -297,7 +297,9 @@ class SparseDistPipeline(_SparseDistBase):
         super().__init__(model, optimizer, device, custom_model_fwd, False, thread_map,
                          executor, trace)  # fmt: skip
         self._execute_all_batches = execute_all_batches
-        self._held: tuple[Source, Source] | None = None
+        # execute_all_batches=False: each source's wrapper, kept until the source ends
+        # (a wrapper holds the two items it read ahead; drain() may leave one unended)
+        self._held: dict[int, tuple[Source, Source]] = {}
 
     def eval_pipeline(
         self,
@@ -318,12 +320,19 @@ class SparseDistPipeline(_SparseDistBase):
     def _adapt(self, source: Source) -> Source:
         if self._execute_all_batches:
             return source
-        if self._held is None or self._held[0] is not source:
-            self._held = (source, _without_last_two(source))
-        return self._held[1]
+        held = self._held.get(id(source))
+        if held is None:
+            held = self._held[id(source)] = (source, _without_last_two(source))
+        return held[1]
 
     def _ended(self, source: Source) -> None:
-        self._held = None
+        for key, (_, wrapper) in list(self._held.items()):
+            if wrapper is source:
+                del self._held[key]
+
+    def reset(self) -> None:
+        super().reset()
+        self._held.clear()
 
 
 class SparseDistEvalPipeline(_SparseDistBase):
