@@ -18,8 +18,8 @@ object, reset by every ``iter(loader)``).
 
 from __future__ import annotations
 
-import collections
-from collections.abc import AsyncIterator, Iterator
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Self
 
 import torch
@@ -34,6 +34,7 @@ from aiopipe.trace import resolve_tracer
 
 from .pipeline import STREAMS
 from .sparse_model import PipelinedModel
+from .sparse_sources import without_last_two
 from .sparse_tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
 from .sparse_tasks import build_sparse_dist_tasks
 
@@ -89,7 +90,6 @@ class _SparseDistBase:
         """The underlying engine, once the first progress has built it."""
         return self._shared.engines.get(self)
 
-
     @needs_event_loop
     async def progress(self, source: Source) -> Any:
         """One batch's ``output``; ``StopAsyncIteration`` once ``source`` has ended."""
@@ -97,15 +97,22 @@ class _SparseDistBase:
             raise PipelineStateError(f"the {self._what} has been shut down")
         if not self._shared.attached:
             raise PipelineStateError("the model is detached; call attach() first")
+        with self._taking_turn("progress()"):
+            return await self._progress(self._adapt(source))
+
+    @contextlib.contextmanager
+    def _taking_turn(self, call: str) -> Iterator[None]:
+        """The pipelines of one model run one call at a time."""
         shared = self._shared
         if shared.busy is not None:
             raise PipelineStateError(
-                "another progress() is running on this model; await it first (the "
-                "pipelines of one model take turns: they share its torchrec rewrite)"
+                f"another progress() or drain() is running on this model; await it before "
+                f"calling {call} (the pipelines of one model take turns: they share its "
+                f"torchrec rewrite)"
             )
         shared.busy = self
         try:
-            return await self._progress(self._adapt(source))
+            yield
         finally:
             shared.busy = None
 
@@ -115,9 +122,7 @@ class _SparseDistBase:
             await self._bootstrap(source)
             engine = self.engine
             assert engine is not None
-        for other in list(self._shared.engines.values()):  # one whose caller was cancelled
-            if other is not engine:
-                await other._finish_running()
+        await self._finish_others(engine)
         try:
             return await engine.progress(source)
         except StopAsyncIteration:
@@ -130,7 +135,18 @@ class _SparseDistBase:
         """Finish the batches in flight and return their outputs; the source is then
         forgotten (pass it again to go on with its next batch)."""
         engine = self.engine
-        return [] if engine is None else await engine.drain()
+        if engine is None:
+            return []
+        with self._taking_turn("drain()"):
+            await self._finish_others(engine)
+            return await engine.drain()
+
+    async def _finish_others(self, engine: SchedulablePipeline) -> None:
+        """Wait for an iteration of another pipeline on the model whose caller was
+        cancelled (it runs on; two engines must not run on one model at once)."""
+        for other in list(self._shared.engines.values()):
+            if other is not engine and other._running is not None:
+                await other._finish_running()
 
     async def aclose(self) -> None:
         """Wait for an iteration whose caller was cancelled, then shut down."""
@@ -322,7 +338,7 @@ class SparseDistPipeline(_SparseDistBase):
             return source
         held = self._held.get(id(source))
         if held is None:
-            held = self._held[id(source)] = (source, _without_last_two(source))
+            held = self._held[id(source)] = (source, without_last_two(source))
         return held[1]
 
     def _ended(self, source: Source) -> None:
@@ -360,33 +376,3 @@ class SparseDistEvalPipeline(_SparseDistBase):
     ) -> None:
         super().__init__(model, optimizer, device, custom_model_fwd, True, thread_map,
                          executor, trace)  # fmt: skip
-
-
-def _without_last_two(source: Source) -> Source:
-    """torchrec's ``execute_all_batches=False``: item k is handed on once item k+2 has
-    been read, so the last two items of the source are read and dropped."""
-    if isinstance(source, AsyncIterator):
-        return _AsyncWithoutLastTwo(source)
-    if not isinstance(source, Iterator):
-        raise TypeError(f"progress() takes a sync or async iterator, got {source!r}")
-    return _WithoutLastTwo(source)
-
-
-class _WithoutLastTwo(Iterator[Any]):
-    def __init__(self, source: Iterator[Any]) -> None:
-        self._source, self._held = source, collections.deque[Any]()
-
-    def __next__(self) -> Any:
-        while len(self._held) < 3:
-            self._held.append(next(self._source))  # at the end the held two are dropped
-        return self._held.popleft()
-
-
-class _AsyncWithoutLastTwo(AsyncIterator[Any]):
-    def __init__(self, source: AsyncIterator[Any]) -> None:
-        self._source, self._held = source, collections.deque[Any]()
-
-    async def __anext__(self) -> Any:
-        while len(self._held) < 3:
-            self._held.append(await anext(self._source))
-        return self._held.popleft()

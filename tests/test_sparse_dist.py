@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 import sparse_workers
-from hstu_tasks.sparse_pipeline import _without_last_two
+from hstu_tasks.sparse_sources import without_last_two
 
 pytestmark = pytest.mark.distributed
 
@@ -43,7 +43,7 @@ def test_train_and_eval_interleave_and_share_one_model() -> None:
 @pytest.mark.parametrize("items", [0, 1, 2, 3, 5])
 def test_execute_all_batches_false_drops_the_last_two_batches_after_reading_them(items: int) -> None:
     source = iter(range(items))
-    assert list(_without_last_two(source)) == list(range(max(items - 2, 0)))
+    assert list(without_last_two(source)) == list(range(max(items - 2, 0)))
     assert next(source, "read") == "read"
 
 
@@ -52,6 +52,6 @@ async def test_execute_all_batches_false_with_an_async_source() -> None:
         for number in range(4):
             yield number
 
-    wrapped = _without_last_two(numbers())
+    wrapped = without_last_two(numbers())
     assert isinstance(wrapped, AsyncIterator) and not isinstance(wrapped, Iterator)
     assert [n async for n in wrapped] == [0, 1]
