@@ -11,8 +11,9 @@ imported here, never in ``aiopipe``):
 * ``tasks`` / ``pipeline`` / ``factory`` -- the fourteen tasks, ``HSTUPipeline`` and
   its named variants;
 * ``checkpoint`` -- saving and restoring the training state at a progress boundary;
-* ``sparse_tasks`` / ``sparse_model`` / ``sparse_sources`` / ``sparse_pipeline`` -- torchrec's sparse-dist
-  train and eval pipelines for any sharded model (``SparseDistPipeline``);
+* ``sparse_tasks`` / ``sparse_model`` / ``sparse_sources`` / ``sparse_pipeline`` --
+  torchrec's sparse-dist train and eval pipelines for any sharded model
+  (``SparseDistPipeline``);
 * ``dlrm`` -- torchrec's DLRM, sharded, with synthetic data and its runners.
 """
 

@@ -188,6 +188,14 @@ def check_contract(rank: int) -> None:
         pipe.attach()
         assert len(await collect(evaluator, iter(data(rank, 2)))) == 2  # traces it again
         assert len(await collect(pipe, iter(data(rank)))) == STEPS
+        # torchrec's rule: the training pipeline runs a model in eval mode forward only
+        setup.model.eval()
+        before = parameter_digest(setup.model)
+        forwarded = await collect(pipe, iter(data(rank, 3, seed=7)))
+        setup.model.train()
+        assert parameter_digest(setup.model) == before
+        evaluated = await collect(evaluator, iter(data(rank, 3, seed=7)))
+        assert all(torch.equal(a, b) for x, y in zip(forwarded, evaluated) for a, b in zip(x, y))
         await evaluator.aclose()
         await pipe.aclose()
 
