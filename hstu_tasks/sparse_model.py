@@ -26,9 +26,23 @@ from torchrec.distributed.types import ShardedModule
 
 from aiopipe import PipelineStateError, SchedulablePipeline, StreamPool
 
-from .pipeline import STREAMS, _stream_pool
+__all__ = ("STREAMS", "PipelinedModel", "stream_pool")
 
-__all__ = ("PipelinedModel",)
+#: torchrec's streams (the prefetch one for the HSTU pipeline's prefetch variant).
+STREAMS = ("default", "memcpy", "data_dist", "prefetch")
+
+
+def stream_pool(device: torch.device) -> StreamPool:
+    """Null streams on CPU; on a GPU the current stream and torchrec's side streams
+    (high priority for the copy and the input distribution, as torchrec makes them)."""
+    if device.type != "cuda":
+        return StreamPool({name: None for name in STREAMS})
+    return StreamPool({
+        "default": torch.cuda.current_stream(device),
+        "memcpy": torch.cuda.Stream(device=device, priority=-1),  # type: ignore[no-untyped-call]
+        "data_dist": torch.cuda.Stream(device=device, priority=-1),  # type: ignore[no-untyped-call]
+        "prefetch": torch.cuda.Stream(device=device),  # type: ignore[no-untyped-call]
+    })  # fmt: skip
 
 _SHARED: weakref.WeakValueDictionary[int, PipelinedModel] = weakref.WeakValueDictionary()
 
@@ -39,7 +53,7 @@ class PipelinedModel:
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         self.model = model
         self.device = device
-        self.pool: StreamPool = _stream_pool(device)
+        self.pool: StreamPool = stream_pool(device)
         self.streams: dict[str, Any] = {name: self.pool.get(name) for name in STREAMS}
         #: The sharded modules with pipelined forwards (a list the tasks share).
         self.modules: list[Any] = []

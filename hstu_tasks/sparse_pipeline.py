@@ -32,8 +32,7 @@ from aiopipe.interop import needs_event_loop
 from aiopipe.source import END, Feed, Source
 from aiopipe.trace import resolve_tracer
 
-from .pipeline import STREAMS
-from .sparse_model import PipelinedModel
+from .sparse_model import STREAMS, PipelinedModel
 from .sparse_sources import without_last_two
 from .sparse_tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
 from .sparse_tasks import build_sparse_dist_tasks
