@@ -10,7 +10,11 @@ imported here, never in ``aiopipe``):
 * ``shuffler`` -- workload-balancing batch shuffling across ranks;
 * ``tasks`` / ``pipeline`` / ``factory`` -- the fourteen tasks, ``HSTUPipeline`` and
   its named variants;
-* ``checkpoint`` -- saving and restoring the training state at a progress boundary.
+* ``checkpoint`` -- saving and restoring the training state at a progress boundary;
+* ``sparse_tasks`` / ``sparse_model`` / ``sparse_sources`` / ``sparse_pipeline`` --
+  torchrec's sparse-dist train and eval pipelines for any sharded model
+  (``SparseDistPipeline``);
+* ``dlrm`` -- torchrec's DLRM, sharded, with synthetic data and its runners.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from .checkpoint import training_state as training_state
 from .data import DataConfig as DataConfig
 from .data import HSTUBatch as HSTUBatch
 from .data import SyntheticHSTUData as SyntheticHSTUData
+from .dlrm import DLRMConfig as DLRMConfig
+from .dlrm import SyntheticDLRMData as SyntheticDLRMData
+from .dlrm import build_dlrm_training as build_dlrm_training
 from .factory import HSTUPipelineFactory as HSTUPipelineFactory
 from .megatron import MegatronDataParallelWrapper as MegatronDataParallelWrapper
 from .model import HSTURankingModel as HSTURankingModel
@@ -40,10 +47,15 @@ from .pipeline import HSTUPipeline as HSTUPipeline
 from .shuffler import IdentityShuffler as IdentityShuffler
 from .shuffler import KarmarkarKarpShuffler as KarmarkarKarpShuffler
 from .shuffler import balanced_partition as balanced_partition
+from .sparse_pipeline import SparseDistEvalPipeline as SparseDistEvalPipeline
+from .sparse_pipeline import SparseDistPipeline as SparseDistPipeline
+from .sparse_tasks import SPARSE_DIST_THREAD_MAP as SPARSE_DIST_THREAD_MAP
 
 __all__ = (
     "HSTU_DEFAULT_THREAD_MAP",
     "HSTU_DIST_LANE_THREAD_MAP",
+    "SPARSE_DIST_THREAD_MAP",
+    "DLRMConfig",
     "DataConfig",
     "DataParallel",
     "HSTUBatch",
@@ -55,9 +67,13 @@ __all__ = (
     "MegatronDataParallelWrapper",
     "ModelConfig",
     "OptimizerConfig",
+    "SparseDistEvalPipeline",
+    "SparseDistPipeline",
+    "SyntheticDLRMData",
     "SyntheticHSTUData",
     "TrainingSetup",
     "balanced_partition",
+    "build_dlrm_training",
     "build_training",
     "init_distributed",
     "join_local_group",

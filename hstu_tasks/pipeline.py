@@ -45,6 +45,8 @@ from aiopipe.trace import resolve_tracer
 from .data import check_batch
 from .megatron import grad_buffer_chunks
 from .shuffler import BatchShuffler, IdentityShuffler
+from .sparse_model import STREAMS
+from .sparse_model import stream_pool as _stream_pool
 from .tasks import PipelineState, build_tasks
 
 __all__ = ("HSTU_DEFAULT_THREAD_MAP", "HSTU_DIST_LANE_THREAD_MAP", "HSTUPipeline")
@@ -75,19 +77,6 @@ HSTU_DIST_LANE_THREAD_MAP: dict[str, str] = {
     "wait_input_dist": "dist",
     "prefetch_embeddings": "dist",
 }
-
-STREAMS = ("default", "memcpy", "data_dist", "prefetch")
-
-
-def _stream_pool(device: torch.device) -> StreamPool:
-    if device.type != "cuda":
-        return StreamPool({name: None for name in STREAMS})
-    return StreamPool({
-        "default": torch.cuda.current_stream(device),
-        "memcpy": torch.cuda.Stream(device=device, priority=-1),  # type: ignore[no-untyped-call]
-        "data_dist": torch.cuda.Stream(device=device, priority=-1),  # type: ignore[no-untyped-call]
-        "prefetch": torch.cuda.Stream(device=device),  # type: ignore[no-untyped-call]
-    })  # fmt: skip
 
 
 class HSTUPipeline:

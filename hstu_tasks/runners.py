@@ -51,12 +51,21 @@ class RunResult:
         return [float(s) / t for s, t in zip(sums, self.tokens)]
 
 
+def _local(value: Any) -> Any:
+    """This rank's part of a state-dict value: a sharded table's local shards (none,
+    one or several: row-wise or table-wise), flattened into one tensor."""
+    if hasattr(value, "local_shards"):
+        shards = [shard.tensor.flatten() for shard in value.local_shards()]
+        return torch.cat(shards) if shards else torch.empty(0)
+    return value
+
+
 def parameter_checksum(model: torch.nn.Module) -> float:
     """Sum of every parameter and optimizer-relevant weight, over all ranks (sharded
     tables contribute their local shards)."""
     total = torch.zeros((), dtype=torch.float64)
     for value in model.state_dict().values():
-        local = value.local_tensor() if hasattr(value, "local_tensor") else value
+        local = _local(value)
         if isinstance(local, torch.Tensor) and local.is_floating_point():
             total += local.detach().double().sum().cpu()
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -70,7 +79,7 @@ def parameter_digest(model: torch.nn.Module) -> str:
     digests mean bit-identical models."""
     local = hashlib.sha256()
     for name, value in sorted(model.state_dict().items()):
-        tensor = value.local_tensor() if hasattr(value, "local_tensor") else value
+        tensor = _local(value)
         if isinstance(tensor, torch.Tensor):
             local.update(name.encode())
             local.update(tensor.detach().cpu().contiguous().numpy().tobytes())

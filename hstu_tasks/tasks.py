@@ -52,6 +52,7 @@ from .data import HSTUBatch
 from .megatron import finalize_grads, grad_buffer_chunks, zero_grad_buffers
 from .parallel import global_loss, global_tokens
 from .shuffler import BatchShuffler
+from .sparse_tasks import finish_input_dist_splits
 from .watchdog import LossWatch
 
 __all__ = ("PipelineState", "build_tasks")
@@ -120,12 +121,7 @@ def build_tasks(state: PipelineState) -> list[Task]:
         ctx.slots.set("dist_started", True)
 
     def wait_input_dist(ctx: TaskContext) -> None:
-        context = ctx.slots["torchrec_ctx"]
-        for names, awaitable in context.fused_splits_awaitables:
-            for name, request in zip(names, awaitable.wait()):
-                context.input_dist_tensors_requests[name] = request
-        context.input_dist_splits_requests.clear()
-        context.fused_splits_awaitables.clear()
+        finish_input_dist_splits(ctx.slots["torchrec_ctx"])
         ctx.slots.set("dist_ready", True)
 
     def prefetch_embeddings(ctx: TaskContext) -> None:

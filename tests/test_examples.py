@@ -76,3 +76,26 @@ def test_train_hstu_demo_explains_what_it_cannot_do(flags: tuple[str, ...], mess
     )  # fmt: skip
     assert result.returncode == 1
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.distributed
+def test_train_dlrm_demo_writes_its_report(tmp_path: Path) -> None:
+    report = tmp_path / "run.json"
+    out = run("examples/train_dlrm.py", "--steps", "6", "--eval-every", "3", "--eval-batches", "2",
+              "--optimizer", "adagrad", "--json", str(report))  # fmt: skip
+    assert "2 eval passes" in out and "parameter checksum" in out
+    data = json.loads(report.read_text())
+    assert data["pipeline"] == "aiopipe" and data["steps"] == 6 and len(data["losses"]) == 6
+    assert len(data["eval_losses"]) == 2 and all(0 < loss < 5 for loss in data["eval_losses"])
+    assert data["steps_per_s"] > 0 and isinstance(data["checksum"], float)
+
+
+@pytest.mark.distributed
+def test_train_dlrm_demo_refuses_eval_passes_on_torchrecs_pipeline() -> None:
+    result = subprocess.run(
+        [sys.executable, "examples/train_dlrm.py", "--pipeline", "torchrec", "--eval-every", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "forward its training batches in flight" in result.stderr
+    assert "Traceback" not in result.stderr

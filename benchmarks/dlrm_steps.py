@@ -1,0 +1,74 @@
+"""Steps/s of torchrec's DLRM: hstu_tasks.SparseDistPipeline vs torchrec's
+TrainPipelineSparseDist vs the plain loop, side by side, on 1 and 2 ranks (gloo on
+CPU, NCCL with one GPU per rank).
+
+The three train the same model on the same data, interleaved over ``--repeats``
+rounds after a warm-up round; the median and the spread of the rounds are reported.
+
+    ./dev bench dlrm_steps [--ranks 1 2] [--steps 100] [--repeats 3] [--batch-size 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _common import print_json, print_table, report_and_leave, spawn_ranks  # noqa: E402
+
+from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training  # noqa: E402
+from hstu_tasks import join_local_group, quiet_torchrec  # noqa: E402
+from hstu_tasks.dlrm import DLRM_PIPELINES, run_dlrm  # noqa: E402
+from hstu_tasks.parallel import default_device  # noqa: E402
+
+
+def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> None:
+    quiet_torchrec()
+    join_local_group(rank, ranks, port)
+    config = DLRMConfig(batch_size=args["batch_size"], num_embeddings=args["num_embeddings"])
+    samples: dict[str, list[float]] = {mode: [] for mode in DLRM_PIPELINES}
+    for repeat in range(args["repeats"] + 1):  # the first round warms up
+        for mode in DLRM_PIPELINES:
+            setup = build_dlrm_training(config, "sgd", seed=0, device=default_device())
+            data = list(SyntheticDLRMData(config, args["steps"], seed=repeat, rank=rank))
+            dist.barrier()
+            result = run_dlrm(mode, setup, [data])
+            if repeat:
+                samples[mode].append(args["steps"] / result.seconds)
+    report_and_leave(rank, out, samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--num-embeddings", type=int, default=10_000)
+    args = vars(parser.parse_args())
+    rows, report = [], {}
+    for ranks in args["ranks"]:
+        samples = spawn_ranks(worker, {**args, "ranks": ranks})
+        medians = {mode: statistics.median(values) for mode, values in samples.items()}
+        report[ranks] = {"steps_per_s": medians, "samples": samples}
+        for mode, rate in medians.items():
+            spread = 50 * (max(samples[mode]) - min(samples[mode])) / rate
+            rows.append([ranks, mode, f"{rate:.1f}", f"+-{spread:.0f}%",
+                         f"{rate / medians['torchrec']:.3f}", f"{rate / medians['none']:.3f}"])  # fmt: skip
+    backend = "NCCL (GPU)" if torch.cuda.is_available() else "gloo (CPU)"
+    print_table(
+        f"DLRM step on {backend}, batch {args['batch_size']} per rank, {args['steps']} steps, "
+        f"median of {args['repeats']}",
+        ["ranks", "pipeline", "steps / s", "rounds", "x torchrec", "x plain loop"], rows,
+    )  # fmt: skip
+    print_json("dlrm_steps", {"args": args, "ranks": report})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Train torchrec's DLRM with aiopipe (or torchrec's pipeline, or a plain loop).
+
+Sparse features pooled by a table-wise sharded ``EmbeddingBagCollection``, dense
+features through an MLP, pairwise interaction, an over-arch MLP and BCE.  One CPU
+process by default; ``torchrun --nproc-per-node 2 examples/train_dlrm.py`` for two
+ranks on gloo.  Every pipeline trains the same model on the same data, so their
+losses and final parameters can be compared (``--json``).
+
+    python examples/train_dlrm.py --steps 40 --pipeline aiopipe --eval-every 10 --json run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training
+from hstu_tasks import init_distributed, leave_and_exit, quiet_torchrec
+from hstu_tasks.dlrm import DLRM_PIPELINES, run_dlrm
+from hstu_tasks.parallel import default_device
+from hstu_tasks.runners import parameter_checksum, parameter_digest
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="training batches per rank")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pipeline", choices=DLRM_PIPELINES, default="aiopipe")
+    parser.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
+                        help="for the tables (fused into backward) and the dense part")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="an evaluation pass of --eval-batches batches after every N "
+                             "training steps (0: none)")
+    parser.add_argument("--eval-batches", type=int, default=4, metavar="M")
+    parser.add_argument("--json", metavar="PATH", help="write losses, checksum and speed here")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    # Refuse what cannot run before joining the group (the other ranks would wait).
+    if args.steps < 1 or args.eval_every < 0 or args.eval_batches < 1:
+        raise SystemExit("train_dlrm.py: --steps and --eval-batches must be >= 1, "
+                         "--eval-every >= 0")  # fmt: skip
+    if args.eval_every and args.pipeline == "torchrec":
+        raise SystemExit("train_dlrm.py: --eval-every needs --pipeline aiopipe or none: "
+                         "torchrec's TrainPipelineSparseDist would forward its training "
+                         "batches in flight as evaluation batches")  # fmt: skip
+    quiet_torchrec()
+    rank, world = init_distributed()
+    config = DLRMConfig(batch_size=args.batch_size)
+    setup = build_dlrm_training(config, args.optimizer, seed=args.seed, device=default_device())
+    data = SyntheticDLRMData(config, args.steps, seed=args.seed, rank=rank)
+    bar = tqdm(total=args.steps, disable=rank != 0, unit="step", file=sys.stdout)
+    if rank == 0:
+        print(f"DLRM: {args.pipeline}, {world} rank(s) on {setup.device}, {args.steps} steps, "
+              f"{args.optimizer}", flush=True)  # fmt: skip
+
+    def eval_after(step: int) -> Any:
+        bar.update(1)
+        if args.eval_every and step % args.eval_every == 0:
+            seed = args.seed + 1 + step // args.eval_every  # a fresh eval set per pass
+            return SyntheticDLRMData(config, args.eval_batches, seed=seed, rank=rank)
+        return None
+
+    result = run_dlrm(args.pipeline, setup, [data], eval_after)
+    bar.close()
+    losses = result.global_losses()
+    checksum = parameter_checksum(setup.model)
+    digest = parameter_digest(setup.model)
+    evaluated = result.global_eval_losses()
+    steps_per_s = len(losses) / result.seconds if result.seconds else 0.0
+    if rank == 0:
+        passes = f", {len(evaluated)} eval passes (last loss {evaluated[-1]:.4f})" if evaluated else ""
+        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s{passes}, "
+              f"parameter checksum {checksum!r}")  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"pipeline": args.pipeline, "world_size": world, "steps": len(losses),
+                           "losses": losses, "eval_losses": evaluated, "checksum": checksum,
+                           "parameters_sha256": digest, "steps_per_s": steps_per_s},
+                          out, indent=1)  # fmt: skip
+    leave_and_exit(0)  # together with the other ranks; see its docstring for why it exits
+
+
+if __name__ == "__main__":
+    main()

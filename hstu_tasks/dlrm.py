@@ -1,0 +1,254 @@
+"""A DLRM training set-up on torchrec's own model, and its runners: the generic
+sparse-dist pipeline, torchrec's ``TrainPipelineSparseDist`` and the plain loop.
+
+The model is torchrec's ``DLRMTrain(DLRM(...))``: sparse features pooled by an
+``EmbeddingBagCollection`` (table-wise sharded by ``DistributedModelParallel``, its
+optimizer fused into backward), dense features through an MLP, pairwise dot-product
+interaction, an over-arch MLP and BCE.  Batches are torchrec's ``Batch``
+(``Pipelineable``), deterministic from ``(seed, rank, index)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.datasets.utils import Batch
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from aiopipe import run
+
+from .parallel import TrainingSetup
+from .sparse_pipeline import SparseDistPipeline
+
+__all__ = (
+    "DLRM_PIPELINES",
+    "DLRMConfig",
+    "DLRMRun",
+    "SyntheticDLRMData",
+    "build_dlrm_training",
+    "run_dlrm",
+)
+
+Optimizer = Literal["sgd", "adagrad"]
+DLRMMode = Literal["aiopipe", "torchrec", "none"]
+DLRM_PIPELINES: tuple[DLRMMode, ...] = ("aiopipe", "torchrec", "none")
+
+
+@dataclass(frozen=True)
+class DLRMConfig:
+    num_tables: int = 4  # one sparse feature per table
+    num_embeddings: int = 500
+    embedding_dim: int = 16
+    num_dense: int = 8
+    batch_size: int = 32
+    max_ids_per_feature: int = 4
+    dense_arch: tuple[int, ...] = (32, 16)  # ends at embedding_dim
+    over_arch: tuple[int, ...] = (32, 1)
+    lr: float = 0.05
+
+    @property
+    def features(self) -> list[str]:
+        return [f"feature_{i}" for i in range(self.num_tables)]
+
+
+class SyntheticDLRMData(torch.utils.data.Dataset[Batch]):
+    """``num_batches`` batches for one rank (a map-style dataset: a ``DataLoader``
+    with ``batch_size=None`` hands them out as they are)."""
+
+    def __init__(self, config: DLRMConfig, num_batches: int, *, seed: int = 0, rank: int = 0) -> None:
+        self.config, self.num_batches, self.seed, self.rank = config, num_batches, seed, rank
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        return (self[index] for index in range(self.num_batches))
+
+    def __getitem__(self, index: int) -> Batch:
+        if not 0 <= index < self.num_batches:
+            raise IndexError(f"batch {index} of {self.num_batches}")
+        config = self.config
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_033 + index)
+        size, tables = config.batch_size, config.num_tables
+        dense = torch.randn(size, config.num_dense, generator=generator)
+        lengths = torch.randint(1, config.max_ids_per_feature + 1, (tables * size,), generator=generator)
+        ids = torch.randint(0, config.num_embeddings, (int(lengths.sum()),), generator=generator)
+        sparse = KeyedJaggedTensor.from_lengths_sync(keys=config.features, values=ids, lengths=lengths)
+        labels = (dense[:, 0] + 0.5 * torch.randn(size, generator=generator) > 0).long()
+        return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
+
+
+def build_dlrm_training(
+    config: DLRMConfig, optimizer: Optimizer = "sgd", *, seed: int = 0, device: torch.device | str = "cpu"
+) -> TrainingSetup:
+    """torchrec's DLRM with table-wise sharded tables (``optimizer`` fused into their
+    backward) and a dense ``optimizer`` of the same kind, combined torchrec's way;
+    identical on every call with the same arguments."""
+    if not dist.is_initialized():
+        raise RuntimeError("call init_distributed() (or run under torchrun) first")
+    device = torch.device(device)
+    kind: Callable[..., torch.optim.Optimizer] = (
+        torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad
+    )
+    torch.manual_seed(seed)
+    tables = [
+        EmbeddingBagConfig(name=f"table_{i}", embedding_dim=config.embedding_dim,
+                           num_embeddings=config.num_embeddings, feature_names=[feature])
+        for i, feature in enumerate(config.features)
+    ]  # fmt: skip
+    model = DLRMTrain(DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+        dense_in_features=config.num_dense, dense_arch_layer_sizes=list(config.dense_arch),
+        over_arch_layer_sizes=list(config.over_arch), dense_device=device,
+    ))  # fmt: skip
+    apply_optimizer_in_backward(kind, model.model.sparse_arch.parameters(), {"lr": config.lr})
+    sharders = [EmbeddingBagCollectionSharder()]
+    constraints = {table.name: ParameterConstraints(sharding_types=["table_wise"]) for table in tables}
+    topology = Topology(world_size=dist.get_world_size(), compute_device=device.type)
+    plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
+        model, sharders, dist.GroupMember.WORLD
+    )
+    sharded = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(sharded.named_parameters())),
+                                  lambda params: kind(params, lr=config.lr))  # fmt: skip
+    return TrainingSetup(sharded, CombinedOptimizer([sharded.fused_optimizer, dense]), device)
+
+
+@dataclass
+class DLRMRun:
+    """Per-step training losses (this rank's), the eval outputs of each pass (per
+    batch: ``(loss, logits, labels)``), wall time."""
+
+    losses: list[float] = field(default_factory=list)
+    evaluations: list[list[tuple[torch.Tensor, ...]]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def global_losses(self) -> list[float]:
+        """Per-step loss averaged over the ranks (equal batch sizes)."""
+        return _mean_over_ranks(torch.tensor(self.losses, dtype=torch.float64))
+
+    def global_eval_losses(self) -> list[float]:
+        """Mean loss per evaluation pass, over the ranks (equal batch sizes)."""
+        means = [torch.stack([out[0] for out in outputs]).double().mean()
+                 for outputs in self.evaluations if outputs]  # fmt: skip
+        return _mean_over_ranks(torch.stack(means)) if means else []
+
+
+def _mean_over_ranks(values: torch.Tensor) -> list[float]:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values)
+        values /= dist.get_world_size()
+    return values.tolist()  # type: ignore[no-any-return]
+
+
+#: ``eval_passes(step) -> eval batches``: what to evaluate after training step ``step``
+#: (1-based), or nothing.
+EvalPlan = Callable[[int], "Iterable[Batch] | None"]
+
+
+def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]],
+             eval_after: EvalPlan = lambda step: None) -> DLRMRun:  # fmt: skip
+    """Train every batch of every epoch with ``mode``; after step ``s`` evaluate the
+    batches ``eval_after(s)`` returns (``torchrec`` refuses eval passes: its pipeline
+    would forward the training batches in flight as evaluation)."""
+    result = DLRMRun()
+    start = time.perf_counter()
+    if mode == "aiopipe":
+        run(_aiopipe(setup, epochs, eval_after, result))
+    elif mode == "torchrec":
+        _torchrec(setup, epochs, eval_after, result)
+    elif mode == "none":
+        _plain(setup, epochs, eval_after, result)
+    else:
+        raise ValueError(f"unknown pipeline {mode!r}; choose from {DLRM_PIPELINES}")
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
+                   result: DLRMRun) -> None:  # fmt: skip
+    async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
+        async with pipe.eval_pipeline() as evaluator:
+            for epoch in epochs:
+                source = iter(epoch)
+                while True:
+                    try:
+                        loss, _, _ = await pipe.progress(source)
+                    except StopAsyncIteration:
+                        break
+                    result.losses.append(float(loss.detach()))
+                    batches = eval_after(len(result.losses))
+                    if batches is not None:
+                        eval_source = iter(batches)
+                        result.evaluations.append(
+                            [output async for output in _results(evaluator, eval_source)]
+                        )
+
+
+async def _results(pipe: Any, source: Iterator[Batch]) -> Any:
+    while True:
+        try:
+            yield await pipe.progress(source)
+        except StopAsyncIteration:
+            return
+
+
+def _torchrec(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
+              result: DLRMRun) -> None:  # fmt: skip
+    pipe = TrainPipelineSparseDist(setup.model, setup.optimizer, setup.device)
+    for epoch in epochs:
+        source = iter(epoch)
+        while True:
+            try:
+                loss, _, _ = pipe.progress(source)
+            except StopIteration:
+                break
+            result.losses.append(float(loss.detach()))
+            if eval_after(len(result.losses)) is not None:
+                raise ValueError(
+                    "torchrec's TrainPipelineSparseDist cannot evaluate between training "
+                    "steps: the next training batches are in flight, and its progress() "
+                    "would forward them as evaluation batches"
+                )
+
+
+def _plain(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
+           result: DLRMRun) -> None:  # fmt: skip
+    model, optimizer = setup.model, setup.optimizer
+    for epoch in epochs:
+        for batch in epoch:
+            optimizer.zero_grad()
+            loss, _ = model(batch.to(setup.device))
+            loss.backward()
+            optimizer.step()
+            result.losses.append(float(loss.detach()))
+            batches = eval_after(len(result.losses))
+            if batches is not None:
+                result.evaluations.append(evaluate_plainly(model, batches, setup.device))
+
+
+def evaluate_plainly(
+    model: torch.nn.Module, batches: Iterable[Batch], device: torch.device
+) -> list[tuple[torch.Tensor, ...]]:
+    """The reference: ``model.eval()``, a forward per batch without autograd, then
+    ``model.train()``."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            return [model(batch.to(device))[1] for batch in batches]
+    finally:
+        model.train()

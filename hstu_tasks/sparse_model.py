@@ -1,0 +1,131 @@
+"""One model's torchrec rewrite, shared by every sparse-dist pipeline on that model.
+
+torchrec's ``_rewrite_model`` replaces the forwards of a model's sharded modules with
+pipelined ones that read the input distribution from a per-batch context.  A model
+can be rewritten once: a training and an evaluation pipeline on the same model must
+share the rewrite (and the streams it was bound to), or the second would wrap the
+first one's pipelined forwards.  ``PipelinedModel.of(model, device)`` returns the one
+shared object per model.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.train_pipeline.utils import (
+    _override_input_dist_forwards,
+    _pipeline_detach_model,
+    _rewrite_model,
+    _start_data_dist,
+)
+from torchrec.distributed.types import ShardedModule
+
+from aiopipe import PipelineStateError, SchedulablePipeline, StreamPool
+
+__all__ = ("STREAMS", "PipelinedModel", "stream_pool")
+
+#: torchrec's streams (the prefetch one for the HSTU pipeline's prefetch variant).
+STREAMS = ("default", "memcpy", "data_dist", "prefetch")
+
+
+def stream_pool(device: torch.device) -> StreamPool:
+    """Null streams on CPU; on a GPU the current stream and torchrec's side streams
+    (high priority for the copy and the input distribution, as torchrec makes them)."""
+    if device.type != "cuda":
+        return StreamPool({name: None for name in STREAMS})
+    return StreamPool({
+        "default": torch.cuda.current_stream(device),
+        "memcpy": torch.cuda.Stream(device=device, priority=-1),  # type: ignore[no-untyped-call]
+        "data_dist": torch.cuda.Stream(device=device, priority=-1),  # type: ignore[no-untyped-call]
+        "prefetch": torch.cuda.Stream(device=device),  # type: ignore[no-untyped-call]
+    })  # fmt: skip
+
+_SHARED: weakref.WeakValueDictionary[int, PipelinedModel] = weakref.WeakValueDictionary()
+
+
+class PipelinedModel:
+    """The model, its streams, and its rewrite once the first batch has traced it."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.pool: StreamPool = stream_pool(device)
+        self.streams: dict[str, Any] = {name: self.pool.get(name) for name in STREAMS}
+        #: The sharded modules with pipelined forwards (a list the tasks share).
+        self.modules: list[Any] = []
+        self.rewritten = False
+        self.attached = True
+        #: The pipeline whose progress() is running (they take turns).
+        self.busy: Any = None
+        #: The engine of each pipeline on this model (once built).
+        self.engines: weakref.WeakKeyDictionary[Any, SchedulablePipeline] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._original_forwards: list[Any] = []
+        self._original_kjt_dist_forwards: list[Any] = []
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, device: torch.device) -> PipelinedModel:
+        shared = _SHARED.get(id(model))
+        if shared is None or shared.model is not model:
+            shared = _SHARED[id(model)] = cls(model, device)
+        elif shared.device != device:
+            raise ValueError(f"the model already runs in a pipeline on {shared.device}; "
+                             f"every pipeline on one model must use that device, got {device}")  # fmt: skip
+        return shared
+
+    def replace_model(self, model: torch.nn.Module) -> None:
+        """``attach(model)``: the pipelines go on with another model."""
+        other = _SHARED.get(id(model))
+        if other is not None and other is not self and other.model is model:
+            raise PipelineStateError("that model is already in another pipeline: give it "
+                                     "back with detach() there first")  # fmt: skip
+        _SHARED.pop(id(self.model), None)
+        self.model = model
+        _SHARED[id(model)] = self
+
+    def in_flight(self) -> int:
+        """Batches in flight in every pipeline on this model."""
+        return sum(engine.statistics().in_flight for engine in self.engines.values())
+
+    def rewrite(self, peek: Any) -> dict[str, Any]:
+        """Copy ``peek``, let torchrec rewrite the model on it and start its input
+        distribution: the first ring slot's contents, torchrec's ``fill_pipeline``."""
+        pool, context = self.pool, TrainPipelineContext(index=0, version=1)
+        with pool.use("memcpy"):
+            batch = peek.to(self.device, non_blocking=True)
+        pool.wait_stream("data_dist", "memcpy")
+        modules: list[Any] = []
+        if any(isinstance(m, ShardedModule) for m in self.model.modules()):
+            modules, _, self._original_forwards, _, _ = _rewrite_model(
+                model=self.model,
+                context=context,
+                dist_stream=self.streams["data_dist"],
+                default_stream=self.streams["default"],
+                batch=batch,
+                pipelined_forward=PipelinedForward,
+            )
+        # else an unsharded model: nothing to distribute, the input-dist tasks idle
+        self.modules[:] = modules
+        self.rewritten = True
+        with pool.use("data_dist"):  # creates torchrec's input dists, then fuses their splits
+            _start_data_dist(modules, batch, context)
+        self._original_kjt_dist_forwards = _override_input_dist_forwards(modules)
+        return {"batch_cpu": peek, "batch": batch, "torchrec_ctx": context, "dist_started": True}
+
+    def restore(self) -> None:
+        """Give the model its own forwards back; the next batch traces it again."""
+        if self.modules:
+            _pipeline_detach_model(
+                model=self.model,
+                pipelined_modules=self.modules,
+                original_forwards=self._original_forwards,
+                original_kjt_dist_forwards=self._original_kjt_dist_forwards,
+                pipelined_postprocs=[],
+            )
+        self.modules.clear()
+        self.rewritten = False

@@ -1,0 +1,41 @@
+"""torchrec's ``execute_all_batches=False`` as a source wrapper."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from aiopipe.source import Source
+
+__all__ = ("without_last_two",)
+
+
+def without_last_two(source: Source) -> Source:
+    """torchrec's ``execute_all_batches=False``: item k is handed on once item k+2 has
+    been read, so the last two items of the source are read and dropped."""
+    if isinstance(source, AsyncIterator):
+        return _AsyncWithoutLastTwo(source)
+    if not isinstance(source, Iterator):
+        raise TypeError(f"progress() takes a sync or async iterator, got {source!r}")
+    return _WithoutLastTwo(source)
+
+
+class _WithoutLastTwo(Iterator[Any]):
+    def __init__(self, source: Iterator[Any]) -> None:
+        self._source, self._held = source, collections.deque[Any]()
+
+    def __next__(self) -> Any:
+        while len(self._held) < 3:
+            self._held.append(next(self._source))  # at the end the held two are dropped
+        return self._held.popleft()
+
+
+class _AsyncWithoutLastTwo(AsyncIterator[Any]):
+    def __init__(self, source: AsyncIterator[Any]) -> None:
+        self._source, self._held = source, collections.deque[Any]()
+
+    async def __anext__(self) -> Any:
+        while len(self._held) < 3:
+            self._held.append(await anext(self._source))
+        return self._held.popleft()

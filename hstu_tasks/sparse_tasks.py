@@ -1,0 +1,172 @@
+"""The tasks of torchrec's ``TrainPipelineSparseDist`` step for any sharded model.
+
+================  =========  =========  =====  =============================================
+task              lookahead  stream     nccl   does (torchrec's ``progress`` line)
+================  =========  =========  =====  =============================================
+h2d               2          memcpy            ``copy_batch_to_gpu`` (batch i+2), new context
+start_input_dist  1          data_dist  yes    ``start_sparse_data_dist`` (splits all-to-all)
+zero_grad (t)     0          default           ``optimizer.zero_grad()``
+forward           0          default    yes    set module contexts, ``model_fwd(batch)``
+wait_input_dist   1          data_dist  yes    ``wait_sparse_data_dist`` (tensors all-to-all)
+backward (t)      0          default    yes    ``torch.sum(losses, dim=0).backward()``
+optimizer_step    0          default           ``optimizer.step()``; the step's ``output``
+================  =========  =========  =====  =============================================
+
+(t): training only -- the eval schedule is h2d, the two input-dist tasks and a
+forward that returns the output, in eval mode and without autograd.  As in torchrec,
+the training schedule checks ``model.training`` per step: a model put in eval mode
+runs forward only.  The declaration order is torchrec's host order; ``forward``
+consumes the input dist that ``wait_input_dist`` finished one progress earlier, and
+the next batch's ``wait_input_dist`` is declared after ``forward`` so its tensors
+all-to-all is issued once this batch's forward has issued its own collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
+from torchrec.distributed.train_pipeline.utils import _start_data_dist
+
+from aiopipe import Task, TaskContext
+
+__all__ = (
+    "SPARSE_DIST_THREAD_MAP",
+    "ModelForward",
+    "SparseDistState",
+    "build_sparse_dist_tasks",
+    "finish_input_dist_splits",
+)
+
+#: ``model_fwd(batch) -> (losses, output)``: the model itself, or torchrec's
+#: ``custom_model_fwd``.
+ModelForward = Callable[[Any], "tuple[torch.Tensor, Any]"]
+
+#: Copies on the "io" lane, everything that touches the model on "compute" (the only
+#: writer of the pipelined modules' context is forward, on that lane).
+SPARSE_DIST_THREAD_MAP: dict[str, str] = {
+    "h2d": "io",
+    **{name: "compute" for name in ("start_input_dist", "zero_grad", "forward",
+                                    "wait_input_dist", "backward", "optimizer_step")},
+}  # fmt: skip
+
+
+@dataclass
+class SparseDistState:
+    """What the tasks of one pipeline share."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    device: torch.device
+    #: torchrec's ``custom_model_fwd``; ``None``: the model itself.
+    model_fwd: ModelForward | None = None
+    #: The eval schedule: forward only, in eval mode, without autograd.
+    evaluation: bool = False
+    #: The sharded modules whose forwards torchrec replaced (empty: nothing to distribute).
+    pipelined_modules: list[Any] = field(default_factory=list)
+
+    @property
+    def training(self) -> bool:
+        return not self.evaluation and bool(self.model.training)
+
+    def run_model(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        forward = self.model_fwd if self.model_fwd is not None else self.model
+        return forward(batch)
+
+    def create_context(self, index: int) -> TrainPipelineContext:
+        """A per-batch torchrec context (version 1: one per batch, never shared)."""
+        return TrainPipelineContext(index=index, version=1)
+
+
+def finish_input_dist_splits(context: TrainPipelineContext) -> None:
+    """torchrec's ``wait_sparse_data_dist``: wait for the splits all-to-alls and keep
+    the tensors all-to-all requests they started, for the pipelined forward."""
+    for names, awaitable in context.fused_splits_awaitables:
+        for name, request in zip(names, awaitable.wait()):
+            context.input_dist_tensors_requests[name] = request
+    context.input_dist_splits_requests.clear()
+    context.fused_splits_awaitables.clear()
+
+
+@contextlib.contextmanager
+def evaluation_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model.eval()`` for the duration, then every module's own mode back."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def build_sparse_dist_tasks(state: SparseDistState) -> list[Task]:
+    """The task list, in the declaration order that breaks topological ties."""
+
+    def h2d(ctx: TaskContext) -> None:
+        if "batch" in ctx.slots:  # seeded by the bootstrap
+            return
+        ctx.slots.set("batch", ctx.slots["batch_cpu"].to(state.device, non_blocking=True))
+        ctx.slots.set("torchrec_ctx", state.create_context(ctx.batch_index))
+
+    def start_input_dist(ctx: TaskContext) -> None:
+        if "dist_started" not in ctx.slots:  # the bootstrap started the seeded batch's
+            _start_data_dist(state.pipelined_modules, ctx.slots["batch"], ctx.slots["torchrec_ctx"])
+        ctx.slots.set("dist_started", True)
+
+    def wait_input_dist(ctx: TaskContext) -> None:
+        finish_input_dist_splits(ctx.slots["torchrec_ctx"])
+        ctx.slots.set("dist_ready", True)
+
+    def zero_grad(ctx: TaskContext) -> None:
+        if state.training:
+            state.optimizer.zero_grad()
+
+    def forward(ctx: TaskContext) -> None:
+        for module in state.pipelined_modules:
+            module.forward.set_context(ctx.slots["torchrec_ctx"])
+        batch = ctx.slots["batch"]
+        if state.evaluation:
+            with torch.no_grad(), evaluation_mode(state.model):
+                ctx.slots.set("step_result", state.run_model(batch)[1])
+            return
+        with torch.set_grad_enabled(state.training):
+            losses, output = state.run_model(batch)
+        ctx.slots.set("losses", losses)
+        ctx.slots.set("output", output)
+
+    def backward(ctx: TaskContext) -> None:
+        if state.training:
+            torch.sum(ctx.slots["losses"], dim=0).backward()
+
+    def optimizer_step(ctx: TaskContext) -> None:
+        if state.training:
+            state.optimizer.step()
+        ctx.slots.set("step_result", ctx.slots["output"])
+
+    forward_writes = ("step_result",) if state.evaluation else ("losses", "output")
+    forward_after = () if state.evaluation else ("zero_grad",)
+    tasks = [
+        Task.from_fn("h2d", h2d, lookahead=2, stream="memcpy", reads=("batch_cpu",),
+                     writes=("batch", "torchrec_ctx")),
+        Task.from_fn("start_input_dist", start_input_dist, lookahead=1, stream="data_dist",
+                     nccl=True, reads=("batch", "torchrec_ctx"), writes=("dist_started",)),
+        Task.from_fn("zero_grad", zero_grad),
+        Task.from_fn("forward", forward, nccl=True, reads=("batch", "dist_ready"),
+                     writes=forward_writes, depends_on=forward_after),
+        Task.from_fn("wait_input_dist", wait_input_dist, lookahead=1, stream="data_dist",
+                     nccl=True, reads=("dist_started",), writes=("dist_ready",)),
+        Task.from_fn("backward", backward, nccl=True, reads=("losses",), depends_on=("forward",)),
+        Task.from_fn("optimizer_step", optimizer_step, reads=("output",), writes=("step_result",),
+                     depends_on=("backward",)),
+    ]  # fmt: skip
+    if state.evaluation:
+        return [task for task in tasks if task.name not in _TRAINING_ONLY]
+    return tasks
+
+
+_TRAINING_ONLY = frozenset({"zero_grad", "backward", "optimizer_step"})

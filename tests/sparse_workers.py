@@ -1,0 +1,202 @@
+"""Worker functions for the two-rank sparse-dist pipeline tests (spawned processes
+import this)."""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+from typing import Any
+
+import pytest
+import torch
+from conftest import collect
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from aiopipe import BadBatchError, PipelineStateError
+from hstu_tasks import join_local_group, leave_and_exit, quiet_torchrec
+from hstu_tasks.dlrm import DLRMConfig, SyntheticDLRMData, build_dlrm_training, run_dlrm
+from hstu_tasks.runners import parameter_digest
+from hstu_tasks.sparse_pipeline import SparseDistEvalPipeline, SparseDistPipeline
+
+CONFIG = DLRMConfig(num_embeddings=200, batch_size=16)
+STEPS = 6
+
+
+def join(rank: int, port: int) -> None:
+    faulthandler.enable()
+    quiet_torchrec()
+    join_local_group(rank, 2, port)
+
+
+def data(rank: int, batches: int = STEPS, seed: int = 5) -> SyntheticDLRMData:
+    return SyntheticDLRMData(CONFIG, batches, seed=seed, rank=rank)
+
+
+def scaled_loss(batch: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    loss, output = model(batch)
+    return loss * 2, output
+
+
+def equality_worker(rank: int, port: int) -> None:
+    join(rank, port)
+    for kind in ("sgd", "adagrad"):
+        check_equality(rank, kind)
+    leave_and_exit(0)
+
+
+def check_equality(rank: int, kind: str) -> None:
+    """The generic pipeline (async and blocking) trains like torchrec's pipeline and
+    the plain loop, bit for bit; so do their custom_model_fwd and
+    execute_all_batches=False forms."""
+    outcomes = {}
+    for mode in ("none", "torchrec", "aiopipe"):
+        setup = build_dlrm_training(CONFIG, kind, seed=3)
+        run = run_dlrm(mode, setup, [data(rank)])
+        outcomes[mode] = (run.global_losses(), parameter_digest(setup.model))
+    setup = build_dlrm_training(CONFIG, kind, seed=3)
+    blocking = SparseDistPipeline(setup.model, setup.optimizer, setup.device).blocking()
+    source = iter(data(rank))
+    losses = [float(loss) for loss, _, _ in blocking.results(source)]
+    with pytest.raises(StopIteration):  # torchrec's contract, again and again
+        blocking.progress(source)
+    blocking.shutdown()
+    outcomes["aiopipe-blocking"] = (_mean_over_ranks(losses), parameter_digest(setup.model))
+    assert len(outcomes["none"][0]) == STEPS
+    for mode, outcome in outcomes.items():
+        assert outcome == outcomes["none"], (kind, mode)
+
+    # custom_model_fwd and execute_all_batches=False, against torchrec's own
+    variants = {}
+    for name in ("torchrec", "aiopipe"):
+        setup = build_dlrm_training(CONFIG, kind, seed=3)
+        pipeline = TrainPipelineSparseDist if name == "torchrec" else SparseDistPipeline
+        pipe = pipeline(setup.model, setup.optimizer, setup.device, False,  # type: ignore[operator]
+                        custom_model_fwd=lambda batch, m=setup.model: scaled_loss(batch, m))
+        if name == "aiopipe":
+            pipe = pipe.blocking()
+        source = iter(data(rank))
+        losses = [float(loss) for loss, _, _ in _until_stop(pipe, source)]
+        assert len(losses) == STEPS - 2  # the last two batches are dropped
+        assert next(source, None) is None  # ... after being read
+        variants[name] = (losses, parameter_digest(setup.model))
+        if name == "aiopipe":
+            pipe.shutdown()
+    assert variants["aiopipe"] == variants["torchrec"], kind
+
+
+def _until_stop(pipe: Any, source: Any) -> list[Any]:
+    results = []
+    while True:
+        try:
+            results.append(pipe.progress(source))
+        except StopIteration:
+            return results
+
+
+def _mean_over_ranks(losses: list[float]) -> list[float]:
+    values = torch.tensor(losses, dtype=torch.float64)
+    torch.distributed.all_reduce(values)
+    return (values / 2).tolist()  # type: ignore[no-any-return]
+
+
+def loader(dataset: SyntheticDLRMData) -> torch.utils.data.DataLoader[Any]:
+    # fork: this rank was started by spawn, whose workers would import torchrec anew
+    return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1,
+                                       persistent_workers=True, multiprocessing_context="fork")
+
+
+def eval_worker(rank: int, port: int) -> None:
+    join(rank, port)
+    check_interleaving(rank)
+    check_contract(rank)
+    leave_and_exit(0)
+
+
+def check_interleaving(rank: int) -> None:
+    """Three epochs from a persistent-worker loader (one iterator object, reset by
+    each iter()), evaluation passes mid-epoch (from another persistent loader) and
+    after each epoch (a different length each time), on both ranks at the same steps:
+    every evaluation output equals a plain model.eval() forward of its batch at that
+    point, and training is the one a run without the evaluation passes does."""
+    train_loader, eval_loader = loader(data(rank, 5)), loader(data(rank, 3, seed=8))
+    first = iter(train_loader)
+    assert iter(train_loader) is first  # what torchrec's identity check trips over
+
+    def eval_after(step: int) -> Any:
+        epoch, position = divmod(step - 1, 5)
+        if position == 1:
+            return eval_loader
+        if position == 4:  # after the epoch: 2, 3 then 4 batches
+            return data(rank, 2 + epoch, seed=9 + epoch)
+        return None
+
+    runs = {}
+    for mode, plan in [("none", eval_after), ("aiopipe", eval_after),
+                       ("aiopipe-no-eval", lambda step: None)]:  # fmt: skip
+        setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
+        run = run_dlrm(mode.removesuffix("-no-eval"), setup, [train_loader] * 3, plan)  # type: ignore[arg-type]
+        runs[mode] = (run, parameter_digest(setup.model))
+    reference, _ = runs["none"]
+    assert len(reference.losses) == 15
+    assert [len(outputs) for outputs in reference.evaluations] == [3, 2, 3, 3, 3, 4]
+    for mode, (run, digest) in runs.items():
+        assert (run.losses, digest) == (reference.losses, runs["none"][1]), mode
+    evaluated, _ = runs["aiopipe"]
+    assert len(evaluated.evaluations) == len(reference.evaluations)
+    for got, expected in zip(evaluated.evaluations, reference.evaluations):
+        assert len(got) == len(expected)
+        for got_output, expected_output in zip(got, expected):  # (loss, logits, labels)
+            assert all(torch.equal(a, b) for a, b in zip(got_output, expected_output))
+    assert runs["aiopipe-no-eval"][0].evaluations == []
+
+
+def check_contract(rank: int) -> None:
+    """Refusals and the lifetime of a train and an eval pipeline on one model."""
+    setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
+    evaluator = SparseDistEvalPipeline(setup.model, None, setup.device)  # shares the rewrite
+    with pytest.raises(ValueError, match="device"):
+        SparseDistEvalPipeline(setup.model, None, "meta")
+
+    async def scenario() -> None:
+        with pytest.raises(BadBatchError, match="Pipelineable"):  # refused before tracing
+            await pipe.progress(iter([{"not": "a batch"}]))
+        source = iter(data(rank))
+        await pipe.progress(source)
+        assert len(pipe._state.pipelined_modules) == 1  # torchrec rewrote the collection
+        with pytest.raises(PipelineStateError, match="in flight"):
+            pipe.detach()
+        # the pipelines of one model take turns
+        eval_source = iter(data(rank, 3, seed=7))
+        outcomes = await asyncio.gather(pipe.progress(source), evaluator.progress(eval_source),
+                                        return_exceptions=True)  # fmt: skip
+        assert isinstance(outcomes[1], PipelineStateError) and "take turns" in str(outcomes[1])
+        assert next(eval_source) is not None  # the refused call took nothing
+        # the eval pipeline runs beside the two training batches in flight
+        before = parameter_digest(setup.model)
+        assert len(await collect(evaluator, iter(data(rank, 3, seed=7)))) == 3
+        assert parameter_digest(setup.model) == before and setup.model.training
+        assert len(await collect(pipe, source)) == STEPS - 2
+        with pytest.raises(StopAsyncIteration):  # a plain iterator stays ended
+            await pipe.progress(source)
+        model = pipe.detach()  # both pipelines' engines are gone, the forwards restored
+        assert evaluator.engine is None and pipe.engine is None
+        loss, _ = model(data(rank)[0].to(setup.device))
+        assert loss.dim() == 0
+        with pytest.raises(PipelineStateError, match="detached"):
+            await evaluator.progress(iter(data(rank)))
+        pipe.attach()
+        assert len(await collect(evaluator, iter(data(rank, 2)))) == 2  # traces it again
+        assert len(await collect(pipe, iter(data(rank)))) == STEPS
+        # torchrec's rule: the training pipeline runs a model in eval mode forward only
+        setup.model.eval()
+        before = parameter_digest(setup.model)
+        forwarded = await collect(pipe, iter(data(rank, 3, seed=7)))
+        setup.model.train()
+        assert parameter_digest(setup.model) == before
+        evaluated = await collect(evaluator, iter(data(rank, 3, seed=7)))
+        assert all(torch.equal(a, b) for x, y in zip(forwarded, evaluated) for a, b in zip(x, y))
+        await evaluator.aclose()
+        await pipe.aclose()
+
+    asyncio.run(scenario())
