@@ -42,6 +42,7 @@ class Pipeline(SchedulablePipeline):
         trace: bool | Tracer | None = None,
         check_batch: Callable[[Any], None] | None = None,
         read_ahead: bool = True,
+        name: str | None = None,
     ) -> None:
         schedule = Schedule.of(tasks)
         if stream_pool is None:
@@ -54,5 +55,5 @@ class Pipeline(SchedulablePipeline):
             executor = "async"
         super().__init__(
             schedule, stream_pool, executor, nvtx=nvtx, trace=trace, check_batch=check_batch,
-            read_ahead=read_ahead,
+            read_ahead=read_ahead, name=name,
         )  # fmt: skip
