@@ -11,21 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import Recorder, collect
+from test_trace import THREAD_MAP, four_tasks
 
 from aiopipe import AsyncExecutor, Pipeline, Task, TaskContext
 from aiopipe.checkpoint import CheckpointManager
-
-THREAD_MAP = {"load": "io", "prep": "io", "train": "compute", "step": "compute"}
-
-
-def four_tasks(recorder: Recorder) -> list[Task]:
-    return [
-        recorder.task("load", lookahead=2, stream="io", reads=("batch_cpu",), writes=("raw",)),
-        recorder.task("prep", lookahead=1, stream="io", reads=("raw",), writes=("x",)),
-        recorder.task("train", reads=("x",), writes=("y",)),
-        recorder.task("step", reads=("y",), writes=("step_result",)),
-    ]
-
 
 def messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:
     return [r.getMessage() for r in caplog.records
