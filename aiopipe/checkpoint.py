@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._log import checkpoint_log
 from .errors import PipelineError
 
 __all__ = ("CheckpointError", "CheckpointManager", "materialize_optimizer_state")
@@ -123,6 +124,7 @@ class CheckpointManager:
             raise CheckpointError(
                 f"committing the checkpoint of step {step} failed: {failure}"
             ) from error
+        checkpoint_log.info("checkpoint of step %d saved in %s", step, final)
         return final
 
     def _commit(self, step: int, partial: Path, final: Path, meta: dict[str, Any] | None) -> None:
@@ -169,6 +171,7 @@ class CheckpointManager:
             load(state, checkpoint_id=str(path), process_group=self._group)
         except Exception as exc:
             raise CheckpointError(f"loading the checkpoint of step {step} failed: {exc}") from exc
+        checkpoint_log.info("resuming from the checkpoint of step %d in %s", step, path)
         return dict(body.get("meta", {}))
 
     # -- process group -----------------------------------------------------------------

@@ -16,7 +16,9 @@ same_progress_sync      dotted      ``sync``
 
 Edges with Δ >= 1 (satisfied by ring rotation, so they never order tasks inside a
 progress) also carry ``Δ=N`` and, in DOT, do not constrain the layout: the picture
-reads left to right in same-progress order.
+reads left to right in same-progress order.  Lanes are spaced so that the label of
+an edge from one lane to the next sits in the gap, not on the next lane's title, and
+a task's loop onto itself is drawn on its right-hand side, clear of the title above.
 
 ``to_dot`` and ``to_mermaid`` need nothing beyond the standard library; PNG, SVG and
 PDF need the Graphviz ``dot`` program on ``PATH``.
@@ -189,6 +191,9 @@ def to_dot(
         f"    rankdir={rankdir};",
         f"    label={_dot_quote(_caption(schedule, title))};",
         '    labelloc="t"; fontname="Helvetica";',
+        # Lanes stack across the ranks: the gap between them holds the label of an
+        # edge from one lane to the next, below the next lane's title, not on it.
+        "    nodesep=0.6;",
         '    node [shape=box, style="rounded,filled", fontname="Helvetica"];',
         '    edge [fontname="Helvetica", fontsize=10];',
     ]
@@ -208,7 +213,8 @@ def to_dot(
             continue
         out.append(f"    subgraph cluster_{number} {{")
         out.append(f"        label={_dot_quote(box)};")
-        out.append('        style="rounded,dashed"; color="#7f7f7f"; labeljust="l";')
+        out.append('        style="rounded,dashed"; color="#7f7f7f"; labeljust="l"; '
+                   'fontname="Helvetica-Bold"; fontcolor="#505050";')
         out.extend(node(task, "        ") for task in tasks)
         out.append("    }")
     for link in _links(dependency_edges(schedule)):
@@ -217,6 +223,8 @@ def to_dot(
             attrs.append(f"label={_dot_quote(link.label)}")
         if link.delta > 0:
             attrs.append("constraint=false")  # ring rotation, not same-progress order
+        if link.producer == link.consumer:  # a loop on the east side, clear of titles above
+            attrs.append("tailport=e, headport=e")
         out.append(f"    {_dot_quote(link.producer)} -> {_dot_quote(link.consumer)} "
                    f"[{', '.join(attrs)}];")  # fmt: skip
     out.append("}")

@@ -46,6 +46,7 @@ class Pipeline(SchedulablePipeline):
         check_batch: Callable[[Any], None] | None = None,
         read_ahead: bool = True,
         expect_result: bool = True,
+        name: str | None = None,
     ) -> None:
         schedule = Schedule.of(tasks)
         if stream_pool is None:
@@ -58,5 +59,5 @@ class Pipeline(SchedulablePipeline):
             executor = "async"
         super().__init__(
             schedule, stream_pool, executor, nvtx=nvtx, trace=trace, check_batch=check_batch,
-            read_ahead=read_ahead, expect_result=expect_result,
+            read_ahead=read_ahead, expect_result=expect_result, name=name,
         )  # fmt: skip

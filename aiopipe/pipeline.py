@@ -13,6 +13,7 @@ import asyncio
 import collections
 import functools
 import inspect
+import logging
 import os
 import sys
 import warnings
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from ._log import lanes_summary, next_pipeline_name, pipeline_log
 from ._nvtx import Annotator, resolve_annotator
 from .context import CURRENT, Running, TaskContext
 from .errors import BadBatchError, NoStepResultWarning, PipelineStateError
@@ -85,6 +87,8 @@ class SchedulablePipeline:
     ring: progress then raises :class:`~aiopipe.errors.BadBatchError` and the batches
     in flight stay intact.  Any value is a batch, ``None`` included (tasks that make
     their own data run with ``step(None)``).
+    ``name`` labels the pipeline in log records and in the tracks of a shared tracer
+    (default ``"pipeline N"``, numbered in the order pipelines are built).
 
     ``progress`` returns the ``step_result`` slot of each batch.  When no task writes
     it, every result is ``None``: construction warns with
@@ -103,7 +107,9 @@ class SchedulablePipeline:
         check_batch: Callable[[Any], None] | None = None,
         read_ahead: bool = True,
         expect_result: bool = True,
+        name: str | None = None,
     ) -> None:
+        self.name = name if name is not None else next_pipeline_name()
         if stream_pool is None:
             stream_pool = StreamPool({name: None for name in schedule.stream_slots})
         validate_schedule(schedule, stream_pool)
@@ -143,6 +149,12 @@ class SchedulablePipeline:
         # the failure of one whose caller was cancelled, raised by the next call.
         self._running: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
+        if pipeline_log.isEnabledFor(logging.INFO):
+            pipeline_log.info(
+                "%s: built with %d tasks (max lookahead %d), %s, lanes %s", self.name,
+                len(self._plan), self._plan.max_lookahead, type(self._executor).__name__,
+                lanes_summary([task.name for task in self._plan.order], self._lanes),
+            )  # fmt: skip
 
     # -- introspection ----------------------------------------------------------------
 
@@ -254,6 +266,9 @@ class SchedulablePipeline:
             results: list[Any] = []
             feed = self._feed
             if feed is not None:
+                if feed.in_flight:  # step() drains an empty feed before each batch: quiet
+                    pipeline_log.info("%s: drain, finishing %d batch(es) in flight", self.name,
+                                      feed.in_flight)  # fmt: skip
                 feed.draining = True
                 while True:
                     produced, result = await self._next_result(feed)
@@ -311,6 +326,8 @@ class SchedulablePipeline:
         if self._busy:
             raise PipelineStateError("cannot reset while a progress is running")
         self._refuse_while_running("reset()")
+        pipeline_log.info("%s: reset, discarding %d batch(es) in flight", self.name,
+                          self._feed.in_flight if self._feed is not None else 0)  # fmt: skip
         if self._feed is not None:
             self._feed.close()
         self._failure = None
@@ -328,6 +345,7 @@ class SchedulablePipeline:
         if self._busy:
             raise PipelineStateError("cannot shut down while a progress is running")
         self._refuse_while_running("shutdown()")
+        pipeline_log.debug("%s: shut down", self.name)
         if self._feed is not None:
             self._feed.close()
         self._closed = True
@@ -409,6 +427,10 @@ class SchedulablePipeline:
             inspect=functools.partial(_problem_of, self._check_batch),  # no cycle via self
         )  # fmt: skip
         new_feed.refused, self._seed_refused = self._seed_refused, 0
+        # step() adopts a one-batch source per call: those only at DEBUG
+        level = logging.DEBUG if isinstance(source, OneBatch) else logging.INFO
+        if pipeline_log.isEnabledFor(level):
+            pipeline_log.log(level, "%s: new source %s", self.name, type(source).__name__)
         self._retire_all(self._ring.reset())
         self._top_pulled = False
         self._feed = new_feed
@@ -449,7 +471,7 @@ class SchedulablePipeline:
         plan = self._plan
         step = Step(
             plan, self._ring, self._ctx, feed.iteration, plan.active(feed.iteration, feed.pulled),
-            self._annotator, self._tracer, self._lanes,
+            self._annotator, self._tracer, self._lanes, self.name,
         )  # fmt: skip
         self._running = asyncio.ensure_future(self._iterate(feed, step))
         return self._running
@@ -526,6 +548,8 @@ class SchedulablePipeline:
                 CURRENT.reset(token)
             self._init_done.add(task.name)
         self._initialised = True
+        pipeline_log.info("%s: init() of %d tasks done; up to %d batches will be in flight",
+                          self.name, len(self._plan), self._plan.max_lookahead + 1)  # fmt: skip
 
     def _retire(self, store: SlotStore) -> None:
         pool = self._plan.stream_pool

@@ -18,18 +18,22 @@ from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
 
-from .trace import Span
+from .trace import Span, _several_pipelines, _track_numbers, _track_name
 
 __all__ = ("timeline_svg", "write_timeline")
 
 ToX = Callable[[int], float]  # a time in ns to an x position in px
 
-# Colour-blind-safe categorical palette (Okabe-Ito, then Tableau), repeated as needed.
+# Distinct hues for up to 20 tasks, then repeated: category10 without its grey (grey
+# bars are waits), extended one colour at a time by the hue farthest (CIEDE2000) from
+# every colour before it, from the wait grey and from the white background.  Task
+# names print in black or white, whichever contrasts more with the bar.
 _PALETTE = (
-    "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442",
-    "#4E79A7", "#F28E2B", "#59A14F", "#B07AA1", "#76B7B2", "#EDC948", "#FF9DA7",
+    "#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2",
+    "#BCBD22", "#17BECF", "#0F0F8A", "#736926", "#267369", "#75F0B7", "#8A0F61",
+    "#D9968C", "#8CA1D9", "#6BE619", "#F0BF75", "#A86A24", "#E6196B",
 )  # fmt: skip
-_LABEL_WIDTH = 120  # px left of the time axis for row names
+_LABEL_WIDTH = 120  # px left of the time axis for row names (at least)
 _CHAR_PX = 6.2  # rough width of one character of the 11 px label font
 
 
@@ -48,23 +52,21 @@ def timeline_svg(
         spans = [s for s in spans if first <= s.iteration <= last]
     if not spans:
         raise ValueError("no spans to draw (is tracing on, and are the iterations traced?)")
-    rows: dict[str, int] = {}
-    for span in spans:
-        rows.setdefault(f"lane {span.lane}", len(rows))
-    for span in spans:
-        if span.gpu_ms is not None and span.gpu_start_ns is not None:
-            rows.setdefault(f"stream {span.stream}", len(rows))
+    # the tracks of Tracer.chrome_trace, in its order: one row each
+    rows = {name: number - 1 for name, number in _track_numbers(spans).items()}
+    several = _several_pipelines(spans)
     colours: dict[str, str] = {}
     for span in spans:
         colours.setdefault(span.task, _PALETTE[len(colours) % len(_PALETTE)])
 
     begin = min(min(s.start_ns - s.wait_ns, _gpu_start(s)) for s in spans)
     end = max(max(s.end_ns, _gpu_end(s)) for s in spans)
-    plot = width - _LABEL_WIDTH - 10
+    left = max(_LABEL_WIDTH, int(max(len(name) for name in rows) * _CHAR_PX) + 16)
+    plot = width - left - 10
     scale = plot / max(end - begin, 1)  # px per ns
 
     def x(ns: int) -> float:
-        return _LABEL_WIDTH + (ns - begin) * scale
+        return left + (ns - begin) * scale
 
     top = 28 if title else 8
     axis_y = top + len(rows) * row_height + 6
@@ -80,17 +82,17 @@ def timeline_svg(
         f'<rect width="{width}" height="{height}" fill="white"/>',
     ]
     if title:
-        out.append(f'<text x="{_LABEL_WIDTH}" y="18" font-size="13">{escape(title)}</text>')
+        out.append(f'<text x="{left}" y="18" font-size="13">{escape(title)}</text>')
     for name, row in rows.items():
         y = top + row * row_height
         shade = "#f4f4f4" if row % 2 == 0 else "#ffffff"
         out.append(f'<rect x="0" y="{y}" width="{width}" height="{row_height}" fill="{shade}"/>')
         out.append(f'<text x="6" y="{y + row_height * 0.65:.1f}" class="row">{escape(name)}</text>')
     for span in spans:
-        out.extend(_bars(span, rows, colours, x, top, row_height))
-    out.extend(_axis(begin, end, x, axis_y, plot))
+        out.extend(_bars(span, several, rows, colours, x, top, row_height))
+    out.extend(_axis(begin, end, x, axis_y, left, plot))
     for k, (task, colour) in enumerate(colours.items()):
-        lx, ly = _LABEL_WIDTH + (k % columns) * column, legend_y + (k // columns) * 18
+        lx, ly = left + (k % columns) * column, legend_y + (k // columns) * 18
         out.append(f'<rect x="{lx}" y="{ly - 9}" width="10" height="10" fill="{colour}"/>')
         out.append(f'<text x="{lx + 14}" y="{ly}">{escape(task)}</text>')
     out.append("</svg>")
@@ -120,9 +122,9 @@ def _gpu_end(span: Span) -> int:
     return span.gpu_start_ns + int(span.gpu_ms * 1e6)
 
 
-def _bars(span: Span, rows: dict[str, int], colours: dict[str, str], to_x: ToX,
+def _bars(span: Span, several: bool, rows: dict[str, int], colours: dict[str, str], to_x: ToX,
           top: int, row_height: int) -> list[str]:  # fmt: skip
-    y = top + rows[f"lane {span.lane}"] * row_height + 3
+    y = top + rows[_track_name(span, several)] * row_height + 3
     h = row_height - 6
     tip = (f"{span.task}: batch {span.batch}, iteration {span.iteration}, "
            f"{span.duration_ns / 1e6:.3f} ms on {span.thread}"
@@ -140,10 +142,11 @@ def _bars(span: Span, rows: dict[str, int], colours: dict[str, str], to_x: ToX,
                 f'height="{h}" fill="{colours[span.task]}"{stroke}>'
                 f'<title>{escape(tip)}</title></rect>')  # fmt: skip
     if ex - sx > len(span.task) * _CHAR_PX + 4:
-        bars.append(f'<text x="{sx + 3:.2f}" y="{y + h * 0.72:.1f}" fill="white">'
+        ink = _ink_on(colours[span.task])
+        bars.append(f'<text x="{sx + 3:.2f}" y="{y + h * 0.72:.1f}" fill="{ink}">'
                     f'{escape(span.task)}</text>')  # fmt: skip
     if span.gpu_ms is not None and span.gpu_start_ns is not None:
-        gy = top + rows[f"stream {span.stream}"] * row_height + 3
+        gy = top + rows[_track_name(span, several, gpu=True)] * row_height + 3
         gx = to_x(span.gpu_start_ns)
         gw = max(to_x(span.gpu_start_ns + int(span.gpu_ms * 1e6)) - gx, 0.5)
         bars.append(f'<rect class="gpu" x="{gx:.2f}" y="{gy}" width="{gw:.2f}" height="{h}" '
@@ -152,10 +155,19 @@ def _bars(span: Span, rows: dict[str, int], colours: dict[str, str], to_x: ToX,
     return bars
 
 
-def _axis(begin: int, end: int, to_x: ToX, y: int, plot: float) -> list[str]:
+def _ink_on(fill: str) -> str:
+    """Black or white text, whichever has the higher WCAG contrast on ``fill``."""
+    channels = (int(fill[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    luminance = 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+    # contrast with black (L + 0.05) / 0.05 beats white's 1.05 / (L + 0.05) above ~0.18
+    return "black" if (luminance + 0.05) ** 2 > 0.05 * 1.05 else "white"
+
+
+def _axis(begin: int, end: int, to_x: ToX, y: int, left: int, plot: float) -> list[str]:
     total_ms = (end - begin) / 1e6
     step = _tick_step(total_ms)
-    out = [f'<line x1="{_LABEL_WIDTH}" y1="{y}" x2="{_LABEL_WIDTH + plot:.1f}" y2="{y}" '
+    out = [f'<line x1="{left}" y1="{y}" x2="{left + plot:.1f}" y2="{y}" '
            f'stroke="#333"/>']  # fmt: skip
     tick = 0.0
     while tick <= total_ms + 1e-9:

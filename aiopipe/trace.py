@@ -20,13 +20,12 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = ("Span", "Tracer", "merge_traces", "resolve_tracer")
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +49,8 @@ class Span:
     #: When the stream reached the task, on the host clock; ``None`` without GPU timing.
     gpu_start_ns: int | None = None
     failed: bool = False
+    #: The name of the pipeline that ran it (``SchedulablePipeline.name``).
+    pipeline: str = ""
 
     @property
     def duration_ns(self) -> int:
@@ -58,8 +59,8 @@ class Span:
 
 #: What Step hands over per task run, turned into a Span only when read:
 #: (task, iteration, batch, lane, thread, stream, start_ns, end_ns, wait_ns, failed,
-#:  _GpuTiming or None).  Appending a tuple to a deque keeps tracing cheap on lanes.
-RawSpan = tuple[str, int, int, str, str, "str | None", int, int, int, bool, Any]
+#:  pipeline, _GpuTiming or None).  Appending a tuple to a deque keeps tracing cheap.
+RawSpan = tuple[str, int, int, str, str, "str | None", int, int, int, bool, str, Any]
 
 #: Completed GPU timings are turned into numbers (and their events released) in
 #: batches of this many, so a long traced run does not hold millions of events.
@@ -157,7 +158,7 @@ class Tracer:
         """Add a finished span (for spans measured outside a pipeline)."""
         self.append((
             span.task, span.iteration, span.batch, span.lane, span.thread, span.stream,
-            span.start_ns, span.end_ns, span.wait_ns, span.failed, None,
+            span.start_ns, span.end_ns, span.wait_ns, span.failed, span.pipeline, None,
         ))  # fmt: skip
 
     def gpu_event(self) -> Any:
@@ -194,13 +195,13 @@ class Tracer:
             self._recorded = 0
 
     def _span(self, raw: RawSpan) -> Span:
-        task, iteration, batch, lane, thread, stream, start, end, wait, failed, gpu = raw
+        task, iteration, batch, lane, thread, stream, start, end, wait, failed, pipeline, gpu = raw
         gpu_ms = gpu_start = None
         if gpu is not None:
             gpu.resolve(self._gpu_origin)  # waits for the device if still running
             gpu_ms, gpu_start = gpu.ms, gpu.start_ns
         return Span(task, iteration, batch, lane, thread, stream, start, end, wait,
-                    gpu_ms, gpu_start, failed)  # fmt: skip
+                    gpu_ms, gpu_start, failed, pipeline)  # fmt: skip
 
     # -- export ------------------------------------------------------------------------
 
@@ -209,7 +210,9 @@ class Tracer:
 
         One process (``pid``: the distributed rank when a process group is up, else the
         OS pid), one track per lane, plus one track per stream for GPU times; waiting
-        shows as its own ``wait`` slice just before the task's slice.
+        shows as its own ``wait`` slice just before the task's slice.  When several
+        pipelines share the tracer each has its own tracks, named after it
+        (``"train · lane compute"``), grouped by pipeline.
         """
         spans = self.spans
         default_pid, default_name = _default_process()
@@ -217,15 +220,12 @@ class Tracer:
             pid = default_pid
         if process_name is None:
             process_name = default_name
-        tracks: dict[str, int] = {}
-
-        def tid(name: str) -> int:
-            return tracks.setdefault(name, len(tracks) + 1)
-
+        tracks = _track_numbers(spans)
+        several = _several_pipelines(spans)
         offset = self._wall_offset_ns
         events: list[dict[str, Any]] = []
         for span in spans:
-            track = tid(f"lane {span.lane}")
+            track = tracks[_track_name(span, several)]
             args = {
                 "iteration": span.iteration,
                 "batch": span.batch,
@@ -247,7 +247,7 @@ class Tracer:
             ))  # fmt: skip
             if span.gpu_ms is not None and span.gpu_start_ns is not None:
                 events.append(_slice(
-                    span.task, "gpu", pid, tid(f"stream {span.stream}"),
+                    span.task, "gpu", pid, tracks[_track_name(span, several, gpu=True)],
                     span.gpu_start_ns + offset, int(span.gpu_ms * 1e6), args,
                 ))  # fmt: skip
         meta: list[dict[str, Any]] = [
@@ -267,15 +267,16 @@ class Tracer:
         return target
 
     def summary(self) -> list[dict[str, Any]]:
-        """Per task, in first-seen order: runs, median and mean host ms, mean wait ms,
-        failures."""
-        by_task: dict[str, list[Span]] = {}
+        """Per task of each pipeline, in first-seen order: runs, median and mean host
+        ms, mean wait ms, failures."""
+        by_task: dict[tuple[str, str], list[Span]] = {}
         for span in self.spans:
-            by_task.setdefault(span.task, []).append(span)
+            by_task.setdefault((span.pipeline, span.task), []).append(span)
         rows = []
-        for task, spans in by_task.items():
+        for (pipeline, task), spans in by_task.items():
             durations = sorted(s.duration_ns / 1e6 for s in spans)
             rows.append({
+                "pipeline": pipeline,
                 "task": task,
                 "lane": spans[-1].lane,
                 "stream": spans[-1].stream,
@@ -302,6 +303,32 @@ def merge_traces(paths: Iterable[str | os.PathLike[str]], output: str | os.PathL
     target = Path(output)
     target.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return target
+
+
+def _track_name(span: Span, several_pipelines: bool, *, gpu: bool = False) -> str:
+    """The track (timeline row) of ``span``: ``"lane NAME"``, or ``"stream NAME"`` for
+    its GPU time; prefixed with the pipeline's name when several pipelines share it."""
+    track = f"stream {span.stream}" if gpu else f"lane {span.lane}"
+    return f"{span.pipeline} · {track}" if several_pipelines and span.pipeline else track
+
+
+def _several_pipelines(spans: Iterable[Span]) -> bool:
+    return len({span.pipeline for span in spans}) > 1
+
+
+def _track_numbers(spans: Sequence[Span]) -> dict[str, int]:
+    """Track name -> tid from 1: pipelines in first-seen order, in each its lanes and
+    then its streams, each in first-seen order."""
+    several = _several_pipelines(spans)
+    pipelines: dict[str, int] = {}
+    keys: dict[str, tuple[int, int, int]] = {}
+    for span in spans:
+        rank = pipelines.setdefault(span.pipeline, len(pipelines))
+        keys.setdefault(_track_name(span, several), (rank, 0, len(keys)))
+        if span.gpu_ms is not None and span.gpu_start_ns is not None:
+            keys.setdefault(_track_name(span, several, gpu=True), (rank, 1, len(keys)))
+    ordered = sorted(keys, key=keys.__getitem__)
+    return {name: number for number, name in enumerate(ordered, start=1)}
 
 
 def resolve_tracer(trace: bool | Tracer | None) -> Tracer | None:

@@ -11,6 +11,7 @@ other and none is lost.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,8 @@ from .shuffler import BatchShuffler, IdentityShuffler
 from .sparse_model import STREAMS
 from .sparse_model import stream_pool as _stream_pool
 from .tasks import PipelineState, build_tasks
+
+_log = logging.getLogger("aiopipe.hstu")  # under "aiopipe": one logger shows the engine and this
 
 __all__ = ("HSTU_DEFAULT_THREAD_MAP", "HSTU_DIST_LANE_THREAD_MAP", "HSTUPipeline")
 
@@ -91,6 +94,8 @@ class HSTUPipeline:
     ``thread_map`` defaults to :data:`HSTU_DEFAULT_THREAD_MAP`; ``executor`` may be
     ``"sequential"`` or an executor instance instead.  ``trace=True`` (or a
     :class:`aiopipe.Tracer`) records a span per task run (see ``docs/tracing.md``).
+    ``name`` labels its log records and trace tracks (the engines that detach/attach
+    rebuild all carry it).
     """
 
     def __init__(
@@ -106,7 +111,9 @@ class HSTUPipeline:
         executor: str | Any = None,
         memory_limit_bytes: int | None = None,
         trace: bool | Tracer | None = None,
+        name: str = "hstu",
     ) -> None:
+        self.name = name
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
         if prefetch_depth != 1 and not prefetch:
@@ -287,7 +294,7 @@ class HSTUPipeline:
         state.streams = {name: pool.get(name) for name in pool.names()}
         engine = SchedulablePipeline(
             Schedule.of(build_tasks(state), stream_slots=STREAMS), pool, self._new_executor(),
-            trace=self._tracer, check_batch=check_batch,
+            trace=self._tracer, check_batch=check_batch, name=self.name,
         )  # fmt: skip
         try:
             peek = await self._first_batch(source)
@@ -298,6 +305,8 @@ class HSTUPipeline:
             self._teardown()  # the model's own forwards back, if they were replaced
             raise
         self._engine, self._kept, self._refused = engine, None, None
+        _log.info("%s: bootstrap done: the engine is built and the source's first batch "
+                  "seeded", self.name)  # fmt: skip
 
     def _new_executor(self) -> Any:
         choice = self._executor_choice

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -315,3 +316,49 @@ def test_real_graphviz_reads_the_clusters_and_edges() -> None:
     pairs = {(names[e["tail"]], names[e["head"]]) for e in graph["edges"]}
     assert pairs == {(e.producer, e.consumer) for e in dependency_edges(schedule)}
     assert render(schedule, "svg").lstrip().startswith(b"<?xml")
+
+
+def text_boxes(item: dict[str, object]) -> list[tuple[str, float, float, float, float]]:
+    """The text Graphviz drew for a cluster or an edge: (text, x0, y0, x1, y1) in points,
+    y upwards, from its xdot label operations."""
+    boxes, size = [], 14.0
+    for op in item.get("_ldraw_", []):  # type: ignore[attr-defined]
+        if op["op"] == "F":
+            size = op["size"]
+        elif op["op"] == "T":
+            x, y = op["pt"]
+            left = {"l": x, "c": x - op["width"] / 2, "r": x - op["width"]}[op["align"]]
+            boxes.append((op["text"], left, y - 0.25 * size, left + op["width"], y + 0.8 * size))
+    return boxes
+
+
+def example_schedules() -> dict[str, Schedule]:
+    spec = importlib.util.spec_from_file_location(
+        "example_schedules", Path(__file__).parents[1] / "examples" / "schedules.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    pipe, _ = module.training()
+    pipe.shutdown()
+    return {"hstu": module.hstu(), "hstu_prefetch": module.hstu_prefetch(),
+            "overlap": module.overlap(), "training": pipe.schedule,
+            "every_kind": every_kind()}  # fmt: skip
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz is not installed")
+@pytest.mark.parametrize("thread_map", [None, "per_task"])
+def test_edge_labels_keep_off_the_lane_titles(thread_map: str | None) -> None:
+    for name, schedule in example_schedules().items():
+        layout = subprocess.run(["dot", "-Tjson"], input=to_dot(schedule, thread_map),
+                                capture_output=True, text=True, check=True, timeout=60,
+                                env={**os.environ, "LC_ALL": "C.UTF-8"})  # fmt: skip
+        graph = json.loads(layout.stdout)
+        titles = [box for o in graph["objects"] if o["name"].startswith("cluster_")
+                  for box in text_boxes(o)]  # fmt: skip
+        labels = [box for e in graph["edges"] for box in text_boxes(e)]
+        assert len(titles) >= 2 and labels, name
+        overlaps = [(label[0], title[0]) for label in labels for title in titles
+                    if label[1] < title[3] and title[1] < label[3]
+                    and label[2] < title[4] and title[2] < label[4]]  # fmt: skip
+        assert not overlaps, f"{name}: edge labels drawn over lane titles: {overlaps}"

@@ -3,6 +3,7 @@ spans say, waits before their task, escaping, and the CLI's --svg."""
 
 from __future__ import annotations
 
+import math
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -103,3 +104,64 @@ def test_legend_columns_fit_the_names_and_gpu_bars_stay_right_of_the_labels() ->
     assert max(xs) < 800
     for bar in rects(root, "task") + rects(root, "gpu"):
         assert float(bar.get("x", 0)) >= 120 and float(bar.get("width", 0)) > 0
+
+
+def test_each_pipeline_gets_its_own_rows_with_room_for_their_names() -> None:
+    spans = [span("train", "compute", 0, 5, pipeline="train"),
+             span("train", "compute", 1, 6, pipeline="evaluation"),
+             span("load", "io", 0, 1, pipeline="train")]  # fmt: skip
+    root = parse(timeline_svg(spans))
+    rows = [t for t in root.iter(f"{SVG}text") if t.get("class") == "row"]
+    assert [t.text for t in rows] == [
+        "train · lane compute", "train · lane io", "evaluation · lane compute"
+    ]  # fmt: skip
+    bars = rects(root, "task")
+    assert bars[0].get("y") != bars[1].get("y")  # the overlapping runs sit on two rows
+    # the time axis starts right of the longest row name
+    assert min(float(b.get("x", 0)) for b in bars) >= len("evaluation · lane compute") * 6
+
+
+def test_twenty_tasks_get_twenty_distinct_colours_and_readable_names() -> None:
+    names = [f"task_{k:02d}" for k in range(20)]
+    spans = [span(name, "compute", 10 * k, 10 * k + 9) for k, name in enumerate(names)]
+    root = parse(timeline_svg(spans, width=4000))
+    fills = [b.get("fill") or "" for b in rects(root, "task")]
+    assert len(set(fills)) == 20 and "#bbbbbb" not in {f.lower() for f in fills}
+    # and no two alike: CIE76 distance 20 and up (two similar pinks were 11.9 apart)
+    assert min(lab_distance(a, b) for k, a in enumerate(fills) for b in fills[k + 1:]) >= 20
+    labels = {t.text: t.get("fill") for t in root.iter(f"{SVG}text")
+              if t.text in names and t.get("fill")}  # the bar labels, not the legend
+    for name, fill in zip(names, fills):
+        ink = labels[name]
+        assert ink in ("black", "white")
+        assert contrast(fill, "#000000" if ink == "black" else "#ffffff") >= 4.5  # WCAG AA
+
+
+def linear_rgb(colour: str) -> list[float]:
+    rgb = [int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    return [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+
+
+def contrast(first: str, second: str) -> float:
+    """The WCAG contrast ratio of two sRGB colours."""
+
+    def luminance(colour: str) -> float:
+        r, g, b = linear_rgb(colour)
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+    high, low = sorted((luminance(first), luminance(second)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def lab_distance(first: str, second: str) -> float:
+    """CIE76 colour difference (sRGB, D65 white)."""
+
+    def lab(colour: str) -> tuple[float, float, float]:
+        r, g, b = linear_rgb(colour)
+        xyz = ((0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047,
+               0.2126 * r + 0.7152 * g + 0.0722 * b,
+               (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883)  # fmt: skip
+        fx, fy, fz = (t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in xyz)
+        return 116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)
+
+    return math.dist(lab(first), lab(second))

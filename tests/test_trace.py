@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -242,8 +244,8 @@ def test_completed_gpu_timings_release_their_events_as_the_run_goes() -> None:
     for i in range(1000):
         begin, finish = stream.record_event(TimingEvent()), stream.record_event(TimingEvent())
         alive.append(weakref.ref(begin))
-        raw = ("t", i, i, "io", "t", "s", i, i + 1, 0, False, None)
-        tracer.append_gpu(raw, begin, finish)  # type: ignore[arg-type]
+        raw = ("t", i, i, "io", "t", "s", i, i + 1, 0, False, "p", None)
+        tracer.append_gpu(raw, begin, finish)
         del begin, finish
     gc.collect()
     assert sum(ref() is not None for ref in alive) < 600  # old ones were resolved
@@ -258,8 +260,8 @@ def test_reading_spans_mid_run_then_recording_more_keeps_working() -> None:
     def record(count: int, first: int) -> None:
         for i in range(first, first + count):
             begin, finish = stream.record_event(TimingEvent()), stream.record_event(TimingEvent())
-            raw = ("t", i, i, "io", "t", "s", i, i + 1, 0, False, None)
-            tracer.append_gpu(raw, begin, finish)  # type: ignore[arg-type]
+            raw = ("t", i, i, "io", "t", "s", i, i + 1, 0, False, "p", None)
+            tracer.append_gpu(raw, begin, finish)
 
     record(100, 0)
     assert len(tracer.spans) == 100  # resolves every timing, pending ones included
@@ -280,8 +282,8 @@ def test_compaction_never_waits_for_unfinished_device_work() -> None:
     stream = TimingStream()
     for i in range(600):
         begin, finish = stream.record_event(TimingEvent()), stream.record_event(UnfinishedEvent())
-        raw = ("t", i, i, "io", "t", "s", i, i + 1, 0, False, None)
-        tracer.append_gpu(raw, begin, finish)  # type: ignore[arg-type]
+        raw = ("t", i, i, "io", "t", "s", i, i + 1, 0, False, "p", None)
+        tracer.append_gpu(raw, begin, finish)
     assert all(s.gpu_ms is not None for s in tracer.spans)  # reading does wait
 
 
@@ -296,3 +298,80 @@ def test_summary_aggregates_per_task() -> None:
     assert rows["a"]["mean_wait_ms"] == pytest.approx(2 / 3)
     assert rows["b"]["failed"] == 1 and rows["b"]["lane"] == "io"
     assert list(rows) == ["a", "b"]
+
+
+# -- several pipelines on one tracer -------------------------------------------------------
+
+
+def meeting_pipeline(name: str | None, tracer: Tracer, meet: threading.Barrier) -> Pipeline:
+    """A one-task pipeline whose ``train`` (lane ``compute``) runs each batch while the
+    other pipeline's ``train`` runs its own: both wait at ``meet``."""
+
+    def train(ctx: TaskContext) -> None:
+        meet.wait(timeout=30)
+        ctx.slots.set("step_result", ctx.batch_index)
+
+    task = Task.from_fn("train", train, reads=("batch_cpu",), writes=("step_result",))
+    return Pipeline([task], thread_map={"train": "compute"}, trace=tracer, name=name)
+
+
+async def run_side_by_side(*pipes: Pipeline, batches: int) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        for pipe in pipes:
+            await stack.enter_async_context(pipe)
+        await asyncio.gather(*(collect(pipe, iter(range(batches))) for pipe in pipes))
+
+
+async def test_pipelines_sharing_a_tracer_get_tracks_of_their_own() -> None:
+    tracer, meet = Tracer(), threading.Barrier(2)
+    train = meeting_pipeline("train", tracer, meet)
+    evaluate = meeting_pipeline("eval", tracer, meet)
+    await run_side_by_side(train, evaluate, batches=4)
+    spans = tracer.spans
+    assert {s.pipeline for s in spans} == {"train", "eval"}
+    # the two lanes "compute" really ran at the same time: one track could not hold them
+    by_pipeline = {p: [s for s in spans if s.pipeline == p] for p in ("train", "eval")}
+    assert any(a.start_ns < b.end_ns and b.start_ns < a.end_ns
+               for a in by_pipeline["train"] for b in by_pipeline["eval"])  # fmt: skip
+
+    events = tracer.chrome_trace()["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert sorted(names.values()) == ["eval · lane compute", "train · lane compute"]
+    slices = [e for e in events if e["ph"] == "X"]
+    tids_of = {p: {e["tid"] for e in slices if names[e["tid"]].startswith(p)}
+               for p in ("train", "eval")}  # fmt: skip
+    assert len(tids_of["train"]) == len(tids_of["eval"]) == 1
+    assert tids_of["train"].isdisjoint(tids_of["eval"])
+    for tid in names:
+        track = [e for e in slices if e["tid"] == tid]
+        assert len(track) == 4
+        for before, after in zip(track, track[1:]):  # in time order, none overlapping
+            assert before["ts"] + before["dur"] <= after["ts"]
+    rows = tracer.summary()
+    assert sorted((row["pipeline"], row["task"], row["runs"]) for row in rows) == [
+        ("eval", "train", 4), ("train", "train", 4)
+    ]  # fmt: skip
+
+
+async def test_unnamed_pipelines_are_numbered_in_the_order_they_are_built() -> None:
+    tracer, meet = Tracer(), threading.Barrier(2)
+    first = meeting_pipeline(None, tracer, meet)
+    second = meeting_pipeline(None, tracer, meet)
+    number = int(first.name.removeprefix("pipeline "))
+    assert second.name == f"pipeline {number + 1}"
+    await run_side_by_side(first, second, batches=2)
+    names = sorted(e["args"]["name"] for e in tracer.chrome_trace()["traceEvents"]
+                   if e["name"] == "thread_name")  # fmt: skip
+    assert names == [f"{first.name} · lane compute", f"{second.name} · lane compute"]
+
+
+async def test_one_pipeline_keeps_plain_lane_tracks(recorder: Recorder) -> None:
+    async with Pipeline(four_tasks(recorder), thread_map=THREAD_MAP, trace=True,
+                        name="solo") as pipe:  # fmt: skip
+        await collect(pipe, iter(range(2)))
+    assert pipe.tracer is not None
+    assert {s.pipeline for s in pipe.tracer.spans} == {"solo"}
+    events = pipe.tracer.chrome_trace()["traceEvents"]
+    assert sorted(e["args"]["name"] for e in events if e["name"] == "thread_name") == [
+        "lane compute", "lane io"
+    ]  # fmt: skip

@@ -20,9 +20,11 @@ import asyncio
 import functools
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._log import executor_log
 from .._openmp import release_thread_pool
 from ..errors import CollectiveOrderError, TicketAbortedError
 from ..plan import ExecutionPlan
@@ -32,10 +34,16 @@ from .order_check import CollectiveOrderCheck
 from .signals import LoopWaker, Signal
 from .tickets import TicketLock, TicketStatistics
 
-__all__ = ("AsyncExecutor", "ExecutorStatistics", "LOOP_SWITCH_INTERVAL_S", "keep_loop_responsive")
+__all__ = (
+    "AsyncExecutor", "ExecutorStatistics", "LOOP_SWITCH_INTERVAL_S", "SLOW_WAIT_S",
+    "keep_loop_responsive",
+)  # fmt: skip
 
 #: The interpreter's GIL switch interval while lanes run (its default is 5 ms).
 LOOP_SWITCH_INTERVAL_S = 0.001
+#: How long a task may wait for a task on another lane, or for its collective ticket,
+#: before a warning is logged (``AsyncExecutor(slow_wait_s=...)``).
+SLOW_WAIT_S = 10.0
 
 
 def keep_loop_responsive() -> None:
@@ -131,6 +139,10 @@ class AsyncExecutor:
     ``task -> lane``; lane ``"loop"`` runs sync bodies inline on the loop.
     ``check_collective_order=N`` compares the collective ticket sequence across
     ranks every N iterations and raises :class:`CollectiveOrderError` on a mismatch.
+    ``slow_wait_s``: a task still waiting for a task on another lane or for its
+    collective ticket after this many seconds logs a warning on ``aiopipe.executors``
+    (and goes on waiting); ``None`` turns that off.  An attribute, so it can be
+    changed on a running pipeline's ``pipe.executor``.
     """
 
     def __init__(
@@ -140,8 +152,10 @@ class AsyncExecutor:
         max_lanes: int = 16,
         check_collective_order: int = 0,
         process_group: Any = None,
+        slow_wait_s: float | None = SLOW_WAIT_S,
     ) -> None:
         self.thread_map = thread_map
+        self.slow_wait_s = slow_wait_s
         self._lanes = LanePool(max_lanes)
         self._tickets = TicketLock()
         self._order_check = (
@@ -272,18 +286,28 @@ class AsyncExecutor:
     async def _run_loop_chain(self, run: _Run, chain: tuple[int, ...]) -> None:
         step, layout = run.step, run.layout
         is_async = step.plan.is_async
+        slow_s = self.slow_wait_s
+        slow_ticket = self._slow_ticket_warning(run)
         for i in chain:
             ticket = layout.tickets.get(i)
             cross_preds = layout.cross_preds.get(i, ())
             if step.tracing and (cross_preds or ticket is not None):
                 step.mark_ready(i)
             for p in cross_preds:
-                await run.signals[p].wait()  # set on failure too: never waits forever
+                signal = run.signals[p]
+                if slow_s is None or signal.is_set():
+                    await signal.wait()  # set on failure too: never waits forever
+                    continue
+                timer = run.waker.loop.call_later(slow_s, self._warn_slow_wait, run, i, p, slow_s)
+                try:
+                    await signal.wait()
+                finally:
+                    timer.cancel()
             if run.failed:
                 return
             try:
                 if ticket is not None:
-                    await run.tickets.acquire(ticket)
+                    await run.tickets.acquire(ticket, slow_s, slow_ticket)
                 if is_async[i]:
                     await step.invoke_async(i)
                 else:
@@ -299,6 +323,8 @@ class AsyncExecutor:
         """Runs on ``lane``'s thread."""
         step, layout = run.step, run.layout
         is_async = step.plan.is_async
+        slow_s = self.slow_wait_s
+        slow_ticket = self._slow_ticket_warning(run)
         try:
             for i in chain:
                 ticket = layout.tickets.get(i)
@@ -306,12 +332,15 @@ class AsyncExecutor:
                 if step.tracing and (cross_preds or ticket is not None):
                     step.mark_ready(i)
                 for p in cross_preds:
-                    run.signals[p].wait_blocking()  # set on failure too
+                    # set on failure too; a timeout only reports a long wait
+                    if not run.signals[p].wait_blocking(slow_s):
+                        self._warn_slow_wait(run, i, p, slow_s)
+                        run.signals[p].wait_blocking()
                 if run.failed:
                     return
                 try:
                     if ticket is not None:
-                        run.tickets.acquire_blocking(ticket)
+                        run.tickets.acquire_blocking(ticket, slow_s, slow_ticket)
                     if is_async[i]:
                         self._hand_to_loop(run, lane, i)
                     else:
@@ -326,6 +355,32 @@ class AsyncExecutor:
             run.fail(exc)
         finally:
             run.thread_chain_finished()
+
+    # -- long waits --------------------------------------------------------------------
+
+    def _warn_slow_wait(self, run: _Run, index: int, pred: int, seconds: float | None) -> None:
+        names = run.step.plan.order
+        executor_log.warning(
+            "%s: task %r (iteration %d, lane %r) has waited %g s for task %r on lane %r; "
+            "still waiting", run.step.pipeline, names[index].name, run.step.iteration,
+            self._lane_of[index], seconds, names[pred].name, self._lane_of[pred],
+        )  # fmt: skip
+
+    def _slow_ticket_warning(self, run: _Run) -> Callable[[int], None] | None:
+        """What a ticket wait calls once it has lasted ``slow_wait_s`` (if anything)."""
+        if not run.layout.tickets or self.slow_wait_s is None:
+            return None
+        return functools.partial(self._warn_slow_ticket, run, self.slow_wait_s)
+
+    def _warn_slow_ticket(self, run: _Run, seconds: float | None, ticket: int) -> None:
+        plan, index = run.step.plan, run.layout.collectives[ticket]
+        holder = plan.order[run.layout.collectives[ticket - 1]].name if ticket else "none"
+        executor_log.warning(
+            "%s: task %r (iteration %d, lane %r) has waited %g s for collective ticket %d "
+            "(the collective before it, %r, has not finished submitting); still waiting",
+            run.step.pipeline, plan.order[index].name, run.step.iteration,
+            self._lane_of[index], seconds, ticket, holder,
+        )  # fmt: skip
 
     # -- async bodies on thread lanes --------------------------------------------------
 

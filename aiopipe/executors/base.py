@@ -23,10 +23,12 @@ nothing from it: ``Step`` issues them, and the pipeline calls :meth:`Step.finish
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from .._log import executor_log
 from ..context import CURRENT, LaneRunner, Running, TaskContext
 from ..errors import TaskDefinitionError
 from ..plan import ActiveSet, ExecutionPlan
@@ -77,7 +79,7 @@ class Step:
 
     __slots__ = (
         "_annotator", "_ctx", "_deferred_syncs", "_lanes", "_ready_ns", "_ring", "_tracer",
-        "active", "iteration", "plan", "started",
+        "active", "iteration", "pipeline", "plan", "started",
     )  # fmt: skip
 
     def __init__(
@@ -90,8 +92,11 @@ class Step:
         annotator: Annotator | None = None,
         tracer: Tracer | None = None,
         lanes: tuple[str, ...] = (),
+        pipeline: str = "",
     ) -> None:
         self.plan = plan
+        #: The name of the pipeline running the step (log records, trace tracks).
+        self.pipeline = pipeline
         self.iteration = iteration
         self.active = active
         #: Set once any task body has begun: the iteration can no longer be retried.
@@ -176,7 +181,19 @@ class Step:
         self._ring.at(plan.lookahead[index]).record_event(plan.order[index].name, event)
 
     def _fail(self, index: int, exc: BaseException) -> None:
-        annotate_failure(exc, self.plan.order[index].name, self.iteration, self.batch_index(index))
+        task, batch = self.plan.order[index].name, self.batch_index(index)
+        if isinstance(exc, Exception) and executor_log.isEnabledFor(logging.WARNING):
+            executor_log.warning(
+                "%s: task %r failed at iteration %d (batch %d) on %s: %s: %s", self.pipeline,
+                task, self.iteration, batch, self._lane_name(index), type(exc).__name__, exc,
+            )  # fmt: skip
+        annotate_failure(exc, task, self.iteration, batch)
+
+    def _lane_name(self, index: int) -> str:
+        """Where task ``index`` runs, for a record (its lane, else the thread's)."""
+        if self._lanes:
+            return f"lane {self._lanes[index]!r}"
+        return f"lane {lane_of_thread(threading.current_thread().name)!r}"
 
     def invoke(self, index: int, run_on_lane: LaneRunner | None = None) -> None:
         """Run the synchronous body of task ``index`` on the calling thread."""
@@ -305,7 +322,8 @@ class Step:
         raw = (
             plan.order[index].name, self.iteration, self.iteration - plan.lag[index],
             self._lanes[index] if self._lanes else lane_of_thread(thread), thread,
-            plan.stream[index], start, end, start - ready if ready < start else 0, failed, None,
+            plan.stream[index], start, end, start - ready if ready < start else 0, failed,
+            self.pipeline, None,
         )  # fmt: skip
         if gpu_started is None:
             tracer.append(raw)

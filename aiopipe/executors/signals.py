@@ -86,8 +86,9 @@ class Signal:
             for future in futures:
                 self._waker.resolve(future)
 
-    def wait_blocking(self) -> None:
-        self._event.wait()
+    def wait_blocking(self, timeout: float | None = None) -> bool:
+        """Block until set (``True``) or ``timeout`` seconds have passed (``False``)."""
+        return self._event.wait(timeout)
 
     async def wait(self) -> None:
         if self._event.is_set():

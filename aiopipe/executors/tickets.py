@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Union
 
@@ -64,8 +65,11 @@ class TicketLock:
             raise CollectiveOrderError(f"ticket {ticket} is already being waited for")
         return ticket == self._next
 
-    async def acquire(self, ticket: int) -> None:
-        """Wait (without blocking the loop) until ``ticket`` is next."""
+    async def acquire(
+        self, ticket: int, slow_s: float | None = None, on_slow: Callable[[int], None] | None = None
+    ) -> None:
+        """Wait (without blocking the loop) until ``ticket`` is next; ``on_slow(ticket)``
+        is called if that takes more than ``slow_s`` seconds (the wait goes on)."""
         with self._lock:
             if self._check(ticket):
                 return
@@ -74,6 +78,9 @@ class TicketLock:
                 self._waker = LoopWaker(loop)
             future = loop.create_future()
             self._waiters[ticket] = future
+        timer = None
+        if on_slow is not None and slow_s is not None:
+            timer = loop.call_later(slow_s, on_slow, ticket)
         try:
             await future
         except asyncio.CancelledError:
@@ -81,15 +88,25 @@ class TicketLock:
                 if self._waiters.get(ticket) is future:
                     del self._waiters[ticket]
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
-    def acquire_blocking(self, ticket: int) -> None:
-        """From a lane thread: block until ``ticket`` is next."""
+    def acquire_blocking(
+        self, ticket: int, slow_s: float | None = None, on_slow: Callable[[int], None] | None = None
+    ) -> None:
+        """From a lane thread: block until ``ticket`` is next (``on_slow`` as for
+        :meth:`acquire`)."""
         with self._lock:
             if self._check(ticket):
                 return
             event = threading.Event()
             self._waiters[ticket] = event
-        event.wait()
+        if on_slow is None or slow_s is None:
+            event.wait()
+        elif not event.wait(slow_s):
+            on_slow(ticket)
+            event.wait()
         if self._aborted is not None:
             raise self._aborted
 
