@@ -98,14 +98,15 @@ def few_steps(command: str) -> str:
 
 
 def one_process(command: str) -> str:
-    """A torchrun launch of the training demo: ``torchrun`` must be on PATH, and the
-    script with the same arguments must build its job (``--steps 0``: one process
-    sets everything up and runs no step)."""
-    script = command[command.index("examples/train_hstu.py"):]
-    script = re.sub(r"--steps\s+\d+", "", script)
+    """A torchrun launch of a training example: ``torchrun`` must be on PATH, and the
+    script with the same arguments must run in one process (one step: every rank
+    runs the same code)."""
+    found = re.search(r"examples/train_\w+\.py", command)
+    assert found is not None
+    script = re.sub(r"--steps\s+\d+", "", command[found.start():])
     if "./dev python" in command:
-        return f"./dev python {script} --steps 0"
-    return f"command -v torchrun && python {script} --steps 0"
+        return f"./dev python {script} --steps 1"
+    return f"command -v torchrun && python {script} --steps 1"
 
 
 def with_help(command: str) -> str:
@@ -128,11 +129,11 @@ RULES: list[tuple[str, Action | None, str]] = [
     (r"^curl ", SKIP, "talks to the server started by the line above"),
     (r"^\./dev test\b", SKIP, "the test suite itself"),
     (r"^python -c .*merge_traces", SKIP, "merges the traces of the torchrun line above"),
-    (r"(torchrun|torch\.distributed\.run) .*examples/train_hstu\.py", one_process, ""),
-    (r"^(\./dev demo|(\./dev )?python examples/train_hstu\.py)\b", few_steps, ""),
+    (r"(torchrun|torch\.distributed\.run) .*examples/train_(hstu|dlrm)\.py", one_process, ""),
+    (r"^(\./dev demo|(\./dev )?python examples/train_(hstu|dlrm)\.py)\b", few_steps, ""),
     (r"^(\./dev bench \w+|(\./dev )?python benchmarks/\w+\.py)", with_help, ""),
     (r"^(\./dev )?python examples/serve_(hstu|load)\.py", with_help, ""),
-    (r"^(\./dev )?python examples/(quickstart|dag_in_task)\.py", as_written, ""),
+    (r"^(\./dev )?python examples/(quickstart|dag_in_task|amp)\.py", as_written, ""),
     (r"^(aiopipe|(\./dev )?python -m aiopipe) graph ", graphviz_or_dot, ""),
     (r"^(aiopipe|(\./dev )?python -m aiopipe) (validate|trace|plan) ", as_written, ""),
 ]
