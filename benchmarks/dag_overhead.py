@@ -5,7 +5,12 @@ A chain: each node INOUT-updates one tensor (each waits for the previous).  A
 fan-out: N independent nodes, each writing its own tensor.  Functions are no-ops
 run inline on the loop (lane "loop") for both, so the difference is bookkeeping.
 
-    ./dev bench dag_overhead [--nodes 20000] [--repeats 5]
+A group: ``submit_group`` of ``--members`` members that each sleep ``--member-ms``
+(releasing the GIL, like a CUDA launch or a collective), run on one lane against
+spread over one lane per member (``lanes=``); one round times both, rounds
+interleave.
+
+    ./dev bench dag_overhead [--nodes 20000] [--repeats 5] [--members 4] [--member-ms 50]
 """
 
 from __future__ import annotations
@@ -52,6 +57,18 @@ async def graph_fanout(n: int, tensors: list[torch.Tensor]) -> float:
         return time.perf_counter() - start
 
 
+async def graph_group(members: int, member_s: float, lanes: list[str]) -> float:
+    def member(i: int) -> None:
+        time.sleep(member_s)
+
+    calls = [(i,) for i in range(members)]
+    async with TaskGraph() as graph:
+        await (await graph.submit_group(member, calls, lanes=lanes))  # lane threads up
+        start = time.perf_counter()
+        await (await graph.submit_group(member, calls, lanes=lanes))
+        return time.perf_counter() - start
+
+
 async def taskgroup_chain(n: int) -> float:
     x = torch.zeros(1)
     start = time.perf_counter()
@@ -79,6 +96,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--members", type=int, default=4)
+    parser.add_argument("--member-ms", type=float, default=50.0)
     args = parser.parse_args()
     n = args.nodes
     tensors = [torch.zeros(1) for _ in range(n)]
@@ -97,7 +116,23 @@ def main() -> None:
             for (shape, impl), value in us.items()]  # fmt: skip
     print_table(f"per-node overhead, {n} nodes, median of {args.repeats} (uvloop)",
                 ["shape", "runner", "us / node", "x TaskGroup"], rows)  # fmt: skip
-    print_json("dag_overhead", {"nodes": n, "us_per_node": {f"{s}/{i}": v for (s, i), v in us.items()}})
+    group_ms = group_rows(args.members, args.member_ms / 1e3, args.repeats)
+    print_json("dag_overhead", {"nodes": n, "us_per_node": {f"{s}/{i}": v for (s, i), v in us.items()},
+                                "group_ms": group_ms})  # fmt: skip
+
+
+def group_rows(members: int, member_s: float, repeats: int) -> dict[str, float]:
+    """Time one group on one lane and spread over lanes; print a table, return medians."""
+    layouts = {"one lane": ["g"], f"{members} lanes": [f"g{i}" for i in range(members)]}
+    samples: dict[str, list[float]] = {name: [] for name in layouts}
+    for _ in range(repeats):
+        for name, lanes in layouts.items():
+            samples[name].append(run_on(uvloop.new_event_loop, graph_group(members, member_s, lanes)) * 1e3)
+    medians = {name: statistics.median(v) for name, v in samples.items()}
+    rows = [[name, f"{medians[name]:.1f}", f"{min(v):.1f}-{max(v):.1f}"] for name, v in samples.items()]
+    print_table(f"submit_group of {members} members sleeping {member_s * 1e3:.0f} ms, "
+                f"median of {repeats} (uvloop)", ["lanes", "ms", "min-max"], rows)  # fmt: skip
+    return medians
 
 
 if __name__ == "__main__":
