@@ -8,6 +8,7 @@ import random
 import threading
 import time
 import tracemalloc
+import weakref
 
 import pytest
 import torch
@@ -294,3 +295,139 @@ def test_random_graphs_equal_a_sequential_reference(program: list, lanes: list[s
 
     aiopipe.run(run())
     assert [float(t) for t in tensors] == [float(t) for t in reference]
+
+
+async def test_failures_name_their_task_and_submission() -> None:
+    def boom(t: torch.Tensor) -> None:
+        raise RuntimeError("no")
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with TaskGraph() as graph:
+            await graph.submit(lambda: None, name="first")
+            await graph.submit(lambda: None, name="second")
+            handle = await graph.submit(boom, OUTPUT(torch.zeros(1)), name="third")
+            assert handle.submission == 2
+    (error,) = info.value.exceptions
+    assert error.aiopipe_task == "third" and error.aiopipe_submission == 2  # type: ignore[attr-defined]
+    assert error.__notes__ == ["aiopipe: raised by task 'third' of a TaskGraph (submission 2)"]
+    assert not hasattr(error, "aiopipe_iteration")  # graphs have no iterations
+
+
+class Result:
+    """A task's result, weakly referenced to see who still holds it."""
+
+
+async def test_back_pressure_counts_unfinished_tasks_and_the_graph_keeps_no_finished_one() -> None:
+    """Consumers that hold their producers' outputs fill the window; the producers,
+    finished, neither count nor stay in the graph, so it cannot grow past it."""
+    release_consumers = threading.Event()
+    results: list[weakref.ref[Result]] = []
+
+    def produce(t: torch.Tensor) -> Result:
+        t.fill_(1)
+        result = Result()
+        results.append(weakref.ref(result))
+        return result
+
+    def consume(t: torch.Tensor) -> float:
+        assert release_consumers.wait(10)
+        return float(t)
+
+    async with TaskGraph(max_in_flight=3, submit_timeout_s=0.1) as graph:
+        consumers = []
+        for _ in range(3):
+            t = torch.zeros(1)
+            await (await graph.submit(produce, OUTPUT(t), lane="producers"))
+            consumers.append(await graph.submit(consume, INPUT(t), lane="consumers"))
+        with pytest.raises(BackPressureTimeout):  # three held consumers fill the window
+            await graph.submit(produce, OUTPUT(torch.zeros(1)), lane="producers")
+        stats = graph.statistics()
+        assert stats.in_flight == 3 and stats.tracked_tensors == 0  # only the consumers
+        gc.collect()
+        assert [ref() for ref in results] == [None] * 3  # no producer result held
+        release_consumers.set()
+        assert [await c for c in consumers] == [1.0] * 3
+        await (await graph.submit(produce, OUTPUT(torch.zeros(1)), lane="producers"))
+
+
+async def test_a_running_consumer_does_not_keep_its_producers_result() -> None:
+    producer_may_run, consumer_runs, consumer_may_end = (threading.Event() for _ in range(3))
+    results: list[weakref.ref[Result]] = []
+
+    def produce(t: torch.Tensor) -> Result:
+        assert producer_may_run.wait(10)
+        result = Result()
+        results.append(weakref.ref(result))
+        return result
+
+    async with TaskGraph() as graph:
+        t = torch.zeros(1)
+        producer = await graph.submit(produce, OUTPUT(t), lane="producer")
+        consumer = await graph.submit(
+            lambda t: consumer_runs.set() or consumer_may_end.wait(10), INPUT(t), lane="consumer"
+        )
+        producer_may_run.set()  # the consumer was registered while its producer ran
+        assert isinstance(await producer, Result)
+        del producer
+        assert await asyncio.to_thread(consumer_runs.wait, 10)
+        gc.collect()
+        assert results[0]() is None and not consumer.done()
+        consumer_may_end.set()
+        assert await consumer is True
+
+
+@pytest.mark.one_loop
+async def test_an_open_scope_keeps_only_unfinished_and_failed_tasks() -> None:
+    """10 000 tasks in the root scope alone: the graph stays flat; a failure among
+    them is kept and reported when the scope closes."""
+    def produce(t: torch.Tensor) -> torch.Tensor:
+        return torch.ones(256)  # a 1 KiB result nobody keeps
+
+    def consume(t: torch.Tensor) -> None:
+        return None
+
+    def boom() -> None:
+        raise KeyError("kept")
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with TaskGraph() as graph:
+            await graph.submit(boom, lane="loop")
+            tracemalloc.start()
+            baseline = 0
+            for block in range(5):
+                consumers = []
+                for _ in range(1000):
+                    t = torch.zeros(1)
+                    await graph.submit(produce, OUTPUT(t), lane="loop")
+                    consumers.append(await graph.submit(consume, INPUT(t), lane="loop"))
+                for consumer in consumers:  # and so their producers
+                    await consumer
+                del consumers
+                if block == 0:
+                    gc.collect()
+                    baseline = tracemalloc.get_traced_memory()[0]
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - baseline
+            tracemalloc.stop()
+            stats = graph.statistics()
+            assert stats.in_flight == 0 and stats.tracked_tensors == 0
+            assert grown < 500_000, f"memory grew by {grown} bytes over 8 000 submissions"
+    assert [type(e) for e in info.value.exceptions] == [KeyError]
+
+
+async def test_max_lanes_bounds_the_lane_threads() -> None:
+    async with TaskGraph(max_lanes=2) as graph:
+        await graph.submit(lambda: None, lane="a")
+        await graph.submit(lambda: None, lane="b")
+        with pytest.raises(GraphError, match=r"\['c'\] would give the graph 3 lane threads, more than max_lanes=2"):
+            await graph.submit(lambda: None, lane="c")
+        with pytest.raises(GraphError, match="max_lanes=2"):
+            await graph.submit_group(lambda: None, [(), ()], lanes=["a", "c"])
+        assert await (await graph.submit(lambda: "inline", lane="loop")) == "inline"  # no thread
+
+        async def on_the_loop() -> str:
+            return "async"
+
+        assert await (await graph.submit(on_the_loop, lane="c")) == "async"  # no thread either
+        await (await graph.submit_group(lambda: None, [(), (), ()], lanes=["b", "a"]))
+        assert graph.statistics().lanes == ("a", "b")

@@ -8,15 +8,20 @@ Each tensor argument carries a tag (``aiopipe.dag.tags``); a tensor map keyed by
 data address records the current producer of every tensor written in the graph, so a
 reader waits for the last writer (read after write) and a write replaces the entry
 (write after write).  Ready work runs on its lane's thread (sync functions), inline
-on the loop (lane ``"loop"``) or as a coroutine (``async def``).
+on the loop (lane ``"loop"``) or as a coroutine (``async def``); the members of a
+group task can spread over several lanes (``aiopipe.dag.members``).
 
 * **Failure poisoning**: the consumers of a failed task never run (their handles
   raise :class:`PoisonedError`); unrelated work continues; leaving the scope raises
-  an ``ExceptionGroup`` of the original exceptions, each noting its task.
+  an ``ExceptionGroup`` of the original exceptions, each noting its task and
+  submission number.
 * **Back-pressure**: at most ``max_in_flight`` unfinished tasks; ``submit`` waits for
-  room and raises :class:`BackPressureTimeout` after ``submit_timeout_s``.
+  room and raises :class:`BackPressureTimeout` after ``submit_timeout_s``.  A task
+  that finished is retired at once: a success leaves nothing behind in the graph (its
+  result lives on in its handle only), so finished tasks need no room in the window;
+  a failure stays until its scope closes, to poison readers and be reported.
 * **Scopes**: ``async with graph.scope():`` waits for the tasks submitted inside and
-  forgets them, so a long-running graph does not grow.
+  forgets their failures.
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ from typing import Any
 
 import torch
 
-from ..interop import needs_event_loop
 from ..errors import BackPressureTimeout, GraphError, PoisonedError
-from ..executors.base import annotate_failure
-from ..executors.lanes import LOOP_LANE, LanePool, call_on_lane
+from ..executors.base import attach_origin
+from ..executors.lanes import LOOP_LANE, Lane, LanePool
 from ..executors.signals import LoopWaker
-from ..interop import running_loop
+from ..interop import needs_event_loop, running_loop
+from .members import MemberFailure, run_async_members, run_sync_members
 from .tags import Tagged
+from .tensor_map import TensorKey, TensorMap
 
 if sys.version_info < (3, 11):  # the standard library has it from 3.11
     from exceptiongroup import BaseExceptionGroup
@@ -48,10 +54,15 @@ __all__ = ("GraphStatistics", "TaskGraph", "TaskHandle")
 class _Node:
     """One submitted task (a group counts as one)."""
 
-    __slots__ = ("done", "error", "name", "poisoned_by", "result")
+    __slots__ = ("done", "error", "name", "poisoned_by", "result", "scope", "submission", "writes")
 
-    def __init__(self, name: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, name: str, submission: int, scope: dict[_Node, None], loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.name = name
+        self.submission = submission  # the graph's n-th submit, from 0
+        self.scope = scope  # the open scope it was submitted in
+        self.writes: list[TensorKey] = []  # tensor-map keys it became producer of
         self.done: asyncio.Future[None] = loop.create_future()  # resolves, never raises
         self.result: Any = None
         self.error: BaseException | None = None
@@ -81,6 +92,11 @@ class TaskHandle:
     def name(self) -> str:
         return self._node.name
 
+    @property
+    def submission(self) -> int:
+        """Which submission of its graph this task was (from 0); failures name it."""
+        return self._node.submission
+
     def done(self) -> bool:
         return self._node.done.done()
 
@@ -97,34 +113,6 @@ class TaskHandle:
         return node.result
 
 
-class _TensorMap:
-    """The current producer of every tensor written in the graph, keyed by the
-    tensor's data address: a view shares its entry with every tensor that starts
-    at the same address, and disjoint rows of one buffer are independent (views
-    that overlap without sharing a start are not ordered against each other)."""
-
-    def __init__(self) -> None:
-        self._producer: dict[tuple[str, int], _Node] = {}
-
-    @staticmethod
-    def key(value: Any) -> tuple[str, int]:
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"only tensors can be tagged, got {type(value).__name__}")
-        return (str(value.device), value.data_ptr())
-
-    def lookup(self, value: Any) -> _Node | None:
-        return self._producer.get(self.key(value))
-
-    def insert(self, value: Any, node: _Node) -> None:
-        self._producer[self.key(value)] = node
-
-    def forget(self, nodes: set[_Node]) -> None:
-        self._producer = {k: n for k, n in self._producer.items() if n not in nodes}
-
-    def __len__(self) -> int:
-        return len(self._producer)
-
-
 @dataclass(frozen=True)
 class GraphStatistics:
     """A snapshot of a :class:`TaskGraph`: nodes submitted but not finished, tensors
@@ -139,7 +127,11 @@ class GraphStatistics:
 
 
 class TaskGraph:
-    """A dynamic task graph; use it as an async context manager (the root scope)."""
+    """A dynamic task graph; use it as an async context manager (the root scope).
+
+    ``max_lanes`` bounds the lane threads the graph creates: a submission that would
+    need one more is refused with :class:`GraphError`.
+    """
 
     def __init__(
         self,
@@ -157,8 +149,12 @@ class TaskGraph:
         self.default_lane = default_lane
         self.device = torch.device(device)
         self._lanes = LanePool(max_lanes)
-        self._tensors = _TensorMap()
-        self._scopes: list[list[_Node]] = []
+        self._lane_by_name: dict[str, Lane | None] = {LOOP_LANE: None}  # None: on the loop
+        self._tensors = TensorMap()
+        # Per open scope, its unfinished and failed tasks in submission order (a task
+        # that succeeded leaves at once).
+        self._scopes: list[dict[_Node, None]] = []
+        self._submissions = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._in_flight = 0
         self._waiting_for_room = 0
@@ -171,7 +167,7 @@ class TaskGraph:
     async def __aenter__(self) -> TaskGraph:
         self._waker = LoopWaker(running_loop("TaskGraph"))  # asyncio only: clear error on trio
         self._room = asyncio.Condition()
-        self._scopes.append([])
+        self._scopes.append({})
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -186,9 +182,9 @@ class TaskGraph:
 
     async def _close_scope(self, raise_failures: bool) -> None:
         nodes = self._scopes[-1]
-        try:
-            if nodes:
-                await asyncio.wait([node.done for node in nodes])
+        try:  # tasks still running may submit more into this scope
+            while pending := [node.done for node in nodes if not node.done.done()]:
+                await asyncio.wait(pending)
         finally:
             self._scopes.pop()
             self._tensors.forget(set(nodes))
@@ -204,19 +200,36 @@ class TaskGraph:
         name: str | None = None, **kwargs: Any,
     ) -> TaskHandle:  # fmt: skip
         """Submit ``fn(*args, **kwargs)``; tagged arguments are passed untagged."""
-        return await self._submit(fn, [args], lane, name, kwargs, group=False)
+        return await self._submit(fn, [args], [lane or self.default_lane], name, kwargs, group=False)
 
     @needs_event_loop
     async def submit_group(
         self, fn: Callable[..., Any], args_list: Sequence[Sequence[Any]], /, *,
-        lane: str | None = None, name: str | None = None, **kwargs: Any,
+        lane: str | None = None, lanes: Sequence[str] | None = None, name: str | None = None,
+        **kwargs: Any,
     ) -> TaskHandle:  # fmt: skip
         """One task run ``len(args_list)`` ways; it completes when every member has
-        (its result is the list of theirs) and fails if any member fails (members
-        not yet started are skipped)."""
+        (its result is the list of theirs) and fails if any member fails.
+
+        Synchronous members run on ``lane`` one after another, or spread over
+        ``lanes``: member ``i`` on ``lanes[i % len(lanes)]``, so distinct lanes run in
+        parallel.  After a failure, members not yet started are skipped.  ``async
+        def`` members run concurrently on the loop; a failure cancels the running
+        siblings, and the group completes once they have ended."""
         if not args_list:
             raise ValueError("submit_group needs at least one member")
-        return await self._submit(fn, list(args_list), lane, name, kwargs, group=True)
+        if lanes is None:
+            lane_names = [lane or self.default_lane]
+        elif lane is not None:
+            raise TypeError("submit_group takes lane= (one lane) or lanes= (spread), not both")
+        elif isinstance(lanes, str) or not lanes or not all(isinstance(n, str) and n for n in lanes):
+            raise TypeError(
+                f"lanes must be a non-empty sequence of lane names, got {lanes!r}; "
+                f"for a single lane pass lane="
+            )
+        else:
+            lane_names = list(lanes)
+        return await self._submit(fn, list(args_list), lane_names, name, kwargs, group=True)
 
     def alloc(self, shape: Iterable[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A buffer owned by the graph, freed when nothing references it; hand it to
@@ -226,42 +239,73 @@ class TaskGraph:
         return buffer
 
     async def _submit(
-        self, fn: Callable[..., Any], members: list[Sequence[Any]], lane: str | None,
+        self, fn: Callable[..., Any], members: list[Sequence[Any]], lane_names: list[str],
         name: str | None, kwargs: dict[str, Any], group: bool,
     ) -> TaskHandle:  # fmt: skip
         if not self._scopes or self._waker is None:
             raise GraphError("submit outside 'async with TaskGraph()'")
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
-        await self._wait_for_room()
-        node = _Node(name or str(getattr(fn, "__name__", "task")), self._waker.loop)
-        producers: dict[int, _Node] = {}
+        # async def members run on the loop; sync ones need their lanes (refused here,
+        # before the task counts, if they would exceed max_lanes)
+        placement = None if inspect.iscoroutinefunction(fn) else self._lane_threads(lane_names)
         calls: list[tuple[Any, ...]] = []
-        writes: list[Any] = []
+        reads: list[TensorKey] = []
+        writes: list[TensorKey] = []
         for member in members:
             values = []
             for arg in member:
                 if isinstance(arg, Tagged):
+                    key = self._tensors.key(arg.value)  # refuses non-tensors before any change
                     if arg.tag.reads:
-                        producer = self._tensors.lookup(arg.value)
-                        if producer is not None:
-                            producers[id(producer)] = producer
+                        reads.append(key)
                     if arg.tag.writes:
-                        writes.append(arg.value)
+                        writes.append(key)
                     values.append(arg.value)
                 else:
                     values.append(arg)
             calls.append(tuple(values))
-        for value in writes:  # after every lookup: a task never waits for itself
-            self._tensors.insert(value, node)
+        await self._wait_for_room()
+        scope = self._scopes[-1]
+        node = _Node(name or str(getattr(fn, "__name__", "task")), self._submissions, scope,
+                     self._waker.loop)  # fmt: skip
+        self._submissions += 1
+        producers: dict[int, _Node] = {}
+        for key in reads:
+            producer = self._tensors.lookup(key)
+            if producer is not None:
+                producers[id(producer)] = producer
+        for key in writes:  # after every lookup: a task never waits for itself
+            self._tensors.insert(key, node)
         self._in_flight += 1
-        self._scopes[-1].append(node)
+        scope[node] = None
         task = asyncio.ensure_future(
-            self._run(node, fn, calls, kwargs, list(producers.values()), lane, group)
+            self._run(node, fn, calls, kwargs, list(producers.values()), placement, group)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return TaskHandle(node)
+
+    def _lane_threads(self, lane_names: list[str]) -> list[Lane | None]:
+        """The lane thread of each name (``None``: inline on the loop), created on
+        first use; a new one beyond ``max_lanes`` is refused."""
+        known = self._lane_by_name
+        try:
+            return [known[n] for n in lane_names]
+        except KeyError:
+            pass
+        new = [n for n in dict.fromkeys(lane_names) if n not in known]
+        if new:
+            in_use = self._lanes.names()
+            if len(in_use) + len(new) > self._lanes.max_lanes:
+                raise GraphError(
+                    f"lane(s) {new} would give the graph {len(in_use) + len(new)} lane "
+                    f"threads, more than max_lanes={self._lanes.max_lanes} (in use: "
+                    f"{list(in_use)}); submit to a lane in use or raise max_lanes"
+                )
+            for name in new:
+                known[name] = self._lanes.get(name)
+        return [known[n] for n in lane_names]
 
     async def _wait_for_room(self) -> None:
         assert self._room is not None
@@ -288,22 +332,30 @@ class TaskGraph:
 
     async def _run(
         self, node: _Node, fn: Callable[..., Any], calls: list[tuple[Any, ...]],
-        kwargs: dict[str, Any], producers: list[_Node], lane: str | None, group: bool,
+        kwargs: dict[str, Any], producers: list[_Node], placement: list[Lane | None] | None,
+        group: bool,
     ) -> None:  # fmt: skip
         try:
             if producers:
-                for producer in producers:  # ``done`` futures never raise
-                    await producer.done
-                failed = next((p for p in producers if p.failed), None)
+                failed = await _first_failure(producers)
+                producers.clear()  # a running task keeps no producer (nor its result) alive
                 if failed is not None:
                     node.poisoned_by = failed
                     return
-            results = await self._call(fn, calls, kwargs, lane or self.default_lane)
+            if placement is None:
+                results = await run_async_members(fn, calls, kwargs)
+            else:
+                assert self._waker is not None
+                results = await run_sync_members(self._waker, fn, calls, kwargs, placement)
             node.result = results if group else results[0]
+        except MemberFailure as failure:
+            self._record_failure(node, failure.error, failure.member if group else None)
         except BaseException as exc:  # noqa: BLE001 - recorded, re-raised to awaiters
-            annotate_failure(exc, node.name, -1, -1)
-            node.error = exc
+            self._record_failure(node, exc, None)
         finally:
+            if not node.failed:  # nothing to report or poison: the graph lets go of it
+                node.scope.pop(node, None)
+                self._tensors.retire(node)
             node.done.set_result(None)
             self._in_flight -= 1
             if self._waiting_for_room:
@@ -311,20 +363,11 @@ class TaskGraph:
                 async with self._room:
                     self._room.notify()
 
-    async def _call(
-        self, fn: Callable[..., Any], calls: list[tuple[Any, ...]], kwargs: dict[str, Any],
-        lane: str,
-    ) -> list[Any]:  # fmt: skip
-        if inspect.iscoroutinefunction(fn):
-            return list(await asyncio.gather(*(fn(*call, **kwargs) for call in calls)))
-
-        def run_members() -> list[Any]:  # stops at the first failing member
-            return [fn(*call, **kwargs) for call in calls]
-
-        if lane == LOOP_LANE:
-            return run_members()
-        assert self._waker is not None
-        return await call_on_lane(self._waker, self._lanes.get(lane), run_members)  # type: ignore[no-any-return]
+    @staticmethod
+    def _record_failure(node: _Node, error: BaseException, member: int | None) -> None:
+        where = f"submission {node.submission}" + ("" if member is None else f", group member {member}")
+        attach_origin(error, node.name, f"of a TaskGraph ({where})", aiopipe_submission=node.submission)
+        node.error = error
 
     def statistics(self) -> GraphStatistics:
         return GraphStatistics(
@@ -336,6 +379,13 @@ class TaskGraph:
         )
 
 
+async def _first_failure(producers: list[_Node]) -> _Node | None:
+    """Wait for every producer; the first that failed, if any."""
+    for producer in producers:
+        await producer.done  # never raises
+    return next((p for p in producers if p.failed), None)
+
+
 class _Scope:
     def __init__(self, graph: TaskGraph) -> None:
         self._graph = graph
@@ -343,7 +393,7 @@ class _Scope:
     async def __aenter__(self) -> TaskGraph:
         if not self._graph._scopes:
             raise GraphError("graph.scope() outside 'async with TaskGraph()'")
-        self._graph._scopes.append([])
+        self._graph._scopes.append({})
         return self._graph
 
     async def __aexit__(self, *exc_info: object) -> None:

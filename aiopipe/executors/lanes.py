@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "LANE_THREAD_PREFIX", "LOOP_LANE", "Lane", "LanePool", "ThreadMap", "call_on_lane",
-    "lane_of_thread", "resolve_lane",
+    "lane_of_thread", "resolve_lane", "start_on_lane",
 )  # fmt: skip
 
 LOOP_LANE = "loop"
@@ -155,6 +155,12 @@ def _post_stop(lanes: dict[str, Lane]) -> None:
 
 async def call_on_lane(waker: LoopWaker, lane: Lane, fn: Callable[[], Any]) -> Any:
     """Run ``fn()`` on ``lane``'s thread and await its result from the loop."""
+    return await start_on_lane(waker, lane, fn)
+
+
+def start_on_lane(waker: LoopWaker, lane: Lane, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+    """Queue ``fn()`` on ``lane``'s thread now (before the caller next yields); the
+    future resolves on the loop with its result or exception."""
     future: asyncio.Future[Any] = waker.loop.create_future()
 
     def work() -> None:
@@ -166,4 +172,4 @@ async def call_on_lane(waker: LoopWaker, lane: Lane, fn: Callable[[], Any]) -> A
             waker.resolve(future, None, result)
 
     lane.submit(work)
-    return await future
+    return future
