@@ -31,7 +31,10 @@ class PipelineMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.hold = False  # train bodies wait for the gate (set by the cancel rule)
+        # Set by the cancel rule: the train body it interrupts waits for the gate, which
+        # only a rule that awaits the pipeline opens -- so until then the interrupted
+        # iteration is certainly still running, whatever the threads' timing.
+        self.hold = False
         self.gate = threading.Event()
         self.started = asyncio.Event()
         self.pipe = Pipeline(self.tasks(), thread_map={"load": "io", "prep": "io",
@@ -51,7 +54,7 @@ class PipelineMachine(RuleBasedStateMachine):
         def train(ctx: TaskContext) -> None:
             if self.hold:
                 self.loop.call_soon_threadsafe(self.started.set)
-                assert self.gate.wait(10)  # the cancellation lands while this body runs
+                assert self.gate.wait(60)  # the cancellation lands while this body runs
             ctx.slots.set("step_result", ctx.slots["x"])
 
         return [
@@ -83,6 +86,7 @@ class PipelineMachine(RuleBasedStateMachine):
             with pytest.raises(PipelineStateError, match="shut down"):
                 self.call("progress", self.source)
             return
+        self.gate.set()  # an interrupted iteration finishes first
         self.interrupted = False
         if self.returned == len(self.items):
             with pytest.raises(StopAsyncIteration):
@@ -107,6 +111,7 @@ class PipelineMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed)
     @rule()
     def drain(self) -> None:
+        self.gate.set()
         drained = self.call("drain")
         # after an interruption the read-ahead may or may not have happened
         possible = {self.taken} | ({self.taken + 1} if self.interrupted else set())
@@ -132,23 +137,22 @@ class PipelineMachine(RuleBasedStateMachine):
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
-            self.gate.set()  # the iteration finishes without its caller
+            # the iteration goes on without its caller, held at the gate
 
         self.run(cancel_while_train_runs())
-        self.interrupted = True  # its task completes when the loop next runs
+        self.interrupted = True  # until a rule that awaits the pipeline opens the gate
         # the interrupted iteration holds batches up to returned + L; the read-ahead
         # of one more may or may not have happened before the cancellation
         self.taken = min(len(self.items), self.returned + LOOKAHEAD + 1)
 
     def still_running(self, action: str) -> bool:
-        """Try ``action``; after a cancellation it is refused while the interrupted
-        iteration runs (it may also have finished already: both are fine)."""
-        try:
+        """Try ``action``: while the interrupted iteration runs, it is refused."""
+        if not self.interrupted:
             getattr(self.pipe, action)()
-        except PipelineStateError as exc:
-            assert self.interrupted and "still running" in str(exc)
-            return True
-        return False
+            return False
+        with pytest.raises(PipelineStateError, match="still running"):
+            getattr(self.pipe, action)()
+        return True
 
     @precondition(lambda self: not self.closed)
     @rule()
@@ -163,6 +167,7 @@ class PipelineMachine(RuleBasedStateMachine):
     @rule()
     def shutdown(self) -> None:
         if self.still_running("shutdown"):
+            self.gate.set()
             self.run(self.pipe.aclose())  # waits for the iteration, then shuts down
         self.closed = True
         self.interrupted = False
