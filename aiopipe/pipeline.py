@@ -14,30 +14,26 @@ import collections
 import functools
 import inspect
 import logging
-import os
-import sys
-import warnings
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from ._log import lanes_summary, next_pipeline_name, pipeline_log
 from ._nvtx import Annotator, resolve_annotator
 from .context import CURRENT, Running, TaskContext
-from .errors import BadBatchError, NoStepResultWarning, PipelineStateError
+from .errors import BadBatchError, PipelineStateError
 from .executors import Executor, make_executor
 from .executors.base import Step
 from .executors.signals import wait_settled
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, SlotStore
-from .schedule import Schedule, Stage
+from .schedule import Schedule
 from .source import END, Feed, OneBatch, Source, iterate
 from .streams import StreamPool
-from .task import BATCH_SLOT, RESULT_SLOT, Task
+from .task import BATCH_SLOT, RESULT_SLOT
 from .trace import Tracer, resolve_tracer
-from .validate import validate_schedule
+from .validate import validate_schedule, warn_without_result
 
 if TYPE_CHECKING:
     from .blocking import BlockingPipeline
@@ -114,9 +110,9 @@ class SchedulablePipeline:
             stream_pool = StreamPool({name: None for name in schedule.stream_slots})
         validate_schedule(schedule, stream_pool)
         if expect_result:
-            _warn_without_result(schedule)
+            warn_without_result(schedule)
         self._plan = ExecutionPlan(schedule, stream_pool)
-        self._schedule = _in_order(schedule, self._plan.order)
+        self._schedule = schedule.in_order(self._plan.order)
         self._executor = make_executor(executor)
         self._executor.bind(self._plan)
         self._ring = BatchRing(self._plan.max_lookahead + 1)
@@ -570,36 +566,6 @@ class SchedulablePipeline:
             f"<SchedulablePipeline tasks={len(self._plan)} in_flight={stats.in_flight} "
             f"executor={self._executor!r}>"
         )
-
-
-def _in_order(schedule: Schedule, order: tuple[Task, ...]) -> Schedule:
-    """``schedule`` with each stage's tasks in ``order`` (stages keep their order)."""
-    position = {task.name: i for i, task in enumerate(order)}
-    stages = tuple(
-        Stage(tasks=tuple(sorted(stage.tasks, key=lambda task: position[task.name])))
-        for stage in schedule.stages
-    )
-    return Schedule(stages=stages, stream_slots=schedule.stream_slots)
-
-
-def _warn_without_result(schedule: Schedule) -> None:
-    if any(slot.name == RESULT_SLOT for task in schedule.tasks for slot in task.writes):
-        return
-    names = ", ".join(task.name for task in schedule.tasks)
-    # Point at the user's line: the first frame outside this package.
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame: FrameType | None = sys._getframe()
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(
-        f"no task writes {RESULT_SLOT!r}, so progress() will return None for every batch "
-        f"(tasks: {names}). Declare writes=({RESULT_SLOT!r},) on the task that makes the "
-        f"result and call ctx.slots.set({RESULT_SLOT!r}, value) in it, or pass "
-        f"expect_result=False if the pipeline runs for its side effects.",
-        NoStepResultWarning,
-        stacklevel=level,
-    )
 
 
 def _problem_of(check_batch: Callable[[Any], None] | None, batch: Any) -> BaseException | None:

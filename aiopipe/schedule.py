@@ -75,6 +75,16 @@ class Schedule:
             stream_slots = dict.fromkeys(["default", *(t.stream for t in tasks)])
         return cls(stages=(Stage(tasks=tasks),), stream_slots=tuple(stream_slots))
 
+    def in_order(self, order: Iterable[Task]) -> Schedule:
+        """This schedule with each stage's tasks sorted by their place in ``order``
+        (every task of the schedule, e.g. a topological order); stages keep theirs."""
+        position = {task.name: i for i, task in enumerate(order)}
+        stages = tuple(
+            Stage(tasks=tuple(sorted(stage.tasks, key=lambda task: position[task.name])))
+            for stage in self.stages
+        )
+        return Schedule(stages=stages, stream_slots=self.stream_slots)
+
     @property
     def tasks(self) -> tuple[Task, ...]:
         """Every task, in declaration order (stage by stage)."""

@@ -18,18 +18,22 @@ rule   requirement
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections import Counter
+from types import FrameType
 from typing import TYPE_CHECKING
 
-from .errors import ScheduleValidationError
+from .errors import NoStepResultWarning, ScheduleValidationError
 from .graph import dependency_edges, infer_cross_stream_event_deps, topological_sort
 from .schedule import Schedule
-from .task import BATCH_SLOT, Task
+from .task import BATCH_SLOT, RESULT_SLOT, Task
 
 if TYPE_CHECKING:
     from .streams import StreamPool
 
-__all__ = ("validate_schedule",)
+__all__ = ("validate_schedule", "warn_without_result")
 
 
 def _rule_1_unique_names(tasks: tuple[Task, ...]) -> None:
@@ -134,3 +138,25 @@ def validate_schedule(schedule: Schedule, stream_pool: StreamPool | None = None)
     dependency_edges(schedule)  # rule 6
     topological_sort(schedule)  # rule 7
     _rule_8_one_wait_per_stream(infer_cross_stream_event_deps(schedule))
+
+
+def warn_without_result(schedule: Schedule) -> None:
+    """Warn (:class:`~aiopipe.errors.NoStepResultWarning`, pointing at the caller's
+    line) when no task writes ``step_result``: every result would be ``None``."""
+    if any(slot.name == RESULT_SLOT for task in schedule.tasks for slot in task.writes):
+        return
+    names = ", ".join(task.name for task in schedule.tasks)
+    # Point at the user's line: the first frame outside this package.
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame: FrameType | None = sys._getframe()
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"no task writes {RESULT_SLOT!r}, so progress() will return None for every batch "
+        f"(tasks: {names}). Declare writes=({RESULT_SLOT!r},) on the task that makes the "
+        f"result and call ctx.slots.set({RESULT_SLOT!r}, value) in it, or pass "
+        f"expect_result=False if the pipeline runs for its side effects.",
+        NoStepResultWarning,
+        stacklevel=level,
+    )
