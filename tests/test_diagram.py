@@ -315,3 +315,20 @@ def test_real_graphviz_reads_the_clusters_and_edges() -> None:
     pairs = {(names[e["tail"]], names[e["head"]]) for e in graph["edges"]}
     assert pairs == {(e.producer, e.consumer) for e in dependency_edges(schedule)}
     assert render(schedule, "svg").lstrip().startswith(b"<?xml")
+
+
+def test_a_one_sided_sync_is_labelled_with_the_side_it_keeps() -> None:
+    schedule = Schedule.of([
+        Task.from_fn("h2d", noop, stream="memcpy"),
+        Task.from_fn("step", noop, stream="memcpy"),
+        Task.from_fn("forward", noop, same_progress_sync=("h2d", "step"),
+                     same_progress_sync_sides={"h2d": "device", "step": "cpu"}),
+        Task.from_fn("log", noop, same_progress_sync=("forward",)),
+    ])  # fmt: skip
+    dot = parse_dot(to_dot(schedule))
+    assert edge(dot, "h2d", "forward")["label"] == "sync (device)"
+    assert edge(dot, "step", "forward")["label"] == "sync (cpu)"
+    assert edge(dot, "forward", "log")["label"] == "sync"  # both sides: as before
+    mermaid = to_mermaid(schedule)
+    assert '-.->|"sync (device)"| t_forward' in mermaid
+    assert '-.->|"sync (cpu)"| t_forward' in mermaid
