@@ -165,6 +165,22 @@ async def test_a_failing_batch_gets_an_error_and_the_service_recovers(
                                rtol=0)  # fmt: skip
 
 
+async def test_a_request_arriving_while_the_batcher_starts_waiting_joins_the_batch() -> None:
+    """Company arriving in any loop turn after the first request fills the batch at
+    once (it must not wait out max_wait_s with both requests queued)."""
+    loop = asyncio.get_running_loop()
+    request = serve.RankRequest((1,), (0,), (2,))
+    for turns in range(4):  # the second request arrives after 0..3 loop turns
+        batcher = serve.MicroBatcher(max_batch=2, max_wait_s=600.0)
+        first, second = (serve.Pending(request, loop.create_future()) for _ in range(2))
+        batcher.submit(first)
+        batch = asyncio.ensure_future(batcher.__anext__())
+        for _ in range(turns):
+            await asyncio.sleep(0)  # one loop turn, no time
+        batcher.submit(second)
+        assert await asyncio.wait_for(batch, DEADLINE_S) == [first, second], turns
+
+
 async def test_after_a_failure_the_other_batches_in_flight_are_retried() -> None:
     batcher = serve.MicroBatcher(max_batch=2, max_wait_s=0.0)
     loop = asyncio.get_running_loop()
