@@ -14,6 +14,9 @@ cross_iter_depends_on   dashed      ``Δ=N`` (Δ=0 is promoted to a same-progres
 same_progress_sync      dotted      ``sync``
 ======================  ==========  ==========================================
 
+A ``same_progress_sync`` that keeps one side (``same_progress_sync_sides``) is
+labelled ``sync (cpu)`` or ``sync (device)``.
+
 Edges with Δ >= 1 (satisfied by ring rotation, so they never order tasks inside a
 progress) also carry ``Δ=N`` and, in DOT, do not constrain the layout: the picture
 reads left to right in same-progress order.  Lanes are spaced so that the label of
@@ -102,6 +105,9 @@ def _links(edges: Sequence[Edge]) -> list[_Link]:
     """Merge the slot edges between one producer and consumer (one arrow, every slot
     name on it); every other declared dependency stays its own arrow."""
     merged: dict[tuple[str, str, str, int], list[str]] = {}
+    sides: dict[tuple[str, str, str, int], str] = {
+        (e.producer, e.consumer, e.kind, e.delta): e.sides for e in edges
+    }
     for edge in edges:
         key = (edge.producer, edge.consumer, edge.kind, edge.delta)
         names = merged.setdefault(key, [])
@@ -115,8 +121,9 @@ def _links(edges: Sequence[Edge]) -> list[_Link]:
             label = "depends_on"
         elif kind == "cross_iter":
             label = "Δ=0 (sync)" if delta == 0 else ""
-        else:
-            label = "sync"
+        else:  # a one-sided sync names the side it keeps
+            side = sides[(producer, consumer, kind, delta)]
+            label = "sync" if side == "both" else f"sync ({side})"
         if delta > 0:
             label = f"{label} Δ={delta}" if label else f"Δ={delta}"
         links.append(_Link(producer, consumer, kind, delta, label))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import inspect
 import math
 import sys
 import threading
@@ -93,6 +94,9 @@ def needs_event_loop(api: Callable[P, R]) -> Callable[P, R]:
     """Make coroutine API ``api`` refuse to be called with no running event loop
     (asyncio or trio), where its coroutine would silently never run."""
     name = api.__name__
+    # an async generator is iterated, not awaited
+    iterated = inspect.isasyncgenfunction(api)
+    awaited = f"async for result in pipe.{name}(...)" if iterated else f"await pipe.{name}(...)"
 
     @functools.wraps(api)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -102,8 +106,7 @@ def needs_event_loop(api: Callable[P, R]) -> Callable[P, R]:
                 f"{owner}.{name}() is a coroutine function and was called with no event "
                 f"loop running, so it would never run. In an ordinary script use the "
                 f"blocking form: 'pipe = pipe.blocking(); pipe.{name}(...)', or wrap your "
-                f"async code in 'aiopipe.run(main())'; in async code write "
-                f"'await pipe.{name}(...)'."
+                f"async code in 'aiopipe.run(main())'; in async code write '{awaited}'."
             )
         return api(*args, **kwargs)
 

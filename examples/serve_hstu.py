@@ -35,7 +35,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,9 +220,13 @@ class MicroBatcher:
             raise StopAsyncIteration  # the pipeline finishes the batches in flight
         return batch
 
-    async def _next_arrival(self) -> None:
+    def _next_arrival(self) -> Coroutine[Any, Any, bool]:
+        """Wait for the next ``submit``.  Cleared here, before the caller yields: under
+        ``wait_for`` (a task of its own, started a loop turn later) a clear inside the
+        coroutine would erase a request that arrived in that turn, and the batch would
+        wait out ``max_wait_s`` for company it already has."""
         self._arrived.clear()
-        await self._arrived.wait()
+        return self._arrived.wait()
 
     def recover(self, exc: BaseException) -> None:
         """After a task failed: the requests of the batch it was working on get

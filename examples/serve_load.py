@@ -7,13 +7,17 @@
 ``--max-wait-ms`` are passed on) and stops it afterwards.  Each of ``--concurrency``
 clients sends its share of ``--requests`` back to back; the report gives throughput,
 p50/p99 latency and the server's batch-size histogram, as a table and a JSON line.
-Only loopback addresses are accepted: this is a local benchmark.
+A request that fails -- an HTTP error status, or the connection refused, dropped or
+timed out (a server that went away mid-run) -- is counted as an error of its client,
+by kind, and the run goes on.  Only loopback addresses are accepted: this is a local
+benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import ipaddress
 import json
 import random
@@ -36,11 +40,13 @@ class LoadReport:
     requests: int
     concurrency: int
     errors: int
+    client_errors: list[int]  # per client
+    error_kinds: dict[str, int]  # "http 503", "ServerDisconnectedError", ...
     seconds: float
     throughput_rps: float
     p50_ms: float
     p99_ms: float
-    server: dict[str, Any]
+    server: dict[str, Any]  # empty when the server no longer answered /stats
 
 
 def make_requests(count: int, seed: int = 0, max_history: int = 48) -> list[dict[str, list[int]]]:
@@ -91,36 +97,46 @@ def require_loopback(url: str) -> None:
 async def run_load(url: str, bodies: list[dict[str, Any]], concurrency: int,
                    timeout_s: float = 60.0) -> LoadReport:  # fmt: skip
     """Send every body to ``url``/rank from ``concurrency`` clients; bounded by
-    ``timeout_s`` per request."""
+    ``timeout_s`` per request.  A failed request counts as an error of its client
+    (see :class:`LoadReport`); only an unreachable server at the start raises."""
     require_loopback(url)
     latencies: list[float] = []
-    errors = 0
+    client_errors = [0] * concurrency
+    error_kinds: collections.Counter[str] = collections.Counter()
     next_index = iter(range(len(bodies)))
     connector = aiohttp.TCPConnector(limit=concurrency)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
 
-        async def client() -> None:
-            nonlocal errors
+        async def client(number: int) -> None:
             for index in next_index:  # shared: each body is sent once
                 start = time.perf_counter()
-                async with session.post("/rank", json=bodies[index]) as response:
-                    await response.read()
-                    if response.status != 200:
-                        errors += 1
-                        continue
+                try:
+                    async with session.post("/rank", json=bodies[index]) as response:
+                        await response.read()
+                        failure = None if response.status == 200 else f"http {response.status}"
+                except (aiohttp.ClientError, TimeoutError) as exc:  # the server went away
+                    failure = type(exc).__name__
+                if failure is not None:
+                    client_errors[number] += 1
+                    error_kinds[failure] += 1
+                    continue
                 latencies.append(time.perf_counter() - start)
 
         async with session.get("/stats") as response:
             before = await response.json()
         start = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+        await asyncio.gather(*(client(number) for number in range(concurrency)))
         seconds = time.perf_counter() - start
-        async with session.get("/stats") as response:
-            server = batches_since(before, await response.json())
+        try:
+            async with session.get("/stats") as response:
+                server = batches_since(before, await response.json())
+        except (aiohttp.ClientError, TimeoutError):
+            server = {}
     latencies.sort()
     return LoadReport(
-        requests=len(bodies), concurrency=concurrency, errors=errors, seconds=seconds,
+        requests=len(bodies), concurrency=concurrency, errors=sum(client_errors),
+        client_errors=client_errors, error_kinds=dict(error_kinds.most_common()), seconds=seconds,
         throughput_rps=len(latencies) / seconds if seconds else 0.0,
         p50_ms=percentile(latencies, 0.50) * 1e3, p99_ms=percentile(latencies, 0.99) * 1e3,
         server=server,
@@ -143,20 +159,27 @@ def spawn_server(max_batch: int, max_wait_ms: float) -> tuple[subprocess.Popen[s
 
 def print_report(report: LoadReport) -> None:
     server = report.server
-    rows = [
-        ("requests", f"{report.requests} ({report.errors} errors)"),
+    errors = "".join(f", {count} {kind}" for kind, count in report.error_kinds.items())
+    rows = [("requests", f"{report.requests} ({report.errors} errors{errors})")]
+    if report.errors:
+        rows.append(("errors/client", " ".join(map(str, report.client_errors))))
+    rows += [
         ("concurrency", str(report.concurrency)),
         ("throughput", f"{report.throughput_rps:.0f} requests/s"),
         ("latency p50", f"{report.p50_ms:.1f} ms"),
         ("latency p99", f"{report.p99_ms:.1f} ms"),
-        ("server batches", f"{server.get('batches')} (mean size "
-                           f"{server.get('mean_batch_size', 0):.1f}, max {server.get('max_batch')},"
-                           f" wait {server.get('max_wait_ms')} ms)"),
-        ("model time", f"{server.get('forward_ms_per_batch', 0):.1f} ms per batch, "
-                       f"busy {server.get('forward_seconds', 0) / report.seconds:.0%} of the run"),
-        ("batch sizes", " ".join(f"{size}:{count}" for size, count
-                                 in server.get("batch_size_histogram", {}).items())),
-    ]  # fmt: skip
+    ]
+    if not server:
+        rows.append(("server", "no statistics: the server stopped answering"))
+    else:
+        rows += [
+            ("server batches", f"{server['batches']} (mean size {server['mean_batch_size']:.1f}, "
+                               f"max {server.get('max_batch')}, wait {server.get('max_wait_ms')} ms)"),
+            ("model time", f"{server['forward_ms_per_batch']:.1f} ms per batch, "
+                           f"busy {server['forward_seconds'] / report.seconds:.0%} of the run"),
+            ("batch sizes", " ".join(f"{size}:{count}" for size, count
+                                     in server["batch_size_histogram"].items())),
+        ]  # fmt: skip
     for name, value in rows:
         print(f"{name:>15}  {value}")
     print(json.dumps(asdict(report)))

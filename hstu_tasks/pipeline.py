@@ -12,7 +12,7 @@ other and none is lost.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from aiopipe import (
 )
 from aiopipe.executors.lanes import ThreadMap, resolve_lane
 from aiopipe.interop import needs_event_loop
-from aiopipe.source import END, Feed, Source
+from aiopipe.source import END, Feed, Source, iterate
 from aiopipe.trace import resolve_tracer
 
 from .data import check_batch
@@ -193,6 +193,22 @@ class HSTUPipeline:
         except StopAsyncIteration:
             self._state.watch.flush()  # the last steps' losses, checked before the end
             raise
+
+    @needs_event_loop
+    async def results(
+        self, source: Iterable[Any] | AsyncIterable[Any]
+    ) -> AsyncIterator[tuple[torch.Tensor, torch.Tensor, Any]]:
+        """``async for loss_sum, tokens, output in pipe.results(loader)``: one result
+        per batch, ``progress`` until the end (so the loss watchdog checks the last
+        steps too).  An iterable gets a fresh iterator, an iterator continues where
+        it stands."""
+        source = iterate(source)
+        while True:
+            try:
+                result = await self.progress(source)
+            except StopAsyncIteration:
+                return
+            yield result
 
     @needs_event_loop
     async def drain(self) -> list[Any]:

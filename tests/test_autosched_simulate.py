@@ -192,3 +192,32 @@ async def test_prediction_matches_a_measured_run() -> None:
             pipe.shutdown()
         measured = statistics.median(samples)
         assert abs(predicted - measured) / measured < 0.25, (thread_map, predicted, measured)
+
+
+@pytest.mark.parametrize("declared_first", ["consumer", "producer"])
+def test_a_device_only_sync_makes_the_stream_wait_for_its_producer(declared_first: str) -> None:
+    """b's stream waits for a's device work of the same progress: before b when a
+    has run by then, otherwise at the end of the progress (so the next b waits)."""
+    producer = task("a", stream="x")
+    consumer = task("b", stream="y", same_progress_sync=("a",),
+                    same_progress_sync_sides={"a": "device"})  # fmt: skip
+    order = [consumer, producer] if declared_first == "consumer" else [producer, consumer]
+    model = costs(a=0.1, b=0.1).with_task("a", gpu_ms=4.0).with_task("b", gpu_ms=1.0)
+    result = simulate(Schedule.of(order), model, "by_stream", batches=40)
+    spans = {t.task: (t.gpu_start_ms, t.gpu_end_ms) for t in result.timeline}
+    assert result.steady_ms == pytest.approx(4.0)  # stream x sets the pace
+    if declared_first == "consumer":  # b of this progress waited for a of the previous
+        assert spans["b"][0] == pytest.approx(spans["a"][0])
+    else:
+        assert spans["b"][0] == pytest.approx(spans["a"][1])
+
+
+def test_a_cpu_only_sync_orders_the_bodies_and_not_the_streams() -> None:
+    consumer = task("b", stream="y", same_progress_sync=("a",),
+                    same_progress_sync_sides={"a": "cpu"})  # fmt: skip
+    schedule = Schedule.of([task("a", stream="x"), consumer])
+    model = costs(a=0.5, b=0.1).with_task("a", gpu_ms=4.0).with_task("b", gpu_ms=1.0)
+    result = simulate(schedule, model, "by_stream", batches=40)
+    timing = {t.task: t for t in result.timeline}
+    assert timing["b"].start_ms >= timing["a"].end_ms  # the body after a's body
+    assert timing["b"].gpu_start_ms < timing["a"].gpu_end_ms  # the stream does not wait

@@ -364,3 +364,20 @@ def test_edge_labels_keep_off_the_lane_titles(thread_map: str | None) -> None:
                     if label[1] < title[3] and title[1] < label[3]
                     and label[2] < title[4] and title[2] < label[4]]  # fmt: skip
         assert not overlaps, f"{name}: edge labels drawn over lane titles: {overlaps}"
+
+
+def test_a_one_sided_sync_is_labelled_with_the_side_it_keeps() -> None:
+    schedule = Schedule.of([
+        Task.from_fn("h2d", noop, stream="memcpy"),
+        Task.from_fn("step", noop, stream="memcpy"),
+        Task.from_fn("forward", noop, same_progress_sync=("h2d", "step"),
+                     same_progress_sync_sides={"h2d": "device", "step": "cpu"}),
+        Task.from_fn("log", noop, same_progress_sync=("forward",)),
+    ])  # fmt: skip
+    dot = parse_dot(to_dot(schedule))
+    assert edge(dot, "h2d", "forward")["label"] == "sync (device)"
+    assert edge(dot, "step", "forward")["label"] == "sync (cpu)"
+    assert edge(dot, "forward", "log")["label"] == "sync"  # both sides: as before
+    mermaid = to_mermaid(schedule)
+    assert '-.->|"sync (device)"| t_forward' in mermaid
+    assert '-.->|"sync (cpu)"| t_forward' in mermaid

@@ -12,10 +12,14 @@ The rules, for whoever writes a snippet:
 * Top-level ``await`` / ``async with`` / ``async for`` is allowed: such a snippet runs
   on the page's event loop (one per page, so what one snippet starts the next can
   await).  Other snippets run outside any event loop, as in a script.
-* A snippet that cannot run here (it needs a GPU, torchrun or the network) is marked
+* A page whose snippets use the HSTU stand-ins of :func:`hstu_stand_ins`
+  (``sharded_model``, ``dense_optimizer``, ``hstu_loader``) or call
+  ``init_distributed`` runs inside a one-process gloo group, as rank 0 of a job
+  started by torchrun would.
+* A snippet that cannot run here (it needs a GPU, several ranks or the network) is marked
   by an HTML comment on the line just before its fence, with the reason::
 
-      <!-- snippet: skip (needs torchrun: a torchrec-sharded model) -->
+      <!-- snippet: skip (needs a GPU: CUDA streams and events) -->
 
   Skips are counted (:data:`MAX_SKIPPED`): keep them rare.
 * Files a snippet writes land in a temporary directory.  docs/api.md is left out: it
@@ -33,6 +37,7 @@ import contextlib
 import gc
 import inspect
 import re
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -48,8 +53,9 @@ from aiopipe import BlockingPipeline, PipelineError, SchedulablePipeline, Schedu
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = {"docs/api.md"}
-#: How many snippets may be skipped in all; raise it only for a GPU, torchrun or network.
-MAX_SKIPPED = 5
+#: How many snippets may be skipped in all; raise it only for a GPU, several ranks or
+#: the network.
+MAX_SKIPPED = 0
 
 _FENCE = re.compile(r"^(\s*)```python\s*$")
 _SKIP = re.compile(r"^\s*<!--\s*snippet:\s*skip\s*\((?P<reason>[^)]*)\)\s*-->\s*$")
@@ -141,6 +147,23 @@ def stand_ins() -> dict[str, Any]:
     return names
 
 
+#: Names of snippets that need a process group (see the module docstring).
+_NEEDS_GROUP = re.compile(r"\b(sharded_model|dense_optimizer|hstu_loader|init_distributed)\b")
+
+
+def hstu_stand_ins() -> dict[str, Any]:
+    """The HSTU model with its tables sharded by torchrec, its dense optimizer and a
+    few batches of synthetic data; call inside the page's process group."""
+    from one_rank import TINY_DATA, tiny_training
+
+    from hstu_tasks import SyntheticHSTUData
+
+    training = tiny_training()
+    return {"sharded_model": training.model, "dense_optimizer": training.optimizer,
+            "device": training.device,
+            "hstu_loader": SyntheticHSTUData(TINY_DATA, 4, seed=1, rank=0)}  # fmt: skip
+
+
 # -- finding snippets -----------------------------------------------------------------------
 
 
@@ -222,8 +245,10 @@ def run_snippet(snippet: Snippet, namespace: dict[str, Any], runner: asyncio.Run
 
 def close_pipelines(namespace: dict[str, Any], threads_before: set[threading.Thread]) -> None:
     """Shut down the pipelines a page left open, and wait for their lane threads."""
+    hstu = sys.modules.get("hstu_tasks")  # imported only by pages that use it
+    closable = (SchedulablePipeline, BlockingPipeline, *([hstu.HSTUPipeline] if hstu else []))
     for value in list(namespace.values()):
-        if isinstance(value, (SchedulablePipeline, BlockingPipeline)):
+        if isinstance(value, closable):
             with contextlib.suppress(PipelineError):  # a failed snippet's error comes first
                 value.shutdown()
     namespace.clear()
@@ -236,13 +261,19 @@ def close_pipelines(namespace: dict[str, Any], threads_before: set[threading.Thr
 def run_page(snippets: list[Snippet]) -> None:
     threads_before = set(threading.enumerate())
     namespace = stand_ins()
-    try:
-        with asyncio.Runner() as runner:
-            for snippet in snippets:
-                if snippet.skip is None:
+    to_run = [snippet for snippet in snippets if snippet.skip is None]
+    with contextlib.ExitStack() as group:
+        if any(_NEEDS_GROUP.search(snippet.code) for snippet in to_run):
+            from one_rank import one_rank_group
+
+            group.enter_context(one_rank_group())
+            namespace.update(hstu_stand_ins())
+        try:
+            with asyncio.Runner() as runner:
+                for snippet in to_run:
                     run_snippet(snippet, namespace, runner)
-    finally:
-        close_pipelines(namespace, threads_before)
+        finally:
+            close_pipelines(namespace, threads_before)  # inside the group: they may use it
 
 
 SNIPPETS = all_snippets()

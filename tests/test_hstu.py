@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 import os
 import socket
 
@@ -13,6 +15,8 @@ from hypothesis import strategies as st
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 import hstu_workers
+from conftest import collect
+from one_rank import TINY_DATA, one_rank_group, tiny_training
 from hstu_tasks import DataConfig, HSTUPipeline, OptimizerConfig, SyntheticHSTUData, TrainingSetup
 from hstu_tasks import balanced_partition
 from hstu_tasks import training_state
@@ -50,6 +54,47 @@ def test_shuffler_moves_every_sample_exactly_once() -> None:
 
 
 # -- single-process pieces -------------------------------------------------------------
+
+
+class CompletesOnWait:
+    """A device event as a CUDA one behaves for a copy still under way: not done
+    when queried, done once waited for."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_results_yields_what_progress_does_and_checks_the_last_losses() -> None:
+    with one_rank_group():
+        data = SyntheticHSTUData(TINY_DATA, 4, seed=1, rank=0)
+        training = tiny_training()
+        pipe = HSTUPipeline(training.model, training.optimizer, training.device)
+        expected = asyncio.run(collect(pipe, iter(data)))
+        pipe.shutdown()
+
+        training = tiny_training()
+        pipe = HSTUPipeline(training.model, training.optimizer, training.device)
+        # a loss copy still on its way when the data ends: results() waits for it
+        # and raises, as progress() does at the end
+        arriving = CompletesOnWait()
+        pipe._state.watch.defer(99, torch.tensor(math.nan), arriving)
+        seen: list[tuple[float, float]] = []
+
+        async def train() -> None:
+            async with pipe:
+                async for loss_sum, tokens, _ in pipe.results(data):  # an iterable: a new pass
+                    seen.append((float(loss_sum), float(tokens)))
+
+        with pytest.raises(FloatingPointError, match="batch 99"):
+            asyncio.run(train())
+        assert arriving.done
+        assert seen == [(float(loss), float(tokens)) for loss, tokens, _ in expected]
 
 
 @settings(max_examples=60, deadline=None)

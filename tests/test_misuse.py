@@ -65,7 +65,7 @@ def test_task_graph_submit_without_a_loop_is_refused() -> None:
         graph.submit(lambda: None)
 
 
-def test_hstu_pipeline_progress_without_a_loop_is_refused() -> None:
+def test_hstu_pipeline_coroutine_apis_without_a_loop_are_refused() -> None:
     hstu = pytest.importorskip("hstu_tasks")
     model = torch.nn.Linear(2, 1)
     pipe = hstu.HSTUPipeline(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu")
@@ -73,6 +73,8 @@ def test_hstu_pipeline_progress_without_a_loop_is_refused() -> None:
         pipe.progress(iter([]))
     with pytest.raises(NoRunningLoopError, match="HSTUPipeline.drain"):
         pipe.drain()
+    with pytest.raises(NoRunningLoopError, match="async for result in pipe.results"):
+        pipe.results(iter([]))
     pipe.shutdown()
 
 

@@ -10,6 +10,7 @@ shapes differs -- about 1e-7 in practice).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import io
 import os
@@ -164,6 +165,22 @@ async def test_a_failing_batch_gets_an_error_and_the_service_recovers(
                                rtol=0)  # fmt: skip
 
 
+async def test_a_request_arriving_while_the_batcher_starts_waiting_joins_the_batch() -> None:
+    """Company arriving in any loop turn after the first request fills the batch at
+    once (it must not wait out max_wait_s with both requests queued)."""
+    loop = asyncio.get_running_loop()
+    request = serve.RankRequest((1,), (0,), (2,))
+    for turns in range(4):  # the second request arrives after 0..3 loop turns
+        batcher = serve.MicroBatcher(max_batch=2, max_wait_s=600.0)
+        first, second = (serve.Pending(request, loop.create_future()) for _ in range(2))
+        batcher.submit(first)
+        batch = asyncio.ensure_future(batcher.__anext__())
+        for _ in range(turns):
+            await asyncio.sleep(0)  # one loop turn, no time
+        batcher.submit(second)
+        assert await asyncio.wait_for(batch, DEADLINE_S) == [first, second], turns
+
+
 async def test_after_a_failure_the_other_batches_in_flight_are_retried() -> None:
     batcher = serve.MicroBatcher(max_batch=2, max_wait_s=0.0)
     loop = asyncio.get_running_loop()
@@ -222,6 +239,33 @@ async def pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransp
     return reader, transport
 
 
+async def start_gated_server(
+    stderr: Any, *args: str
+) -> tuple[asyncio.subprocess.Process, asyncio.StreamReader, asyncio.BaseTransport, int]:
+    """A serve_hstu.py process holding each batch before the model (its test gate):
+    the process, the reader of the batches it holds, that reader's transport and the
+    pipe end to write one byte per batch to let through (closing it lets all pass)."""
+    held_read, held_write = os.pipe()
+    release_read, release_write = os.pipe()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(EXAMPLES / "serve_hstu.py"), "--port", "0", *args,
+        env={**os.environ, serve.TEST_GATE_ENV: f"{held_write}:{release_read}"},
+        pass_fds=(held_write, release_read), stdout=asyncio.subprocess.PIPE, stderr=stderr,
+    )  # fmt: skip
+    os.close(held_write)
+    os.close(release_read)
+    held, held_transport = await pipe_reader(held_read)
+    return process, held, held_transport, release_write
+
+
+async def server_url(process: asyncio.subprocess.Process) -> str:
+    """The address the server prints once it listens."""
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), STARTUP_S)
+    assert line.startswith(b"serving on "), line
+    return line.decode().split()[-1]
+
+
 async def rank(session: ClientSession, body: dict[str, Any]) -> tuple[int, Any, str | None]:
     """Status, decoded body and ``Connection`` header of one ``POST /rank``."""
     async with session.post("/rank", json=body) as response:
@@ -235,23 +279,13 @@ async def test_sigterm_answers_requests_in_flight_and_503s_new_ones(
 ) -> None:
     """A real server process and real SIGTERM; the test holds a batch in the model
     (serve_hstu's test gate) to make "a request arrives during the drain" certain."""
-    held_read, held_write = os.pipe()  # the server announces each batch it holds
-    release_read, release_write = os.pipe()  # closing release_write lets every batch pass
     with open(tmp_path / "stderr", "w+") as stderr:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, str(EXAMPLES / "serve_hstu.py"), "--port", "0",
-            "--max-batch", "3", "--max-wait-ms", "600000",  # the three requests: one batch
-            env={**os.environ, serve.TEST_GATE_ENV: f"{held_write}:{release_read}"},
-            pass_fds=(held_write, release_read), stdout=asyncio.subprocess.PIPE, stderr=stderr,
-        )  # fmt: skip
-        os.close(held_write)
-        os.close(release_read)
-        held, held_transport = await pipe_reader(held_read)
-        assert process.stdout is not None
+        # the three requests: one batch
+        process, held, held_transport, release_write = await start_gated_server(
+            stderr, "--max-batch", "3", "--max-wait-ms", "600000"
+        )
         try:
-            line = await asyncio.wait_for(process.stdout.readline(), STARTUP_S)
-            assert line.startswith(b"serving on "), line
-            url = line.decode().split()[-1]
+            url = await server_url(process)
             bodies = load.make_requests(3, seed=11)
             keep_alive = TCPConnector(keepalive_timeout=STARTUP_S)  # outlives the test's waits
             async with ClientSession(url) as busy, ClientSession(url, connector=keep_alive) as idle:
@@ -289,3 +323,43 @@ async def test_sigterm_answers_requests_in_flight_and_503s_new_ones(
             stderr.seek(0)
             log = stderr.read()
         assert "Traceback" not in log, log
+
+
+@pytest.mark.one_loop  # the server runs in its own process, on its own loop
+@pytest.mark.timeout(STARTUP_S + 3 * DEADLINE_S)
+async def test_the_load_generator_counts_a_server_gone_mid_run_as_errors(tmp_path: Path) -> None:
+    """The server process dies while the load runs: the requests it dropped and those
+    it then refused are counted per client, and a report still comes back."""
+    with open(tmp_path / "stderr", "w+") as stderr:
+        process, held, held_transport, release_write = await start_gated_server(
+            stderr, "--max-batch", "2", "--max-wait-ms", "600000"  # a batch: one per client
+        )
+        try:
+            url = await server_url(process)
+            load_run = asyncio.ensure_future(
+                load.run_load(url, load.make_requests(8, seed=3), concurrency=2)
+            )
+            assert await asyncio.wait_for(held.readline(), DEADLINE_S) == b"2\n"
+            os.write(release_write, b"x")  # the first two requests are answered...
+            # ...which both clients have read once they sent the second batch
+            assert await asyncio.wait_for(held.readline(), DEADLINE_S) == b"2\n"
+            process.kill()  # the server dies holding it
+            await process.wait()
+            report = await asyncio.wait_for(load_run, DEADLINE_S)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            held_transport.close()
+            os.close(release_write)
+    assert (report.requests, report.errors) == (8, 6)
+    assert len(report.client_errors) == 2 and sum(report.client_errors) == 6
+    assert min(report.client_errors) >= 1  # each lost its request in the dead batch
+    assert sum(report.error_kinds.values()) == 6
+    assert not any(kind.startswith("http") for kind in report.error_kinds)
+    assert report.server == {}  # nobody answered /stats at the end
+    assert report.p50_ms > 0  # the two answered requests
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        load.print_report(report)
+    assert "(6 errors, " in output.getvalue() and "stopped answering" in output.getvalue()

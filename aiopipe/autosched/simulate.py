@@ -14,7 +14,9 @@ checked against a measured run task by task:
 * device work queues on its stream: one stream runs one task at a time (FIFO), one
   communicator runs one collective at a time even across streams, host-link (PCIe)
   transfers contend; everything else overlaps.  Device work outlives the iteration
-  that queued it; only ``sync`` tasks make the host wait for it.
+  that queued it; only ``sync`` tasks make the host wait for it.  A device-only
+  ``same_progress_sync`` whose producer has not run yet is waited for at the end of
+  the progress, by later work on the consumer's stream.
 
 Steady-state latency is the median interval between the completions of successive
 iterations in which every task fires (warm-up and drain are reported apart).
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..executors.lanes import LOOP_LANE, ThreadMap, resolve_lane
 from ..graph import dependency_edges, topological_sort
@@ -131,7 +133,7 @@ class _Compiled:
             p, c = index[edge.producer], index[edge.consumer]
             if edge.intra_progress:
                 preds[c].add(p)
-            if self.stream[p] != self.stream[c]:
+            if self.stream[p] != self.stream[c] and edge.sides != "cpu":
                 gpu_waits[c].append((p, edge.delta))
         self.preds = tuple(tuple(sorted(p)) for p in preds)
         self.gpu_waits = tuple(tuple(w) for w in gpu_waits)
@@ -161,6 +163,9 @@ class _Device:
 
     free: dict[str, float]
     gpu_end: dict[tuple[int, int], float]
+    #: (producer, stream) waits of this progress issued at its end: a device-only
+    #: sync whose producer had not run when its consumer did.
+    deferred: list[tuple[int, str]] = field(default_factory=list)
 
 
 def simulate(
@@ -210,6 +215,7 @@ def _run(c: _Compiled, batches: int | None) -> SimResult:
             )
             device_end = max(device_end, stage_device_end)
             last = stage_last if stage_last >= 0 else last
+        _issue_deferred_waits(device, iteration)
         ends.append(max(clock, device_end))
         if record is not None:
             timeline = tuple(record)
@@ -266,6 +272,9 @@ def _run_stage(
         else:
             begin, because[i] = ready, lane_last.get(lane)
         host_end = begin + c.host[i]
+        for producer, delta in c.gpu_waits[i]:
+            if delta == 0 and (producer, iteration) not in device.gpu_end:
+                device.deferred.append((producer, c.stream[i]))
         gpu_span = None
         if c.gpu[i] > 0.0:
             gpu_begin = max([begin, *(device.free.get(r, 0.0) for r in c.resources[i])])
@@ -291,6 +300,17 @@ def _run_stage(
     finish = {i: t + (c.handoff if c.lane[i] != LOOP_LANE else 0.0) for i, t in end.items()}
     last = max(finish, key=finish.__getitem__)
     return finish[last], device_end, last
+
+
+def _issue_deferred_waits(device: _Device, iteration: int) -> None:
+    """The engine's end-of-progress stream waits: later work on each stream waits for
+    the producer's device work of this progress."""
+    for producer, stream in device.deferred:
+        produced = device.gpu_end.get((producer, iteration))
+        if produced is not None:
+            key = f"stream:{stream}"
+            device.free[key] = max(device.free.get(key, 0.0), produced)
+    device.deferred.clear()
 
 
 def _backtrack(c: _Compiled, because: Mapping[int, int | None], last: int) -> tuple[str, ...]:
