@@ -89,12 +89,17 @@ def check_batch(batch: object) -> None:
             f"labels has {labels.numel()} entries, one per candidate expected "
             f"({int(candidates.sum())})"
         )
-    items, actions = features["item"].lengths(), features["action"].lengths()
-    wrong = (items != actions + candidates).nonzero().flatten().tolist()
-    if wrong:  # each user: one item per action (the history), then the candidates
+    # keys are ["item", "action"] and stride is the batch size: the flat lengths hold
+    # the items' lengths, then the actions' (slicing them skips building two
+    # JaggedTensors: this runs for every batch on the event loop's thread)
+    lengths, size = features.lengths(), candidates.numel()
+    items, actions = lengths[:size], lengths[size:]
+    expected = actions + candidates
+    if not torch.equal(items, expected):  # each user: one item per action, then candidates
+        wrong = (items != expected).nonzero().flatten().tolist()
         raise ValueError(
             f"sample(s) {wrong[:5]} have item lengths {items[wrong[:5]].tolist()}, expected "
-            f"action lengths + num_candidates = {(actions + candidates)[wrong[:5]].tolist()}"
+            f"action lengths + num_candidates = {expected[wrong[:5]].tolist()}"
         )
 
 

@@ -254,3 +254,22 @@ def test_checkpoints_refuse_megatron_setups() -> None:
     setup = TrainingSetup(torch.nn.Linear(1, 1), None, torch.device("cpu"), "megatron")
     with pytest.raises(NotImplementedError, match="sharded torch-DDP setups"):
         training_state(setup)
+
+
+def test_check_batch_names_the_samples_whose_item_lengths_are_wrong() -> None:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from hstu_tasks import HSTUBatch
+    from hstu_tasks.data import check_batch
+
+    batch = SyntheticHSTUData(TINY_DATA, 1, seed=0).batch(0)
+    check_batch(batch)  # as made: one item per action, then the candidates
+    size = batch.num_candidates.numel()
+    lengths = batch.features.lengths().clone()
+    lengths[1] += 1  # sample 1: one item too many (and the values to match)
+    values = torch.cat([batch.features.values(), torch.zeros(1, dtype=torch.int64)])
+    broken = HSTUBatch(KeyedJaggedTensor.from_lengths_sync(["item", "action"], values, lengths),
+                       batch.num_candidates, batch.labels)  # fmt: skip
+    assert broken.features.stride() == size
+    with pytest.raises(ValueError, match=r"sample\(s\) \[1\] have item lengths"):
+        check_batch(broken)
