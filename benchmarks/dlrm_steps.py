@@ -1,6 +1,7 @@
-"""Steps/s of torchrec's DLRM: hstu_tasks.SparseDistPipeline vs torchrec's
-TrainPipelineSparseDist vs the plain loop, side by side, on 1 and 2 ranks (gloo on
-CPU, NCCL with one GPU per rank).
+"""Steps/s of torchrec's DLRM: SparseDistPipeline vs TrainPipelineSparseDist vs the plain loop.
+
+hstu_tasks.SparseDistPipeline, torchrec's own pipeline and the plain loop side by
+side, on 1 and 2 ranks (gloo on CPU, NCCL with one GPU per rank).
 
 The three train the same model on the same data, interleaved over ``--repeats``
 rounds after a warm-up round; the median and the spread of the rounds are reported.
