@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+from typing import Any
 
 import pytest
 from conftest import Recorder, collect
@@ -185,3 +186,34 @@ def test_lanes_lower_the_gil_switch_interval_and_never_raise_it() -> None:
         assert sys.getswitchinterval() == pytest.approx(0.005)
     finally:
         sys.setswitchinterval(before)
+
+
+
+
+async def test_the_chain_finishing_the_progress_is_handed_over_first() -> None:
+    # Declared io-first, as pipelines with a copy stage are: the compute lane, whose
+    # chain holds the batch this progress returns, must still be woken first.
+    tasks = [
+        Task.from_fn("h2d", noop, lookahead=2, writes=("dev",)),
+        Task.from_fn("prep", noop, lookahead=1, reads=("dev",), writes=("prepped",)),
+        Task.from_fn("train", noop, reads=("prepped",), writes=("step_result",)),
+    ]
+    executor = AsyncExecutor({"h2d": "io", "prep": "io", "train": "compute"})
+    handed: dict[int, list[str]] = {}  # iteration -> lanes in the order they got work
+
+    def recording(lane: Any) -> Any:
+        def submit(work: Any) -> None:
+            handed.setdefault(work.args[0].step.iteration, []).append(lane.name)
+            queue_work(work)
+
+        queue_work = lane.submit
+        return submit
+
+    async with Pipeline(tasks, executor=executor) as pipe:
+        for name in ("io", "compute"):
+            lane = executor._lanes.get(name)
+            lane.submit = recording(lane)  # type: ignore[method-assign]
+        assert await collect(pipe, iter(range(5))) == [None] * 5
+    assert handed[0] == ["io"]  # prefill: batches ahead only
+    assert [handed[i] for i in range(2, 5)] == [["compute", "io"]] * 3  # steady state
+    assert handed[6] == ["compute"]

@@ -241,10 +241,14 @@ class AsyncExecutor:
                 cross_preds[i] = cross
         collectives = tuple(i for i in active if plan.nccl[i])
         needs_lock = len({lane_of[i] for i in collectives}) > 1
+        # The chain finishing this progress's batch is handed over first: its lane wakes
+        # first and takes the GIL before lanes working on batches ahead.
+        by_urgency = sorted(
+            (lane for lane in chains if lane != LOOP_LANE),
+            key=lambda lane: (min(plan.lookahead[i] for i in chains[lane]), chains[lane][0]),
+        )
         return _Layout(
-            thread_chains=tuple(
-                (lane, tuple(chain)) for lane, chain in chains.items() if lane != LOOP_LANE
-            ),
+            thread_chains=tuple((lane, tuple(chains[lane])) for lane in by_urgency),
             loop_chain=tuple(chains.get(LOOP_LANE, ())),
             cross_preds=cross_preds,
             signalled=tuple(sorted({p for preds in cross_preds.values() for p in preds})),
