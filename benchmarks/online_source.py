@@ -14,6 +14,8 @@ process, interleaved over rounds:
   (``asyncio.sleep``) and decodes on the loop; the pipeline reads it ahead while the
   lanes train.
 
+Each run is timed after its first steps (set-up and prefill left out).
+
     ./dev bench online_source [--steps 100] [--repeats 3] [--latency-ms 5 10]
 """
 
@@ -27,7 +29,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +48,11 @@ from hstu_tasks import (  # noqa: E402
     init_distributed,
     quiet_torchrec,
 )
-from hstu_tasks.runners import RunResult, run_pipeline  # noqa: E402
+from hstu_tasks.runners import run_pipeline  # noqa: E402
 
 CONFIGS = ("plain loop", "torchrec", "prefetch thread", "aiopipe")
+#: Steps left out of the timing at the start of every run.
+WARM_UP = 10
 
 
 class Fetcher:
@@ -85,33 +89,37 @@ def prefetched(batches: Iterator[Any], depth: int = 2) -> Iterator[Any]:
         yield batch
 
 
-def train_aiopipe(setup: Any, fetcher: Fetcher) -> float:
+def train_aiopipe(setup: Any, fetcher: Fetcher, on_step: Callable[[int], None]) -> None:
     pipe = HSTUPipeline(setup.model, setup.optimizer, setup.device)
 
-    async def train() -> float:
+    async def train() -> None:
         async with pipe:
-            source = aiter(fetcher)
-            start = time.perf_counter()
-            steps = 0
-            while True:
-                try:
-                    await pipe.progress(source)
-                except StopAsyncIteration:
-                    return steps / (time.perf_counter() - start)
-                steps += 1
+            async for _ in pipe.results(fetcher):
+                on_step(0)
 
-    return run(train())
+    run(train())
 
 
 def measure(name: str, steps: int, latency_ms: tuple[float, float], seed: int) -> float:
+    """Steps per second after the first :data:`WARM_UP` steps (the pipelines' own
+    set-up -- torchrec's rewrite of the model on its first batch, the prefill -- and
+    the first fetches are left out, as in a long online run)."""
     setup = build_training(ModelConfig(), DataConfig(), OptimizerConfig(), seed=0)
     fetcher = Fetcher(steps, latency_ms, seed)
+    done: list[float] = []
+
+    def on_step(_: int) -> None:
+        done.append(time.perf_counter())
+
     if name == "aiopipe":
-        return train_aiopipe(setup, fetcher)
-    mode = {"plain loop": "none", "torchrec": "torchrec", "prefetch thread": "none"}[name]
-    source: Any = prefetched(iter(fetcher)) if name == "prefetch thread" else fetcher
-    result: RunResult = run_pipeline(mode, setup, source)  # type: ignore[arg-type]
-    return steps / result.seconds
+        train_aiopipe(setup, fetcher, on_step)
+    else:
+        mode = {"plain loop": "none", "torchrec": "torchrec", "prefetch thread": "none"}[name]
+        source: Any = prefetched(iter(fetcher)) if name == "prefetch thread" else fetcher
+        run_pipeline(mode, setup, source, on_step)
+    if len(done) != steps:
+        raise RuntimeError(f"{name} trained {len(done)} of {steps} batches")
+    return (steps - WARM_UP) / (done[-1] - done[WARM_UP - 1])
 
 
 def main() -> None:
@@ -120,6 +128,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--latency-ms", type=float, nargs=2, default=(5.0, 10.0))
     args = parser.parse_args()
+    if args.steps <= WARM_UP + 10:
+        parser.error(f"--steps must be above {WARM_UP + 10}")
     quiet_torchrec()
     init_distributed()  # one rank on gloo: torchrec's pipeline needs a process group
     latency = (args.latency_ms[0], args.latency_ms[1])
@@ -139,7 +149,8 @@ def main() -> None:
     ]  # fmt: skip
     print_table(
         f"HSTU step with a {latency[0]:g}-{latency[1]:g} ms fetch per batch, {args.steps} "
-        f"steps, median of {args.repeats} rounds (spread: half their range)",
+        f"steps (the first {WARM_UP} not timed), median of {args.repeats} rounds (spread: half "
+        f"their range)",
         ["pipeline", "steps / s", "spread", "x torchrec", "x prefetch thread"],
         rows,
     )
