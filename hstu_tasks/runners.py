@@ -102,12 +102,7 @@ def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
 
     async def train() -> None:
         async with pipe:
-            source = iter(data)
-            while True:
-                try:
-                    loss_sum, tokens, _ = await pipe.progress(source)
-                except StopAsyncIteration:
-                    return
+            async for loss_sum, tokens, _ in pipe.results(data):
                 result.record(loss_sum, tokens)
                 on_step(len(result.loss_sums))
 
