@@ -83,7 +83,7 @@ class SparseDistBase:
         return source
 
     def _ended(self, source: Source) -> None:
-        """``source`` ended and was forgotten."""
+        """``progress`` reported the end of ``source``."""
 
     def _finished(self) -> None:
         """No batch is in flight any more: the source ended, or ``drain()``."""
