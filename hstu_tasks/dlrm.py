@@ -32,6 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from aiopipe import run
 
 from .parallel import TrainingSetup
+from .runners import torchrec_results
 from .sparse_pipeline import SparseDistPipeline
 
 __all__ = (
@@ -197,12 +198,7 @@ def _torchrec(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: E
               result: DLRMRun) -> None:  # fmt: skip
     pipe = TrainPipelineSparseDist(setup.model, setup.optimizer, setup.device)
     for epoch in epochs:
-        source = iter(epoch)
-        while True:
-            try:
-                loss, _, _ = pipe.progress(source)
-            except StopIteration:
-                break
+        for loss, _, _ in torchrec_results(pipe, epoch):
             result.losses.append(float(loss.detach()))
             if eval_after(len(result.losses)) is not None:
                 raise ValueError(
