@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from aiopipe import run
 
 from .parallel import TrainingSetup
+from .runners import torchrec_results
 from .sparse_pipeline import SparseDistPipeline
 
 __all__ = (
@@ -184,39 +185,20 @@ async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_aft
     async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
         async with pipe.eval_pipeline() as evaluator:
             for epoch in epochs:
-                source = iter(epoch)
-                while True:
-                    try:
-                        loss, _, _ = await pipe.progress(source)
-                    except StopAsyncIteration:
-                        break
+                async for loss, _, _ in pipe.results(epoch):
                     result.losses.append(float(loss.detach()))
                     batches = eval_after(len(result.losses))
                     if batches is not None:
-                        eval_source = iter(batches)
                         result.evaluations.append(
-                            [output async for output in _results(evaluator, eval_source)]
+                            [output async for output in evaluator.results(batches)]
                         )
-
-
-async def _results(pipe: Any, source: Iterator[Batch]) -> Any:
-    while True:
-        try:
-            yield await pipe.progress(source)
-        except StopAsyncIteration:
-            return
 
 
 def _torchrec(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
               result: DLRMRun) -> None:  # fmt: skip
     pipe = TrainPipelineSparseDist(setup.model, setup.optimizer, setup.device)
     for epoch in epochs:
-        source = iter(epoch)
-        while True:
-            try:
-                loss, _, _ = pipe.progress(source)
-            except StopIteration:
-                break
+        for loss, _, _ in torchrec_results(pipe, epoch):
             result.losses.append(float(loss.detach()))
             if eval_after(len(result.losses)) is not None:
                 raise ValueError(

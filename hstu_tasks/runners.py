@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,7 +25,14 @@ from .factory import HSTUPipelineFactory
 from .parallel import TrainingSetup, global_loss, global_tokens, plain_train_step
 from .shuffler import BatchShuffler
 
-__all__ = ("PIPELINES", "RunResult", "parameter_checksum", "parameter_digest", "run_pipeline")
+__all__ = (
+    "PIPELINES",
+    "RunResult",
+    "parameter_checksum",
+    "parameter_digest",
+    "run_pipeline",
+    "torchrec_results",
+)
 
 Mode = Literal["aiopipe", "aiopipe-prefetch", "torchrec", "none"]
 PIPELINES: tuple[Mode, ...] = ("aiopipe", "aiopipe-prefetch", "torchrec", "none")
@@ -102,12 +109,7 @@ def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
 
     async def train() -> None:
         async with pipe:
-            source = iter(data)
-            while True:
-                try:
-                    loss_sum, tokens, _ = await pipe.progress(source)
-                except StopAsyncIteration:
-                    return
+            async for loss_sum, tokens, _ in pipe.results(data):
                 result.record(loss_sum, tokens)
                 on_step(len(result.loss_sums))
 
@@ -125,14 +127,20 @@ def _torchrec(setup: TrainingSetup, data: Iterable[HSTUBatch], result: RunResult
     pipe = TrainPipelineSparseDist(
         setup.model, setup.optimizer, setup.device, custom_model_fwd=forward  # type: ignore[arg-type]
     )
+    for loss_sum, tokens, _ in torchrec_results(pipe, data):
+        result.record(loss_sum, tokens)
+        on_step(len(result.loss_sums))
+
+
+def torchrec_results(pipe: Any, data: Iterable[Any]) -> Iterator[Any]:
+    """One pass over ``data`` with a torchrec pipeline: ``progress`` until it raises
+    ``StopIteration``."""
     source = iter(data)
     while True:
         try:
-            loss_sum, tokens, _ = pipe.progress(source)
+            yield pipe.progress(source)
         except StopIteration:
             return
-        result.record(loss_sum, tokens)
-        on_step(len(result.loss_sums))
 
 
 def run_pipeline(

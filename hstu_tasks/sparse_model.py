@@ -5,7 +5,8 @@ pipelined ones that read the input distribution from a per-batch context.  A mod
 can be rewritten once: a training and an evaluation pipeline on the same model must
 share the rewrite (and the streams it was bound to), or the second would wrap the
 first one's pipelined forwards.  ``PipelinedModel.of(model, device)`` returns the one
-shared object per model.
+shared object per model; ``PipelinedModel(model, device)`` is one a pipeline keeps
+to itself (the HSTU pipeline: its prefetch variant installs other forwards).
 """
 
 from __future__ import annotations
@@ -80,26 +81,37 @@ class PipelinedModel:
 
     def replace_model(self, model: torch.nn.Module) -> None:
         """``attach(model)``: the pipelines go on with another model."""
-        other = _SHARED.get(id(model))
-        if other is not None and other is not self and other.model is model:
-            raise PipelineStateError("that model is already in another pipeline: give it "
-                                     "back with detach() there first")  # fmt: skip
-        _SHARED.pop(id(self.model), None)
+        shared = _SHARED.get(id(self.model)) is self
+        if shared:
+            other = _SHARED.get(id(model))
+            if other is not None and other is not self and other.model is model:
+                raise PipelineStateError("that model is already in another pipeline: give it "
+                                         "back with detach() there first")  # fmt: skip
+            _SHARED.pop(id(self.model), None)
         self.model = model
-        _SHARED[id(model)] = self
+        if shared:
+            _SHARED[id(model)] = self
 
     def in_flight(self) -> int:
         """Batches in flight in every pipeline on this model."""
         return sum(engine.statistics().in_flight for engine in self.engines.values())
 
-    def rewrite(self, peek: Any) -> dict[str, Any]:
-        """Copy ``peek``, let torchrec rewrite the model on it and start its input
-        distribution: the first ring slot's contents, torchrec's ``fill_pipeline``."""
-        pool, context = self.pool, TrainPipelineContext(index=0, version=1)
+    def rewrite(
+        self, peek: Any, context: TrainPipelineContext, *,
+        forward_type: type[Any] = PipelinedForward, warm_up: TrainPipelineContext | None = None,
+    ) -> Any:  # fmt: skip
+        """Copy ``peek`` to the device, let torchrec rewrite the model on it and start
+        its input distribution in ``context`` (torchrec's ``fill_pipeline``); return
+        the copy.  With ``warm_up`` (a batch to be transformed, e.g. shuffled, before
+        its own input distribution) one complete distribution runs in that throwaway
+        context instead: it creates torchrec's input dists and leaves no collective
+        pending."""
+        pool = self.pool
         with pool.use("memcpy"):
             batch = peek.to(self.device, non_blocking=True)
         pool.wait_stream("data_dist", "memcpy")
         modules: list[Any] = []
+        self._original_kjt_dist_forwards = []
         if any(isinstance(m, ShardedModule) for m in self.model.modules()):
             modules, _, self._original_forwards, _, _ = _rewrite_model(
                 model=self.model,
@@ -107,15 +119,19 @@ class PipelinedModel:
                 dist_stream=self.streams["data_dist"],
                 default_stream=self.streams["default"],
                 batch=batch,
-                pipelined_forward=PipelinedForward,
+                pipelined_forward=forward_type,
             )
         # else an unsharded model: nothing to distribute, the input-dist tasks idle
         self.modules[:] = modules
         self.rewritten = True
         with pool.use("data_dist"):  # creates torchrec's input dists, then fuses their splits
-            _start_data_dist(modules, batch, context)
+            _start_data_dist(modules, batch, context if warm_up is None else warm_up)
+            if warm_up is not None:
+                for _, awaitable in warm_up.fused_splits_awaitables:
+                    for request in awaitable.wait():
+                        request.wait()
         self._original_kjt_dist_forwards = _override_input_dist_forwards(modules)
-        return {"batch_cpu": peek, "batch": batch, "torchrec_ctx": context, "dist_started": True}
+        return batch
 
     def restore(self) -> None:
         """Give the model its own forwards back; the next batch traces it again."""

@@ -19,6 +19,9 @@ runs forward only.  The declaration order is torchrec's host order; ``forward``
 consumes the input dist that ``wait_input_dist`` finished one progress earlier, and
 the next batch's ``wait_input_dist`` is declared after ``forward`` so its tensors
 all-to-all is issued once this batch's forward has issued its own collectives.
+
+``h2d``, the two input-dist tasks and ``forward`` (:func:`pipelined_step_tasks`)
+are also the HSTU pipeline's, placed among its own tasks (``tasks.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
@@ -38,8 +41,10 @@ __all__ = (
     "SPARSE_DIST_THREAD_MAP",
     "ModelForward",
     "SparseDistState",
+    "StepLayout",
     "build_sparse_dist_tasks",
     "finish_input_dist_splits",
+    "pipelined_step_tasks",
 )
 
 #: ``model_fwd(batch) -> (losses, output)``: the model itself, or torchrec's
@@ -104,33 +109,66 @@ def evaluation_mode(model: torch.nn.Module) -> Iterator[None]:
             module.training = training
 
 
-def build_sparse_dist_tasks(state: SparseDistState) -> list[Task]:
-    """The task list, in the declaration order that breaks topological ties."""
+class StepState(Protocol):
+    """What :func:`pipelined_step_tasks` needs of a pipeline's state."""
+
+    model: torch.nn.Module
+    device: torch.device
+    pipelined_modules: list[Any]
+
+    @property
+    def training(self) -> bool: ...
+
+    def run_model(self, batch: Any) -> tuple[torch.Tensor, Any]: ...
+
+    def create_context(self, index: int) -> TrainPipelineContext: ...
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where the pipelined step's tasks keep the batch, and how far ahead they run."""
+
+    #: The input distribution runs ``depth`` batches ahead, the copy one more.
+    depth: int = 1
+    #: The slot ``h2d`` writes the device copy to.
+    device_batch: str = "batch"
+    #: The slot the input distribution and ``forward`` read (a task in between may
+    #: make it from the copy: the HSTU shuffle).
+    model_batch: str = "batch"
+    #: What ``forward`` waits for besides the batch (the HSTU prefetch: "prefetched").
+    forward_input: str = "dist_ready"
+
+
+def pipelined_step_tasks(state: StepState, layout: StepLayout = StepLayout(), *,
+                         evaluation: bool = False) -> dict[str, Task]:  # fmt: skip
+    """``h2d``, ``start_input_dist``, ``forward`` and ``wait_input_dist`` by name; the
+    caller declares them, in its order, among its other tasks.  ``forward`` writes
+    ``losses`` and ``output`` after ``zero_grad`` (``evaluation``: the step's result,
+    in eval mode, without autograd)."""
+    batch_slot = layout.model_batch
 
     def h2d(ctx: TaskContext) -> None:
-        if "batch" in ctx.slots:  # seeded by the bootstrap
+        if layout.device_batch in ctx.slots:  # seeded by the bootstrap
             return
-        ctx.slots.set("batch", ctx.slots["batch_cpu"].to(state.device, non_blocking=True))
+        batch = ctx.slots["batch_cpu"]
+        ctx.slots.set(layout.device_batch, batch.to(state.device, non_blocking=True))
         ctx.slots.set("torchrec_ctx", state.create_context(ctx.batch_index))
 
     def start_input_dist(ctx: TaskContext) -> None:
         if "dist_started" not in ctx.slots:  # the bootstrap started the seeded batch's
-            _start_data_dist(state.pipelined_modules, ctx.slots["batch"], ctx.slots["torchrec_ctx"])
+            batch, context = ctx.slots[batch_slot], ctx.slots["torchrec_ctx"]
+            _start_data_dist(state.pipelined_modules, batch, context)
         ctx.slots.set("dist_started", True)
 
     def wait_input_dist(ctx: TaskContext) -> None:
         finish_input_dist_splits(ctx.slots["torchrec_ctx"])
         ctx.slots.set("dist_ready", True)
 
-    def zero_grad(ctx: TaskContext) -> None:
-        if state.training:
-            state.optimizer.zero_grad()
-
     def forward(ctx: TaskContext) -> None:
         for module in state.pipelined_modules:
             module.forward.set_context(ctx.slots["torchrec_ctx"])
-        batch = ctx.slots["batch"]
-        if state.evaluation:
+        batch = ctx.slots[batch_slot]
+        if evaluation:
             with torch.no_grad(), evaluation_mode(state.model):
                 ctx.slots.set("step_result", state.run_model(batch)[1])
             return
@@ -138,6 +176,33 @@ def build_sparse_dist_tasks(state: SparseDistState) -> list[Task]:
             losses, output = state.run_model(batch)
         ctx.slots.set("losses", losses)
         ctx.slots.set("output", output)
+
+    io, dist = layout.depth + 1, layout.depth
+    return {
+        "h2d": Task.from_fn("h2d", h2d, lookahead=io, stream="memcpy", reads=("batch_cpu",),
+                            writes=(layout.device_batch, "torchrec_ctx")),
+        "start_input_dist": Task.from_fn(
+            "start_input_dist", start_input_dist, lookahead=dist, stream="data_dist", nccl=True,
+            reads=(batch_slot, "torchrec_ctx"), writes=("dist_started",)),
+        "forward": Task.from_fn(
+            "forward", forward, nccl=True, reads=(batch_slot, layout.forward_input),
+            writes=("step_result",) if evaluation else ("losses", "output"),
+            depends_on=() if evaluation else ("zero_grad",)),
+        "wait_input_dist": Task.from_fn(
+            "wait_input_dist", wait_input_dist, lookahead=dist, stream="data_dist", nccl=True,
+            reads=("dist_started",), writes=("dist_ready",)),
+    }  # fmt: skip
+
+
+def build_sparse_dist_tasks(state: SparseDistState) -> list[Task]:
+    """The task list, in the declaration order that breaks topological ties."""
+    step = pipelined_step_tasks(state, evaluation=state.evaluation)
+    if state.evaluation:
+        return [step["h2d"], step["start_input_dist"], step["forward"], step["wait_input_dist"]]
+
+    def zero_grad(ctx: TaskContext) -> None:
+        if state.training:
+            state.optimizer.zero_grad()
 
     def backward(ctx: TaskContext) -> None:
         if state.training:
@@ -148,25 +213,13 @@ def build_sparse_dist_tasks(state: SparseDistState) -> list[Task]:
             state.optimizer.step()
         ctx.slots.set("step_result", ctx.slots["output"])
 
-    forward_writes = ("step_result",) if state.evaluation else ("losses", "output")
-    forward_after = () if state.evaluation else ("zero_grad",)
-    tasks = [
-        Task.from_fn("h2d", h2d, lookahead=2, stream="memcpy", reads=("batch_cpu",),
-                     writes=("batch", "torchrec_ctx")),
-        Task.from_fn("start_input_dist", start_input_dist, lookahead=1, stream="data_dist",
-                     nccl=True, reads=("batch", "torchrec_ctx"), writes=("dist_started",)),
+    return [
+        step["h2d"],
+        step["start_input_dist"],
         Task.from_fn("zero_grad", zero_grad),
-        Task.from_fn("forward", forward, nccl=True, reads=("batch", "dist_ready"),
-                     writes=forward_writes, depends_on=forward_after),
-        Task.from_fn("wait_input_dist", wait_input_dist, lookahead=1, stream="data_dist",
-                     nccl=True, reads=("dist_started",), writes=("dist_ready",)),
+        step["forward"],
+        step["wait_input_dist"],
         Task.from_fn("backward", backward, nccl=True, reads=("losses",), depends_on=("forward",)),
         Task.from_fn("optimizer_step", optimizer_step, reads=("output",), writes=("step_result",),
                      depends_on=("backward",)),
     ]  # fmt: skip
-    if state.evaluation:
-        return [task for task in tasks if task.name not in _TRAINING_ONLY]
-    return tasks
-
-
-_TRAINING_ONLY = frozenset({"zero_grad", "backward", "optimizer_step"})

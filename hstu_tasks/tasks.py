@@ -31,7 +31,8 @@ from the input-dist tasks, the ticket order keeps every rank's collectives in on
 order (without it, gloo reports mismatched collectives and NCCL hangs).  (2) prefetch
 variant only; it runs after this progress's ``forward`` and before its ``backward``
 (a cache's outstanding-key count is decremented by forward and incremented by
-prefetch).
+prefetch).  ``h2d``, the input-dist tasks and ``forward`` are the generic sparse-dist
+step's (``sparse_tasks.pipelined_step_tasks``), here with HSTU's slots and depth.
 """
 
 from __future__ import annotations
@@ -44,15 +45,13 @@ from torchrec.distributed.train_pipeline.pipeline_context import (
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
 )
-from torchrec.distributed.train_pipeline.utils import _start_data_dist
 
 from aiopipe import Task, TaskContext
 
-from .data import HSTUBatch
 from .megatron import finalize_grads, grad_buffer_chunks, zero_grad_buffers
 from .parallel import global_loss, global_tokens
 from .shuffler import BatchShuffler
-from .sparse_tasks import finish_input_dist_splits
+from .sparse_tasks import StepLayout, pipelined_step_tasks
 from .watchdog import LossWatch
 
 __all__ = ("PipelineState", "build_tasks")
@@ -87,23 +86,19 @@ class PipelineState:
     def training(self) -> bool:
         return bool(self.model.training)
 
-
-def _batch(ctx: TaskContext) -> HSTUBatch:
-    return ctx.slots["shuffled_batch"]  # type: ignore[no-any-return]
+    def run_model(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        return self.model(batch)  # type: ignore[no-any-return]
 
 
 def build_tasks(state: PipelineState) -> list[Task]:
     """The task list, in the declaration order that breaks topological ties."""
     depth = state.prefetch_depth if state.prefetch else 1
+    step = pipelined_step_tasks(state, StepLayout(
+        depth=depth, device_batch="batch_gpu", model_batch="shuffled_batch",
+        forward_input="prefetched" if state.prefetch else "dist_ready",
+    ))  # fmt: skip
     io, dist_la = depth + 1, depth
     shuffles = not state.shuffler.is_identity
-
-    def h2d(ctx: TaskContext) -> None:
-        if "batch_gpu" in ctx.slots:  # seeded by the bootstrap
-            return
-        batch = ctx.slots["batch_cpu"]
-        ctx.slots.set("batch_gpu", batch.to(state.device, non_blocking=True))
-        ctx.slots.set("torchrec_ctx", state.create_context(ctx.batch_index))
 
     def start_shuffle(ctx: TaskContext) -> None:
         if "shuffled_batch" in ctx.slots:
@@ -114,15 +109,6 @@ def build_tasks(state: PipelineState) -> list[Task]:
         if "shuffled_batch" in ctx.slots:
             return
         ctx.slots.set("shuffled_batch", state.shuffler.finish_shuffle(ctx.slots["shuffle_work"]))
-
-    def start_input_dist(ctx: TaskContext) -> None:
-        if "dist_started" not in ctx.slots:  # the bootstrap already started the seeded batch
-            _start_data_dist(state.pipelined_modules, _batch(ctx), ctx.slots["torchrec_ctx"])
-        ctx.slots.set("dist_started", True)
-
-    def wait_input_dist(ctx: TaskContext) -> None:
-        finish_input_dist_splits(ctx.slots["torchrec_ctx"])
-        ctx.slots.set("dist_ready", True)
 
     def prefetch_embeddings(ctx: TaskContext) -> None:
         context = ctx.slots["torchrec_ctx"]
@@ -143,22 +129,13 @@ def build_tasks(state: PipelineState) -> list[Task]:
             state.optimizer.zero_grad()
 
     def global_tokens_allreduce(ctx: TaskContext) -> None:
-        ctx.slots.set("global_tokens", global_tokens(_batch(ctx)))
+        ctx.slots.set("global_tokens", global_tokens(ctx.slots["shuffled_batch"]))
 
     def nccl_safety_barrier(ctx: TaskContext) -> None:
         # The work is the declared wait: the default stream waits for this progress's
         # shuffle collectives on the memcpy stream, so collectives on the two streams
         # run on the device in the order they were issued (a no-op on CPU).
         return None
-
-    def forward(ctx: TaskContext) -> None:
-        context = ctx.slots["torchrec_ctx"]
-        for module in state.pipelined_modules:
-            module.forward.set_context(context)
-        with torch.set_grad_enabled(state.training):
-            losses, output = state.model(_batch(ctx))
-        ctx.slots.set("losses", losses)
-        ctx.slots.set("output", output)
 
     def backward(ctx: TaskContext) -> None:
         losses = ctx.slots["losses"]
@@ -195,28 +172,22 @@ def build_tasks(state: PipelineState) -> list[Task]:
     # wait_input_dist is declared after forward, so the tie-break runs it (and issues
     # its collective ticket) after this progress's forward, torchrec's host order, with
     # no device wait on forward; run before forward it waited 1-2 ms per step on gloo.
-    forward_input = "prefetched" if state.prefetch else "dist_ready"
     backward_sync = ("prefetch_embeddings",) if state.prefetch else ()
     tasks = [
-        Task.from_fn("h2d", h2d, lookahead=io, stream="memcpy", reads=("batch_cpu",),
-                     writes=("batch_gpu", "torchrec_ctx")),
+        step["h2d"],
         Task.from_fn("start_shuffle", start_shuffle, lookahead=io, stream="memcpy", nccl=shuffles,
                      reads=("batch_gpu",), writes=("shuffle_work",)),
         Task.from_fn("finish_shuffle", finish_shuffle, lookahead=io, stream="memcpy",
                      nccl=shuffles, reads=("shuffle_work",), writes=("shuffled_batch",)),
-        Task.from_fn("start_input_dist", start_input_dist, lookahead=dist_la, stream="data_dist",
-                     nccl=True, reads=("shuffled_batch", "torchrec_ctx"),
-                     writes=("dist_started",)),
+        step["start_input_dist"],
         Task.from_fn("zero_grad", zero_grad),
         Task.from_fn("global_tokens_allreduce", global_tokens_allreduce, nccl=True,
                      reads=("shuffled_batch",), writes=("global_tokens",),
                      depends_on=("nccl_safety_barrier",)),
         Task.from_fn("nccl_safety_barrier", nccl_safety_barrier,
                      same_progress_sync=("finish_shuffle",)),
-        Task.from_fn("forward", forward, nccl=True, reads=("shuffled_batch", forward_input),
-                     writes=("losses", "output"), depends_on=("zero_grad",)),
-        Task.from_fn("wait_input_dist", wait_input_dist, lookahead=dist_la, stream="data_dist",
-                     nccl=True, reads=("dist_started",), writes=("dist_ready",)),
+        step["forward"],
+        step["wait_input_dist"],
         Task.from_fn("backward", backward, nccl=True, reads=("losses", "global_tokens"),
                      writes=("loss_sum",), same_progress_sync=backward_sync),
         Task.from_fn("finalize_model_grads", finalize_model_grads, nccl=bool(state.grad_chunks),

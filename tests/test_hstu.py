@@ -97,6 +97,48 @@ def test_results_yields_what_progress_does_and_checks_the_last_losses() -> None:
         assert seen == [(float(loss), float(tokens)) for loss, tokens, _ in expected]
 
 
+class _Rewound:
+    """The one iterator object a ``DataLoader`` with ``persistent_workers=True`` hands
+    out: every ``iter(loader)`` rewinds it."""
+
+    def __init__(self, items: object) -> None:
+        self._items, self._next = list(items), 0  # type: ignore[call-overload]
+
+    def __iter__(self) -> _Rewound:
+        return self
+
+    def __next__(self) -> object:
+        if self._next == len(self._items):
+            raise StopIteration
+        self._next += 1
+        return self._items[self._next - 1]
+
+    def rewind(self) -> None:
+        self._next = 0
+
+
+def test_an_ended_source_passed_again_is_read_afresh() -> None:
+    with one_rank_group():
+        data = SyntheticHSTUData(TINY_DATA, 3, seed=1, rank=0)
+        training = tiny_training()
+        pipe = HSTUPipeline(training.model, training.optimizer, training.device)
+        source = _Rewound(data)
+
+        async def two_epochs() -> tuple[list, list]:
+            async with pipe:
+                first = await collect(pipe, source)
+                assert pipe.engine is not None
+                assert pipe.engine.statistics().returned == 3  # it still describes the source
+                with pytest.raises(StopAsyncIteration):  # not rewound: it ends again
+                    await pipe.progress(source)
+                source.rewind()  # the next epoch of a persistent-worker loader
+                return first, await collect(pipe, source)
+
+        first, second = asyncio.run(two_epochs())
+    assert len(first) == len(second) == 3
+    assert [float(t) for _, t, _ in second] == [float(t) for _, t, _ in first]  # the same batches
+
+
 @settings(max_examples=60, deadline=None)
 @given(weights=st.lists(st.integers(0, 10_000), min_size=0, max_size=40), parts=st.integers(1, 4))
 def test_balanced_partition_is_an_equal_count_partition(weights: list[int], parts: int) -> None:

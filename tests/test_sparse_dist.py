@@ -3,6 +3,7 @@ model (torchrec's DLRM here), on 2 ranks with gloo."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -10,7 +11,11 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 import sparse_workers
+from aiopipe import BadBatchError
+from conftest import collect
+from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData, build_dlrm_training
 from hstu_tasks.sparse_sources import without_last_two
+from one_rank import one_rank_group
 
 pytestmark = pytest.mark.distributed
 
@@ -55,3 +60,22 @@ async def test_execute_all_batches_false_with_an_async_source() -> None:
     wrapped = without_last_two(numbers())
     assert isinstance(wrapped, AsyncIterator) and not isinstance(wrapped, Iterator)
     assert [n async for n in wrapped] == [0, 1]
+
+
+def test_a_refused_first_batch_counts_in_the_source_position() -> None:
+    config = DLRMConfig(num_embeddings=200, batch_size=16)
+    with one_rank_group():
+        setup = build_dlrm_training(config, "sgd", seed=3)
+        source = iter([None, *SyntheticDLRMData(config, 3)])
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
+
+        async def run() -> tuple[int, int, int]:
+            async with pipe:
+                with pytest.raises(BadBatchError, match="Pipelineable"):  # before tracing
+                    await pipe.progress(source)
+                results = await collect(pipe, source)  # the same source goes on
+                assert pipe.engine is not None
+                stats = pipe.engine.statistics()
+                return len(results), stats.returned, stats.refused
+
+        assert asyncio.run(run()) == (3, 3, 1)  # position: returned + refused items

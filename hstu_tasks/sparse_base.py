@@ -1,0 +1,320 @@
+"""``SparseDistBase``: what every pipeline on a torchrec-rewritten model shares --
+the progress contract, the bootstrap that traces the model on the first batch, and
+the lifetime (detach / attach / reset / shutdown).
+
+A subclass gives its state and task list (``_build_tasks``), the check a batch must
+pass, and the first ring slot's contents (``_rewrite_and_seed``); the generic
+sparse-dist pipelines (``sparse_pipeline.py``) and the HSTU pipeline
+(``pipeline.py``) are two such subclasses.  The engine is built on the first
+``progress``, because torchrec must see one real batch to trace the model: that batch
+is copied, the model rewritten and its input distribution started, then seeded into
+the ring (trained like any other; none is lost).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from typing import Any, ClassVar, Self
+
+import torch
+from torchrec.streamable import Pipelineable
+
+from aiopipe import AsyncExecutor, BadBatchError, BlockingPipeline, PipelineStateError, SchedulablePipeline
+from aiopipe import Schedule, Task, Tracer
+from aiopipe.executors.lanes import ThreadMap, resolve_lane
+from aiopipe.interop import needs_event_loop
+from aiopipe.source import END, Feed, Source
+from aiopipe.trace import resolve_tracer
+
+from .sparse_model import STREAMS, PipelinedModel
+
+__all__ = ("SparseDistBase", "check_pipelineable")
+
+
+def check_pipelineable(batch: object) -> None:
+    """torchrec pipelines ``Pipelineable`` batches (``to``, ``record_stream``,
+    ``pin_memory``) and tensors."""
+    if not isinstance(batch, (Pipelineable, torch.Tensor)):
+        raise TypeError(f"expected a torchrec Pipelineable batch (to, record_stream, "
+                        f"pin_memory) or a tensor, got {type(batch).__name__}")  # fmt: skip
+
+
+class SparseDistBase:
+    """The progress contract, bootstrap and lifetime of a pipeline on ``shared``'s
+    model; ``state`` is what its tasks share."""
+
+    _what = "sparse-dist pipeline"
+    #: Raises ``TypeError`` or ``ValueError`` for a batch the tasks cannot run.
+    _check_batch = staticmethod(check_pipelineable)
+
+    def __init__(self, shared: PipelinedModel, state: Any, *, default_thread_map: Mapping[str, str],
+                 thread_map: ThreadMap, executor: str | Any, trace: bool | Tracer | None,
+                 name: str | None = None) -> None:  # fmt: skip
+        self.name = name
+        self._shared, self._state = shared, state
+        self._thread_map = thread_map if thread_map is not None else default_thread_map
+        if executor is None:  # a bad thread map fails here, not after a batch was taken
+            for task in self._build_tasks():
+                resolve_lane(task, self._thread_map)
+        self._executor_choice = executor
+        self._executor_used = False  # an executor instance serves one engine
+        # One tracer for the pipeline's lifetime: detach/attach rebuilds keep adding to it.
+        self._tracer = resolve_tracer(trace)
+        self._closed = False
+        # The source's first batch, taken by a bootstrap that then failed: the next
+        # bootstrap on that source trains it (nothing lost); and the items refused.
+        self._kept: tuple[Source, Any] | None = None
+        self._refused: tuple[Source, int] | None = None
+        self._ended_source: Source | None = None  # the source whose end progress() reported
+
+    # -- what a subclass gives ---------------------------------------------------------
+
+    def _build_tasks(self) -> list[Task]:
+        """The task list, in the declaration order that breaks topological ties."""
+        raise NotImplementedError
+
+    def _rewrite_and_seed(self, peek: Any) -> dict[str, Any]:
+        """Let torchrec rewrite the model on ``peek`` (``PipelinedModel.rewrite``):
+        what the first ring slot is seeded with."""
+        raise NotImplementedError
+
+    def _adapt(self, source: Source) -> Source:
+        return source
+
+    def _ended(self, source: Source) -> None:
+        """``progress`` reported the end of ``source``."""
+
+    def _finished(self) -> None:
+        """No batch is in flight any more: the source ended, or ``drain()``."""
+
+    # -- the progress contract ---------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._state.model  # type: ignore[no-any-return]
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The tracer collecting task spans (``trace=`` at construction), if any."""
+        return self._tracer
+
+    @property
+    def engine(self) -> SchedulablePipeline | None:
+        """The underlying engine, once the first progress has built it."""
+        return self._shared.engines.get(self)
+
+    @needs_event_loop
+    async def progress(self, source: Source) -> Any:
+        """One batch's result; ``StopAsyncIteration`` once ``source`` has ended."""
+        if self._closed:
+            raise PipelineStateError(f"the {self._what} has been shut down")
+        if not self._shared.attached:
+            raise PipelineStateError("the model is detached; call attach() first")
+        with self._taking_turn("progress()"):
+            return await self._progress(self._adapt(source))
+
+    #: ``async for result in pipe.results(loader)``: the engine's loop, over this
+    #: pipeline's ``progress`` until the end (an iterable gets a fresh iterator, an
+    #: iterator continues where it stands).
+    results: ClassVar[Callable[[Any, Iterable[Any] | AsyncIterable[Any]], AsyncIterator[Any]]]
+    results = SchedulablePipeline.results  # it calls only self.progress
+
+    @contextlib.contextmanager
+    def _taking_turn(self, call: str) -> Iterator[None]:
+        """The pipelines of one model run one call at a time."""
+        shared = self._shared
+        if shared.busy is not None:
+            raise PipelineStateError(
+                f"another progress() or drain() is running on this model; await it before "
+                f"calling {call} (the pipelines of one model take turns: they share its "
+                f"torchrec rewrite)"
+            )
+        shared.busy = self
+        try:
+            yield
+        finally:
+            shared.busy = None
+
+    async def _progress(self, source: Source) -> Any:
+        engine = self.engine
+        built = engine is None
+        if engine is None:
+            await self._bootstrap(source)
+            engine = self.engine
+            assert engine is not None
+        await self._finish_others(engine)
+        if source is self._ended_source and not built:
+            # The source that ended, passed again: read it afresh (a persistent-worker
+            # loader hands out one iterator object, reset by every iter(loader)).
+            await engine.drain()
+        self._ended_source = None
+        try:
+            return await engine.progress(source)
+        except StopAsyncIteration:
+            self._ended_source = source  # the engine keeps its statistics until then
+            self._ended(source)
+            self._finished()
+            raise
+
+    @needs_event_loop
+    async def drain(self) -> list[Any]:
+        """Finish the batches in flight and return their results; the source is then
+        forgotten (pass it again to go on with its next batch)."""
+        results: list[Any] = []
+        engine = self.engine
+        if engine is not None:
+            with self._taking_turn("drain()"):
+                await self._finish_others(engine)
+                results = await engine.drain()
+        self._finished()
+        return results
+
+    async def _finish_others(self, engine: SchedulablePipeline) -> None:
+        """Wait for an iteration of another pipeline on the model whose caller was
+        cancelled (it runs on; two engines must not run on one model at once)."""
+        for other in list(self._shared.engines.values()):
+            if other is not engine and other._running is not None:
+                await other._finish_running()
+
+    async def aclose(self) -> None:
+        """Wait for an iteration whose caller was cancelled, then shut down
+        (``async with`` calls it)."""
+        engine = self.engine
+        if engine is not None:
+            await engine.aclose()
+        self.shutdown()
+
+    def blocking(self) -> BlockingPipeline:
+        """The torchrec-style blocking form: ``progress(it)`` raises ``StopIteration``."""
+        return BlockingPipeline(self)
+
+    # -- attach / detach / reset / shutdown ---------------------------------------------
+
+    def detach(self) -> torch.nn.Module:
+        """Give the model back with its original forwards, to every pipeline on it.
+        Refused while any of them has batches in flight (``drain()`` first)."""
+        in_flight = self._shared.in_flight()
+        if in_flight:
+            raise PipelineStateError(
+                f"{in_flight} batch(es) are in flight in the pipelines on this model; "
+                f"drain() them first (or reset(), after a failed progress)"
+            )
+        for engine in self._shared.engines.values():  # every pipeline builds a new one
+            engine.shutdown()
+        self._shared.engines.clear()
+        self._shared.restore()
+        self._shared.attached = False
+        return self.model
+
+    def attach(self, model: torch.nn.Module | None = None) -> None:
+        """Go on after ``detach()``; the next ``progress`` traces the model again.
+        ``model`` swaps in another one, stepped by the same optimizer (so it must hold
+        that optimizer's parameters); refused while the pipeline runs."""
+        if model is not None:
+            if self._shared.engines:
+                raise PipelineStateError(
+                    "the pipeline is running on its model: detach() before attaching another"
+                )
+            if model is not self._state.model:
+                self._shared.replace_model(model)
+                self._state.model = model
+        self._shared.attached = True
+
+    def reset(self) -> None:
+        """After a failed progress (the engine then refuses to go on; a cancelled one
+        needs nothing, its iteration finishes and the next call returns its result):
+        drop this pipeline's batches in flight; the next ``progress`` starts afresh on
+        whatever source it gets.  The failed step may have applied part of its update:
+        resume from a checkpoint when the run must stay exact.  In a multi-rank job
+        every rank resets together."""
+        if self._closed:
+            raise PipelineStateError(f"the {self._what} has been shut down")
+        self._teardown()
+        self._kept = self._refused = None
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._teardown()
+        self._closed = True
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _teardown(self) -> None:
+        """Shut this pipeline's engine down; the last engine on the model gives the
+        model its own forwards back (a failed step may have left torchrec's state
+        half-way)."""
+        self._ended_source = None
+        engine = self._shared.engines.pop(self, None)
+        if engine is not None:
+            engine.shutdown()
+        if not self._shared.engines:
+            self._shared.restore()
+
+    # -- bootstrap ---------------------------------------------------------------------
+
+    async def _bootstrap(self, source: Source) -> None:
+        """Build the engine; on a model not traced yet, take the source's first batch,
+        rewrite the model on it and seed it.  A failure leaves the model as it was and
+        keeps the batch."""
+        engine = SchedulablePipeline(
+            Schedule.of(self._build_tasks(), stream_slots=STREAMS), self._shared.pool,
+            self._new_executor(), trace=self._tracer, check_batch=self._check_batch,
+            name=self.name,
+        )  # fmt: skip
+        try:
+            if not self._shared.rewritten:
+                seed = self._rewrite_and_seed(await self._first_batch(source))
+                engine.seed_first_batch(seed, refused=self._refused_from(source))
+        except BaseException:
+            engine.shutdown()
+            if not self._shared.engines:
+                self._shared.restore()
+            raise
+        self._kept = self._refused = None
+        self._shared.engines[self] = engine
+
+    def _new_executor(self) -> Any:
+        choice = self._executor_choice
+        if choice is None:
+            return AsyncExecutor(self._thread_map)
+        if not isinstance(choice, str):
+            if self._executor_used:
+                raise PipelineStateError(
+                    f"the executor instance given to the {self._what} served the engine "
+                    f"that detach()/reset() tore down, and an executor serves one pipeline "
+                    f"engine; build a new {type(self).__name__}, or pass thread_map= "
+                    f"instead of an executor instance"
+                )
+            self._executor_used = True
+        return choice
+
+    async def _first_batch(self, source: Source) -> Any:
+        """The source's first batch: the one a failed bootstrap kept, or a new one."""
+        if self._kept is not None:
+            kept_source, batch = self._kept
+            if kept_source is not source:
+                raise PipelineStateError(
+                    "a batch taken from the previous source is still waiting for its "
+                    "step: pass that source again, or reset() to drop the batch"
+                )
+            return batch
+        batch, _ = await Feed(source, read_ahead=False).take()
+        if batch is END:
+            raise StopAsyncIteration
+        try:
+            self._check_batch(batch)
+        except (TypeError, ValueError) as exc:  # nothing in flight yet: nothing else lost
+            self._refused = (source, self._refused_from(source) + 1)
+            raise BadBatchError(f"the source's first batch was refused: {exc}") from exc
+        self._kept = (source, batch)
+        return batch
+
+    def _refused_from(self, source: Source) -> int:
+        """First batches of ``source`` refused before the engine existed."""
+        return self._refused[1] if self._refused and self._refused[0] is source else 0
