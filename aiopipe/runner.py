@@ -10,7 +10,6 @@ does.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import signal
 import threading
@@ -52,6 +51,7 @@ class LoopRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._interrupts = 0
         self._closed = False
+        self._task: asyncio.Task[Any] | None = None  # the call under way
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -72,13 +72,16 @@ class LoopRunner:
         async def call() -> T:  # fn(*args) is made inside the loop: coroutine APIs check
             return await fn(*args)
 
-        task = loop.create_task(call())
+        task = self._task = loop.create_task(call())
         install = (
             threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         )
         if install:
-            signal.signal(signal.SIGINT, functools.partial(self._on_sigint, task=task))
+            # A bound method, not a partial holding the task: signal.signal() builds the
+            # repr of the handler it replaces, and a task's repr formats its coroutine's
+            # arguments (tensors too) -- 6 % of a DLRM step (docs/performance.md).
+            signal.signal(signal.SIGINT, self._on_sigint)
         self._interrupts = 0
         try:
             return loop.run_until_complete(task)
@@ -87,10 +90,14 @@ class LoopRunner:
                 raise KeyboardInterrupt() from None
             raise
         finally:
+            self._task = None
             if install:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    def _on_sigint(self, signum: int, frame: FrameType | None, task: asyncio.Task[Any]) -> None:
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        task = self._task
+        if task is None:  # between calls: a plain Ctrl-C
+            raise KeyboardInterrupt()
         self._interrupts += 1
         if self._interrupts == 1 and not task.done():
             task.cancel()

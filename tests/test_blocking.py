@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 import textwrap
@@ -139,3 +140,25 @@ def test_ctrl_c_interrupts_cleanly_and_the_pipeline_carries_on() -> None:
         "every result once, in order: True",
         "lanes left: []",
     ]
+
+
+class _CountedRepr:
+    """A step result that counts how often something formats it."""
+
+    formatted = 0
+
+    def __repr__(self) -> str:
+        type(self).formatted += 1
+        return "<counted>"
+
+
+def test_a_blocking_progress_never_formats_its_result() -> None:
+    # signal.signal() builds the repr of the Ctrl-C handler it replaces; a handler
+    # holding the finished call's task formatted the step's result (its tensors) on
+    # every progress.  Run on the main thread, where the handler is installed.
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    tasks = [Task.from_fn("step", lambda ctx: ctx.slots.set("step_result", _CountedRepr()),
+                          writes=("step_result",))]  # fmt: skip
+    with Pipeline(tasks).blocking() as pipe:
+        results = list(pipe.results(range(5)))
+    assert len(results) == 5 and _CountedRepr.formatted == 0
