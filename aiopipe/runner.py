@@ -72,15 +72,16 @@ class LoopRunner:
         async def call() -> T:  # fn(*args) is made inside the loop: coroutine APIs check
             return await fn(*args)
 
-        task = self._task = loop.create_task(call())
+        task = loop.create_task(call())
+        self._task = task
         install = (
             threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         )
         if install:
             # A bound method, not a partial holding the task: signal.signal() builds the
-            # repr of the handler it replaces, and a task's repr formats its coroutine's
-            # arguments (tensors too) -- 6 % of a DLRM step (docs/performance.md).
+            # repr of the handler it replaces, and a finished task's repr formats its
+            # result (tensors too) -- 6 % of a DLRM step (docs/performance.md).
             signal.signal(signal.SIGINT, self._on_sigint)
         self._interrupts = 0
         try:
