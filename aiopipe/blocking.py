@@ -10,8 +10,9 @@ A drop-in for torchrec's ``TrainPipeline`` calling convention::
         except StopIteration:
             break
 
-Each call runs the pipeline's coroutine on a private event loop (uvloop when
-installed) that lives as long as this object.  Calling it from inside a running
+Each call runs the pipeline's coroutine on a private asyncio event loop that lives
+as long as this object (not uvloop: it is started and stopped on every call, which
+costs more on uvloop; see ``runner.py``).  Calling it from inside a running
 event loop is refused: use ``await pipe.progress(it)`` there.
 """
 
@@ -48,7 +49,7 @@ class BlockingPipeline:
 
     def __init__(self, pipeline: AsyncPipeline) -> None:
         self._pipeline = pipeline
-        self._runner = LoopRunner()
+        self._runner = LoopRunner(prefer_uvloop=False)
         weakref.finalize(self, self._runner.close)  # dropped without shutdown()
 
     @property

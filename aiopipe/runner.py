@@ -1,10 +1,14 @@
 """Running coroutines from ordinary code: ``aiopipe.run`` and the loop behind the
 blocking API.
 
-Both use uvloop when it is installed (``AIOPIPE_UVLOOP=0`` opts out) and plain
-asyncio otherwise.  Ctrl-C cancels the running coroutine -- so the pipeline releases
-its lanes and tickets -- and then raises ``KeyboardInterrupt``, as ``asyncio.run``
-does.
+``aiopipe.run`` uses uvloop when it is installed (``AIOPIPE_UVLOOP=0`` opts out) and
+plain asyncio otherwise.  The blocking API always uses plain asyncio: it starts and
+stops its loop on every call, and uvloop sets its signal handling up on every start
+in the main thread (37 us a start there against 13 for asyncio's loop, and 100-250
+us more per progress between two training steps; docs/performance.md).
+
+Ctrl-C cancels the running coroutine -- so the pipeline releases its lanes and
+tickets -- and then raises ``KeyboardInterrupt``, as ``asyncio.run`` does.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ def uvloop_enabled() -> bool:
     return True
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    if uvloop_enabled():
+def new_event_loop(*, prefer_uvloop: bool = True) -> asyncio.AbstractEventLoop:
+    """A uvloop loop when ``prefer_uvloop`` and :func:`uvloop_enabled`, else asyncio's."""
+    if prefer_uvloop and uvloop_enabled():
         import uvloop
 
         return uvloop.new_event_loop()
@@ -45,9 +50,11 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 class LoopRunner:
     """Owns one event loop and runs coroutines on it to completion, call after call
-    (pipelines keep lanes and state between calls, so the loop must persist)."""
+    (pipelines keep lanes and state between calls, so the loop must persist).
+    ``prefer_uvloop=False``: always asyncio's loop (for many short calls, see above)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, prefer_uvloop: bool = True) -> None:
+        self._prefer_uvloop = prefer_uvloop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._interrupts = 0
         self._closed = False
@@ -56,7 +63,7 @@ class LoopRunner:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None or self._loop.is_closed():
-            self._loop = new_event_loop()
+            self._loop = new_event_loop(prefer_uvloop=self._prefer_uvloop)
             self._closed = False
         return self._loop
 

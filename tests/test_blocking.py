@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import aiopipe
-from aiopipe import Pipeline, PipelineStateError, Task
+from aiopipe import Pipeline, PipelineStateError, Task, TaskContext
 
 
 def echo_pipeline(executor: str = "async") -> Pipeline:
@@ -88,6 +88,19 @@ def test_run_uses_uvloop_when_installed(monkeypatch: pytest.MonkeyPatch) -> None
     assert aiopipe.run(loop_type()).startswith("uvloop")
     monkeypatch.setenv("AIOPIPE_UVLOOP", "0")
     assert aiopipe.run(loop_type()).startswith("asyncio")
+
+
+def test_the_blocking_form_runs_on_asyncio_s_loop() -> None:
+    # It starts and stops its loop on every call, which costs more on uvloop.
+    seen: list[str] = []
+
+    async def record_loop(ctx: TaskContext) -> None:
+        seen.append(type(asyncio.get_running_loop()).__module__)
+        ctx.slots.set("step_result", ctx.batch_index)
+
+    with Pipeline([Task.from_fn("step", record_loop, writes=("step_result",))]).blocking() as pipe:
+        assert list(pipe.results(range(3))) == [0, 1, 2]
+    assert seen and all(module.startswith("asyncio") for module in seen)
 
 
 async def test_run_refuses_inside_a_running_loop() -> None:
