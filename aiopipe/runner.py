@@ -4,8 +4,8 @@ blocking API.
 ``aiopipe.run`` uses uvloop when it is installed (``AIOPIPE_UVLOOP=0`` opts out) and
 plain asyncio otherwise.  The blocking API always uses plain asyncio: it starts and
 stops its loop on every call, and uvloop sets its signal handling up on every start
-in the main thread (37 us a start there against 13 for asyncio's loop, and 100-250
-us more per progress between two training steps; docs/performance.md).
+in the main thread (37 us a start there against 13 for asyncio's loop; 70-200 us more
+per progress between two training steps, docs/performance.md).
 
 Ctrl-C cancels the running coroutine -- so the pipeline releases its lanes and
 tickets -- and then raises ``KeyboardInterrupt``, as ``asyncio.run`` does.
@@ -74,6 +74,11 @@ class LoopRunner:
                 "the blocking API was called from inside a running event loop; in async "
                 "code use 'await pipe.progress(...)' instead"
             )
+        if self._task is not None:  # another thread's call is under way on this loop
+            raise PipelineStateError(
+                "the blocking API is already running a call on this pipeline (from another "
+                "thread); one call at a time"
+            )
         loop = self.loop
 
         async def call() -> T:  # fn(*args) is made inside the loop: coroutine APIs check
@@ -86,9 +91,9 @@ class LoopRunner:
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         )
         if install:
-            # A bound method, not a partial holding the task: signal.signal() builds the
-            # repr of the handler it replaces, and a finished task's repr formats its
-            # result (tensors too) -- 6 % of a DLRM step (docs/performance.md).
+            # A bound method, not a partial holding the task: on CPython 3.11
+            # signal.signal() builds the repr of the handler it replaces, and a finished
+            # task's repr formats its result (tensors too) -- 6 % of a DLRM step.
             signal.signal(signal.SIGINT, self._on_sigint)
         self._interrupts = 0
         try:

@@ -81,6 +81,7 @@ class HSTUPipeline(SparseDistBase):
     """
 
     _what = "HSTU pipeline"
+    _turns = ""  # its rewrite of the model is its own: one call at a time, no more to say
     _check_batch = staticmethod(check_batch)
     _state: PipelineState
 

@@ -45,6 +45,8 @@ class SparseDistBase:
     model; ``state`` is what its tasks share."""
 
     _what = "sparse-dist pipeline"
+    #: Why the pipelines of one model take turns (HSTU's rewrite is its own).
+    _turns = " (the pipelines of one model take turns: they share its torchrec rewrite)"
     #: Raises ``TypeError`` or ``ValueError`` for a batch the tasks cannot run.
     _check_batch = staticmethod(check_pipelineable)
 
@@ -127,8 +129,7 @@ class SparseDistBase:
         if shared.busy is not None:
             raise PipelineStateError(
                 f"another progress() or drain() is running on this model; await it before "
-                f"calling {call} (the pipelines of one model take turns: they share its "
-                f"torchrec rewrite)"
+                f"calling {call}{self._turns}"
             )
         shared.busy = self
         try:
@@ -200,6 +201,7 @@ class SparseDistBase:
                 f"{in_flight} batch(es) are in flight in the pipelines on this model; "
                 f"drain() them first (or reset(), after a failed progress)"
             )
+        self._ended_source = None
         for engine in self._shared.engines.values():  # every pipeline builds a new one
             engine.shutdown()
         self._shared.engines.clear()

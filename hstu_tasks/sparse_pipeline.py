@@ -11,9 +11,10 @@ evaluation passes does.  The first batch a model sees traces it: that batch is
 copied, the model rewritten and its input distribution started, then seeded into the
 ring (trained like any other).
 
-A source that has ended is forgotten: passing the same iterator object again reads it
-afresh (a ``DataLoader`` with ``persistent_workers=True`` hands out one iterator
-object, reset by every ``iter(loader)``).
+A source that has ended stays described by ``statistics()`` until it is passed
+again: then the same iterator object is read afresh (a ``DataLoader`` with
+``persistent_workers=True`` hands out one iterator object, reset by every
+``iter(loader)``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -175,3 +176,21 @@ def test_a_blocking_progress_never_formats_its_result() -> None:
     with Pipeline(tasks).blocking() as pipe:
         results = list(pipe.results(range(5)))
     assert len(results) == 5 and _CountedRepr.formatted == 0
+
+
+def test_a_second_blocking_call_from_another_thread_is_refused() -> None:
+    # The task body runs on a lane thread while the main thread's call is under way.
+    refused: list[PipelineStateError] = []
+    blocking: list[Any] = []
+
+    def step(ctx: TaskContext) -> None:
+        try:
+            blocking[0].progress(iter([1]))
+        except PipelineStateError as exc:
+            refused.append(exc)
+        ctx.slots.set("step_result", ctx.batch_index)
+
+    with Pipeline([Task.from_fn("step", step, writes=("step_result",))]).blocking() as pipe:
+        blocking.append(pipe)
+        assert list(pipe.results(range(2))) == [0, 1]
+    assert len(refused) == 2 and "one call at a time" in str(refused[0])

@@ -188,8 +188,6 @@ def test_lanes_lower_the_gil_switch_interval_and_never_raise_it() -> None:
         sys.setswitchinterval(before)
 
 
-
-
 async def test_the_chain_finishing_the_progress_is_handed_over_first() -> None:
     # Declared io-first, as pipelines with a copy stage are: the compute lane, whose
     # chain holds the batch this progress returns, must still be woken first.
