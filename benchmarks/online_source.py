@@ -94,8 +94,10 @@ def train_aiopipe(setup: Any, fetcher: Fetcher, on_step: Callable[[int], None]) 
 
     async def train() -> None:
         async with pipe:
+            step = 0
             async for _ in pipe.results(fetcher):
-                on_step(0)
+                step += 1
+                on_step(step)
 
     run(train())
 
@@ -108,7 +110,7 @@ def measure(name: str, steps: int, latency_ms: tuple[float, float], seed: int) -
     fetcher = Fetcher(steps, latency_ms, seed)
     done: list[float] = []
 
-    def on_step(_: int) -> None:
+    def on_step(step: int) -> None:  # run_pipeline's hook: called after step n
         done.append(time.perf_counter())
 
     if name == "aiopipe":
