@@ -13,7 +13,10 @@ Three no-op schedules separate the three :class:`EngineCosts` terms:
   machines), and real tasks leave cores idle the same way.
 
 Each figure is the median of ``repeats`` timed runs, so a noisy neighbour costs
-accuracy, not a wrong order of magnitude.
+accuracy, not a wrong order of magnitude.  :func:`engine_costs_from_timings` turns
+those medians into the three terms; a difference that noise makes negative (the
+many-task run no slower than the one-task run, say) gives a term of 0 rather than
+a negative cost.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..executors import AsyncExecutor
 from ..executors.lanes import ThreadMap
@@ -30,7 +33,7 @@ from ..schedule import Schedule
 from ..task import Task
 from .costs import EngineCosts
 
-__all__ = ("calibrate_engine",)
+__all__ = ("calibrate_engine", "engine_costs_from_timings")
 
 
 def _noop(ctx: object) -> None:
@@ -97,10 +100,25 @@ async def calibrate_engine(
         samples["lanes"].append(
             await _ms_per_iteration(sleeping, alternate, max(10, iterations // 4), sleeper)
         )
-    one_ms, many_ms, lanes_ms = (statistics.median(samples[k]) for k in ("one", "many", "lanes"))
-    task_ms = max(0.0, (many_ms - one_ms) / (many - 1))
-    progress_ms = max(0.0, one_ms - task_ms)
-    handoff_ms = max(0.0, (lanes_ms - many_ms) / (many + 1))
+    return engine_costs_from_timings(samples["one"], samples["many"], samples["lanes"], many=many)
+
+
+def engine_costs_from_timings(
+    one_ms: Sequence[float], many_ms: Sequence[float], lanes_ms: Sequence[float], *, many: int
+) -> EngineCosts:
+    """The engine terms from the measured ms per progress of the three schedules
+    (one sample per repeat; the median of each is used).
+
+    ``one_ms``: one no-op task on the loop; ``many_ms``: a chain of ``many`` no-op
+    tasks on the loop; ``lanes_ms``: that chain alternating between two thread lanes,
+    with its bodies' sleep already taken out.  A term that noise makes negative is 0;
+    ``progress_ms`` is what the one-task run costs beyond that (clamped) task term.
+    Figures are rounded to 0.1 µs.
+    """
+    one, chain, lanes = (statistics.median(ms) for ms in (one_ms, many_ms, lanes_ms))
+    task_ms = max(0.0, (chain - one) / (many - 1))
+    progress_ms = max(0.0, one - task_ms)
+    handoff_ms = max(0.0, (lanes - chain) / (many + 1))
     return EngineCosts(
         progress_ms=round(progress_ms, 4),
         task_ms=round(task_ms, 4),
