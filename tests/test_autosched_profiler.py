@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from aiopipe import Schedule, Task, TaskContext
-from aiopipe.autosched import CostModelError, CostProfiler, EngineCosts, calibrate_engine
+from aiopipe.autosched import AutoschedError, CostModelError, CostProfiler, EngineCosts, calibrate_engine
 from aiopipe.autosched import calibrate, profile_schedule
 from aiopipe.autosched.calibrate import engine_costs_from_timings
 from aiopipe.trace import Span
@@ -131,3 +131,13 @@ async def test_calibration_runs_and_returns_well_formed_costs() -> None:
     for value in (engine.progress_ms, engine.task_ms, engine.handoff_ms):
         assert isinstance(value, float) and math.isfinite(value) and value >= 0
         assert round(value, 4) == value
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"many": 1}, {"repeats": 0}, {"iterations": 0}, {"idle_ms": -1.0}],
+    ids=["one-task-chain", "no-repeats", "no-iterations", "negative-idle"],
+)
+async def test_calibration_refuses_arguments_it_cannot_measure_with(bad: dict) -> None:
+    with pytest.raises(AutoschedError, match=next(iter(bad))):
+        await calibrate_engine(**bad)

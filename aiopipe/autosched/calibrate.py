@@ -32,6 +32,7 @@ from ..pipeline import SchedulablePipeline
 from ..schedule import Schedule
 from ..task import Task
 from .costs import EngineCosts
+from .errors import AutoschedError
 
 __all__ = ("calibrate_engine", "engine_costs_from_timings")
 
@@ -89,6 +90,12 @@ async def calibrate_engine(
 ) -> EngineCosts:
     """Measure :class:`EngineCosts` on this machine (a few seconds: the hand-off
     figure needs ``repeats * iterations`` progresses of ``many`` sleeping tasks)."""
+    if iterations < 1 or repeats < 1 or many < 2 or idle_ms < 0:
+        raise AutoschedError(
+            f"calibrate_engine needs iterations >= 1, repeats >= 1, many >= 2 (the task "
+            f"term is the difference between one task and many) and idle_ms >= 0; got "
+            f"iterations={iterations}, repeats={repeats}, many={many}, idle_ms={idle_ms}"
+        )
     alternate: Callable[[Task], str] = lambda task: "a" if int(task.name[1:]) % 2 == 0 else "b"
     loop_lane: Callable[[Task], str] = lambda task: "loop"
     sleeper = _Sleeper(idle_ms / 1e3)
