@@ -263,15 +263,21 @@ class SparseDistBase:
     async def _bootstrap(self, source: Source) -> None:
         """Build the engine; on a model not traced yet, take the source's first batch,
         rewrite the model on it and seed it.  A failure leaves the model as it was and
-        keeps the batch."""
+        keeps the batch (seeded as it is once another pipeline has traced the model)."""
         engine = SchedulablePipeline(
             Schedule.of(self._build_tasks(), stream_slots=STREAMS), self._shared.pool,
             self._new_executor(), trace=self._tracer, check_batch=self._check_batch,
             name=self.name,
         )  # fmt: skip
         try:
+            seed: dict[str, Any] | None = None
             if not self._shared.rewritten:
                 seed = self._rewrite_and_seed(await self._first_batch(source))
+            elif self._kept is not None or self._refused_from(source):
+                # Another pipeline traced the model since this one's bootstrap failed:
+                # the batch it kept (or the one after those it refused) is still next.
+                seed = {"batch_cpu": await self._first_batch(source)}
+            if seed is not None:
                 engine.seed_first_batch(seed, refused=self._refused_from(source))
         except BaseException:
             engine.shutdown()
