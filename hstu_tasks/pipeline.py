@@ -64,7 +64,7 @@ HSTU_DIST_LANE_THREAD_MAP: dict[str, str] = {
 }
 
 
-class HSTUPipeline(SparseDistBase):
+class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
     """``await progress(it) -> (local_loss_sum, global_tokens, output)``.
 
     ``model`` is the HSTU model, ``DistributedModelParallel``-wrapped when its tables
