@@ -108,7 +108,8 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
                 f"pass prefetch=True (or create 'hstu_prefetch_sparse_dist')"
             )
         device = torch.device(device)
-        shared = PipelinedModel(model, device)  # its own: not shared with other pipelines
+        # its own: not shared with other pipelines
+        shared = PipelinedModel(model, device, owner="an HSTUPipeline")
         state = PipelineState(
             model=model, optimizer=optimizer, device=device,
             shuffler=batch_shuffler or IdentityShuffler(), prefetch=prefetch,

@@ -7,19 +7,21 @@ import asyncio
 import os
 import socket
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import torch
 from torchrec.datasets.utils import Batch
 
 import sparse_workers
-from aiopipe import BadBatchError
+from aiopipe import BadBatchError, PipelineStateError
 from conftest import collect
-from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData, build_dlrm_training
+from hstu_tasks import DLRMConfig, HSTUPipeline, SparseDistPipeline, SyntheticDLRMData
+from hstu_tasks import SyntheticHSTUData, build_dlrm_training
 from hstu_tasks.dlrm import evaluate_plainly, run_dlrm
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse_sources import without_last_two
-from one_rank import one_rank_group
+from one_rank import TINY_DATA, one_rank_group, tiny_training
 
 pytestmark = pytest.mark.distributed
 
@@ -140,3 +142,49 @@ def test_a_failed_bootstrap_loses_nothing_when_another_pipeline_traces_the_model
 
         asyncio.run(run())
         assert parameter_digest(setup.model) == parameter_digest(plain.model)
+
+
+def test_a_model_holds_one_rewrite_at_a_time_so_another_pipeline_kind_is_refused() -> None:
+    """An HSTUPipeline's rewrite of a model is its own: a sparse-dist pipeline (or a
+    second HSTUPipeline) on that model is refused at its first step, before it
+    rewrites anything, and keeps the batch it took; once the model is given back it
+    runs, and then an HSTUPipeline is refused in turn.  The refusals leave the
+    running pipeline's training as it is without them."""
+    with one_rank_group():
+        data = SyntheticHSTUData(TINY_DATA, 3, seed=1, rank=0)
+        alone = tiny_training()
+        pipe = HSTUPipeline(alone.model, alone.optimizer, alone.device)
+        expected = [float(loss_sum) for loss_sum, _, _ in asyncio.run(collect(pipe, iter(data)))]
+        pipe.shutdown()
+
+        setup = tiny_training()
+        hstu = HSTUPipeline(setup.model, setup.optimizer, setup.device)
+        second = HSTUPipeline(setup.model, setup.optimizer, setup.device)
+
+        def summed_losses(batch: Any) -> tuple[torch.Tensor, Any]:
+            losses, output = setup.model(batch)
+            return losses.reshape(-1), output  # torchrec's backward sums dim 0
+
+        sparse = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                    custom_model_fwd=summed_losses)  # fmt: skip
+
+        async def run() -> None:
+            hstu_source, sparse_source = iter(data), iter(data)
+            async with hstu, second, sparse:
+                trained = [await hstu.progress(hstu_source)]  # traces and rewrites the model
+                for other, source in ((sparse, sparse_source), (second, iter(data))):
+                    with pytest.raises(PipelineStateError, match="an HSTUPipeline already runs"):
+                        await other.progress(source)
+                    assert other.engine is None
+                trained += await collect(hstu, hstu_source)
+                assert [float(loss_sum) for loss_sum, _, _ in trained] == expected
+                hstu.detach()  # gives the model its own forwards back
+                assert len(await collect(sparse, sparse_source)) == len(data)  # the kept one too
+                hstu.attach()
+                hstu_source = iter(data)
+                with pytest.raises(PipelineStateError, match="a sparse-dist pipeline already runs"):
+                    await hstu.progress(hstu_source)
+                sparse.shutdown()
+                assert len(await collect(hstu, hstu_source)) == len(data)
+
+        asyncio.run(run())
