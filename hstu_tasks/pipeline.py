@@ -64,7 +64,7 @@ HSTU_DIST_LANE_THREAD_MAP: dict[str, str] = {
 }
 
 
-class HSTUPipeline(SparseDistBase):
+class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
     """``await progress(it) -> (local_loss_sum, global_tokens, output)``.
 
     ``model`` is the HSTU model, ``DistributedModelParallel``-wrapped when its tables
@@ -108,7 +108,8 @@ class HSTUPipeline(SparseDistBase):
                 f"pass prefetch=True (or create 'hstu_prefetch_sparse_dist')"
             )
         device = torch.device(device)
-        shared = PipelinedModel(model, device)  # its own: not shared with other pipelines
+        # its own: not shared with other pipelines
+        shared = PipelinedModel(model, device, owner="an HSTUPipeline")
         state = PipelineState(
             model=model, optimizer=optimizer, device=device,
             shuffler=batch_shuffler or IdentityShuffler(), prefetch=prefetch,

@@ -14,8 +14,8 @@ the ring (trained like any other; none is lost).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
-from typing import Any, ClassVar, Self
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any, Generic, Self, TypeVar
 
 import torch
 from torchrec.streamable import Pipelineable
@@ -31,6 +31,9 @@ from .sparse_model import STREAMS, PipelinedModel
 
 __all__ = ("SparseDistBase", "check_pipelineable")
 
+#: What one step of a pipeline returns (``progress``, ``results``, ``drain``).
+ResultT = TypeVar("ResultT")
+
 
 def check_pipelineable(batch: object) -> None:
     """torchrec pipelines ``Pipelineable`` batches (``to``, ``record_stream``,
@@ -40,9 +43,9 @@ def check_pipelineable(batch: object) -> None:
                         f"pin_memory) or a tensor, got {type(batch).__name__}")  # fmt: skip
 
 
-class SparseDistBase:
+class SparseDistBase(Generic[ResultT]):
     """The progress contract, bootstrap and lifetime of a pipeline on ``shared``'s
-    model; ``state`` is what its tasks share."""
+    model; ``state`` is what its tasks share, ``ResultT`` what a step returns."""
 
     _what = "sparse-dist pipeline"
     #: Why the pipelines of one model take turns (HSTU's rewrite is its own).
@@ -107,7 +110,7 @@ class SparseDistBase:
         return self._shared.engines.get(self)
 
     @needs_event_loop
-    async def progress(self, source: Source) -> Any:
+    async def progress(self, source: Source) -> ResultT:
         """One batch's result; ``StopAsyncIteration`` once ``source`` has ended."""
         if self._closed:
             raise PipelineStateError(f"the {self._what} has been shut down")
@@ -116,11 +119,11 @@ class SparseDistBase:
         with self._taking_turn("progress()"):
             return await self._progress(self._adapt(source))
 
-    #: ``async for result in pipe.results(loader)``: the engine's loop, over this
-    #: pipeline's ``progress`` until the end (an iterable gets a fresh iterator, an
-    #: iterator continues where it stands).
-    results: ClassVar[Callable[[Any, Iterable[Any] | AsyncIterable[Any]], AsyncIterator[Any]]]
-    results = SchedulablePipeline.results  # it calls only self.progress
+    def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[ResultT]:
+        """``async for result in pipe.results(loader)``: ``progress`` until the end (an
+        iterable gets a fresh iterator, an iterator continues where it stands)."""
+        # The engine's loop: it calls only self.progress.
+        return SchedulablePipeline.results(self, source)  # type: ignore[arg-type]
 
     @contextlib.contextmanager
     def _taking_turn(self, call: str) -> Iterator[None]:
@@ -137,7 +140,7 @@ class SparseDistBase:
         finally:
             shared.busy = None
 
-    async def _progress(self, source: Source) -> Any:
+    async def _progress(self, source: Source) -> ResultT:
         engine = self.engine
         built = engine is None
         if engine is None:
@@ -151,18 +154,19 @@ class SparseDistBase:
             await engine.drain()
         self._ended_source = None
         try:
-            return await engine.progress(source)
+            result: ResultT = await engine.progress(source)
         except StopAsyncIteration:
             self._ended_source = source  # the engine keeps its statistics until then
             self._ended(source)
             self._finished()
             raise
+        return result
 
     @needs_event_loop
-    async def drain(self) -> list[Any]:
+    async def drain(self) -> list[ResultT]:
         """Finish the batches in flight and return their results; the source is then
         forgotten (pass it again to go on with its next batch)."""
-        results: list[Any] = []
+        results: list[ResultT] = []
         engine = self.engine
         if engine is not None:
             with self._taking_turn("drain()"):
@@ -263,15 +267,21 @@ class SparseDistBase:
     async def _bootstrap(self, source: Source) -> None:
         """Build the engine; on a model not traced yet, take the source's first batch,
         rewrite the model on it and seed it.  A failure leaves the model as it was and
-        keeps the batch."""
+        keeps the batch (seeded as it is once another pipeline has traced the model)."""
         engine = SchedulablePipeline(
             Schedule.of(self._build_tasks(), stream_slots=STREAMS), self._shared.pool,
             self._new_executor(), trace=self._tracer, check_batch=self._check_batch,
             name=self.name,
         )  # fmt: skip
         try:
+            seed: dict[str, Any] | None = None
             if not self._shared.rewritten:
                 seed = self._rewrite_and_seed(await self._first_batch(source))
+            elif self._kept is not None or self._refused_from(source):
+                # Another pipeline traced the model since this one's bootstrap failed:
+                # the batch it kept (or the one after those it refused) is still next.
+                seed = {"batch_cpu": await self._first_batch(source)}
+            if seed is not None:
                 engine.seed_first_batch(seed, refused=self._refused_from(source))
         except BaseException:
             engine.shutdown()

@@ -5,8 +5,10 @@ pipelined ones that read the input distribution from a per-batch context.  A mod
 can be rewritten once: a training and an evaluation pipeline on the same model must
 share the rewrite (and the streams it was bound to), or the second would wrap the
 first one's pipelined forwards.  ``PipelinedModel.of(model, device)`` returns the one
-shared object per model; ``PipelinedModel(model, device)`` is one a pipeline keeps
-to itself (the HSTU pipeline: its prefetch variant installs other forwards).
+shared object per model; ``PipelinedModel(model, device, owner=...)`` is one a
+pipeline keeps to itself (the HSTU pipeline: its prefetch variant installs other
+forwards).  Either way a model holds one rewrite at a time: another is refused until
+the pipelines on the first give the model back.
 """
 
 from __future__ import annotations
@@ -46,13 +48,18 @@ def stream_pool(device: torch.device) -> StreamPool:
     })  # fmt: skip
 
 _SHARED: weakref.WeakValueDictionary[int, PipelinedModel] = weakref.WeakValueDictionary()
+#: The rewrite installed on each model (a second one would wrap its forwards).
+_INSTALLED: weakref.WeakValueDictionary[int, PipelinedModel] = weakref.WeakValueDictionary()
 
 
 class PipelinedModel:
-    """The model, its streams, and its rewrite once the first batch has traced it."""
+    """The model, its streams, and its rewrite once the first batch has traced it;
+    ``owner`` names the pipelines on it, for the message that refuses another rewrite."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, *,
+                 owner: str = "a sparse-dist pipeline") -> None:  # fmt: skip
         self.model = model
+        self.owner = owner
         self.device = device
         self.pool: StreamPool = stream_pool(device)
         self.streams: dict[str, Any] = {name: self.pool.get(name) for name in STREAMS}
@@ -105,7 +112,8 @@ class PipelinedModel:
         the copy.  With ``warm_up`` (a batch to be transformed, e.g. shuffled, before
         its own input distribution) one complete distribution runs in that throwaway
         context instead: it creates torchrec's input dists and leaves no collective
-        pending."""
+        pending.  Refused while another rewrite is installed on the model."""
+        self._refuse_a_second_rewrite()
         pool = self.pool
         with pool.use("memcpy"):
             batch = peek.to(self.device, non_blocking=True)
@@ -124,6 +132,7 @@ class PipelinedModel:
         # else an unsharded model: nothing to distribute, the input-dist tasks idle
         self.modules[:] = modules
         self.rewritten = True
+        _INSTALLED[id(self.model)] = self
         with pool.use("data_dist"):  # creates torchrec's input dists, then fuses their splits
             _start_data_dist(modules, batch, context if warm_up is None else warm_up)
             if warm_up is not None:
@@ -145,3 +154,16 @@ class PipelinedModel:
             )
         self.modules.clear()
         self.rewritten = False
+        if _INSTALLED.get(id(self.model)) is self:
+            del _INSTALLED[id(self.model)]
+
+    def _refuse_a_second_rewrite(self) -> None:
+        installed = _INSTALLED.get(id(self.model))
+        if installed is None or installed is self or installed.model is not self.model:
+            return
+        raise PipelineStateError(
+            f"{installed.owner} already runs on this model, on torchrec's rewrite of its "
+            f"forwards, and {self.owner} would rewrite them again on top of it; give the "
+            f"model back first (drain() and detach(), or shutdown(), that pipeline), then "
+            f"pass this source again: the batch taken from it is kept"
+        )

@@ -36,8 +36,9 @@ from .sparse_tasks import build_sparse_dist_tasks
 __all__ = ("SparseDistEvalPipeline", "SparseDistPipeline")
 
 
-class _SparseDist(SparseDistBase):
-    """The generic step on the model's shared rewrite."""
+class _SparseDist(SparseDistBase[Any]):
+    """The generic step on the model's shared rewrite (a step returns the model's
+    ``output``, whatever ``model_fwd`` makes it)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, device: torch.device | str,
                  model_fwd: ModelForward | None, evaluation: bool, thread_map: ThreadMap,

@@ -7,15 +7,21 @@ import asyncio
 import os
 import socket
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
+import torch
+from torchrec.datasets.utils import Batch
 
 import sparse_workers
-from aiopipe import BadBatchError
+from aiopipe import BadBatchError, PipelineStateError
 from conftest import collect
-from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData, build_dlrm_training
+from hstu_tasks import DLRMConfig, HSTUPipeline, SparseDistPipeline, SyntheticDLRMData
+from hstu_tasks import SyntheticHSTUData, build_dlrm_training
+from hstu_tasks.dlrm import evaluate_plainly, run_dlrm
+from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse_sources import without_last_two
-from one_rank import one_rank_group
+from one_rank import TINY_DATA, one_rank_group, tiny_training
 
 pytestmark = pytest.mark.distributed
 
@@ -79,3 +85,106 @@ def test_a_refused_first_batch_counts_in_the_source_position() -> None:
                 return len(results), stats.returned, stats.refused
 
         assert asyncio.run(run()) == (3, 3, 1)  # position: returned + refused items
+
+
+class CopyFailsOnce(Batch):
+    """``batch`` whose first copy to the device fails (a transient error)."""
+
+    def __init__(self, batch: Batch) -> None:
+        super().__init__(batch.dense_features, batch.sparse_features, batch.labels)
+        self.copies = 0
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        self.copies += 1
+        if self.copies == 1:
+            raise RuntimeError("the copy to the device failed")
+        return super().to(device, non_blocking)
+
+
+@pytest.mark.parametrize("failure", ["copy", "refused", "refused, copy"])
+def test_a_failed_bootstrap_loses_nothing_when_another_pipeline_traces_the_model_meanwhile(
+    failure: str,
+) -> None:
+    """The training pipeline's first bootstrap fails (its first item refused, or the
+    copy of its first batch failing once), the eval pipeline on the same model then
+    traces and rewrites it, and training goes on with the same source: every batch is
+    trained once, as the plain loop trains it, and the refused item still counts."""
+    config = DLRMConfig(num_embeddings=200, batch_size=16)
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(config, 4))
+        eval_batches = list(SyntheticDLRMData(config, 2, seed=8))
+        plain = build_dlrm_training(config, "sgd", seed=3)
+        expected_eval = evaluate_plainly(plain.model, eval_batches, plain.device)
+        expected_losses = run_dlrm("none", plain, [batches]).losses
+        refused = int("refused" in failure)
+        first = CopyFailsOnce(batches[0]) if "copy" in failure else batches[0]
+        source = iter([*[None] * refused, first, *batches[1:]])
+        setup = build_dlrm_training(config, "sgd", seed=3)
+
+        async def run() -> None:
+            pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
+            async with pipe, pipe.eval_pipeline() as evaluator:
+                if refused:
+                    with pytest.raises(BadBatchError, match="Pipelineable"):
+                        await pipe.progress(source)
+                if "copy" in failure:
+                    with pytest.raises(RuntimeError, match="copy to the device failed"):
+                        await pipe.progress(source)
+                assert pipe.engine is None
+                evaluated = await collect(evaluator, iter(eval_batches))  # traces the model
+                assert all(torch.equal(a, b) for got, expected in zip(evaluated, expected_eval)
+                           for a, b in zip(got, expected))  # fmt: skip
+                results = await collect(pipe, source)
+                assert [float(loss.detach()) for loss, _, _ in results] == expected_losses
+                assert pipe.engine is not None
+                stats = pipe.engine.statistics()
+                assert (stats.returned, stats.refused) == (len(batches), refused)
+
+        asyncio.run(run())
+        assert parameter_digest(setup.model) == parameter_digest(plain.model)
+
+
+def test_a_model_holds_one_rewrite_at_a_time_so_another_pipeline_kind_is_refused() -> None:
+    """An HSTUPipeline's rewrite of a model is its own: a sparse-dist pipeline (or a
+    second HSTUPipeline) on that model is refused at its first step, before it
+    rewrites anything, and keeps the batch it took; once the model is given back it
+    runs, and then an HSTUPipeline is refused in turn.  The refusals leave the
+    running pipeline's training as it is without them."""
+    with one_rank_group():
+        data = SyntheticHSTUData(TINY_DATA, 3, seed=1, rank=0)
+        alone = tiny_training()
+        pipe = HSTUPipeline(alone.model, alone.optimizer, alone.device)
+        expected = [float(loss_sum) for loss_sum, _, _ in asyncio.run(collect(pipe, iter(data)))]
+        pipe.shutdown()
+
+        setup = tiny_training()
+        hstu = HSTUPipeline(setup.model, setup.optimizer, setup.device)
+        second = HSTUPipeline(setup.model, setup.optimizer, setup.device)
+
+        def summed_losses(batch: Any) -> tuple[torch.Tensor, Any]:
+            losses, output = setup.model(batch)
+            return losses.reshape(-1), output  # torchrec's backward sums dim 0
+
+        sparse = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                    custom_model_fwd=summed_losses)  # fmt: skip
+
+        async def run() -> None:
+            hstu_source, sparse_source = iter(data), iter(data)
+            async with hstu, second, sparse:
+                trained = [await hstu.progress(hstu_source)]  # traces and rewrites the model
+                for other, source in ((sparse, sparse_source), (second, iter(data))):
+                    with pytest.raises(PipelineStateError, match="an HSTUPipeline already runs"):
+                        await other.progress(source)
+                    assert other.engine is None
+                trained += await collect(hstu, hstu_source)
+                assert [float(loss_sum) for loss_sum, _, _ in trained] == expected
+                hstu.detach()  # gives the model its own forwards back
+                assert len(await collect(sparse, sparse_source)) == len(data)  # the kept one too
+                hstu.attach()
+                hstu_source = iter(data)
+                with pytest.raises(PipelineStateError, match="a sparse-dist pipeline already runs"):
+                    await hstu.progress(hstu_source)
+                sparse.shutdown()
+                assert len(await collect(hstu, hstu_source)) == len(data)
+
+        asyncio.run(run())
