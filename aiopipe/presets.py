@@ -218,6 +218,10 @@ def _preset_lane(task: Task) -> str:
     return "io" if task.name == "h2d" and task.stream == "memcpy" else "compute"
 
 
+def _compute_lane(task: Task) -> str:
+    return "compute"
+
+
 class BasicPipeline(Pipeline):
     """The pipeline ``basic()`` builds.  With ``grad_accumulation=k`` the optimizer
     steps after every k-th batch and once more after a trailing partial group, when
@@ -268,8 +272,8 @@ def basic(
 
     ``device`` defaults to the model's.  The executor defaults to an
     :class:`AsyncExecutor` that runs the model's work on lane ``"compute"`` (and,
-    with ``memcpy_stream=True``, ``h2d`` on lane ``"io"``), so the event loop stays
-    free; ``thread_map`` picks other lanes, ``executor="sequential"`` runs
+    with ``memcpy_stream=True`` on a CUDA device, ``h2d`` on lane ``"io"``), so the
+    event loop stays free; ``thread_map`` picks other lanes, ``executor="sequential"`` runs
     everything inline on the loop.
     """
     if grad_accumulation < 1:
@@ -327,7 +331,9 @@ def basic(
     if executor is None and thread_map is None:
         # The model's work on lane "compute", copies (T2) on lane "io": the event loop
         # stays free, and the lane runs torch at full speed (see aiopipe/_openmp.py).
-        executor = AsyncExecutor(_preset_lane)
+        # A CPU has no copy engine for an io lane to overlap with: there its thread
+        # would only take a core from compute's intra-op threads (docs/performance.md).
+        executor = AsyncExecutor(_preset_lane if device.type == "cuda" else _compute_lane)
     return BasicPipeline(
         tasks,
         executor=executor,

@@ -40,6 +40,7 @@ from _common import (  # noqa: E402
 )
 
 from hstu_tasks import (  # noqa: E402
+    HSTU_DEFAULT_THREAD_MAP,
     HSTU_DIST_LANE_THREAD_MAP,
     DataConfig,
     KarmarkarKarpShuffler,
@@ -74,6 +75,7 @@ CONFIGS: dict[str, tuple[str, Any, str]] = {
     "aiopipe-prefetch, dist lane": ("aiopipe-prefetch", HSTU_DIST_LANE_THREAD_MAP, "torch"),
     "aiopipe + KK shuffler": ("aiopipe", "kk", "torch"),
     "aiopipe, one lane": ("aiopipe", one_lane, "torch"),
+    "aiopipe, io/compute lanes": ("aiopipe", HSTU_DEFAULT_THREAD_MAP, "torch"),
     "aiopipe, on the loop": ("aiopipe", on_the_loop, "torch"),
 }
 if torch.cuda.is_available() and megatron_available():

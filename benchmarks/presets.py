@@ -93,7 +93,7 @@ def main() -> None:
     configs = {
         "plain loop": lambda: plain(data, device, args.width),
         "T1 (default: compute on lane 'compute')": lambda: piped(data, device, args.width),
-        "T2 (default: h2d ahead on lane 'io', compute on lane 'compute')": lambda: piped(
+        "T2 (default: h2d ahead; lane 'io' on a GPU, 'compute' on a CPU)": lambda: piped(
             data, device, args.width, prefetch=True, memcpy_stream=True
         ),
         "T1, executor='sequential' (opt-in: on the loop)": lambda: piped(

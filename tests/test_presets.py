@@ -79,13 +79,28 @@ async def test_parameters_equal_the_plain_loop_bit_for_bit(
         assert torch.equal(got, want)
 
 
-async def test_t2_moves_batches_one_ahead_on_their_own_stream_and_lane() -> None:
+def lanes_of(pipe: SchedulablePipeline) -> dict[str, str]:
+    return {t.name: pipe.executor.lane_of(t.name) for t in pipe.schedule.tasks}  # type: ignore[attr-defined]
+
+
+async def test_t2_moves_batches_one_ahead_on_their_own_stream() -> None:
     model, opt = make(0, "sgd")
     pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
                                      memcpy_stream=True)  # fmt: skip
     h2d = pipe.schedule.task("h2d")
     assert (h2d.lookahead, h2d.stream) == (1, "memcpy")
-    assert pipe.executor.lane_of("h2d") != pipe.executor.lane_of("forward")  # type: ignore[attr-defined]
+    # A CPU has no copy engine for a lane of its own to overlap with: one lane.
+    assert set(lanes_of(pipe).values()) == {"compute"}
+    pipe.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_t2_on_a_gpu_copies_on_a_lane_of_their_own() -> None:
+    model, opt = make(0, "sgd")
+    pipe = SchedulablePipeline.basic(model.cuda(), opt, loss_fn=loss_fn, forward=forward,
+                                     prefetch=True, memcpy_stream=True)  # fmt: skip
+    lanes = lanes_of(pipe)
+    assert lanes.pop("h2d") == "io" and set(lanes.values()) == {"compute"}
     pipe.shutdown()
 
 

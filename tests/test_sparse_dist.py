@@ -20,7 +20,9 @@ from hstu_tasks import DLRMConfig, HSTUPipeline, SparseDistPipeline, SyntheticDL
 from hstu_tasks import SyntheticHSTUData, build_dlrm_training
 from hstu_tasks.dlrm import evaluate_plainly, run_dlrm
 from hstu_tasks.runners import parameter_digest
+from hstu_tasks.sparse_base import default_lanes
 from hstu_tasks.sparse_sources import without_last_two
+from hstu_tasks.sparse_tasks import SPARSE_DIST_THREAD_MAP
 from one_rank import TINY_DATA, one_rank_group, tiny_training
 
 pytestmark = pytest.mark.distributed
@@ -188,3 +190,30 @@ def test_a_model_holds_one_rewrite_at_a_time_so_another_pipeline_kind_is_refused
                 assert len(await collect(hstu, hstu_source)) == len(data)
 
         asyncio.run(run())
+
+
+def test_on_a_cpu_every_task_defaults_to_the_compute_lane() -> None:
+    """A CPU has no copy engine for the io lane to overlap with; a GPU keeps the
+    io/compute pair, and a thread map given by the user is used as it is."""
+    config = DLRMConfig(num_embeddings=200, batch_size=16)
+    with one_rank_group():
+        setup = build_dlrm_training(config, "sgd", seed=3)
+        default = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
+        hstu = tiny_training()
+
+        async def lanes_after_one_step(pipe: Any, source: Iterator[Any]) -> set[str]:
+            async with pipe:
+                await pipe.progress(source)
+                assert pipe.engine is not None
+                return {pipe.engine.executor.lane_of(t.name) for t in pipe.engine.schedule.tasks}
+
+        assert asyncio.run(lanes_after_one_step(default, iter(SyntheticDLRMData(config, 2)))) == {
+            "compute"}  # fmt: skip
+        hstu_pipe = HSTUPipeline(hstu.model, hstu.optimizer, hstu.device)
+        assert asyncio.run(lanes_after_one_step(
+            hstu_pipe, iter(SyntheticHSTUData(TINY_DATA, 2, seed=1, rank=0)))) == {"compute"}  # fmt: skip
+        chosen = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                    thread_map=SPARSE_DIST_THREAD_MAP)  # fmt: skip
+        assert asyncio.run(lanes_after_one_step(chosen, iter(SyntheticDLRMData(config, 2)))) == {
+            "io", "compute"}  # fmt: skip
+    assert default_lanes(SPARSE_DIST_THREAD_MAP, torch.device("cuda")) is SPARSE_DIST_THREAD_MAP

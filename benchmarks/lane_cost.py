@@ -1,0 +1,200 @@
+"""What running the step on lane threads costs in one process: the HSTU demo step under
+each pipeline, every pipeline in a worker process of its own, in short alternating chunks.
+
+The rows: the plain loop, torchrec's ``TrainPipelineSparseDist``, aiopipe as the demo
+runs it (async form, default lanes: on a CPU every task on lane "compute"), its
+blocking form, the GPU's default io/compute lanes (``HSTU_DEFAULT_THREAD_MAP``), and
+every task inline on the calling thread (``executor="sequential"``).
+
+Why this shape: between two whole runs this machine's speed drifts by more than the
+differences measured here (+-15 % on the 2-core CI machine), so every pipeline is built
+and warmed up once, in its own process, and the coordinator then asks each in turn for
+``--chunk`` steps, ``--rounds`` times (every other round in reverse order): drift hits
+all alike, and the per-round ratio to torchrec's pipeline pairs neighbours in time; the fastest
+chunk of each row, the one least disturbed, is printed beside it.  Separate processes keep the pipelines'
+torch threads apart (two pipelines in one process each keep an OpenMP pool, and libgomp
+slows every pool down once it counts more pool threads than CPUs, see
+``aiopipe/_openmp.py``).  ``--tasks`` traces the aiopipe rows and prints each task's
+median time (the tracer costs a little per task).
+
+    ./dev bench lane_cost [--chunk 30] [--rounds 12] [--configs ...] [--tasks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _common import print_json, print_table, progress, spread  # noqa: E402
+
+CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-blocking", "aiopipe-io-lane",
+           "aiopipe-sequential")  # fmt: skip
+WARM_UP = 20  # steps before the first timed chunk (bootstrap, caches, allocator)
+
+
+def _repeat(step: Callable[[], object]) -> Callable[[int], None]:
+    def run(n: int) -> None:
+        for _ in range(n):
+            step()
+
+    return run
+
+
+def _stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]:
+    """``(run(n), tracer)``: ``run(n)`` trains the next ``n`` batches with ``config``."""
+    from hstu_tasks import (
+        HSTU_DEFAULT_THREAD_MAP,
+        DataConfig,
+        HSTUPipelineFactory,
+        ModelConfig,
+        OptimizerConfig,
+        SyntheticHSTUData,
+        build_training,
+        init_distributed,
+        quiet_torchrec,
+    )
+    from hstu_tasks.parallel import global_loss, global_tokens, plain_train_step
+
+    from aiopipe import Tracer
+    from aiopipe.runner import LoopRunner
+
+    quiet_torchrec()
+    init_distributed()
+    setup = build_training(ModelConfig(), DataConfig(), OptimizerConfig(), seed=0)
+    # The demo's source: each batch is built when it is read.
+    source: Iterator[Any] = iter(SyntheticHSTUData(DataConfig(), 10**6, seed=1))
+    if config == "none":
+        return _repeat(lambda: plain_train_step(setup, next(source))), None
+    if config == "torchrec":
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        def forward(batch: Any) -> tuple[Any, Any]:
+            tokens = global_tokens(batch)
+            losses, output = setup.model(batch)
+            return global_loss(losses.sum(), tokens).reshape(1), output
+
+        sparse_dist = TrainPipelineSparseDist(
+            setup.model, setup.optimizer, setup.device, custom_model_fwd=forward
+        )
+        return _repeat(lambda: sparse_dist.progress(source)), None
+    tracer = Tracer() if trace else None
+    options: dict[str, Any] = {}
+    if config == "aiopipe-io-lane":
+        options["thread_map"] = HSTU_DEFAULT_THREAD_MAP  # the GPU default: copies on "io"
+    if config == "aiopipe-sequential":
+        options["executor"] = "sequential"
+    pipe = HSTUPipelineFactory.create(
+        "hstu_sparse_dist", model=setup.model, optimizer=setup.optimizer,
+        device=setup.device, trace=tracer, **options,
+    )  # fmt: skip
+    if config == "aiopipe-blocking":
+        blocking = pipe.blocking()
+        return _repeat(lambda: blocking.progress(source)), tracer
+    runner = LoopRunner()  # one loop for every chunk, as one `aiopipe.run` would be
+
+    async def chunk(n: int) -> None:
+        for _ in range(n):
+            await pipe.progress(source)
+
+    return lambda n: runner.run(chunk, n), tracer
+
+
+def _worker(config: str, trace: bool, conn: Connection) -> None:
+    """Build ``config``'s pipeline, warm it up, then time each chunk asked for."""
+    run, tracer = _stepper(config, trace)
+    run(WARM_UP)
+    conn.send("ready")
+    while (steps := conn.recv()) is not None:
+        run(2)  # the chunk starts on a step the pipeline is in the middle of
+        start = time.perf_counter()
+        run(steps)
+        conn.send(1e3 * (time.perf_counter() - start) / steps)
+    tasks: dict[str, float] = {}
+    if tracer is not None:
+        spans = collections.defaultdict(list)
+        for span in tracer.spans:
+            if span.iteration >= WARM_UP:
+                spans[span.task].append((span.end_ns - span.start_ns) / 1e6)
+        tasks = {name: statistics.median(ms) for name, ms in spans.items()}
+    conn.send(tasks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunk", type=int, default=30, help="steps per timed chunk")
+    parser.add_argument("--rounds", type=int, default=12, help="chunks per pipeline")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--tasks", action="store_true", help="trace the aiopipe rows")
+    args = parser.parse_args()
+    if args.chunk < 1 or args.rounds < 1:
+        parser.error("--chunk and --rounds must be at least 1")
+    context = multiprocessing.get_context("spawn")
+    workers: dict[str, tuple[Any, Connection]] = {}
+    try:
+        for config in args.configs:
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_worker, args=(config, args.tasks, theirs))
+            process.start()
+            if ours.recv() != "ready":
+                raise RuntimeError(f"{config}: the worker did not start")
+            workers[config] = (process, ours)
+            progress(f"{config}: built and warmed up")
+        ms: dict[str, list[float]] = {config: [] for config in workers}
+        for round_no in range(1, args.rounds + 1):
+            order = list(workers.items())
+            if round_no % 2 == 0:  # every other round backwards: no row always follows another
+                order.reverse()
+            for config, (_, conn) in order:
+                conn.send(args.chunk)
+                ms[config].append(conn.recv())
+            progress(f"round {round_no}/{args.rounds}: "
+                     + ", ".join(f"{c} {v[-1]:.2f}" for c, v in ms.items()))  # fmt: skip
+        tasks = {}
+        for config, (process, conn) in workers.items():
+            conn.send(None)
+            tasks[config] = conn.recv()
+            process.join()
+    finally:
+        for process, _ in workers.values():
+            if process.is_alive():
+                process.kill()
+    base = ms.get("torchrec")
+    rows = []
+    for config, values in ms.items():
+        ratio = (
+            f"{statistics.median(v / b for v, b in zip(values, base)):.3f}" if base else "--"
+        )
+        best = f"{min(values) / min(base):.3f}" if base else "--"
+        rows.append([config, f"{statistics.median(values):.2f}", spread(values), ratio,
+                     f"{min(values):.2f}", best])  # fmt: skip
+    print_table(
+        f"HSTU demo step, one process each, {args.rounds} alternating chunks of "
+        f"{args.chunk} steps",
+        ["pipeline", "ms/step", "spread", "x torchrec (paired median)", "fastest chunk",
+         "x torchrec's fastest"],
+        rows,
+    )
+    if args.tasks:
+        names = sorted({n for t in tasks.values() for n in t}, key=lambda n: -max(
+            t.get(n, 0.0) for t in tasks.values()))  # fmt: skip
+        traced = [c for c, t in tasks.items() if t]
+        print_table(
+            "median ms per task (traced rows)",
+            ["task", *traced],
+            [[n, *(f"{tasks[c].get(n, 0.0):.3f}" for c in traced)] for n in names],
+        )
+    print_json("lane_cost", {"args": vars(args), "ms_per_step": ms, "task_ms": tasks})
+
+
+if __name__ == "__main__":
+    main()
