@@ -2,22 +2,27 @@
 each pipeline, every pipeline in a worker process of its own, in short alternating chunks.
 
 The rows: the plain loop, torchrec's ``TrainPipelineSparseDist``, aiopipe as the demo
-runs it (async form, default lanes: on a CPU every task on lane "compute"), its
-blocking form, the GPU's default io/compute lanes (``HSTU_DEFAULT_THREAD_MAP``), and
-every task inline on the calling thread (``executor="sequential"``).
+runs it (async form on uvloop when installed, default lanes: on a CPU every task on
+lane "compute"), the async form on asyncio's loop, the blocking form, the GPU's
+default io/compute lanes (``HSTU_DEFAULT_THREAD_MAP``), and every task inline on the
+calling thread (``executor="sequential"``).
 
 Why this shape: between two whole runs this machine's speed drifts by more than the
-differences measured here (+-15 % on the 2-core CI machine), so every pipeline is built
-and warmed up once, in its own process, and the coordinator then asks each in turn for
-``--chunk`` steps, ``--rounds`` times (every other round in reverse order): drift hits
-all alike, and the per-round ratio to torchrec's pipeline pairs neighbours in time; the fastest
-chunk of each row, the one least disturbed, is printed beside it.  Separate processes keep the pipelines'
-torch threads apart (two pipelines in one process each keep an OpenMP pool, and libgomp
-slows every pool down once it counts more pool threads than CPUs, see
-``aiopipe/_openmp.py``).  ``--tasks`` traces the aiopipe rows and prints each task's
-median time (the tracer costs a little per task).
+differences measured here (+-15-35 % on the 2-core CI machine), so every pipeline is
+built and warmed up in a worker process of its own, and the coordinator then asks
+each in turn for ``--chunk`` steps, ``--rounds`` times (every other round in reverse
+order): drift hits all alike, and the per-round ratio to torchrec's pipeline pairs
+neighbours in time.  A process also keeps its own luck for its whole life (where its
+threads and memory landed: the same pipeline's ratio differs from one process to the
+next by more than its chunks do), so the whole set of workers is built afresh
+``--processes`` times.  The fastest chunk of each row, the least disturbed, is printed
+beside its median.  Separate processes also keep the pipelines' torch threads apart
+(two pipelines in one process each keep an OpenMP pool, and libgomp slows every pool
+down once it counts more pool threads than CPUs, see ``aiopipe/_openmp.py``).
+``--tasks`` traces the aiopipe rows and prints each task's median time (the tracer
+costs a little per task).
 
-    ./dev bench lane_cost [--chunk 30] [--rounds 12] [--configs ...] [--tasks]
+    ./dev bench lane_cost [--chunk 20] [--rounds 15] [--processes 3] [--configs ...] [--tasks]
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import print_json, print_table, progress, spread  # noqa: E402
 
-CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-blocking", "aiopipe-io-lane",
-           "aiopipe-sequential")  # fmt: skip
+CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-blocking",
+           "aiopipe-io-lane", "aiopipe-sequential")  # fmt: skip
 WARM_UP = 20  # steps before the first timed chunk (bootstrap, caches, allocator)
 
 
@@ -100,7 +105,8 @@ def _stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]:
     if config == "aiopipe-blocking":
         blocking = pipe.blocking()
         return _repeat(lambda: blocking.progress(source)), tracer
-    runner = LoopRunner()  # one loop for every chunk, as one `aiopipe.run` would be
+    # One loop for every chunk, as one `aiopipe.run` would be (uvloop when installed).
+    runner = LoopRunner(prefer_uvloop=config != "aiopipe-asyncio-loop")
 
     async def chunk(n: int) -> None:
         for _ in range(n):
@@ -129,45 +135,59 @@ def _worker(config: str, trace: bool, conn: Connection) -> None:
     conn.send(tasks)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chunk", type=int, default=30, help="steps per timed chunk")
-    parser.add_argument("--rounds", type=int, default=12, help="chunks per pipeline")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    parser.add_argument("--tasks", action="store_true", help="trace the aiopipe rows")
-    args = parser.parse_args()
-    if args.chunk < 1 or args.rounds < 1:
-        parser.error("--chunk and --rounds must be at least 1")
+def _one_set(configs: list[str], chunk: int, rounds: int, trace: bool, set_no: int,
+             ms: dict[str, list[float]], tasks: dict[str, list[dict[str, float]]]) -> None:
+    """Build a worker per config, time ``rounds`` alternating chunks, tear down."""
     context = multiprocessing.get_context("spawn")
     workers: dict[str, tuple[Any, Connection]] = {}
     try:
-        for config in args.configs:
+        for config in configs:
             ours, theirs = context.Pipe()
-            process = context.Process(target=_worker, args=(config, args.tasks, theirs))
+            process = context.Process(target=_worker, args=(config, trace, theirs))
             process.start()
             if ours.recv() != "ready":
                 raise RuntimeError(f"{config}: the worker did not start")
             workers[config] = (process, ours)
-            progress(f"{config}: built and warmed up")
-        ms: dict[str, list[float]] = {config: [] for config in workers}
-        for round_no in range(1, args.rounds + 1):
+        progress(f"process set {set_no}: every pipeline built and warmed up")
+        for round_no in range(1, rounds + 1):
             order = list(workers.items())
             if round_no % 2 == 0:  # every other round backwards: no row always follows another
                 order.reverse()
             for config, (_, conn) in order:
-                conn.send(args.chunk)
+                conn.send(chunk)
                 ms[config].append(conn.recv())
-            progress(f"round {round_no}/{args.rounds}: "
-                     + ", ".join(f"{c} {v[-1]:.2f}" for c, v in ms.items()))  # fmt: skip
-        tasks = {}
+            progress(f"set {set_no}, round {round_no}/{rounds}: "
+                     + ", ".join(f"{c} {ms[c][-1]:.2f}" for c in configs))  # fmt: skip
         for config, (process, conn) in workers.items():
             conn.send(None)
-            tasks[config] = conn.recv()
+            tasks[config].append(conn.recv())
             process.join()
     finally:
         for process, _ in workers.values():
             if process.is_alive():
                 process.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunk", type=int, default=20, help="steps per timed chunk")
+    parser.add_argument("--rounds", type=int, default=15, help="chunks per pipeline and process")
+    parser.add_argument("--processes", type=int, default=3,
+                        help="fresh processes per pipeline, one set after another")  # fmt: skip
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--tasks", action="store_true", help="trace the aiopipe rows")
+    args = parser.parse_args()
+    if min(args.chunk, args.rounds, args.processes) < 1:
+        parser.error("--chunk, --rounds and --processes must be at least 1")
+    ms: dict[str, list[float]] = {config: [] for config in args.configs}
+    per_set: dict[str, list[dict[str, float]]] = {config: [] for config in args.configs}
+    for set_no in range(1, args.processes + 1):
+        _one_set(args.configs, args.chunk, args.rounds, args.tasks, set_no, ms, per_set)
+    tasks = {  # each task's median over the sets' medians
+        config: {name: statistics.median(s[name] for s in sets if name in s)
+                 for name in {n for s in sets for n in s}}
+        for config, sets in per_set.items()
+    }  # fmt: skip
     base = ms.get("torchrec")
     rows = []
     for config, values in ms.items():
@@ -178,8 +198,8 @@ def main() -> None:
         rows.append([config, f"{statistics.median(values):.2f}", spread(values), ratio,
                      f"{min(values):.2f}", best])  # fmt: skip
     print_table(
-        f"HSTU demo step, one process each, {args.rounds} alternating chunks of "
-        f"{args.chunk} steps",
+        f"HSTU demo step, {args.processes} processes each, {args.rounds} alternating "
+        f"chunks of {args.chunk} steps per process",
         ["pipeline", "ms/step", "spread", "x torchrec (paired median)", "fastest chunk",
          "x torchrec's fastest"],
         rows,
