@@ -10,8 +10,8 @@
 
 as ``zero_grad -> forward -> backward -> optimizer_step`` (preset T1).  With
 ``prefetch=True`` an ``h2d`` task moves each batch to the device one batch ahead, and
-with ``memcpy_stream=True`` it does so on its own stream and lane (preset T2), so the
-copy of batch K+1 overlaps the step of batch K.
+with ``memcpy_stream=True`` it does so on its own stream (preset T2) and, on a CUDA
+device, its own lane, so the copy of batch K+1 overlaps the step of batch K.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from hstu_tasks.runners import run_pipeline  # noqa: E402
 
 
 def one_lane(task: Any) -> str:
-    """Every task on one lane thread (fewer threads than the io/compute default)."""
+    """Every task on one lane thread (the default on a CPU, not on a GPU)."""
     return "compute"
 
 

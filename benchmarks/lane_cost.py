@@ -7,10 +7,10 @@ lane "compute"), the async form on asyncio's loop, the blocking form, the GPU's
 default io/compute lanes (``HSTU_DEFAULT_THREAD_MAP``), and every task inline on the
 calling thread (``executor="sequential"``).
 
-Why this shape: between two whole runs this machine's speed drifts by more than the
-differences measured here (+-15-35 % on the 2-core CI machine), so every pipeline is
-built and warmed up in a worker process of its own, and the coordinator then asks
-each in turn for ``--chunk`` steps, ``--rounds`` times (every other round in reverse
+Why this shape: between two whole runs a shared machine's speed can drift by more
+than the differences measured here (+-15-35 % on the 2-core machine of
+docs/performance.md), so every pipeline is built and warmed up in a worker process
+of its own, and the coordinator then asks each in turn for ``--chunk`` steps, ``--rounds`` times (every other round in reverse
 order): drift hits all alike, and the per-round ratio to torchrec's pipeline pairs
 neighbours in time.  A process also keeps its own luck for its whole life (where its
 threads and memory landed: the same pipeline's ratio differs from one process to the
@@ -145,6 +145,7 @@ def _one_set(configs: list[str], chunk: int, rounds: int, trace: bool, set_no: i
             ours, theirs = context.Pipe()
             process = context.Process(target=_worker, args=(config, trace, theirs))
             process.start()
+            theirs.close()  # a worker that dies then ends recv() with EOFError, not a hang
             if ours.recv() != "ready":
                 raise RuntimeError(f"{config}: the worker did not start")
             workers[config] = (process, ours)

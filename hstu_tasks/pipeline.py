@@ -36,8 +36,9 @@ _log = logging.getLogger("aiopipe.hstu")  # under "aiopipe": one logger shows th
 
 __all__ = ("HSTU_DEFAULT_THREAD_MAP", "HSTU_DIST_LANE_THREAD_MAP", "HSTUPipeline")
 
-#: Two lanes: data movement on "io", everything touching the model on "compute"
-#: (the only writer of the pipelined modules' context is forward, on that lane).
+#: Two lanes, the default on a CUDA device: data movement on "io", everything touching
+#: the model on "compute" (the only writer of the pipelined modules' context is
+#: forward, on that lane).  On a CPU every task defaults to "compute".
 HSTU_DEFAULT_THREAD_MAP: dict[str, str] = {
     "h2d": "io",
     "start_shuffle": "io",
@@ -73,7 +74,8 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
     torch DDP, Megatron's with Megatron DDP (then ``finalize_model_grads`` finishes
     the gradient reduction).  ``prefetch=True`` adds ``prefetch_embeddings`` and
     keeps ``prefetch_depth + 1`` batches ahead.
-    ``thread_map`` defaults to :data:`HSTU_DEFAULT_THREAD_MAP`; ``executor`` may be
+    ``thread_map`` defaults to :data:`HSTU_DEFAULT_THREAD_MAP` on a CUDA device and to
+    every task on lane ``"compute"`` on any other; ``executor`` may be
     ``"sequential"`` or an executor instance instead.  ``trace=True`` (or a
     :class:`aiopipe.Tracer`) records a span per task run (see ``docs/tracing.md``).
     ``name`` labels its log records and trace tracks (the engines that detach/attach

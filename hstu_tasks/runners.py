@@ -154,7 +154,7 @@ def run_pipeline(
     result: RunResult | None = None,
 ) -> RunResult:
     """Train ``data`` with ``mode``; ``thread_map``, ``shuffler`` and ``tracer`` apply
-    to the aiopipe modes (defaults: ``HSTU_DEFAULT_THREAD_MAP``, no shuffling, no
+    to the aiopipe modes (defaults: ``HSTUPipeline``'s lanes, no shuffling, no
     tracing).  ``on_step(n)`` runs after the n-th step, at a progress boundary (a
     checkpoint may be taken there); pass ``result`` to read the losses so far in it."""
     result = result if result is not None else RunResult()

@@ -71,7 +71,8 @@ class SparseDistPipeline(_SparseDist):
     a step runs forward only, as in torchrec; :meth:`eval_pipeline` evaluates without
     touching the training batches in flight.  ``execute_all_batches=False`` drops the
     last two batches of each source, as torchrec does.  ``thread_map`` defaults to
-    :data:`~hstu_tasks.sparse_tasks.SPARSE_DIST_THREAD_MAP`; ``executor`` may be
+    :data:`~hstu_tasks.sparse_tasks.SPARSE_DIST_THREAD_MAP` on a CUDA device and to
+    every task on lane ``"compute"`` on any other; ``executor`` may be
     ``"sequential"`` or an executor instance; ``trace=True`` records task spans.
     """
 

@@ -51,8 +51,9 @@ __all__ = (
 #: ``custom_model_fwd``.
 ModelForward = Callable[[Any], "tuple[torch.Tensor, Any]"]
 
-#: Copies on the "io" lane, everything that touches the model on "compute" (the only
-#: writer of the pipelined modules' context is forward, on that lane).
+#: The default on a CUDA device: copies on the "io" lane, everything that touches the
+#: model on "compute" (the only writer of the pipelined modules' context is forward,
+#: on that lane).  On a CPU every task defaults to "compute".
 SPARSE_DIST_THREAD_MAP: dict[str, str] = {
     "h2d": "io",
     **{name: "compute" for name in ("start_input_dist", "zero_grad", "forward",

@@ -9,7 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from aiopipe import Schedule, Task, TaskContext
-from aiopipe.autosched import AutoschedError, CostModelError, CostProfiler, EngineCosts, calibrate_engine
+from aiopipe.autosched import AutoschedError, CostModelError, CostProfiler, EngineCosts
+from aiopipe.autosched import calibrate_engine
 from aiopipe.autosched import calibrate, profile_schedule
 from aiopipe.autosched.calibrate import engine_costs_from_timings
 from aiopipe.trace import Span
@@ -138,6 +139,12 @@ async def test_calibration_runs_and_returns_well_formed_costs() -> None:
     [{"many": 1}, {"repeats": 0}, {"iterations": 0}, {"idle_ms": -1.0}],
     ids=["one-task-chain", "no-repeats", "no-iterations", "negative-idle"],
 )
-async def test_calibration_refuses_arguments_it_cannot_measure_with(bad: dict) -> None:
+async def test_calibration_refuses_arguments_it_cannot_measure_with(bad: dict[str, float]) -> None:
     with pytest.raises(AutoschedError, match=next(iter(bad))):
-        await calibrate_engine(**bad)
+        await calibrate_engine(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("many, samples", [(1, 1), (4, 0)], ids=["one-task-chain", "no-samples"])
+def test_the_calibration_arithmetic_refuses_what_it_cannot_divide(many: int, samples: int) -> None:
+    with pytest.raises(AutoschedError, match="many >= 2"):
+        engine_costs_from_timings([0.02] * samples, [0.05] * samples, [0.2] * samples, many=many)

@@ -80,7 +80,8 @@ async def test_parameters_equal_the_plain_loop_bit_for_bit(
 
 
 def lanes_of(pipe: SchedulablePipeline) -> dict[str, str]:
-    return {t.name: pipe.executor.lane_of(t.name) for t in pipe.schedule.tasks}  # type: ignore[attr-defined]
+    lane_of = pipe.executor.lane_of  # type: ignore[attr-defined]
+    return {t.name: lane_of(t.name) for t in pipe.schedule.tasks}
 
 
 async def test_t2_moves_batches_one_ahead_on_their_own_stream() -> None:
@@ -101,6 +102,14 @@ async def test_t2_on_a_gpu_copies_on_a_lane_of_their_own() -> None:
                                      prefetch=True, memcpy_stream=True)  # fmt: skip
     lanes = lanes_of(pipe)
     assert lanes.pop("h2d") == "io" and set(lanes.values()) == {"compute"}
+    pipe.shutdown()
+
+
+async def test_a_thread_map_given_on_a_cpu_is_used_as_given() -> None:
+    model, opt = make(0, "sgd")
+    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
+                                     memcpy_stream=True, thread_map={"h2d": "io"})  # fmt: skip
+    assert lanes_of(pipe)["h2d"] == "io"
     pipe.shutdown()
 
 

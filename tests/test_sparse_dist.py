@@ -216,4 +216,5 @@ def test_on_a_cpu_every_task_defaults_to_the_compute_lane() -> None:
                                     thread_map=SPARSE_DIST_THREAD_MAP)  # fmt: skip
         assert asyncio.run(lanes_after_one_step(chosen, iter(SyntheticDLRMData(config, 2)))) == {
             "io", "compute"}  # fmt: skip
-    assert default_lanes(SPARSE_DIST_THREAD_MAP, torch.device("cuda")) is SPARSE_DIST_THREAD_MAP
+    for gpu in ("cuda", "cuda:1"):
+        assert default_lanes(SPARSE_DIST_THREAD_MAP, torch.device(gpu)) is SPARSE_DIST_THREAD_MAP

@@ -89,7 +89,8 @@ async def calibrate_engine(
     *, iterations: int = 200, repeats: int = 3, many: int = 8, idle_ms: float = 1.0
 ) -> EngineCosts:
     """Measure :class:`EngineCosts` on this machine (a few seconds: the hand-off
-    figure needs ``repeats * iterations`` progresses of ``many`` sleeping tasks)."""
+    figure needs ``repeats * iterations`` progresses of ``many`` sleeping tasks).
+    Arguments it cannot measure with raise :class:`AutoschedError`."""
     if iterations < 1 or repeats < 1 or many < 2 or idle_ms < 0:
         raise AutoschedError(
             f"calibrate_engine needs iterations >= 1, repeats >= 1, many >= 2 (the task "
@@ -120,8 +121,15 @@ def engine_costs_from_timings(
     tasks on the loop; ``lanes_ms``: that chain alternating between two thread lanes,
     with its bodies' sleep already taken out.  A term that noise makes negative is 0;
     ``progress_ms`` is what the one-task run costs beyond that (clamped) task term.
-    Figures are rounded to 0.1 µs.
+    Figures are rounded to 0.1 µs.  ``many`` below 2 or a run without samples raises
+    :class:`AutoschedError`.
     """
+    if many < 2 or not (one_ms and many_ms and lanes_ms):
+        raise AutoschedError(
+            f"the engine terms need many >= 2 (the task term is the difference between "
+            f"one task and many) and at least one sample per run; got many={many} and "
+            f"{len(one_ms)}, {len(many_ms)}, {len(lanes_ms)} samples"
+        )
     one, chain, lanes = (statistics.median(ms) for ms in (one_ms, many_ms, lanes_ms))
     task_ms = max(0.0, (chain - one) / (many - 1))
     progress_ms = max(0.0, one - task_ms)

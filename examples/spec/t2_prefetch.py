@@ -2,8 +2,8 @@
 their own stream.
 
 ``prefetch=True`` adds an ``h2d`` task with lookahead 1; ``memcpy_stream=True`` puts
-it on stream ``"memcpy"`` and lane ``"io"``, so the copy of batch K+1 overlaps the
-step of batch K.  The loader hands over host batches; the engine moves them (pinned,
+it on stream ``"memcpy"`` and, on a CUDA device, lane ``"io"``, so the copy of batch
+K+1 overlaps the step of batch K.  The loader hands over host batches; the engine moves them (pinned,
 ``non_blocking``) and orders the default stream after the copy with an event.
 ``results(it)`` keeps batches in flight between calls; ``step(batch)`` would hand
 over one at a time, without overlap.  On a CPU-only machine the device is the CPU
