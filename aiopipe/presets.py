@@ -28,7 +28,7 @@ from ._nvtx import Annotator
 from .context import TaskContext
 from .errors import PipelineError
 from .executors import AsyncExecutor, Executor
-from .executors.lanes import ThreadMap
+from .executors.lanes import ThreadMap, lanes_for_device
 from .facade import Pipeline
 from .task import Task
 from .trace import Tracer
@@ -218,10 +218,6 @@ def _preset_lane(task: Task) -> str:
     return "io" if task.name == "h2d" and task.stream == "memcpy" else "compute"
 
 
-def _compute_lane(task: Task) -> str:
-    return "compute"
-
-
 class BasicPipeline(Pipeline):
     """The pipeline ``basic()`` builds.  With ``grad_accumulation=k`` the optimizer
     steps after every k-th batch and once more after a trailing partial group, when
@@ -331,9 +327,8 @@ def basic(
     if executor is None and thread_map is None:
         # The model's work on lane "compute", copies (T2) on lane "io": the event loop
         # stays free, and the lane runs torch at full speed (see aiopipe/_openmp.py).
-        # A CPU has no copy engine for an io lane to overlap with: there its thread
-        # would only take a core from compute's intra-op threads (docs/performance.md).
-        executor = AsyncExecutor(_preset_lane if device.type == "cuda" else _compute_lane)
+        # On a CPU, one lane (see lanes_for_device).
+        executor = AsyncExecutor(lanes_for_device(_preset_lane, device))
     return BasicPipeline(
         tasks,
         executor=executor,

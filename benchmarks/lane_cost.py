@@ -68,7 +68,8 @@ def _stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]:
         init_distributed,
         quiet_torchrec,
     )
-    from hstu_tasks.parallel import global_loss, global_tokens, plain_train_step
+    from hstu_tasks.parallel import plain_train_step
+    from hstu_tasks.runners import torchrec_pipeline
 
     from aiopipe import Tracer
     from aiopipe.runner import LoopRunner
@@ -81,16 +82,7 @@ def _stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]:
     if config == "none":
         return _repeat(lambda: plain_train_step(setup, next(source))), None
     if config == "torchrec":
-        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-        def forward(batch: Any) -> tuple[Any, Any]:
-            tokens = global_tokens(batch)
-            losses, output = setup.model(batch)
-            return global_loss(losses.sum(), tokens).reshape(1), output
-
-        sparse_dist = TrainPipelineSparseDist(
-            setup.model, setup.optimizer, setup.device, custom_model_fwd=forward
-        )
+        sparse_dist = torchrec_pipeline(setup)
         return _repeat(lambda: sparse_dist.progress(source)), None
     tracer = Tracer() if trace else None
     options: dict[str, Any] = {}

@@ -116,17 +116,24 @@ def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
     run(train())
 
 
-def _torchrec(setup: TrainingSetup, data: Iterable[HSTUBatch], result: RunResult,
-              on_step: Progress) -> None:  # fmt: skip
+def torchrec_pipeline(setup: TrainingSetup) -> TrainPipelineSparseDist:
+    """torchrec's ``TrainPipelineSparseDist`` on the HSTU step: each ``progress``
+    returns ``(local_loss_sum, global_tokens, output)``, as ``HSTUPipeline``'s does."""
+
     def forward(batch: HSTUBatch) -> tuple[torch.Tensor, Any]:
         tokens = global_tokens(batch)
         losses, output = setup.model(batch)
         loss_sum = losses.sum()
         return global_loss(loss_sum, tokens).reshape(1), (loss_sum.detach(), tokens, output)
 
-    pipe = TrainPipelineSparseDist(
+    return TrainPipelineSparseDist(
         setup.model, setup.optimizer, setup.device, custom_model_fwd=forward  # type: ignore[arg-type]
     )
+
+
+def _torchrec(setup: TrainingSetup, data: Iterable[HSTUBatch], result: RunResult,
+              on_step: Progress) -> None:  # fmt: skip
+    pipe = torchrec_pipeline(setup)
     for loss_sum, tokens, _ in torchrec_results(pipe, data):
         result.record(loss_sum, tokens)
         on_step(len(result.loss_sums))

@@ -22,14 +22,14 @@ from torchrec.streamable import Pipelineable
 
 from aiopipe import AsyncExecutor, BadBatchError, BlockingPipeline, PipelineStateError, SchedulablePipeline
 from aiopipe import Schedule, Task, Tracer
-from aiopipe.executors.lanes import ThreadMap, resolve_lane
+from aiopipe.executors.lanes import ThreadMap, lanes_for_device, resolve_lane
 from aiopipe.interop import needs_event_loop
 from aiopipe.source import END, Feed, Source
 from aiopipe.trace import resolve_tracer
 
 from .sparse_model import STREAMS, PipelinedModel
 
-__all__ = ("SparseDistBase", "check_pipelineable", "default_lanes")
+__all__ = ("SparseDistBase", "check_pipelineable")
 
 #: What one step of a pipeline returns (``progress``, ``results``, ``drain``).
 ResultT = TypeVar("ResultT")
@@ -41,16 +41,6 @@ def check_pipelineable(batch: object) -> None:
     if not isinstance(batch, (Pipelineable, torch.Tensor)):
         raise TypeError(f"expected a torchrec Pipelineable batch (to, record_stream, "
                         f"pin_memory) or a tensor, got {type(batch).__name__}")  # fmt: skip
-
-
-def default_lanes(thread_map: Mapping[str, str], device: torch.device) -> Mapping[str, str]:
-    """``thread_map`` on a CUDA device; on any other, every task on lane "compute".
-    The io lane overlaps copies with compute on a GPU's copy engine; on a CPU there is
-    nothing to overlap, and its thread only takes a core from the compute lane's
-    intra-op threads at every step (docs/performance.md, ``./dev bench lane_cost``)."""
-    if device.type == "cuda":
-        return thread_map
-    return {name: "compute" for name in thread_map}
 
 
 class SparseDistBase(Generic[ResultT]):
@@ -69,7 +59,7 @@ class SparseDistBase(Generic[ResultT]):
         self.name = name
         self._shared, self._state = shared, state
         if thread_map is None:
-            thread_map = default_lanes(default_thread_map, shared.device)
+            thread_map = lanes_for_device(default_thread_map, shared.device)
         self._thread_map = thread_map
         if executor is None:  # a bad thread map fails here, not after a batch was taken
             for task in self._build_tasks():

@@ -15,12 +15,12 @@ from torchrec.datasets.utils import Batch
 
 import sparse_workers
 from aiopipe import BadBatchError, PipelineStateError
+from aiopipe.executors.lanes import lanes_for_device
 from conftest import collect
 from hstu_tasks import DLRMConfig, HSTUPipeline, SparseDistPipeline, SyntheticDLRMData
 from hstu_tasks import SyntheticHSTUData, build_dlrm_training
 from hstu_tasks.dlrm import evaluate_plainly, run_dlrm
 from hstu_tasks.runners import parameter_digest
-from hstu_tasks.sparse_base import default_lanes
 from hstu_tasks.sparse_sources import without_last_two
 from hstu_tasks.sparse_tasks import SPARSE_DIST_THREAD_MAP
 from one_rank import TINY_DATA, one_rank_group, tiny_training
@@ -217,4 +217,4 @@ def test_on_a_cpu_every_task_defaults_to_the_compute_lane() -> None:
         assert asyncio.run(lanes_after_one_step(chosen, iter(SyntheticDLRMData(config, 2)))) == {
             "io", "compute"}  # fmt: skip
     for gpu in ("cuda", "cuda:1"):
-        assert default_lanes(SPARSE_DIST_THREAD_MAP, torch.device(gpu)) is SPARSE_DIST_THREAD_MAP
+        assert lanes_for_device(SPARSE_DIST_THREAD_MAP, torch.device(gpu)) is SPARSE_DIST_THREAD_MAP

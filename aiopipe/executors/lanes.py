@@ -18,11 +18,13 @@ from ..errors import PipelineStateError
 from .signals import LoopWaker
 
 if TYPE_CHECKING:
+    import torch
+
     from ..task import Task
 
 __all__ = (
     "LANE_THREAD_PREFIX", "LOOP_LANE", "Lane", "LanePool", "ThreadMap", "call_on_lane",
-    "lane_of_thread", "resolve_lane", "start_on_lane",
+    "lane_of_thread", "lanes_for_device", "resolve_lane", "start_on_lane",
 )  # fmt: skip
 
 LOOP_LANE = "loop"
@@ -36,6 +38,19 @@ _STOP = object()
 def lane_of_thread(name: str) -> str:
     """The lane a thread (by name) serves: a lane thread's lane, else ``"loop"``."""
     return name[len(LANE_THREAD_PREFIX):] if name.startswith(LANE_THREAD_PREFIX) else LOOP_LANE
+
+
+def lanes_for_device(thread_map: ThreadMap, device: torch.device) -> ThreadMap:
+    """A preset's default ``thread_map`` on a CUDA device; on any other device every
+    task on lane ``"compute"``.  A second lane overlaps host-to-device copies with
+    compute on a GPU's copy engine; a CPU has none, and the lane's thread only takes a
+    core from the compute lane's intra-op threads at every step (docs/performance.md,
+    ``./dev bench lane_cost``)."""
+    return thread_map if device.type == "cuda" else _on_compute_lane
+
+
+def _on_compute_lane(task: Task) -> str:
+    return "compute"
 
 
 def resolve_lane(task: Task, thread_map: ThreadMap) -> str:
