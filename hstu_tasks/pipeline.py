@@ -79,7 +79,10 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
     ``"sequential"`` or an executor instance instead.  ``trace=True`` (or a
     :class:`aiopipe.Tracer`) records a span per task run (see ``docs/tracing.md``).
     ``name`` labels its log records and trace tracks (the engines that detach/attach
-    rebuild all carry it).
+    rebuild all carry it).  ``pipelined_input_dist``: whether torchrec's input
+    distribution runs as tasks ahead of ``forward``, on its rewrite of the model; by
+    default yes, except on a CPU with one rank, where it distributes nothing
+    (:func:`~hstu_tasks.sparse_model.input_dist_pipelined`).
     """
 
     _what = "HSTU pipeline"
@@ -101,6 +104,7 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
         memory_limit_bytes: int | None = None,
         trace: bool | Tracer | None = None,
         name: str = "hstu",
+        pipelined_input_dist: bool | None = None,
     ) -> None:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
@@ -111,7 +115,8 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
             )
         device = torch.device(device)
         # its own: not shared with other pipelines
-        shared = PipelinedModel(model, device, owner="an HSTUPipeline")
+        shared = PipelinedModel(model, device, owner="an HSTUPipeline",
+                                pipelined_input_dist=pipelined_input_dist)  # fmt: skip
         state = PipelineState(
             model=model, optimizer=optimizer, device=device,
             shuffler=batch_shuffler or IdentityShuffler(), prefetch=prefetch,

@@ -58,6 +58,8 @@ class SparseDistBase(Generic[ResultT]):
                  name: str | None = None) -> None:  # fmt: skip
         self.name = name
         self._shared, self._state = shared, state
+        if executor == "async":  # the default executor, with the pipeline's lanes
+            executor = None
         if thread_map is None:
             thread_map = lanes_for_device(default_thread_map, shared.device)
         self._thread_map = thread_map

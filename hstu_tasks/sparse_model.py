@@ -7,8 +7,13 @@ share the rewrite (and the streams it was bound to), or the second would wrap th
 first one's pipelined forwards.  ``PipelinedModel.of(model, device)`` returns the one
 shared object per model; ``PipelinedModel(model, device, owner=...)`` is one a
 pipeline keeps to itself (the HSTU pipeline: its prefetch variant installs other
-forwards).  Either way a model holds one rewrite at a time: another is refused until
-the pipelines on the first give the model back.
+forwards).  Either way a model runs under one of them at a time: another is refused
+until the pipelines on the first give the model back.
+
+On a CPU with one rank there is nothing to distribute, and torchrec's pipelined form
+only adds work (a splits all-to-all per batch, which its unpipelined path skips on
+one rank, and per-batch contexts): there the model keeps its own forwards unless
+``pipelined_input_dist=True`` asks for the rewrite (:func:`input_dist_pipelined`).
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
-from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward, PipelinedForward
 from torchrec.distributed.train_pipeline.utils import (
     _override_input_dist_forwards,
     _pipeline_detach_model,
@@ -29,7 +35,7 @@ from torchrec.distributed.types import ShardedModule
 
 from aiopipe import PipelineStateError, SchedulablePipeline, StreamPool
 
-__all__ = ("STREAMS", "PipelinedModel", "stream_pool")
+__all__ = ("STREAMS", "PipelinedModel", "input_dist_pipelined", "stream_pool")
 
 #: torchrec's streams (the prefetch one for the HSTU pipeline's prefetch variant).
 STREAMS = ("default", "memcpy", "data_dist", "prefetch")
@@ -47,6 +53,18 @@ def stream_pool(device: torch.device) -> StreamPool:
         "prefetch": torch.cuda.Stream(device=device),  # type: ignore[no-untyped-call]
     })  # fmt: skip
 
+def input_dist_pipelined(requested: bool | None, device: torch.device) -> bool:
+    """Whether a pipeline runs torchrec's input distribution as tasks of its own, a
+    batch ahead (``requested``, when given).  By default yes, except on a CPU with one
+    rank: there it moves no data, and its pipelined form cost about 0.6 ms of CPU a
+    step on the HSTU demo (docs/performance.md)."""
+    if requested is not None:
+        return requested
+    if device.type == "cuda":
+        return True
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 _SHARED: weakref.WeakValueDictionary[int, PipelinedModel] = weakref.WeakValueDictionary()
 #: The rewrite installed on each model (a second one would wrap its forwards).
 _INSTALLED: weakref.WeakValueDictionary[int, PipelinedModel] = weakref.WeakValueDictionary()
@@ -57,10 +75,13 @@ class PipelinedModel:
     ``owner`` names the pipelines on it, for the message that refuses another rewrite."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *,
-                 owner: str = "a sparse-dist pipeline") -> None:  # fmt: skip
+                 owner: str = "a sparse-dist pipeline",
+                 pipelined_input_dist: bool | None = None) -> None:  # fmt: skip
         self.model = model
         self.owner = owner
         self.device = device
+        #: Whether the first batch rewrites the model (:func:`input_dist_pipelined`).
+        self.pipelines_input_dist = input_dist_pipelined(pipelined_input_dist, device)
         self.pool: StreamPool = stream_pool(device)
         self.streams: dict[str, Any] = {name: self.pool.get(name) for name in STREAMS}
         #: The sharded modules with pipelined forwards (a list the tasks share).
@@ -77,13 +98,23 @@ class PipelinedModel:
         self._original_kjt_dist_forwards: list[Any] = []
 
     @classmethod
-    def of(cls, model: torch.nn.Module, device: torch.device) -> PipelinedModel:
+    def of(cls, model: torch.nn.Module, device: torch.device,
+           pipelined_input_dist: bool | None = None) -> PipelinedModel:  # fmt: skip
+        """The object every pipeline on ``model`` shares; ``pipelined_input_dist``
+        given to a later pipeline must agree with the first one's."""
         shared = _SHARED.get(id(model))
         if shared is None or shared.model is not model:
-            shared = _SHARED[id(model)] = cls(model, device)
+            shared = _SHARED[id(model)] = cls(model, device,
+                                              pipelined_input_dist=pipelined_input_dist)  # fmt: skip
         elif shared.device != device:
             raise ValueError(f"the model already runs in a pipeline on {shared.device}; "
                              f"every pipeline on one model must use that device, got {device}")  # fmt: skip
+        elif pipelined_input_dist not in (None, shared.pipelines_input_dist):
+            raise ValueError(
+                f"the model already runs in a pipeline with pipelined_input_dist="
+                f"{shared.pipelines_input_dist}; the pipelines on one model share it, got "
+                f"{pipelined_input_dist}"
+            )
         return shared
 
     def replace_model(self, model: torch.nn.Module) -> None:
@@ -120,7 +151,11 @@ class PipelinedModel:
         pool.wait_stream("data_dist", "memcpy")
         modules: list[Any] = []
         self._original_kjt_dist_forwards = []
-        if any(isinstance(m, ShardedModule) for m in self.model.modules()):
+        sharded = [m for m in self.model.modules() if isinstance(m, ShardedModule)]
+        # torchrec's own pipelines leave their rewrite installed: a model that still
+        # carries it can only run rewritten, one CPU rank or not
+        left_rewritten = any(isinstance(m.forward, BaseForward) for m in sharded)
+        if sharded and (self.pipelines_input_dist or left_rewritten):
             modules, _, self._original_forwards, _, _ = _rewrite_model(
                 model=self.model,
                 context=context,
@@ -129,7 +164,8 @@ class PipelinedModel:
                 batch=batch,
                 pipelined_forward=forward_type,
             )
-        # else an unsharded model: nothing to distribute, the input-dist tasks idle
+        # else nothing to distribute, or left to the model's own forward: the
+        # input-dist tasks idle
         self.modules[:] = modules
         self.rewritten = True
         _INSTALLED[id(self.model)] = self
@@ -162,8 +198,9 @@ class PipelinedModel:
         if installed is None or installed is self or installed.model is not self.model:
             return
         raise PipelineStateError(
-            f"{installed.owner} already runs on this model, on torchrec's rewrite of its "
-            f"forwards, and {self.owner} would rewrite them again on top of it; give the "
-            f"model back first (drain() and detach(), or shutdown(), that pipeline), then "
-            f"pass this source again: the batch taken from it is kept"
+            f"{installed.owner} already runs on this model, and {self.owner} cannot run "
+            f"beside it: each kind installs the forwards it runs (torchrec's rewrite, or "
+            f"the model's own); give the model back first (drain() and detach(), or "
+            f"shutdown(), that pipeline), then pass this source again: the batch taken "
+            f"from it is kept"
         )

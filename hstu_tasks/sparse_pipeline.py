@@ -42,9 +42,10 @@ class _SparseDist(SparseDistBase[Any]):
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, device: torch.device | str,
                  model_fwd: ModelForward | None, evaluation: bool, thread_map: ThreadMap,
-                 executor: str | Any, trace: bool | Tracer | None) -> None:  # fmt: skip
+                 executor: str | Any, trace: bool | Tracer | None,
+                 pipelined_input_dist: bool | None) -> None:  # fmt: skip
         device = torch.device(device)
-        shared = PipelinedModel.of(model, device)
+        shared = PipelinedModel.of(model, device, pipelined_input_dist)
         state = SparseDistState(
             model=model, optimizer=optimizer, device=device, model_fwd=model_fwd,
             evaluation=evaluation, pipelined_modules=shared.modules,
@@ -74,6 +75,10 @@ class SparseDistPipeline(_SparseDist):
     :data:`~hstu_tasks.sparse_tasks.SPARSE_DIST_THREAD_MAP` on a CUDA device and to
     every task on lane ``"compute"`` on any other; ``executor`` may be
     ``"sequential"`` or an executor instance; ``trace=True`` records task spans.
+    ``pipelined_input_dist``: whether torchrec's input distribution runs as tasks a
+    batch ahead, on its rewrite of the model; by default yes, except on a CPU with one
+    rank, where it distributes nothing (:func:`~hstu_tasks.sparse_model.input_dist_pipelined`).
+    The pipelines on one model share the choice.
     """
 
     _what = "sparse-dist pipeline"
@@ -89,9 +94,10 @@ class SparseDistPipeline(_SparseDist):
         thread_map: ThreadMap = None,
         executor: str | Any = None,
         trace: bool | Tracer | None = None,
+        pipelined_input_dist: bool | None = None,
     ) -> None:
         super().__init__(model, optimizer, device, custom_model_fwd, False, thread_map,
-                         executor, trace)  # fmt: skip
+                         executor, trace, pipelined_input_dist)  # fmt: skip
         self._execute_all_batches = execute_all_batches
         # execute_all_batches=False: each source's wrapper, kept until the source ends
         # (a wrapper holds the two items it read ahead; drain() may leave one unended)
@@ -139,7 +145,8 @@ class SparseDistEvalPipeline(_SparseDist):
 
     Built on a model that a :class:`SparseDistPipeline` runs (or via its
     :meth:`~SparseDistPipeline.eval_pipeline`), it shares that pipeline's rewrite of
-    the model and leaves its batches in flight alone."""
+    the model (and its ``pipelined_input_dist``) and leaves its batches in flight
+    alone."""
 
     _what = "sparse-dist eval pipeline"
 
@@ -153,6 +160,7 @@ class SparseDistEvalPipeline(_SparseDist):
         thread_map: ThreadMap = None,
         executor: str | Any = None,
         trace: bool | Tracer | None = None,
+        pipelined_input_dist: bool | None = None,
     ) -> None:
         super().__init__(model, optimizer, device, custom_model_fwd, True, thread_map,
-                         executor, trace)  # fmt: skip
+                         executor, trace, pipelined_input_dist)  # fmt: skip

@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import collect
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.types import ShardedModule
 
 from aiopipe import BadBatchError, PipelineStateError
 from hstu_tasks import join_local_group, leave_and_exit, quiet_torchrec
@@ -30,6 +32,13 @@ def join(rank: int, port: int) -> None:
 
 def data(rank: int, batches: int = STEPS, seed: int = 5) -> SyntheticDLRMData:
     return SyntheticDLRMData(CONFIG, batches, seed=seed, rank=rank)
+
+
+def runs_rewritten(model: torch.nn.Module) -> bool:
+    """Whether torchrec's pipelined forwards are installed on the sharded modules."""
+    sharded = [m for m in model.modules() if isinstance(m, ShardedModule)]
+    assert sharded
+    return all(isinstance(m.forward, PipelinedForward) for m in sharded)
 
 
 def scaled_loss(batch: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
@@ -59,6 +68,7 @@ def check_equality(rank: int, kind: str) -> None:
     losses = [float(loss) for loss, _, _ in blocking.results(source)]
     with pytest.raises(StopIteration):  # torchrec's contract, again and again
         blocking.progress(source)
+    assert runs_rewritten(setup.model)  # two ranks: the input dist runs a batch ahead
     blocking.shutdown()
     outcomes["aiopipe-blocking"] = (_mean_over_ranks(losses), parameter_digest(setup.model))
     assert len(outcomes["none"][0]) == STEPS

@@ -18,10 +18,11 @@ from aiopipe import BadBatchError, PipelineStateError
 from aiopipe.executors.lanes import lanes_for_device
 from conftest import collect
 from hstu_tasks import DLRMConfig, HSTUPipeline, SparseDistPipeline, SyntheticDLRMData
-from hstu_tasks import SyntheticHSTUData, build_dlrm_training
+from hstu_tasks import SparseDistEvalPipeline, SyntheticHSTUData, build_dlrm_training
 from hstu_tasks.dlrm import evaluate_plainly, run_dlrm
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse_sources import without_last_two
+from hstu_tasks.sparse_model import input_dist_pipelined
 from hstu_tasks.sparse_tasks import SPARSE_DIST_THREAD_MAP
 from one_rank import TINY_DATA, one_rank_group, tiny_training
 
@@ -68,6 +69,67 @@ async def test_execute_all_batches_false_with_an_async_source() -> None:
     wrapped = without_last_two(numbers())
     assert isinstance(wrapped, AsyncIterator) and not isinstance(wrapped, Iterator)
     assert [n async for n in wrapped] == [0, 1]
+
+
+SMALL = DLRMConfig(num_embeddings=200, batch_size=16)
+
+
+def plain_run_and_an_untrained_twin(batches: list[Any]) -> tuple[list[float], Any, Any]:
+    """The plain loop's losses on ``batches``, its trained setup, and a fresh one
+    built the same way."""
+    plain = build_dlrm_training(SMALL, "sgd", seed=3)
+    losses = run_dlrm("none", plain, [batches]).losses
+    return losses, plain, build_dlrm_training(SMALL, "sgd", seed=3)
+
+
+@pytest.mark.parametrize("pipelined", [None, True, False])
+def test_on_one_cpu_rank_the_model_keeps_its_own_forwards_unless_told(pipelined: bool | None) -> None:
+    """One rank on a CPU distributes nothing, so by default the model's own forward
+    runs the input distribution; pipelined_input_dist=True rewrites the model as on
+    more ranks.  Either way training is the plain loop's, bit for bit, and the eval
+    pipeline on the model shares the choice."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 4))
+        expected, plain, setup = plain_run_and_an_untrained_twin(batches)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                  pipelined_input_dist=pipelined)  # fmt: skip
+        with pytest.raises(ValueError, match="pipelined_input_dist"):
+            SparseDistEvalPipeline(setup.model, None, setup.device,
+                                   pipelined_input_dist=pipelined is not True)  # fmt: skip
+
+        async def run() -> tuple[list[Any], bool]:
+            async with pipe, pipe.eval_pipeline() as evaluator:
+                trained = await collect(pipe, iter(batches[:2]))
+                await collect(evaluator, iter(batches[:1]))
+                trained += await collect(pipe, iter(batches[2:]))
+                return trained, sparse_workers.runs_rewritten(setup.model)
+
+        trained, rewritten = asyncio.run(run())
+        assert rewritten is (pipelined is True)
+        assert [float(loss.detach()) for loss, _, _ in trained] == expected
+        assert parameter_digest(setup.model) == parameter_digest(plain.model)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert (input_dist_pipelined(None, cpu), input_dist_pipelined(None, gpu)) == (False, True)
+    assert input_dist_pipelined(False, gpu) is False
+
+
+def test_after_torchrec_s_own_pipeline_the_model_runs_on_the_rewrite_it_left() -> None:
+    """torchrec's pipelines leave their rewrite installed, so on one CPU rank a
+    sparse-dist pipeline that follows one on the model rewrites it too (its own
+    forwards are gone), and training goes on as the plain loop's."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 6))
+        expected, plain, setup = plain_run_and_an_untrained_twin(batches)
+        losses = run_dlrm("torchrec", setup, [batches[:3]]).losses
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
+
+        async def run() -> list[Any]:
+            async with pipe:
+                return await collect(pipe, iter(batches[3:]))
+
+        losses += [float(loss.detach()) for loss, _, _ in asyncio.run(run())]
+        assert losses == expected
+        assert parameter_digest(setup.model) == parameter_digest(plain.model)
 
 
 def test_a_refused_first_batch_counts_in_the_source_position() -> None:
@@ -124,7 +186,8 @@ def test_a_failed_bootstrap_loses_nothing_when_another_pipeline_traces_the_model
         setup = build_dlrm_training(config, "sgd", seed=3)
 
         async def run() -> None:
-            pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
+            pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                      pipelined_input_dist=True)  # as on two ranks
             async with pipe, pipe.eval_pipeline() as evaluator:
                 if refused:
                     with pytest.raises(BadBatchError, match="Pipelineable"):
@@ -146,12 +209,17 @@ def test_a_failed_bootstrap_loses_nothing_when_another_pipeline_traces_the_model
         assert parameter_digest(setup.model) == parameter_digest(plain.model)
 
 
-def test_a_model_holds_one_rewrite_at_a_time_so_another_pipeline_kind_is_refused() -> None:
+@pytest.mark.parametrize("pipelined", [True, None])
+def test_a_model_holds_one_rewrite_at_a_time_so_another_pipeline_kind_is_refused(
+    pipelined: bool | None,
+) -> None:
     """An HSTUPipeline's rewrite of a model is its own: a sparse-dist pipeline (or a
     second HSTUPipeline) on that model is refused at its first step, before it
     rewrites anything, and keeps the batch it took; once the model is given back it
     runs, and then an HSTUPipeline is refused in turn.  The refusals leave the
-    running pipeline's training as it is without them."""
+    running pipeline's training as it is without them.  The same holds where the
+    pipelines leave the model its own forwards (one CPU rank, by default)."""
+    kinds = {"pipelined_input_dist": pipelined}
     with one_rank_group():
         data = SyntheticHSTUData(TINY_DATA, 3, seed=1, rank=0)
         alone = tiny_training()
@@ -160,20 +228,21 @@ def test_a_model_holds_one_rewrite_at_a_time_so_another_pipeline_kind_is_refused
         pipe.shutdown()
 
         setup = tiny_training()
-        hstu = HSTUPipeline(setup.model, setup.optimizer, setup.device)
-        second = HSTUPipeline(setup.model, setup.optimizer, setup.device)
+        hstu = HSTUPipeline(setup.model, setup.optimizer, setup.device, **kinds)
+        second = HSTUPipeline(setup.model, setup.optimizer, setup.device, **kinds)
 
         def summed_losses(batch: Any) -> tuple[torch.Tensor, Any]:
             losses, output = setup.model(batch)
             return losses.reshape(-1), output  # torchrec's backward sums dim 0
 
         sparse = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
-                                    custom_model_fwd=summed_losses)  # fmt: skip
+                                    custom_model_fwd=summed_losses, **kinds)  # fmt: skip
 
         async def run() -> None:
             hstu_source, sparse_source = iter(data), iter(data)
             async with hstu, second, sparse:
                 trained = [await hstu.progress(hstu_source)]  # traces and rewrites the model
+                assert sparse_workers.runs_rewritten(setup.model) is (pipelined is True)
                 for other, source in ((sparse, sparse_source), (second, iter(data))):
                     with pytest.raises(PipelineStateError, match="an HSTUPipeline already runs"):
                         await other.progress(source)
@@ -208,6 +277,9 @@ def test_on_a_cpu_every_task_defaults_to_the_compute_lane() -> None:
                 return {pipe.engine.executor.lane_of(t.name) for t in pipe.engine.schedule.tasks}
 
         assert asyncio.run(lanes_after_one_step(default, iter(SyntheticDLRMData(config, 2)))) == {
+            "compute"}  # fmt: skip
+        named = SparseDistPipeline(setup.model, setup.optimizer, setup.device, executor="async")
+        assert asyncio.run(lanes_after_one_step(named, iter(SyntheticDLRMData(config, 2)))) == {
             "compute"}  # fmt: skip
         hstu_pipe = HSTUPipeline(hstu.model, hstu.optimizer, hstu.device)
         assert asyncio.run(lanes_after_one_step(
