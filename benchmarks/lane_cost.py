@@ -4,8 +4,10 @@ each pipeline, every pipeline in a worker process of its own, in short alternati
 The rows: the plain loop, torchrec's ``TrainPipelineSparseDist``, aiopipe as the demo
 runs it (async form on uvloop when installed, default lanes: on a CPU every task on
 lane "compute"), the async form on asyncio's loop, the blocking form, the GPU's
-default io/compute lanes (``HSTU_DEFAULT_THREAD_MAP``), and every task inline on the
-calling thread (``executor="sequential"``).
+default io/compute lanes (``HSTU_DEFAULT_THREAD_MAP``), torchrec's rewrite of the model
+for a pipelined input distribution (``pipelined_input_dist=True``: the default on
+more ranks, not on one CPU rank), and every task inline on the calling thread
+(``executor="sequential"``).
 
 Why this shape: between two whole runs a shared machine's speed can drift by more
 than the differences measured here (+-15-35 % on the 2-core machine of
@@ -20,9 +22,11 @@ beside its median.  Separate processes also keep the pipelines' torch threads ap
 (two pipelines in one process each keep an OpenMP pool, and libgomp slows every pool
 down once it counts more pool threads than CPUs, see ``aiopipe/_openmp.py``).
 ``--tasks`` traces the aiopipe rows and prints each task's median time (the tracer
-costs a little per task).
+costs a little per task).  ``--model dlrm`` times torchrec's DLRM instead
+(``examples/train_dlrm.py``'s model on ``SparseDistPipeline``, a 2-4 ms step).
 
-    ./dev bench lane_cost [--chunk 20] [--rounds 15] [--processes 3] [--configs ...] [--tasks]
+    ./dev bench lane_cost [--model hstu|dlrm] [--chunk 20] [--rounds 15] [--processes 3]
+                          [--configs ...] [--tasks]
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import print_json, print_table, progress, spread  # noqa: E402
 
 CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-blocking",
-           "aiopipe-io-lane", "aiopipe-sequential")  # fmt: skip
+           "aiopipe-io-lane", "aiopipe-rewritten", "aiopipe-sequential")  # fmt: skip
 WARM_UP = 20  # steps before the first timed chunk (bootstrap, caches, allocator)
 
 
@@ -55,7 +59,7 @@ def _repeat(step: Callable[[], object]) -> Callable[[int], None]:
     return run
 
 
-def _stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]:
+def _stepper(config: str, model: str, trace: bool) -> tuple[Callable[[int], None], Any]:
     """``(run(n), tracer)``: ``run(n)`` trains the next ``n`` batches with ``config``."""
     from hstu_tasks import (
         HSTU_DEFAULT_THREAD_MAP,
@@ -72,10 +76,11 @@ def _stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]:
     from hstu_tasks.runners import torchrec_pipeline
 
     from aiopipe import Tracer
-    from aiopipe.runner import LoopRunner
 
     quiet_torchrec()
     init_distributed()
+    if model == "dlrm":
+        return _dlrm_stepper(config, trace)
     setup = build_training(ModelConfig(), DataConfig(), OptimizerConfig(), seed=0)
     # The demo's source: each batch is built when it is read.
     source: Iterator[Any] = iter(SyntheticHSTUData(DataConfig(), 10**6, seed=1))
@@ -85,18 +90,30 @@ def _stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]:
         sparse_dist = torchrec_pipeline(setup)
         return _repeat(lambda: sparse_dist.progress(source)), None
     tracer = Tracer() if trace else None
-    options: dict[str, Any] = {}
-    if config == "aiopipe-io-lane":
-        options["thread_map"] = HSTU_DEFAULT_THREAD_MAP  # the GPU default: copies on "io"
-    if config == "aiopipe-sequential":
-        options["executor"] = "sequential"
+    options = _aiopipe_options(config, HSTU_DEFAULT_THREAD_MAP)
     pipe = HSTUPipelineFactory.create(
         "hstu_sparse_dist", model=setup.model, optimizer=setup.optimizer,
         device=setup.device, trace=tracer, **options,
     )  # fmt: skip
+    return _aiopipe_run(config, pipe, source), tracer
+
+
+def _aiopipe_options(config: str, gpu_thread_map: Any) -> dict[str, Any]:
+    if config == "aiopipe-io-lane":
+        return {"thread_map": gpu_thread_map}  # the GPU default: copies on "io"
+    if config == "aiopipe-rewritten":  # torchrec's pipelined input dist, as on more ranks
+        return {"pipelined_input_dist": True}
+    if config == "aiopipe-sequential":
+        return {"executor": "sequential"}
+    return {}
+
+
+def _aiopipe_run(config: str, pipe: Any, source: Iterator[Any]) -> Callable[[int], None]:
+    """``run(n)`` for an aiopipe row: the blocking form, or the async form on one loop."""
+    from aiopipe.runner import LoopRunner
     if config == "aiopipe-blocking":
         blocking = pipe.blocking()
-        return _repeat(lambda: blocking.progress(source)), tracer
+        return _repeat(lambda: blocking.progress(source))
     # One loop for every chunk, as one `aiopipe.run` would be (uvloop when installed).
     runner = LoopRunner(prefer_uvloop=config != "aiopipe-asyncio-loop")
 
@@ -104,12 +121,42 @@ def _stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]:
         for _ in range(n):
             await pipe.progress(source)
 
-    return lambda n: runner.run(chunk, n), tracer
+    return lambda n: runner.run(chunk, n)
 
 
-def _worker(config: str, trace: bool, conn: Connection) -> None:
+def _dlrm_stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]:
+    """torchrec's DLRM (``examples/train_dlrm.py``'s model) on ``SparseDistPipeline``."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from aiopipe import Tracer
+    from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData, build_dlrm_training
+    from hstu_tasks.sparse_tasks import SPARSE_DIST_THREAD_MAP
+
+    config_ = DLRMConfig()
+    setup = build_dlrm_training(config_, "sgd", seed=0)
+    source: Iterator[Any] = iter(SyntheticDLRMData(config_, 10**6, seed=1))
+    if config == "none":
+        model, optimizer = setup.model, setup.optimizer
+
+        def plain_step() -> None:
+            optimizer.zero_grad()
+            loss, _ = model(next(source).to(setup.device))
+            loss.backward()
+            optimizer.step()
+
+        return _repeat(plain_step), None
+    if config == "torchrec":
+        sparse_dist = TrainPipelineSparseDist(setup.model, setup.optimizer, setup.device)
+        return _repeat(lambda: sparse_dist.progress(source)), None
+    tracer = Tracer() if trace else None
+    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, trace=tracer,
+                              **_aiopipe_options(config, SPARSE_DIST_THREAD_MAP))  # fmt: skip
+    return _aiopipe_run(config, pipe, source), tracer
+
+
+def _worker(config: str, model: str, trace: bool, conn: Connection) -> None:
     """Build ``config``'s pipeline, warm it up, then time each chunk asked for."""
-    run, tracer = _stepper(config, trace)
+    run, tracer = _stepper(config, model, trace)
     run(WARM_UP)
     conn.send("ready")
     while (steps := conn.recv()) is not None:
@@ -127,7 +174,7 @@ def _worker(config: str, trace: bool, conn: Connection) -> None:
     conn.send(tasks)
 
 
-def _one_set(configs: list[str], chunk: int, rounds: int, trace: bool, set_no: int,
+def _one_set(configs: list[str], model: str, chunk: int, rounds: int, trace: bool, set_no: int,
              ms: dict[str, list[float]], tasks: dict[str, list[dict[str, float]]]) -> None:
     """Build a worker per config, time ``rounds`` alternating chunks, tear down."""
     context = multiprocessing.get_context("spawn")
@@ -135,7 +182,7 @@ def _one_set(configs: list[str], chunk: int, rounds: int, trace: bool, set_no: i
     try:
         for config in configs:
             ours, theirs = context.Pipe()
-            process = context.Process(target=_worker, args=(config, trace, theirs))
+            process = context.Process(target=_worker, args=(config, model, trace, theirs))
             process.start()
             theirs.close()  # a worker that dies then ends recv() with EOFError, not a hang
             if ours.recv() != "ready":
@@ -163,19 +210,25 @@ def _one_set(configs: list[str], chunk: int, rounds: int, trace: bool, set_no: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chunk", type=int, default=20, help="steps per timed chunk")
+    parser.add_argument("--model", choices=("hstu", "dlrm"), default="hstu",
+                        help="the HSTU demo, or torchrec's DLRM on SparseDistPipeline")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="steps per timed chunk (default: 20 HSTU, 80 DLRM steps)")
     parser.add_argument("--rounds", type=int, default=15, help="chunks per pipeline and process")
     parser.add_argument("--processes", type=int, default=3,
                         help="fresh processes per pipeline, one set after another")  # fmt: skip
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--tasks", action="store_true", help="trace the aiopipe rows")
     args = parser.parse_args()
+    if args.chunk is None:  # chunks of about a quarter of a second either way
+        args.chunk = 80 if args.model == "dlrm" else 20
     if min(args.chunk, args.rounds, args.processes) < 1:
         parser.error("--chunk, --rounds and --processes must be at least 1")
     ms: dict[str, list[float]] = {config: [] for config in args.configs}
     per_set: dict[str, list[dict[str, float]]] = {config: [] for config in args.configs}
     for set_no in range(1, args.processes + 1):
-        _one_set(args.configs, args.chunk, args.rounds, args.tasks, set_no, ms, per_set)
+        _one_set(args.configs, args.model, args.chunk, args.rounds, args.tasks, set_no, ms,
+                 per_set)  # fmt: skip
     tasks = {  # each task's median over the sets' medians
         config: {name: statistics.median(s[name] for s in sets if name in s)
                  for name in {n for s in sets for n in s}}
@@ -191,7 +244,7 @@ def main() -> None:
         rows.append([config, f"{statistics.median(values):.2f}", spread(values), ratio,
                      f"{min(values):.2f}", best])  # fmt: skip
     print_table(
-        f"HSTU demo step, {args.processes} processes each, {args.rounds} alternating "
+        f"{'HSTU demo' if args.model == 'hstu' else 'DLRM'} step, {args.processes} processes each, {args.rounds} alternating "
         f"chunks of {args.chunk} steps per process",
         ["pipeline", "ms/step", "spread", "x torchrec (paired median)", "fastest chunk",
          "x torchrec's fastest"],
