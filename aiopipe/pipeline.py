@@ -24,7 +24,6 @@ from .context import CURRENT, Running, TaskContext
 from .errors import BadBatchError, PipelineStateError
 from .executors import Executor, make_executor
 from .executors.base import Step
-from .executors.signals import wait_settled
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, SlotStore
@@ -145,6 +144,8 @@ class SchedulablePipeline:
         # the failure of one whose caller was cancelled, raised by the next call.
         self._running: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
+        # Callers waiting for it, woken by the iteration itself when it ends.
+        self._iteration_waiters: list[asyncio.Future[None]] = []
         if pipeline_log.isEnabledFor(logging.INFO):
             pipeline_log.info(
                 "%s: built with %d tasks (max lookahead %d), %s, lanes %s", self.name,
@@ -291,11 +292,22 @@ class SchedulablePipeline:
         self.shutdown()
 
     async def _finish_running(self) -> None:
-        while (running := self._running) is not None:
+        while self._running is not None:
             try:
-                await wait_settled(running)
+                await self._iteration_ended()
             except asyncio.CancelledError:  # cancel scopes re-deliver: finish anyway
                 continue
+
+    async def _iteration_ended(self) -> None:
+        """Wait for the iteration under way to end; cancelling the caller leaves it
+        running.  ``_iterate`` wakes the waiter as it returns, one loop cycle sooner
+        than a done-callback on its task would (that cycle is on every step's
+        critical path: docs/performance.md)."""
+        if self._running is None:  # it ended already (it may never suspend)
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._iteration_waiters.append(waiter)
+        await waiter
 
     def seed_first_batch(self, contents: Mapping[str, Any], *, refused: int = 0) -> None:
         """Pre-populate the store of the next batch to be pulled, for adapters that
@@ -449,33 +461,40 @@ class SchedulablePipeline:
                 feed.returned += 1
                 return True, feed.outbox.popleft()
             self._raise_pending_failure()
-            running = self._running
-            if running is None:
+            if self._running is None:
                 if not feed.exhausted and not self._top_pulled:
                     await self._pull(feed)
                 if feed.finished:
                     return False, None
-                running = self._start_iteration(feed)
+                self._start_iteration(feed)
                 if feed.can_read_ahead:
                     # Read the next batch while this iteration runs.  First let the
                     # iteration hand its work to the lanes (tasks start in FIFO order).
                     await asyncio.sleep(0)
                     feed.read_ahead()
-            await wait_settled(running)
+            await self._iteration_ended()
 
-    def _start_iteration(self, feed: Feed) -> asyncio.Task[None]:
+    def _start_iteration(self, feed: Feed) -> None:
         plan = self._plan
         step = Step(
             plan, self._ring, self._ctx, feed.iteration, plan.active(feed.iteration, feed.pulled),
             self._annotator, self._tracer, self._lanes, self.name,
         )  # fmt: skip
         self._running = asyncio.ensure_future(self._iterate(feed, step))
-        return self._running
 
     async def _iterate(self, feed: Feed, step: Step) -> None:
         """One internal iteration, as a task of its own: a cancelled caller stops
         waiting for it, but it runs on, and its result lands in ``feed.outbox``.
         Only shutting the loop down cancels it (the executor then stops cleanly)."""
+        try:
+            await self._run_iteration(feed, step)
+        finally:
+            waiters, self._iteration_waiters = self._iteration_waiters, []
+            for waiter in waiters:
+                if not waiter.done():  # else its caller was cancelled
+                    waiter.set_result(None)
+
+    async def _run_iteration(self, feed: Feed, step: Step) -> None:
         iteration, plan, ring = step.iteration, self._plan, self._ring
         try:
             await self._executor.run_step(step)
