@@ -53,6 +53,7 @@ def stream_pool(device: torch.device) -> StreamPool:
         "prefetch": torch.cuda.Stream(device=device),  # type: ignore[no-untyped-call]
     })  # fmt: skip
 
+
 def input_dist_pipelined(requested: bool | None, device: torch.device) -> bool:
     """Whether a pipeline runs torchrec's input distribution as tasks of its own, a
     batch ahead (``requested``, when given).  By default yes, except on a CPU with one
