@@ -303,9 +303,16 @@ class SchedulablePipeline:
         running.  ``_iterate`` wakes the waiter as it returns, one loop cycle sooner
         than a done-callback on its task would (that cycle is on every step's
         critical path: docs/performance.md)."""
-        if self._running is None:  # it ended already (it may never suspend)
+        running = self._running
+        if running is None or running.done():  # it ended already (it may never suspend)
             return
-        waiter = asyncio.get_running_loop().create_future()
+        if running.get_loop() is not asyncio.get_running_loop():
+            raise PipelineStateError(
+                "the iteration under way runs on another event loop (a call there was "
+                "cancelled or timed out, and its iteration runs on); finish it on that "
+                "loop ('await pipe.aclose()' or another progress() there)"
+            )
+        waiter = running.get_loop().create_future()
         self._iteration_waiters.append(waiter)
         await waiter
 
@@ -480,7 +487,9 @@ class SchedulablePipeline:
             plan, self._ring, self._ctx, feed.iteration, plan.active(feed.iteration, feed.pulled),
             self._annotator, self._tracer, self._lanes, self.name,
         )  # fmt: skip
-        self._running = asyncio.ensure_future(self._iterate(feed, step))
+        running = asyncio.ensure_future(self._iterate(feed, step))
+        if not running.done():  # an eager task factory may have run it to the end
+            self._running = running
 
     async def _iterate(self, feed: Feed, step: Step) -> None:
         """One internal iteration, as a task of its own: a cancelled caller stops

@@ -127,7 +127,7 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
             shared, state, default_thread_map=HSTU_DEFAULT_THREAD_MAP, thread_map=thread_map,
             executor=executor, trace=trace, name=name,
         )  # fmt: skip
-        if executor is None and isinstance(self._thread_map, Mapping):
+        if self._executor_choice is None and isinstance(self._thread_map, Mapping):
             unknown = sorted(set(self._thread_map) - set(HSTU_DEFAULT_THREAD_MAP))
             if unknown:  # a misspelt task would go to "default"
                 raise ValueError(f"thread_map names no HSTU task {unknown}; the tasks are "

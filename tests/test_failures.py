@@ -161,6 +161,50 @@ async def test_a_timed_out_progress_leaves_its_iteration_running_and_returns_it_
     await pipe.aclose()
 
 
+def test_an_iteration_left_on_another_loop_is_refused_there_not_waited_for() -> None:
+    """A call cancelled on one loop leaves its iteration running on that loop; a call
+    from another loop cannot wait for it (nothing would wake it) and says so, and
+    back on its own loop the iteration finishes and its result comes next."""
+    gates: dict[str, asyncio.Future[None]] = {}
+
+    async def held(ctx: TaskContext) -> None:
+        if ctx.batch_index == 0:
+            gates["entered"].set_result(None)
+            await gates["release"]
+        ctx.slots.set("step_result", ctx.batch_index)
+
+    pipe = Pipeline([Task.from_fn("held", held, writes=("step_result",))])
+    source = iter(range(3))
+
+    async def abandon() -> None:
+        loop = asyncio.get_running_loop()
+        gates["entered"], gates["release"] = loop.create_future(), loop.create_future()
+        call = asyncio.ensure_future(pipe.progress(source))
+        await gates["entered"]
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    async def elsewhere() -> None:
+        with pytest.raises(PipelineStateError, match="another event loop"):
+            await pipe.progress(source)
+
+    async def finish() -> list[int]:
+        gates["release"].set_result(None)
+        results = await collect(pipe, source)
+        await pipe.aclose()
+        return results
+
+    own, other = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        own.run_until_complete(abandon())
+        other.run_until_complete(elsewhere())
+        assert own.run_until_complete(finish()) == [0, 1, 2]
+    finally:
+        own.close()
+        other.close()
+
+
 async def test_a_progress_cancelled_anywhere_loses_no_batch() -> None:
     def record(ctx: TaskContext) -> None:
         ctx.slots.set("step_result", (ctx.batch_index, ctx.slots["batch_cpu"]))

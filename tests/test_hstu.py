@@ -197,8 +197,10 @@ def test_configs_refuse_what_cannot_run() -> None:
         OptimizerConfig(kind="Adam")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown thread_map"):  # before any batch is taken
         HSTUPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"), thread_map="bogus")
-    with pytest.raises(ValueError, match=r"names no HSTU task \['foward'\]"):
-        HSTUPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"), thread_map={"foward": "x"})
+    for executor in (None, "async"):  # "async" is the default executor, named
+        with pytest.raises(ValueError, match=r"names no HSTU task \['foward'\]"):
+            HSTUPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"),
+                         thread_map={"foward": "x"}, executor=executor)  # fmt: skip
 
 
 class _MegatronLikeChunk(torch.nn.Linear):
