@@ -279,7 +279,7 @@ class SparseDistBase(Generic[ResultT]):
         )  # fmt: skip
         try:
             seed: dict[str, Any] | None = None
-            if not self._shared.rewritten:
+            if not self._shared.installed:
                 seed = self._rewrite_and_seed(await self._first_batch(source))
             elif self._kept is not None or self._refused_from(source):
                 # Another pipeline traced the model since this one's bootstrap failed:

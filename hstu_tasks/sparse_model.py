@@ -67,7 +67,8 @@ def input_dist_pipelined(requested: bool | None, device: torch.device) -> bool:
 
 
 _SHARED: weakref.WeakValueDictionary[int, PipelinedModel] = weakref.WeakValueDictionary()
-#: The rewrite installed on each model (a second one would wrap its forwards).
+#: The PipelinedModel each model runs under: its forwards (torchrec's rewrite, or the
+#: model's own on one CPU rank) are that one's, and a second would wrap or miss them.
 _INSTALLED: weakref.WeakValueDictionary[int, PipelinedModel] = weakref.WeakValueDictionary()
 
 
@@ -87,7 +88,8 @@ class PipelinedModel:
         self.streams: dict[str, Any] = {name: self.pool.get(name) for name in STREAMS}
         #: The sharded modules with pipelined forwards (a list the tasks share).
         self.modules: list[Any] = []
-        self.rewritten = False
+        #: The first batch has installed this object's forwards on the model.
+        self.installed = False
         self.attached = True
         #: The pipeline whose progress() is running (they take turns).
         self.busy: Any = None
@@ -139,12 +141,13 @@ class PipelinedModel:
         self, peek: Any, context: TrainPipelineContext, *,
         forward_type: type[Any] = PipelinedForward, warm_up: TrainPipelineContext | None = None,
     ) -> Any:  # fmt: skip
-        """Copy ``peek`` to the device, let torchrec rewrite the model on it and start
-        its input distribution in ``context`` (torchrec's ``fill_pipeline``); return
-        the copy.  With ``warm_up`` (a batch to be transformed, e.g. shuffled, before
-        its own input distribution) one complete distribution runs in that throwaway
-        context instead: it creates torchrec's input dists and leaves no collective
-        pending.  Refused while another rewrite is installed on the model."""
+        """Copy ``peek`` to the device, let torchrec rewrite the model on it (unless it
+        keeps its own forwards: :func:`input_dist_pipelined`) and start its input
+        distribution in ``context`` (torchrec's ``fill_pipeline``); return the copy.
+        With ``warm_up`` (a batch to be transformed, e.g. shuffled, before its own
+        input distribution) one complete distribution runs in that throwaway context
+        instead: it creates torchrec's input dists and leaves no collective pending.
+        Refused while another pipeline kind is installed on the model."""
         self._refuse_a_second_rewrite()
         pool = self.pool
         with pool.use("memcpy"):
@@ -168,7 +171,7 @@ class PipelinedModel:
         # else nothing to distribute, or left to the model's own forward: the
         # input-dist tasks idle
         self.modules[:] = modules
-        self.rewritten = True
+        self.installed = True
         _INSTALLED[id(self.model)] = self
         with pool.use("data_dist"):  # creates torchrec's input dists, then fuses their splits
             _start_data_dist(modules, batch, context if warm_up is None else warm_up)
@@ -190,7 +193,7 @@ class PipelinedModel:
                 pipelined_postprocs=[],
             )
         self.modules.clear()
-        self.rewritten = False
+        self.installed = False
         if _INSTALLED.get(id(self.model)) is self:
             del _INSTALLED[id(self.model)]
 
