@@ -128,14 +128,20 @@ def add_hstu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-history", type=int, default=48)
 
 
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now (for a
+    process group's rank 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def spawn_ranks(worker: Callable[..., None], args: dict[str, Any]) -> Any:
     """Run ``worker(rank, port, ranks, args, out_path)`` on ``args["ranks"]`` spawned
     processes; return the JSON rank 0 wrote to ``out_path``."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         mp.spawn(worker, args=(port, args["ranks"], args, out.name), nprocs=args["ranks"])
         return json.loads(Path(out.name).read_text())

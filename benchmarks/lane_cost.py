@@ -24,9 +24,11 @@ down once it counts more pool threads than CPUs, see ``aiopipe/_openmp.py``).
 ``--tasks`` traces the aiopipe rows and prints each task's median time (the tracer
 costs a little per task).  ``--model dlrm`` times torchrec's DLRM instead
 (``examples/train_dlrm.py``'s model on ``SparseDistPipeline``, a 2-4 ms step).
+``--ranks 2`` gives every pipeline a gloo group of two worker processes of its own
+(each rank its own data); a chunk's time is the slower rank's.
 
-    ./dev bench lane_cost [--model hstu|dlrm] [--chunk 20] [--rounds 15] [--processes 3]
-                          [--configs ...] [--tasks]
+    ./dev bench lane_cost [--model hstu|dlrm] [--ranks 1] [--chunk 20] [--rounds 15]
+                          [--processes 3] [--configs ...] [--tasks]
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import print_json, print_table, progress, spread  # noqa: E402
+from _common import free_port, print_json, print_table, progress, spread  # noqa: E402
 
 CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-blocking",
            "aiopipe-io-lane", "aiopipe-rewritten", "aiopipe-sequential")  # fmt: skip
@@ -59,7 +61,8 @@ def _repeat(step: Callable[[], object]) -> Callable[[int], None]:
     return run
 
 
-def _stepper(config: str, model: str, trace: bool) -> tuple[Callable[[int], None], Any]:
+def _stepper(config: str, model: str, trace: bool,
+             rank: int) -> tuple[Callable[[int], None], Any]:  # fmt: skip
     """``(run(n), tracer)``: ``run(n)`` trains the next ``n`` batches with ``config``."""
     from hstu_tasks import (
         HSTU_DEFAULT_THREAD_MAP,
@@ -69,7 +72,6 @@ def _stepper(config: str, model: str, trace: bool) -> tuple[Callable[[int], None
         OptimizerConfig,
         SyntheticHSTUData,
         build_training,
-        init_distributed,
         quiet_torchrec,
     )
     from hstu_tasks.parallel import plain_train_step
@@ -78,12 +80,11 @@ def _stepper(config: str, model: str, trace: bool) -> tuple[Callable[[int], None
     from aiopipe import Tracer
 
     quiet_torchrec()
-    init_distributed()
     if model == "dlrm":
-        return _dlrm_stepper(config, trace)
+        return _dlrm_stepper(config, trace, rank)
     setup = build_training(ModelConfig(), DataConfig(), OptimizerConfig(), seed=0)
     # The demo's source: each batch is built when it is read.
-    source: Iterator[Any] = iter(SyntheticHSTUData(DataConfig(), 10**6, seed=1))
+    source: Iterator[Any] = iter(SyntheticHSTUData(DataConfig(), 10**6, seed=1, rank=rank))
     if config == "none":
         return _repeat(lambda: plain_train_step(setup, next(source))), None
     if config == "torchrec":
@@ -124,7 +125,7 @@ def _aiopipe_run(config: str, pipe: Any, source: Iterator[Any]) -> Callable[[int
     return lambda n: runner.run(chunk, n)
 
 
-def _dlrm_stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]:
+def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], None], Any]:
     """torchrec's DLRM (``examples/train_dlrm.py``'s model) on ``SparseDistPipeline``."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -134,7 +135,7 @@ def _dlrm_stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]
 
     config_ = DLRMConfig()
     setup = build_dlrm_training(config_, "sgd", seed=0)
-    source: Iterator[Any] = iter(SyntheticDLRMData(config_, 10**6, seed=1))
+    source: Iterator[Any] = iter(SyntheticDLRMData(config_, 10**6, seed=1, rank=rank))
     if config == "none":
         model, optimizer = setup.model, setup.optimizer
 
@@ -154,9 +155,14 @@ def _dlrm_stepper(config: str, trace: bool) -> tuple[Callable[[int], None], Any]
     return _aiopipe_run(config, pipe, source), tracer
 
 
-def _worker(config: str, model: str, trace: bool, conn: Connection) -> None:
-    """Build ``config``'s pipeline, warm it up, then time each chunk asked for."""
-    run, tracer = _stepper(config, model, trace)
+def _worker(config: str, model: str, trace: bool, conn: Connection, rank: int, ranks: int,
+            port: int) -> None:  # fmt: skip
+    """Rank ``rank`` of ``config``'s group: build the pipeline, warm it up, then time
+    each chunk asked for."""
+    from hstu_tasks import join_local_group, leave_and_exit
+
+    join_local_group(rank, ranks, port)
+    run, tracer = _stepper(config, model, trace, rank)
     run(WARM_UP)
     conn.send("ready")
     while (steps := conn.recv()) is not None:
@@ -172,46 +178,61 @@ def _worker(config: str, model: str, trace: bool, conn: Connection) -> None:
                 spans[span.task].append((span.end_ns - span.start_ns) / 1e6)
         tasks = {name: statistics.median(ms) for name, ms in spans.items()}
     conn.send(tasks)
+    conn.close()
+    leave_and_exit(0)  # no native teardown at exit (hstu_tasks.leave_and_exit says why)
 
 
-def _one_set(configs: list[str], model: str, chunk: int, rounds: int, trace: bool, set_no: int,
-             ms: dict[str, list[float]], tasks: dict[str, list[dict[str, float]]]) -> None:
-    """Build a worker per config, time ``rounds`` alternating chunks, tear down."""
+def _one_set(configs: list[str], model: str, ranks: int, chunk: int, rounds: int, trace: bool,
+             set_no: int, ms: dict[str, list[float]],
+             tasks: dict[str, list[dict[str, float]]]) -> None:  # fmt: skip
+    """Build a group of ``ranks`` workers per config, time ``rounds`` alternating
+    chunks, tear down."""
     context = multiprocessing.get_context("spawn")
-    workers: dict[str, tuple[Any, Connection]] = {}
+    workers: dict[str, list[tuple[Any, Connection]]] = {}
     try:
         for config in configs:
-            ours, theirs = context.Pipe()
-            process = context.Process(target=_worker, args=(config, model, trace, theirs))
-            process.start()
-            theirs.close()  # a worker that dies then ends recv() with EOFError, not a hang
-            if ours.recv() != "ready":
-                raise RuntimeError(f"{config}: the worker did not start")
-            workers[config] = (process, ours)
+            port, group = free_port(), []
+            for rank in range(ranks):
+                ours, theirs = context.Pipe()
+                process = context.Process(
+                    target=_worker, args=(config, model, trace, theirs, rank, ranks, port)
+                )  # fmt: skip
+                process.start()
+                theirs.close()  # a worker that dies then ends recv() with EOFError, not a hang
+                group.append((process, ours))
+            workers[config] = group
+            if any(conn.recv() != "ready" for _, conn in group):
+                raise RuntimeError(f"{config}: a worker did not start")
         progress(f"process set {set_no}: every pipeline built and warmed up")
         for round_no in range(1, rounds + 1):
             order = list(workers.items())
             if round_no % 2 == 0:  # every other round backwards: no row always follows another
                 order.reverse()
-            for config, (_, conn) in order:
-                conn.send(chunk)
-                ms[config].append(conn.recv())
+            for config, group in order:
+                for _, conn in group:
+                    conn.send(chunk)
+                ms[config].append(max(conn.recv() for _, conn in group))
             progress(f"set {set_no}, round {round_no}/{rounds}: "
                      + ", ".join(f"{c} {ms[c][-1]:.2f}" for c in configs))  # fmt: skip
-        for config, (process, conn) in workers.items():
-            conn.send(None)
-            tasks[config].append(conn.recv())
-            process.join()
+        for config, group in workers.items():
+            for _, conn in group:
+                conn.send(None)
+            tasks[config].append(group[0][1].recv())  # rank 0's task times
+            for process, _ in group:
+                process.join()
     finally:
-        for process, _ in workers.values():
-            if process.is_alive():
-                process.kill()
+        for group in workers.values():
+            for process, _ in group:
+                if process.is_alive():
+                    process.kill()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("hstu", "dlrm"), default="hstu",
                         help="the HSTU demo, or torchrec's DLRM on SparseDistPipeline")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="worker processes per pipeline, one gloo group each")
     parser.add_argument("--chunk", type=int, default=None,
                         help="steps per timed chunk (default: 20 HSTU, 80 DLRM steps)")
     parser.add_argument("--rounds", type=int, default=15, help="chunks per pipeline and process")
@@ -222,13 +243,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.chunk is None:  # chunks of about a quarter of a second either way
         args.chunk = 80 if args.model == "dlrm" else 20
-    if min(args.chunk, args.rounds, args.processes) < 1:
-        parser.error("--chunk, --rounds and --processes must be at least 1")
+    if min(args.ranks, args.chunk, args.rounds, args.processes) < 1:
+        parser.error("--ranks, --chunk, --rounds and --processes must be at least 1")
     ms: dict[str, list[float]] = {config: [] for config in args.configs}
     per_set: dict[str, list[dict[str, float]]] = {config: [] for config in args.configs}
     for set_no in range(1, args.processes + 1):
-        _one_set(args.configs, args.model, args.chunk, args.rounds, args.tasks, set_no, ms,
-                 per_set)  # fmt: skip
+        _one_set(args.configs, args.model, args.ranks, args.chunk, args.rounds, args.tasks,
+                 set_no, ms, per_set)  # fmt: skip
     tasks = {  # each task's median over the sets' medians
         config: {name: statistics.median(s[name] for s in sets if name in s)
                  for name in {n for s in sets for n in s}}
@@ -244,8 +265,9 @@ def main() -> None:
         rows.append([config, f"{statistics.median(values):.2f}", spread(values), ratio,
                      f"{min(values):.2f}", best])  # fmt: skip
     print_table(
-        f"{'HSTU demo' if args.model == 'hstu' else 'DLRM'} step, {args.processes} processes each, {args.rounds} alternating "
-        f"chunks of {args.chunk} steps per process",
+        f"{'HSTU demo' if args.model == 'hstu' else 'DLRM'} step, {args.ranks} rank(s) on gloo, "
+        f"{args.processes} process sets, {args.rounds} alternating chunks of {args.chunk} "
+        "steps per set",
         ["pipeline", "ms/step", "spread", "x torchrec (paired median)", "fastest chunk",
          "x torchrec's fastest"],
         rows,
