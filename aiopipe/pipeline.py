@@ -285,13 +285,18 @@ class SchedulablePipeline:
     async def aclose(self) -> None:
         """Wait for an iteration still running (its caller was cancelled), then shut
         down.  ``async with pipe:`` calls it on exit."""
-        if in_trio():  # the iteration runs on the bridge's loop
-            await self._trio.call(SchedulablePipeline._finish_running, self)
-        else:
-            await self._finish_running()
+        await self._finish_running()
         self.shutdown()
 
     async def _finish_running(self) -> None:
+        """Wait for an iteration whose caller was cancelled (it runs on), from an
+        asyncio or a trio caller."""
+        if in_trio():  # the iteration runs on the bridge's loop
+            await self._trio.call(SchedulablePipeline._await_running, self)
+        else:
+            await self._await_running()
+
+    async def _await_running(self) -> None:
         while self._running is not None:
             try:
                 await self._iteration_ended()

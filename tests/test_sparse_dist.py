@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from torchrec.datasets.utils import Batch
@@ -207,6 +209,64 @@ def test_a_failed_bootstrap_loses_nothing_when_another_pipeline_traces_the_model
 
         asyncio.run(run())
         assert parameter_digest(setup.model) == parameter_digest(plain.model)
+
+
+@pytest.mark.parametrize("library", ["asyncio", "trio"])
+def test_the_eval_pipeline_waits_for_a_train_step_whose_caller_was_cancelled(library: str) -> None:
+    """A train progress() cancelled in the middle of its step leaves the step running;
+    the eval pipeline on the model waits for it before it runs the model, under
+    asyncio and trio alike (under trio the step runs on the train pipeline's bridge
+    loop).  The next train call returns that step's result: the training is the plain
+    loop's, and the evaluation sees the model after the two steps it followed."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 4))
+        expected, _, setup = plain_run_and_an_untrained_twin(batches)
+        after_two = build_dlrm_training(SMALL, "sgd", seed=3)
+        run_dlrm("none", after_two, [batches[:2]])
+        reference = evaluate_plainly(after_two.model, batches[:1], after_two.device)
+        entered, gate = threading.Event(), threading.Event()
+        forwards: list[tuple[str, str]] = []
+
+        def gated(batch: Any) -> tuple[torch.Tensor, Any]:
+            mode = "train" if setup.model.training else "eval"
+            forwards.append((mode, "begins"))
+            if forwards.count(("train", "begins")) == 2 and mode == "train":
+                entered.set()  # the second step's forward: its caller is cancelled now
+                gate.wait()
+            try:
+                return setup.model(batch)  # type: ignore[no-any-return]
+            finally:
+                forwards.append((mode, "ends"))
+
+        train = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                   custom_model_fwd=gated)  # fmt: skip
+        evaluator = train.eval_pipeline()
+
+        async def open_the_gate_once_everything_waits() -> None:
+            await anyio.wait_all_tasks_blocked()
+            gate.set()
+
+        async def run(library: str) -> tuple[list[Any], list[Any]]:
+            source = iter(batches)
+            async with train, evaluator:
+                trained = [await train.progress(source)]
+                with anyio.CancelScope() as scope:
+                    async with anyio.create_task_group() as group:
+                        group.start_soon(train.progress, source)
+                        await anyio.to_thread.run_sync(entered.wait)
+                        scope.cancel()
+                assert scope.cancelled_caught and not gate.is_set()
+                async with anyio.create_task_group() as group:
+                    group.start_soon(open_the_gate_once_everything_waits)
+                    evaluated = await collect(evaluator, iter(batches[:1]))
+                trained += await collect(train, source)
+            return trained, evaluated
+
+        trained, evaluated = anyio.run(run, library, backend=library)
+        assert forwards.index(("train", "ends"), 2) < forwards.index(("eval", "begins"))
+        assert [float(loss.detach()) for loss, _, _ in trained] == expected
+        assert len(evaluated) == 1
+        assert all(torch.equal(a, b) for a, b in zip(evaluated[0], reference[0], strict=True))
 
 
 @pytest.mark.parametrize("pipelined", [True, None])
