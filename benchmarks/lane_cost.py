@@ -191,7 +191,8 @@ def _one_set(configs: list[str], model: str, ranks: int, chunk: int, rounds: int
     workers: dict[str, list[tuple[Any, Connection]]] = {}
     try:
         for config in configs:
-            port, group = free_port(), []
+            port = free_port()
+            workers[config] = group = []  # in the dict at once: a failed start kills the rest
             for rank in range(ranks):
                 ours, theirs = context.Pipe()
                 process = context.Process(
@@ -200,7 +201,6 @@ def _one_set(configs: list[str], model: str, ranks: int, chunk: int, rounds: int
                 process.start()
                 theirs.close()  # a worker that dies then ends recv() with EOFError, not a hang
                 group.append((process, ours))
-            workers[config] = group
             if any(conn.recv() != "ready" for _, conn in group):
                 raise RuntimeError(f"{config}: a worker did not start")
         progress(f"process set {set_no}: every pipeline built and warmed up")
@@ -217,7 +217,8 @@ def _one_set(configs: list[str], model: str, ranks: int, chunk: int, rounds: int
         for config, group in workers.items():
             for _, conn in group:
                 conn.send(None)
-            tasks[config].append(group[0][1].recv())  # rank 0's task times
+            per_rank = [conn.recv() for _, conn in group]  # every rank's, so none blocks
+            tasks[config].append(per_rank[0])  # rank 0's task times
             for process, _ in group:
                 process.join()
     finally:

@@ -249,16 +249,19 @@ def test_the_eval_pipeline_waits_for_a_train_step_whose_caller_was_cancelled(lib
         async def run(library: str) -> tuple[list[Any], list[Any]]:
             source = iter(batches)
             async with train, evaluator:
-                trained = [await train.progress(source)]
-                with anyio.CancelScope() as scope:
+                try:
+                    trained = [await train.progress(source)]
+                    with anyio.CancelScope() as scope:
+                        async with anyio.create_task_group() as group:
+                            group.start_soon(train.progress, source)
+                            await anyio.to_thread.run_sync(entered.wait, abandon_on_cancel=True)
+                            scope.cancel()
+                    assert scope.cancelled_caught
                     async with anyio.create_task_group() as group:
-                        group.start_soon(train.progress, source)
-                        await anyio.to_thread.run_sync(entered.wait)
-                        scope.cancel()
-                assert scope.cancelled_caught and not gate.is_set()
-                async with anyio.create_task_group() as group:
-                    group.start_soon(open_the_gate_once_everything_waits)
-                    evaluated = await collect(evaluator, iter(batches[:1]))
+                        group.start_soon(open_the_gate_once_everything_waits)
+                        evaluated = await collect(evaluator, iter(batches[:1]))
+                finally:
+                    gate.set()  # a failure above must not leave the step blocked: aclose waits
                 trained += await collect(train, source)
             return trained, evaluated
 
