@@ -112,12 +112,12 @@ def main() -> None:
     }
     if args.steps <= WARM_STEPS:
         parser.error(f"--steps must be more than the {WARM_STEPS} untimed steps")
+    timed = args.steps - WARM_STEPS
     samples = interleaved_rounds(configs, args.repeats, warmup=True,
-                                 show=lambda s: f"{s / (args.steps - WARM_STEPS) * 1e3:.2f} ms/step")  # fmt: skip
+                                 show=lambda s: f"{s / timed * 1e3:.2f} ms/step")  # fmt: skip
     plain_s = samples["plain loop"]
     base = statistics.median(plain_s)
     rows, payload = [], {}
-    timed = args.steps - WARM_STEPS
     for name, seconds in samples.items():
         median = statistics.median(seconds)
         # Each round's ratio to the plain loop's run next to it: drift between rounds,

@@ -231,7 +231,7 @@ def test_the_eval_pipeline_waits_for_a_train_step_whose_caller_was_cancelled(lib
             mode = "train" if setup.model.training else "eval"
             forwards.append((mode, "begins"))
             if forwards.count(("train", "begins")) == 2 and mode == "train":
-                entered.set()  # the second step's forward: its caller is cancelled now
+                entered.set()  # the second step's forward: the test cancels its caller now
                 gate.wait()
             try:
                 return setup.model(batch)  # type: ignore[no-any-return]
