@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._log import executor_log
+from .._malloc import keep_freed_memory
 from .._openmp import release_thread_pool
 from ..errors import CollectiveOrderError, TicketAbortedError
 from ..plan import ExecutionPlan
@@ -188,6 +189,7 @@ class AsyncExecutor:
         )
         if threads:
             keep_loop_responsive()
+            keep_freed_memory()  # page faults cost lane threads most (_malloc.py)
 
     async def run_step(self, step: Step) -> None:
         if self._compute_off_loop:
