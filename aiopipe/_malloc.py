@@ -3,9 +3,10 @@
 torch's CPU tensors come from the C library's ``malloc``.  glibc serves large blocks
 with ``mmap`` and trims the heap's free top, with thresholds that move as blocks are
 freed, so a training step that allocates and frees the same tensors every step keeps
-returning pages and faulting them in again: 500-1900 minor page faults a step on the
-HSTU demo, more with lane threads, where a fault waits for the address-space lock
-another thread holds to unmap (docs/performance.md).  :func:`keep_freed_memory`
+returning pages and faulting them in again: 270-1900 minor page faults a step on the
+HSTU demo, depending on the loop (docs/performance.md).  With several busy threads
+each fault can also wait for the address-space lock that another thread holds while
+it unmaps, so lane threads pay the most.  :func:`keep_freed_memory`
 fixes the thresholds: blocks below 32 MiB come from the heap, and up to 1 GiB of free
 heap stays mapped, so the pages of one step are reused by the next.  The resident size
 then stays at its peak, as with torch's CUDA caching allocator.
