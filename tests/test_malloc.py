@@ -46,7 +46,8 @@ print(_malloc._applied)
 
 
 def run_python(code: str, **env: str) -> str:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    ours = ("MALLOC_", "GLIBC_TUNABLES", "AIOPIPE_KEEP_FREED_MEMORY")  # only what a case sets
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
     done = subprocess.run([sys.executable, "-c", code], env={**environment, **env},
                           capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
     return done.stdout.strip()
@@ -58,7 +59,9 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again() -> None:
     assert int(faults) < 2_000  # a few pages of bookkeeping, not 600 MiB of tensors
     applied, faults = run_python(FAULTS_PER_CYCLE, AIOPIPE_KEEP_FREED_MEMORY="0").split()
     assert applied == "False"
-    assert int(faults) > 100_000  # glibc trims the freed heap: every page faults again
+    # glibc's own thresholds serve the first round with mmap, so the next one takes
+    # fresh heap pages (51 200 faults) at least; later rounds fault again where it trims.
+    assert int(faults) > 40_000
 
 
 @pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "1000000"},
