@@ -117,6 +117,9 @@ CTRL_C_SCRIPT = textwrap.dedent(
     import os, signal, threading, time
     from aiopipe import Pipeline, Task
 
+    # A shell's background job starts with Ctrl-C ignored: take the interpreter's default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def slow(ctx):
         if ctx.batch_index == 2 and ctx.task.name == "load":
             os.kill(os.getpid(), signal.SIGINT)
@@ -170,11 +173,15 @@ def test_a_blocking_progress_never_formats_its_result() -> None:
     # signal.signal() builds the repr of the Ctrl-C handler it replaces; a handler
     # holding the finished call's task formatted the step's result (its tensors) on
     # every progress.  Run on the main thread, where the handler is installed.
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # A shell's background job starts with Ctrl-C ignored: install the default handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     tasks = [Task.from_fn("step", lambda ctx: ctx.slots.set("step_result", _CountedRepr()),
                           writes=("step_result",))]  # fmt: skip
-    with Pipeline(tasks).blocking() as pipe:
-        results = list(pipe.results(range(5)))
+    try:
+        with Pipeline(tasks).blocking() as pipe:
+            results = list(pipe.results(range(5)))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert len(results) == 5 and _CountedRepr.formatted == 0
 
 
