@@ -23,7 +23,9 @@ from ._nvtx import Annotator, resolve_annotator
 from .context import CURRENT, Running, TaskContext
 from .errors import BadBatchError, PipelineStateError
 from .executors import Executor, make_executor
+from .executors.asyncio_executor import StepHandle
 from .executors.base import Step
+from .executors.signals import wait_settled
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, SlotStore
@@ -114,6 +116,11 @@ class SchedulablePipeline:
         self._schedule = schedule.in_order(self._plan.order)
         self._executor = make_executor(executor)
         self._executor.bind(self._plan)
+        # The fast path of an executor that can run a step without a coroutine
+        # (AsyncExecutor.start_step): no task per iteration, see _start_iteration.
+        self._start_step: Callable[..., StepHandle | None] | None = getattr(
+            self._executor, "start_step", None
+        )
         self._ring = BatchRing(self._plan.max_lookahead + 1)
         self._ctx = TaskContext(stream_pool)
         self._annotator = resolve_annotator(nvtx)
@@ -135,15 +142,21 @@ class SchedulablePipeline:
         self._broken: str | None = None
         self._closed = False
         # Evicted slot stores stay referenced until the device work queued so far
-        # completes: their tensors may still be read by another stream.
+        # completes (their tensors may still be read by another stream), and until
+        # the next iteration has started (_free_retired).
         self._retiring: collections.deque[tuple[SlotStore, list[Any]]] = collections.deque()
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
         self._read_ahead = read_ahead
-        # The iteration under way (a task: cancelling a caller never cancels it), and
-        # the failure of one whose caller was cancelled, raised by the next call.
-        self._running: asyncio.Task[None] | None = None
+        # The iteration under way (a task, or a future the lanes' callback completes:
+        # cancelling a caller never cancels it), and the failure of one whose caller
+        # was cancelled, raised by the next call.
+        self._running: asyncio.Future[None] | None = None
         self._failure: BaseException | None = None
+        # For an iteration on the fast path: its handle, and the task that waits for
+        # it once its caller was cancelled (so that a loop shutting down waits too).
+        self._handle: StepHandle | None = None
+        self._guard: asyncio.Task[None] | None = None
         # Callers waiting for it, woken by the iteration itself when it ends.
         self._iteration_waiters: list[asyncio.Future[None]] = []
         if pipeline_log.isEnabledFor(logging.INFO):
@@ -305,9 +318,7 @@ class SchedulablePipeline:
 
     async def _iteration_ended(self) -> None:
         """Wait for the iteration under way to end; cancelling the caller leaves it
-        running.  ``_iterate`` wakes the waiter as it returns, one loop cycle sooner
-        than a done-callback on its task would (that cycle is on every step's
-        critical path: docs/performance.md)."""
+        running.  The iteration wakes the waiter as it ends (``_wake_waiters``)."""
         running = self._running
         if running is None or running.done():  # it ended already (it may never suspend)
             return
@@ -319,7 +330,11 @@ class SchedulablePipeline:
             )
         waiter = running.get_loop().create_future()
         self._iteration_waiters.append(waiter)
-        await waiter
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            self._guard_lanes()
+            raise
 
     def seed_first_batch(self, contents: Mapping[str, Any], *, refused: int = 0) -> None:
         """Pre-populate the store of the next batch to be pulled, for adapters that
@@ -477,61 +492,122 @@ class SchedulablePipeline:
                 if not feed.exhausted and not self._top_pulled:
                     await self._pull(feed)
                 if feed.finished:
+                    self._free_retired()  # no next iteration to wait for
                     return False, None
-                self._start_iteration(feed)
+                in_task = self._start_iteration(feed)
                 if feed.can_read_ahead:
-                    # Read the next batch while this iteration runs.  First let the
-                    # iteration hand its work to the lanes (tasks start in FIFO order).
-                    await asyncio.sleep(0)
+                    # Read the next batch while this iteration runs.  A task first hands
+                    # its work to the lanes (tasks start in FIFO order).
+                    if in_task:
+                        await asyncio.sleep(0)
                     feed.read_ahead()
             await self._iteration_ended()
 
-    def _start_iteration(self, feed: Feed) -> None:
+    def _start_iteration(self, feed: Feed) -> bool:
+        """Start the next iteration; whether it runs as a task (which has yet to run).
+
+        The fast path: when the executor can run the step on its lanes alone, it hands
+        the step over now and calls ``_lanes_finished`` on the loop when they are
+        done: no task to create and wake, two loop cycles fewer on every step's
+        critical path (docs/performance.md)."""
         plan = self._plan
         step = Step(
             plan, self._ring, self._ctx, feed.iteration, plan.active(feed.iteration, feed.pulled),
             self._annotator, self._tracer, self._lanes, self.name,
         )  # fmt: skip
+        if self._start_step is not None:
+            done = asyncio.get_running_loop().create_future()
+            finished = functools.partial(self._lanes_finished, feed, step, done)
+            handle = self._start_step(step, finished)
+            if handle is not None:
+                self._running, self._handle = done, handle
+                self._free_retired()
+                return False
         running = asyncio.ensure_future(self._iterate(feed, step))
         if not running.done():  # an eager task factory may have run it to the end
             self._running = running
+        self._free_retired()
+        return True
 
     async def _iterate(self, feed: Feed, step: Step) -> None:
         """One internal iteration, as a task of its own: a cancelled caller stops
         waiting for it, but it runs on, and its result lands in ``feed.outbox``.
         Only shutting the loop down cancels it (the executor then stops cleanly)."""
         try:
-            await self._run_iteration(feed, step)
-        finally:
-            waiters, self._iteration_waiters = self._iteration_waiters, []
-            for waiter in waiters:
-                if not waiter.done():  # else its caller was cancelled
-                    waiter.set_result(None)
-
-    async def _run_iteration(self, feed: Feed, step: Step) -> None:
-        iteration, plan, ring = step.iteration, self._plan, self._ring
-        try:
             await self._executor.run_step(step)
             step.finish()
         except BaseException as exc:
-            if step.started:
-                self._broken = (
-                    f"iteration {iteration} was interrupted by "
-                    f"{type(exc).__name__} after some of its tasks ran"
-                )
-            # Before any task ran, the next call runs this step again, batch and all.
+            self._running = None
+            self._iteration_failed(step, exc)
             if not isinstance(exc, Exception):
                 raise  # the loop shutting down, KeyboardInterrupt: let it through
             self._failure = exc  # raised by the caller, or by the next call
-            return
-        finally:
+        else:
             self._running = None
+            self._iteration_done(feed, step)
+        finally:
+            self._wake_waiters()
+
+    def _lanes_finished(
+        self, feed: Feed, step: Step, done: asyncio.Future[None], error: BaseException | None
+    ) -> None:
+        """On the loop, once the lanes have run every task of a fast-path step."""
+        self._handle = None
+        if error is None:
+            try:
+                step.finish()
+            except BaseException as exc:
+                error = exc
+        self._running = None
+        if error is None:
+            self._iteration_done(feed, step)
+        else:
+            self._iteration_failed(step, error)
+            if not isinstance(error, asyncio.CancelledError):  # the loop shutting down
+                self._failure = error  # raised by the caller, or by the next call
+        done.set_result(None)
+        self._wake_waiters()
+
+    def _iteration_done(self, feed: Feed, step: Step) -> None:
         self._top_pulled = False
-        produced = 0 <= iteration - plan.max_lookahead < feed.pulled
+        produced = 0 <= step.iteration - self._plan.max_lookahead < feed.pulled
         if produced:
-            feed.outbox.append(ring.at(0).get(RESULT_SLOT))
-        self._retire(ring.advance())
+            feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
+        self._retire(self._ring.advance())
         feed.iteration += 1
+
+    def _iteration_failed(self, step: Step, exc: BaseException) -> None:
+        # Before any task ran, the next call runs this step again, batch and all.
+        if step.started:
+            self._broken = (
+                f"iteration {step.iteration} was interrupted by "
+                f"{type(exc).__name__} after some of its tasks ran"
+            )
+
+    def _wake_waiters(self) -> None:
+        """Wake the callers waiting for the iteration that just ended, from the
+        iteration itself: one loop cycle sooner than a done-callback would."""
+        waiters, self._iteration_waiters = self._iteration_waiters, []
+        for waiter in waiters:
+            if not waiter.done():  # else its caller was cancelled
+                waiter.set_result(None)
+
+    def _guard_lanes(self) -> None:
+        """A fast-path iteration's caller was cancelled: wait for the iteration in a
+        task, so that a loop shutting down (which cancels every task) stops it and
+        waits for its running bodies, as it would a task awaiting ``run_step``."""
+        if self._handle is not None and self._running is not None and self._guard is None:
+            self._guard = asyncio.ensure_future(self._await_lanes(self._running, self._handle))
+
+    async def _await_lanes(self, done: asyncio.Future[None], handle: StepHandle) -> None:
+        try:
+            while not done.done():
+                try:
+                    await wait_settled(done)
+                except asyncio.CancelledError:  # the loop is shutting down
+                    handle.abort(asyncio.CancelledError())
+        finally:
+            self._guard = None
 
     async def _pull(self, feed: Feed) -> None:
         top = self._ring.top
@@ -582,16 +658,21 @@ class SchedulablePipeline:
 
     def _retire(self, store: SlotStore) -> None:
         pool = self._plan.stream_pool
+        events = [] if pool.is_null else [pool.record_event(name) for name in pool.names()]
+        self._retiring.append((store, events))
+
+    def _free_retired(self) -> None:
+        """Drop the evicted stores whose device work has completed.  Called once the
+        next iteration has started: freeing a batch's tensors took 20-30 us of the
+        loop's time between two steps (docs/performance.md)."""
         retiring = self._retiring
         while retiring and all(ev is None or ev.query() for ev in retiring[0][1]):
             retiring.popleft()
-        if pool.is_null:
-            return
-        retiring.append((store, [pool.record_event(name) for name in pool.names()]))
 
     def _retire_all(self, stores: list[SlotStore]) -> None:
         for store in stores:
             self._retire(store)
+        self._free_retired()
 
     def __repr__(self) -> str:
         stats = self.statistics()

@@ -9,18 +9,10 @@ for a pipelined input distribution (``pipelined_input_dist=True``: the default o
 more ranks, not on one CPU rank), and every task inline on the calling thread
 (``executor="sequential"``).
 
-Why this shape: between two whole runs a shared machine's speed can drift by more
-than the differences measured here (+-15-35 % on the 2-core machine of
-docs/performance.md), so every pipeline is built and warmed up in a worker process
-of its own, and the coordinator then asks each in turn for ``--chunk`` steps, ``--rounds`` times (every other round in reverse
-order): drift hits all alike, and the per-round ratio to torchrec's pipeline pairs
-neighbours in time.  A process also keeps its own luck for its whole life (where its
-threads and memory landed: the same pipeline's ratio differs from one process to the
-next by more than its chunks do), so the whole set of workers is built afresh
-``--processes`` times.  The fastest chunk of each row, the least disturbed, is printed
-beside its median.  Separate processes also keep the pipelines' torch threads apart
-(two pipelines in one process each keep an OpenMP pool, and libgomp slows every pool
-down once it counts more pool threads than CPUs, see ``aiopipe/_openmp.py``).
+Every pipeline runs in worker processes of its own, in short alternating chunks,
+``--processes`` fresh sets of them (``benchmarks/_chunks.py`` says why); the per-round
+ratio to torchrec's pipeline pairs neighbours in time, and the fastest chunk of each
+row, the least disturbed, is printed beside its median.
 ``--tasks`` traces the aiopipe rows and prints each task's median time (the tracer
 costs a little per task).  ``--model dlrm`` times torchrec's DLRM instead
 (``examples/train_dlrm.py``'s model on ``SparseDistPipeline``, a 2-4 ms step).
@@ -35,30 +27,39 @@ from __future__ import annotations
 
 import argparse
 import collections
-import multiprocessing
+import functools
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import free_port, print_json, print_table, progress, spread  # noqa: E402
+from _chunks import repeat, time_in_chunks  # noqa: E402
+from _common import print_json, print_table, spread  # noqa: E402
 
 CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-blocking",
            "aiopipe-io-lane", "aiopipe-rewritten", "aiopipe-sequential")  # fmt: skip
 WARM_UP = 20  # steps before the first timed chunk (bootstrap, caches, allocator)
 
 
-def _repeat(step: Callable[[], object]) -> Callable[[int], None]:
-    def run(n: int) -> None:
-        for _ in range(n):
-            step()
+def _build(config: str, rank: int, *, model: str,
+           trace: bool) -> tuple[Callable[[int], None], Callable[[], dict[str, float]]]:  # fmt: skip
+    """The chunk worker's ``(run, report)``: ``report()`` gives each traced task's
+    median ms over the timed steps."""
+    run, tracer = _stepper(config, model, trace, rank)
 
-    return run
+    def report() -> dict[str, float]:
+        if tracer is None:
+            return {}
+        spans = collections.defaultdict(list)
+        for span in tracer.spans:
+            if span.iteration >= WARM_UP:
+                spans[span.task].append((span.end_ns - span.start_ns) / 1e6)
+        return {name: statistics.median(ms) for name, ms in spans.items()}
+
+    return run, report
 
 
 def _stepper(config: str, model: str, trace: bool,
@@ -86,10 +87,10 @@ def _stepper(config: str, model: str, trace: bool,
     # The demo's source: each batch is built when it is read.
     source: Iterator[Any] = iter(SyntheticHSTUData(DataConfig(), 10**6, seed=1, rank=rank))
     if config == "none":
-        return _repeat(lambda: plain_train_step(setup, next(source))), None
+        return repeat(lambda: plain_train_step(setup, next(source))), None
     if config == "torchrec":
         sparse_dist = torchrec_pipeline(setup)
-        return _repeat(lambda: sparse_dist.progress(source)), None
+        return repeat(lambda: sparse_dist.progress(source)), None
     tracer = Tracer() if trace else None
     options = _aiopipe_options(config, HSTU_DEFAULT_THREAD_MAP)
     pipe = HSTUPipelineFactory.create(
@@ -114,7 +115,7 @@ def _aiopipe_run(config: str, pipe: Any, source: Iterator[Any]) -> Callable[[int
     from aiopipe.runner import LoopRunner
     if config == "aiopipe-blocking":
         blocking = pipe.blocking()
-        return _repeat(lambda: blocking.progress(source))
+        return repeat(lambda: blocking.progress(source))
     # One loop for every chunk, as one `aiopipe.run` would be (uvloop when installed).
     runner = LoopRunner(prefer_uvloop=config != "aiopipe-asyncio-loop")
 
@@ -145,87 +146,14 @@ def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], 
             loss.backward()
             optimizer.step()
 
-        return _repeat(plain_step), None
+        return repeat(plain_step), None
     if config == "torchrec":
         sparse_dist = TrainPipelineSparseDist(setup.model, setup.optimizer, setup.device)
-        return _repeat(lambda: sparse_dist.progress(source)), None
+        return repeat(lambda: sparse_dist.progress(source)), None
     tracer = Tracer() if trace else None
     pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, trace=tracer,
                               **_aiopipe_options(config, SPARSE_DIST_THREAD_MAP))  # fmt: skip
     return _aiopipe_run(config, pipe, source), tracer
-
-
-def _worker(config: str, model: str, trace: bool, conn: Connection, rank: int, ranks: int,
-            port: int) -> None:  # fmt: skip
-    """Rank ``rank`` of ``config``'s group: build the pipeline, warm it up, then time
-    each chunk asked for."""
-    from hstu_tasks import join_local_group, leave_and_exit
-
-    join_local_group(rank, ranks, port)
-    run, tracer = _stepper(config, model, trace, rank)
-    run(WARM_UP)
-    conn.send("ready")
-    while (steps := conn.recv()) is not None:
-        run(2)  # the chunk starts on a step the pipeline is in the middle of
-        start = time.perf_counter()
-        run(steps)
-        conn.send(1e3 * (time.perf_counter() - start) / steps)
-    tasks: dict[str, float] = {}
-    if tracer is not None:
-        spans = collections.defaultdict(list)
-        for span in tracer.spans:
-            if span.iteration >= WARM_UP:
-                spans[span.task].append((span.end_ns - span.start_ns) / 1e6)
-        tasks = {name: statistics.median(ms) for name, ms in spans.items()}
-    conn.send(tasks)
-    conn.close()
-    leave_and_exit(0)  # no native teardown at exit (hstu_tasks.leave_and_exit says why)
-
-
-def _one_set(configs: list[str], model: str, ranks: int, chunk: int, rounds: int, trace: bool,
-             set_no: int, ms: dict[str, list[float]],
-             tasks: dict[str, list[dict[str, float]]]) -> None:  # fmt: skip
-    """Build a group of ``ranks`` workers per config, time ``rounds`` alternating
-    chunks, tear down."""
-    context = multiprocessing.get_context("spawn")
-    workers: dict[str, list[tuple[Any, Connection]]] = {}
-    try:
-        for config in configs:
-            port = free_port()
-            workers[config] = group = []  # in the dict at once: a failed start kills the rest
-            for rank in range(ranks):
-                ours, theirs = context.Pipe()
-                process = context.Process(
-                    target=_worker, args=(config, model, trace, theirs, rank, ranks, port)
-                )  # fmt: skip
-                process.start()
-                theirs.close()  # a worker that dies then ends recv() with EOFError, not a hang
-                group.append((process, ours))
-            if any(conn.recv() != "ready" for _, conn in group):
-                raise RuntimeError(f"{config}: a worker did not start")
-        progress(f"process set {set_no}: every pipeline built and warmed up")
-        for round_no in range(1, rounds + 1):
-            order = list(workers.items())
-            if round_no % 2 == 0:  # every other round backwards: no row always follows another
-                order.reverse()
-            for config, group in order:
-                for _, conn in group:
-                    conn.send(chunk)
-                ms[config].append(max(conn.recv() for _, conn in group))
-            progress(f"set {set_no}, round {round_no}/{rounds}: "
-                     + ", ".join(f"{c} {ms[c][-1]:.2f}" for c in configs))  # fmt: skip
-        for config, group in workers.items():
-            for _, conn in group:
-                conn.send(None)
-            per_rank = [conn.recv() for _, conn in group]  # every rank's, so none blocks
-            tasks[config].append(per_rank[0])  # rank 0's task times
-            for process, _ in group:
-                process.join()
-    finally:
-        for group in workers.values():
-            for process, _ in group:
-                if process.is_alive():
-                    process.kill()
 
 
 def main() -> None:
@@ -246,11 +174,11 @@ def main() -> None:
         args.chunk = 80 if args.model == "dlrm" else 20
     if min(args.ranks, args.chunk, args.rounds, args.processes) < 1:
         parser.error("--ranks, --chunk, --rounds and --processes must be at least 1")
-    ms: dict[str, list[float]] = {config: [] for config in args.configs}
-    per_set: dict[str, list[dict[str, float]]] = {config: [] for config in args.configs}
-    for set_no in range(1, args.processes + 1):
-        _one_set(args.configs, args.model, args.ranks, args.chunk, args.rounds, args.tasks,
-                 set_no, ms, per_set)  # fmt: skip
+    ms, per_set = time_in_chunks(
+        functools.partial(_build, model=args.model, trace=args.tasks), args.configs,
+        chunk=args.chunk, rounds=args.rounds, processes=args.processes, ranks=args.ranks,
+        gloo=True, warm_up=WARM_UP,
+    )  # fmt: skip
     tasks = {  # each task's median over the sets' medians
         config: {name: statistics.median(s[name] for s in sets if name in s)
                  for name in {n for s in sets for n in s}}

@@ -3,26 +3,43 @@
 CPU (default): a model of a few milliseconds per step; the pipeline's overhead is
 the difference from the plain loop.  With ``--device cuda``: batches whose H2D copy
 is a visible share of the step, where T2 (copy one batch ahead on its own stream)
-should beat the plain loop.
+should beat the plain loop.  Every config runs in a worker process of its own, in
+short alternating chunks, ``--processes`` fresh sets of them
+(``benchmarks/_chunks.py`` says why); each chunk's ratio to the plain loop's chunk
+next to it is the paired figure.
 
-    ./dev bench presets [--device cpu|cuda] [--steps 200] [--repeats 5]
+    ./dev bench presets [--device cpu|cuda] [--chunk 40] [--rounds 15] [--processes 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import statistics
 import sys
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _common import interleaved_rounds, print_json, print_table, spread  # noqa: E402
+from _chunks import nothing_to_report, time_in_chunks  # noqa: E402
+from _common import print_json, print_table, spread  # noqa: E402
 
-import aiopipe  # noqa: E402
 from aiopipe import SchedulablePipeline  # noqa: E402
+from aiopipe.runner import LoopRunner  # noqa: E402
+
+CONFIGS = {
+    "plain": "plain loop",
+    "T1": "T1 (default: compute on lane 'compute')",
+    "T2": "T2 (default: h2d ahead; lane 'io' on a GPU, 'compute' on a CPU)",
+    "sequential": "T1, executor='sequential' (opt-in: on the loop)",
+}
+# Steps before the first timed chunk: first-step costs (allocator, a lane thread's
+# first OpenMP team, the pipeline filling up) are not per-step speed.
+WARM_UP = 20
 
 
 def setup(device: torch.device, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -47,93 +64,84 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-# Steps before the clock starts, in every config: first-step costs (allocator, a
-# lane thread's first OpenMP team, the pipeline filling up) are not per-step speed.
-WARM_STEPS = 10
+def _batches(device: torch.device, width: int, batch: int) -> Iterator[Any]:
+    """Endless batches, 50 distinct ones (pinned for a CUDA device) over and over."""
+    data = [(torch.randn(batch, width), torch.randn(batch, 1)) for _ in range(50)]
+    if device.type == "cuda":
+        data = [(x.pin_memory(), y.pin_memory()) for x, y in data]
+    return itertools.cycle(data)
 
 
-def plain(data: list, device: torch.device, width: int) -> float:
-    model, opt = setup(device, width)
-    start = 0.0
-    for step, batch in enumerate(data):
-        if step == WARM_STEPS:
-            sync(device)
-            start = time.perf_counter()
-        x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
-        opt.zero_grad()
-        loss = loss_fn(model(x), (x, y))
-        loss.backward()
-        opt.step()
-    sync(device)
-    return time.perf_counter() - start
+def _build(config: str, rank: int, *, device: str, width: int,
+           batch: int) -> tuple[Callable[[int], None], Callable[[], dict[str, Any]]]:  # fmt: skip
+    """The chunk worker's ``run(n)``: the next ``n`` steps of ``config``, synchronised
+    with the device at the end."""
+    torch_device = torch.device(device)
+    source = _batches(torch_device, width, batch)
+    model, opt = setup(torch_device, width)
+    if config == "plain":
 
+        def plain(n: int) -> None:
+            for batch_ in itertools.islice(source, n):
+                x = batch_[0].to(torch_device, non_blocking=True)
+                y = batch_[1].to(torch_device, non_blocking=True)
+                opt.zero_grad()
+                loss = loss_fn(model(x), (x, y))
+                loss.backward()
+                opt.step()
+            sync(torch_device)
 
-def piped(data: list, device: torch.device, width: int, **options: object) -> float:
-    model, opt = setup(device, width)
+        return plain, nothing_to_report
+    options: dict[str, Any] = {
+        "T1": {}, "T2": {"prefetch": True, "memcpy_stream": True},
+        "sequential": {"executor": "sequential"},
+    }[config]  # fmt: skip
     pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, **options)
+    runner = LoopRunner()  # one loop for every chunk, as one aiopipe.run would be
 
-    async def run() -> float:
-        start = 0.0
-        async with pipe:
-            returned = 0
-            async for _ in pipe.results(iter(data)):
-                returned += 1
-                if returned == WARM_STEPS:
-                    sync(device)
-                    start = time.perf_counter()
-            sync(device)
-            return time.perf_counter() - start
+    async def chunk(n: int) -> None:
+        for _ in range(n):
+            await pipe.progress(source)
+        sync(torch_device)
 
-    return aiopipe.run(run())
+    return (lambda n: runner.run(chunk, n)), nothing_to_report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunk", type=int, default=40, help="steps per timed chunk")
+    parser.add_argument("--rounds", type=int, default=15, help="chunks per config and process")
+    parser.add_argument("--processes", type=int, default=3,
+                        help="fresh processes per config, one set after another")  # fmt: skip
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
-    device = torch.device(args.device)
-    pin = device.type == "cuda"
-    data = [(torch.randn(args.batch, args.width), torch.randn(args.batch, 1)) for _ in range(args.steps)]
-    if pin:
-        data = [(x.pin_memory(), y.pin_memory()) for x, y in data]
-    configs = {
-        "plain loop": lambda: plain(data, device, args.width),
-        "T1 (default: compute on lane 'compute')": lambda: piped(data, device, args.width),
-        "T2 (default: h2d ahead; lane 'io' on a GPU, 'compute' on a CPU)": lambda: piped(
-            data, device, args.width, prefetch=True, memcpy_stream=True
-        ),
-        "T1, executor='sequential' (opt-in: on the loop)": lambda: piped(
-            data, device, args.width, executor="sequential"
-        ),
-    }
-    if args.steps <= WARM_STEPS:
-        parser.error(f"--steps must be more than the {WARM_STEPS} untimed steps")
-    timed = args.steps - WARM_STEPS
-    samples = interleaved_rounds(configs, args.repeats, warmup=True,
-                                 show=lambda s: f"{s / timed * 1e3:.2f} ms/step")  # fmt: skip
-    plain_s = samples["plain loop"]
-    base = statistics.median(plain_s)
+    if min(args.chunk, args.rounds, args.processes) < 1:
+        parser.error("--chunk, --rounds and --processes must be at least 1")
+    configs = ["plain", *(c for c in args.configs if c != "plain")]  # the reference first
+    build = functools.partial(_build, device=args.device, width=args.width, batch=args.batch)
+    ms, _ = time_in_chunks(build, configs, chunk=args.chunk, rounds=args.rounds,
+                           processes=args.processes, warm_up=WARM_UP)  # fmt: skip
+    base = ms["plain"]
     rows, payload = [], {}
-    for name, seconds in samples.items():
-        median = statistics.median(seconds)
-        # Each round's ratio to the plain loop's run next to it: drift between rounds,
-        # which moves whole runs by more than the differences here, cancels out.
-        paired = statistics.median(s / p for s, p in zip(seconds, plain_s, strict=True))
-        rows.append([name, f"{median / timed * 1e3:.3f}", spread(seconds),
-                     f"{timed / median:.1f}", f"{median / base:.3f}", f"{paired:.3f}"])  # fmt: skip
-        payload[name] = {"ms_per_step": median / timed * 1e3, "x_plain": median / base,
-                         "x_plain_paired": paired, "samples_s": seconds}  # fmt: skip
+    for config, values in ms.items():
+        median = statistics.median(values)
+        # Each chunk's ratio to the plain loop's chunk next to it: drift cancels out.
+        paired = statistics.median(v / b for v, b in zip(values, base, strict=True))
+        best = min(values) / min(base)
+        rows.append([CONFIGS[config], f"{median:.3f}", spread(values), f"{1e3 / median:.1f}",
+                     f"{paired:.3f}", f"{best:.3f}"])  # fmt: skip
+        payload[config] = {"ms_per_step": values, "x_plain_paired": paired, "x_plain_fastest": best}
     print_table(
-        f"basic() preset vs plain loop, {device}, {args.steps} steps (the first {WARM_STEPS} "
-        f"untimed), median of {args.repeats} rounds (spread: half their range)",
-        ["config", "ms / step", "spread", "steps / s", "time x plain", "paired x plain"],
+        f"basic() preset vs plain loop, {args.device}, {args.processes} process sets, "
+        f"{args.rounds} alternating chunks of {args.chunk} steps per set",
+        ["config", "ms / step", "spread", "steps / s", "time x plain (paired median)",
+         "fastest chunk x plain's fastest"],
         rows,
-    )
-    print_json("presets", {"device": str(device), "results": payload})
+    )  # fmt: skip
+    print_json("presets", {"device": args.device, "args": vars(args), "results": payload})
 
 
 if __name__ == "__main__":

@@ -182,7 +182,10 @@ class SparseDistBase(Generic[ResultT]):
     async def _finish_others(self, engine: SchedulablePipeline) -> None:
         """Wait for an iteration of another pipeline on the model whose caller was
         cancelled (it runs on; two engines must not run on one model at once)."""
-        for other in list(self._shared.engines.values()):
+        engines = self._shared.engines
+        if len(engines) < 2:  # this one alone, as in most steps: skip the weak-dict walk
+            return
+        for other in list(engines.values()):
             if other is not engine and other._running is not None:
                 await other._finish_running()
 

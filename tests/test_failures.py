@@ -274,3 +274,56 @@ async def test_a_cancelled_step_still_trains_its_batch_and_the_next_step_gets_it
         gate.set()
         assert await pipe.step(2) == 20  # its own result, not the cancelled step's
         assert trained == [1, 2]  # the cancelled step's batch was trained, once
+
+
+def test_a_loop_shut_down_mid_step_skips_what_had_not_started_and_waits_for_the_rest() -> None:
+    """A step on lane threads runs on when its caller is cancelled.  If the loop then
+    shuts down (``asyncio.run`` cancels every task left and waits for them), the
+    step's tasks not yet started are skipped, the running one finishes, and the
+    shutdown waits for it: no lane is left running user code after the loop."""
+    started, gate = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def first(ctx: TaskContext) -> None:
+        started.set()
+        gate.wait(30)
+        ran.append("first")
+
+    def second(ctx: TaskContext) -> None:
+        ran.append("second")
+        ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+    pipe = Pipeline([Task.from_fn("first", first),
+                     Task.from_fn("second", second, depends_on=("first",),
+                                  writes=("step_result",))], executor="async")  # fmt: skip
+
+    async def abandon() -> None:
+        call = asyncio.ensure_future(pipe.progress(iter([0])))
+        await asyncio.to_thread(started.wait, 30)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(abandon())
+        # What asyncio.run does next: cancel every task left, then wait for them.
+        left = asyncio.all_tasks(loop)
+        assert len(left) == 1  # the one waiting for the step
+        for task in left:
+            task.cancel()
+        loop.call_soon(gate.set)  # runs after that task has taken its cancellation
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        assert ran == ["first"]  # it finished before the shutdown went on; "second" skipped
+    finally:
+        loop.close()
+
+    async def after() -> list[int]:
+        with pytest.raises(PipelineStateError, match="interrupted by CancelledError"):
+            await pipe.progress(iter([1]))
+        pipe.reset()
+        results = await collect(pipe, iter([1, 2]))
+        await pipe.aclose()
+        return results
+
+    assert asyncio.run(after()) == [1, 2]

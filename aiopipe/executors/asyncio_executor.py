@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -36,10 +37,12 @@ from .signals import LoopWaker, Signal
 from .tickets import TicketLock, TicketStatistics
 
 __all__ = (
-    "AsyncExecutor", "ExecutorStatistics", "LOOP_SWITCH_INTERVAL_S", "SLOW_WAIT_S",
+    "AsyncExecutor", "ExecutorStatistics", "LOOP_SWITCH_INTERVAL_S", "SLOW_WAIT_S", "StepHandle",
     "keep_loop_responsive",
 )  # fmt: skip
 
+#: Give up the CPU (and the GIL) to another runnable thread, where the OS can.
+_yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 #: The interpreter's GIL switch interval while lanes run (its default is 5 ms).
 LOOP_SWITCH_INTERVAL_S = 0.001
 #: How long a task may wait for a task on another lane, or for its collective ticket,
@@ -79,11 +82,14 @@ class _Run:
     """Shared state of one stage of one iteration."""
 
     __slots__ = (
-        "async_tasks", "error", "failed", "layout", "lock", "outstanding", "signals", "step",
-        "threads_done", "tickets", "waker",
+        "async_tasks", "error", "failed", "layout", "lock", "on_done", "outstanding", "signals",
+        "step", "threads_done", "tickets", "waker",
     )  # fmt: skip
 
-    def __init__(self, step: Step, layout: _Layout, waker: LoopWaker, tickets: TicketLock) -> None:
+    def __init__(
+        self, step: Step, layout: _Layout, waker: LoopWaker, tickets: TicketLock,
+        on_done: Callable[[BaseException | None], None] | None = None,
+    ) -> None:  # fmt: skip
         self.step = step
         self.layout = layout
         self.waker = waker
@@ -93,8 +99,11 @@ class _Run:
         self.error: BaseException | None = None
         self.signals = {i: Signal(waker, self.lock) for i in layout.signalled}
         self.outstanding = len(layout.thread_chains)
+        # Who hears that the last lane finished: a callback on the loop (start_step),
+        # else a future awaited by _finish_stage.
+        self.on_done = on_done
         self.threads_done: asyncio.Future[None] | None = (
-            waker.loop.create_future() if layout.thread_chains else None
+            waker.loop.create_future() if layout.thread_chains and on_done is None else None
         )
         self.async_tasks: set[asyncio.Task[None]] = set()
 
@@ -110,9 +119,12 @@ class _Run:
     def thread_chain_finished(self) -> None:
         with self.lock:
             self.outstanding -= 1
-            future = self.threads_done if self.outstanding == 0 else None
+            last = self.outstanding == 0
+            future = self.threads_done if last else None
         if future is not None:
             self.waker.resolve(future)
+        elif last and self.on_done is not None:
+            self.waker.call(self.on_done, self.error)
 
     def renew_threads_done(self) -> asyncio.Future[None] | None:
         """A fresh future for the lanes still running (cancelling the task that
@@ -130,6 +142,20 @@ class _Run:
         signal = self.signals.get(index)
         if signal is not None:
             signal.set()
+
+
+class StepHandle:
+    """A step started by :meth:`AsyncExecutor.start_step`."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: _Run) -> None:
+        self._run = run
+
+    def abort(self, exc: BaseException) -> None:
+        """Skip the tasks not yet started (the loop is shutting down); running bodies
+        finish, then ``on_done`` is called as usual."""
+        self._run.fail(exc)
 
 
 class AsyncExecutor:
@@ -191,12 +217,34 @@ class AsyncExecutor:
             keep_loop_responsive()
             keep_freed_memory()  # page faults cost lane threads most (_malloc.py)
 
+    def start_step(
+        self, step: Step, on_done: Callable[[BaseException | None], None]
+    ) -> StepHandle | None:
+        """Run ``step`` without a coroutine, when every task of it runs on lane threads
+        (one stage, nothing on the loop's chain, no collective order check): hand its
+        chains to their lanes now and return a handle; ``on_done(error)`` is called on
+        the loop once every lane has finished (``error``: the first failure, or
+        ``None``).  Otherwise return ``None``: the step needs :meth:`run_step`.
+
+        The pipeline's fast path: the lanes start before the caller next yields, and
+        the step's end is handled in the callback that wakes the loop, two loop cycles
+        sooner than a task awaiting :meth:`run_step` would (docs/performance.md)."""
+        stages = [active for active in step.active.stages if active]
+        if len(stages) != 1 or self._order_check is not None:
+            return None
+        layout = self._layout(stages[0])
+        if layout.loop_chain or not layout.thread_chains:
+            return None
+        if self._compute_off_loop:
+            release_thread_pool()
+        return StepHandle(self._begin_stage(step, stages[0], on_done))
+
     async def run_step(self, step: Step) -> None:
         if self._compute_off_loop:
             release_thread_pool()
         for active in step.active.stages:
             if active:
-                await self._run_stage(step, active)
+                await self._finish_stage(self._begin_stage(step, active))
         if self._order_check is not None:
             names = [step.plan.order[i].name for i in step.active.all if step.plan.nccl[i]]
             await self._order_check.record_and_check(step.iteration, names)
@@ -260,14 +308,30 @@ class AsyncExecutor:
 
     # -- one stage ---------------------------------------------------------------------
 
-    async def _run_stage(self, step: Step, active: tuple[int, ...]) -> None:
+    def _begin_stage(
+        self, step: Step, active: tuple[int, ...],
+        on_done: Callable[[BaseException | None], None] | None = None,
+    ) -> _Run:  # fmt: skip
+        """Hand the stage's thread chains to their lanes; :meth:`_finish_stage` runs
+        the loop's chain and waits for the lanes (or ``on_done`` is called, see
+        :meth:`start_step`)."""
         layout = self._layout(active)
         waker = LoopWaker(asyncio.get_running_loop())
+        lanes = [self._lanes.get(name) for name, _ in layout.thread_chains]  # may start threads
         self._tickets.reset(waker)
-        run = _Run(step, layout, waker, self._tickets)
-        for lane_name, chain in layout.thread_chains:
-            lane = self._lanes.get(lane_name)
+        run = _Run(step, layout, waker, self._tickets, on_done)
+        for lane, (_, chain) in zip(lanes, layout.thread_chains):
             lane.submit(functools.partial(self._run_thread_chain, run, lane, chain))
+        if lanes:
+            # Let a lane just woken have this CPU and the GIL before the loop goes on
+            # with its own Python.  With no idle core (a lane's OpenMP workers spin
+            # between regions) the loop thread would otherwise keep both, and the
+            # lane start later: 20-30 us of every step boundary (docs/performance.md).
+            _yield_cpu()
+        return run
+
+    async def _finish_stage(self, run: _Run) -> None:
+        layout = run.layout
         try:
             if layout.loop_chain:
                 await self._run_loop_chain(run, layout.loop_chain)

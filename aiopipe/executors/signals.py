@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ("LoopWaker", "Signal", "settle_future", "wait_settled")
@@ -28,11 +29,16 @@ class LoopWaker:
         self, future: asyncio.Future[Any], exc: BaseException | None = None, result: Any = None
     ) -> None:
         """Complete ``future`` on its loop; harmless if it was cancelled meanwhile."""
+        self.call(settle_future, future, exc, result)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop (now, if this is the loop's thread); dropped
+        if the loop has closed."""
         if threading.get_ident() == self.loop_thread:
-            settle_future(future, exc, result)
+            fn(*args)
             return
         try:
-            self.loop.call_soon_threadsafe(settle_future, future, exc, result)
+            self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop closed under us (interpreter shutdown, Ctrl-C)
             pass
 

@@ -1,0 +1,139 @@
+"""Time pipelines in short alternating chunks, each pipeline in worker processes of its
+own (``lane_cost``, ``presets``).
+
+Between two whole runs a shared machine's speed can drift by more than the
+differences these benchmarks look for (+-15-35 % on the 2-core machine of
+docs/performance.md).  So every pipeline is built and warmed up in a worker process
+of its own, and the coordinator asks each in turn for ``chunk`` steps, ``rounds``
+times (every other round in reverse order): drift hits all alike, and a per-round
+ratio pairs neighbours in time.  A process also keeps its own luck for its whole life
+(where its threads and memory landed), so the whole set of workers is built afresh
+``processes`` times.  Separate processes also keep the pipelines' torch threads apart:
+two pipelines in one process each keep an OpenMP pool, and libgomp slows every pool
+down once it counts more pool threads than CPUs (``aiopipe/_openmp.py``).
+
+A benchmark names a module-level ``build(config, rank) -> (run, report)`` (spawned
+workers import it by name): ``run(n)`` trains the next ``n`` batches, ``report()``
+returns a dict sent back once the set ends (``{}`` for nothing).  ``gloo=True`` puts
+each config's ``ranks`` workers in a gloo group of their own (torchrec's sharded
+models need one on one rank too); a chunk's time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from _common import free_port, progress
+
+Run = Callable[[int], None]
+Build = Callable[[str, int], "tuple[Run, Callable[[], dict[str, Any]]]"]
+
+
+def repeat(step: Callable[[], object]) -> Run:
+    """``run(n)`` that calls ``step()`` ``n`` times."""
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            step()
+
+    return run
+
+
+def nothing_to_report() -> dict[str, Any]:
+    return {}
+
+
+def _worker(build: Build, config: str, warm_up: int, conn: Connection, rank: int, ranks: int,
+            port: int | None) -> None:  # fmt: skip
+    """Rank ``rank`` of ``config``'s group: build the pipeline, warm it up, then time
+    each chunk asked for."""
+    if port is not None:
+        from hstu_tasks import join_local_group
+
+        join_local_group(rank, ranks, port)
+    run, report = build(config, rank)
+    run(warm_up)
+    conn.send("ready")
+    while (steps := conn.recv()) is not None:
+        run(2)  # the chunk starts on a step the pipeline is in the middle of
+        start = time.perf_counter()
+        run(steps)
+        conn.send(1e3 * (time.perf_counter() - start) / steps)
+    conn.send(report())
+    conn.close()
+    if port is not None:
+        from hstu_tasks import leave_and_exit
+
+        leave_and_exit(0)  # no native teardown at exit (hstu_tasks.leave_and_exit says why)
+
+
+def time_in_chunks(
+    build: Build,
+    configs: Sequence[str],
+    *,
+    chunk: int,
+    rounds: int,
+    processes: int,
+    ranks: int = 1,
+    gloo: bool = False,
+    warm_up: int = 20,
+) -> tuple[dict[str, list[float]], dict[str, list[dict[str, Any]]]]:
+    """``(ms per step of every chunk, per config; rank 0's report of every set, per
+    config)``."""
+    ms: dict[str, list[float]] = {config: [] for config in configs}
+    reports: dict[str, list[dict[str, Any]]] = {config: [] for config in configs}
+    if ranks > 1 and not gloo:
+        raise ValueError("more than one rank needs a process group: pass gloo=True")
+    for set_no in range(1, processes + 1):
+        _one_set(build, configs, ranks, gloo, chunk, rounds, warm_up, set_no, ms, reports)
+    return ms, reports
+
+
+def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk: int, rounds: int,
+             warm_up: int, set_no: int, ms: dict[str, list[float]],
+             reports: dict[str, list[dict[str, Any]]]) -> None:  # fmt: skip
+    """Build a group of ``ranks`` workers per config, time ``rounds`` alternating
+    chunks, tear down."""
+    context = multiprocessing.get_context("spawn")
+    workers: dict[str, list[tuple[Any, Connection]]] = {}
+    try:
+        for config in configs:
+            port = free_port() if gloo else None
+            workers[config] = group = []  # in the dict at once: a failed start kills the rest
+            for rank in range(ranks):
+                ours, theirs = context.Pipe()
+                process = context.Process(
+                    target=_worker, args=(build, config, warm_up, theirs, rank, ranks, port)
+                )  # fmt: skip
+                process.start()
+                theirs.close()  # a worker that dies then ends recv() with EOFError, not a hang
+                group.append((process, ours))
+            if any(conn.recv() != "ready" for _, conn in group):
+                raise RuntimeError(f"{config}: a worker did not start")
+        progress(f"process set {set_no}: every pipeline built and warmed up")
+        for round_no in range(1, rounds + 1):
+            order = list(workers.items())
+            if round_no % 2 == 0:  # every other round backwards: no row always follows another
+                order.reverse()
+            for config, group in order:
+                for _, conn in group:
+                    conn.send(chunk)
+                ms[config].append(max(conn.recv() for _, conn in group))
+            progress(f"set {set_no}, round {round_no}/{rounds}: "
+                     + ", ".join(f"{c} {ms[c][-1]:.2f}" for c in configs))  # fmt: skip
+        for config, group in workers.items():
+            for _, conn in group:
+                conn.send(None)
+            per_rank = [conn.recv() for _, conn in group]  # every rank's, so none blocks
+            reports[config].append(per_rank[0])
+            for process, _ in group:
+                process.join()
+    finally:
+        for group in workers.values():
+            for process, _ in group:
+                if process.is_alive():
+                    process.kill()
