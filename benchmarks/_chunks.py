@@ -24,6 +24,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -60,15 +61,28 @@ def _worker(build: Build, config: str, warm_up: int, conn: Connection, rank: int
     conn.send("ready")
     while (steps := conn.recv()) is not None:
         run(2)  # the chunk starts on a step the pipeline is in the middle of
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         run(steps)
-        conn.send(1e3 * (time.perf_counter() - start) / steps)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        conn.send((1e3 * wall / steps, cpu / wall))
     conn.send(report())
     conn.close()
     if port is not None:
         from hstu_tasks import leave_and_exit
 
         leave_and_exit(0)  # no native teardown at exit (hstu_tasks.leave_and_exit says why)
+
+
+@dataclass
+class Chunks:
+    """What :func:`time_in_chunks` measured, per config, chunk by chunk."""
+
+    #: Milliseconds per step (the slowest rank's).
+    ms: dict[str, list[float]] = field(default_factory=dict)
+    #: Cores kept busy: CPU time over wall time, summed over the ranks.
+    cores: dict[str, list[float]] = field(default_factory=dict)
+    #: Rank 0's ``report()`` at the end of each process set.
+    reports: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 def time_in_chunks(
@@ -81,21 +95,19 @@ def time_in_chunks(
     ranks: int = 1,
     gloo: bool = False,
     warm_up: int = 20,
-) -> tuple[dict[str, list[float]], dict[str, list[dict[str, Any]]]]:
-    """``(ms per step of every chunk, per config; rank 0's report of every set, per
-    config)``."""
-    ms: dict[str, list[float]] = {config: [] for config in configs}
-    reports: dict[str, list[dict[str, Any]]] = {config: [] for config in configs}
+) -> Chunks:
     if ranks > 1 and not gloo:
         raise ValueError("more than one rank needs a process group: pass gloo=True")
+    out = Chunks()
+    for config in configs:
+        out.ms[config], out.cores[config], out.reports[config] = [], [], []
     for set_no in range(1, processes + 1):
-        _one_set(build, configs, ranks, gloo, chunk, rounds, warm_up, set_no, ms, reports)
-    return ms, reports
+        _one_set(build, configs, ranks, gloo, chunk, rounds, warm_up, set_no, out)
+    return out
 
 
-def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk: int, rounds: int,
-             warm_up: int, set_no: int, ms: dict[str, list[float]],
-             reports: dict[str, list[dict[str, Any]]]) -> None:  # fmt: skip
+def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk: int,
+             rounds: int, warm_up: int, set_no: int, out: Chunks) -> None:  # fmt: skip
     """Build a group of ``ranks`` workers per config, time ``rounds`` alternating
     chunks, tear down."""
     context = multiprocessing.get_context("spawn")
@@ -122,14 +134,16 @@ def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk
             for config, group in order:
                 for _, conn in group:
                     conn.send(chunk)
-                ms[config].append(max(conn.recv() for _, conn in group))
+                per_rank = [conn.recv() for _, conn in group]
+                out.ms[config].append(max(ms for ms, _ in per_rank))
+                out.cores[config].append(sum(cores for _, cores in per_rank))
             progress(f"set {set_no}, round {round_no}/{rounds}: "
-                     + ", ".join(f"{c} {ms[c][-1]:.2f}" for c in configs))  # fmt: skip
+                     + ", ".join(f"{c} {out.ms[c][-1]:.2f}" for c in configs))  # fmt: skip
         for config, group in workers.items():
             for _, conn in group:
                 conn.send(None)
-            per_rank = [conn.recv() for _, conn in group]  # every rank's, so none blocks
-            reports[config].append(per_rank[0])
+            reports = [conn.recv() for _, conn in group]  # every rank's, so none blocks
+            out.reports[config].append(reports[0])
             for process, _ in group:
                 process.join()
     finally:

@@ -174,11 +174,12 @@ def main() -> None:
         args.chunk = 80 if args.model == "dlrm" else 20
     if min(args.ranks, args.chunk, args.rounds, args.processes) < 1:
         parser.error("--ranks, --chunk, --rounds and --processes must be at least 1")
-    ms, per_set = time_in_chunks(
+    chunks = time_in_chunks(
         functools.partial(_build, model=args.model, trace=args.tasks), args.configs,
         chunk=args.chunk, rounds=args.rounds, processes=args.processes, ranks=args.ranks,
         gloo=True, warm_up=WARM_UP,
     )  # fmt: skip
+    ms, per_set = chunks.ms, chunks.reports
     tasks = {  # each task's median over the sets' medians
         config: {name: statistics.median(s[name] for s in sets if name in s)
                  for name in {n for s in sets for n in s}}
@@ -192,13 +193,14 @@ def main() -> None:
         )
         best = f"{min(values) / min(base):.3f}" if base else "--"
         rows.append([config, f"{statistics.median(values):.2f}", spread(values), ratio,
-                     f"{min(values):.2f}", best])  # fmt: skip
+                     f"{min(values):.2f}", best,
+                     f"{statistics.median(chunks.cores[config]):.2f}"])  # fmt: skip
     print_table(
         f"{'HSTU demo' if args.model == 'hstu' else 'DLRM'} step, {args.ranks} rank(s) on gloo, "
         f"{args.processes} process sets, {args.rounds} alternating chunks of {args.chunk} "
         "steps per set",
         ["pipeline", "ms/step", "spread", "x torchrec (paired median)", "fastest chunk",
-         "x torchrec's fastest"],
+         "x torchrec's fastest", "cores busy (cpu/wall)"],
         rows,
     )
     if args.tasks:
@@ -210,7 +212,8 @@ def main() -> None:
             ["task", *traced],
             [[n, *(f"{tasks[c].get(n, 0.0):.3f}" for c in traced)] for n in names],
         )
-    print_json("lane_cost", {"args": vars(args), "ms_per_step": ms, "task_ms": tasks})
+    print_json("lane_cost", {"args": vars(args), "ms_per_step": ms, "cores": chunks.cores,
+                             "task_ms": tasks})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -92,10 +92,11 @@ def _build(config: str, rank: int, *, device: str, width: int,
             sync(torch_device)
 
         return plain, nothing_to_report
-    options: dict[str, Any] = {
+    choices: dict[str, dict[str, Any]] = {
         "T1": {}, "T2": {"prefetch": True, "memcpy_stream": True},
         "sequential": {"executor": "sequential"},
-    }[config]  # fmt: skip
+    }  # fmt: skip
+    options = choices[config]
     pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, **options)
     runner = LoopRunner()  # one loop for every chunk, as one aiopipe.run would be
 
@@ -122,23 +123,25 @@ def main() -> None:
         parser.error("--chunk, --rounds and --processes must be at least 1")
     configs = ["plain", *(c for c in args.configs if c != "plain")]  # the reference first
     build = functools.partial(_build, device=args.device, width=args.width, batch=args.batch)
-    ms, _ = time_in_chunks(build, configs, chunk=args.chunk, rounds=args.rounds,
-                           processes=args.processes, warm_up=WARM_UP)  # fmt: skip
-    base = ms["plain"]
+    chunks = time_in_chunks(build, configs, chunk=args.chunk, rounds=args.rounds,
+                            processes=args.processes, warm_up=WARM_UP)  # fmt: skip
+    base = chunks.ms["plain"]
     rows, payload = [], {}
-    for config, values in ms.items():
+    for config, values in chunks.ms.items():
         median = statistics.median(values)
         # Each chunk's ratio to the plain loop's chunk next to it: drift cancels out.
         paired = statistics.median(v / b for v, b in zip(values, base, strict=True))
         best = min(values) / min(base)
+        cores = statistics.median(chunks.cores[config])
         rows.append([CONFIGS[config], f"{median:.3f}", spread(values), f"{1e3 / median:.1f}",
-                     f"{paired:.3f}", f"{best:.3f}"])  # fmt: skip
-        payload[config] = {"ms_per_step": values, "x_plain_paired": paired, "x_plain_fastest": best}
+                     f"{paired:.3f}", f"{best:.3f}", f"{cores:.2f}"])  # fmt: skip
+        payload[config] = {"ms_per_step": values, "x_plain_paired": paired,
+                           "x_plain_fastest": best, "cores": chunks.cores[config]}  # fmt: skip
     print_table(
         f"basic() preset vs plain loop, {args.device}, {args.processes} process sets, "
         f"{args.rounds} alternating chunks of {args.chunk} steps per set",
         ["config", "ms / step", "spread", "steps / s", "time x plain (paired median)",
-         "fastest chunk x plain's fastest"],
+         "fastest chunk x plain's fastest", "cores busy (cpu/wall)"],
         rows,
     )  # fmt: skip
     print_json("presets", {"device": args.device, "args": vars(args), "results": payload})

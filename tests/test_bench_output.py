@@ -48,3 +48,28 @@ def test_a_table_prints_each_row_when_it_is_given(capsys: pytest.CaptureFixture[
     print_table("t", ["a", "b"], [["long cell", 1]])
     lines = capsys.readouterr().out.splitlines()
     assert lines[2:] == ["a          b", "---------  -", "long cell  1"]  # fitted to the cell
+
+
+def _counting_build(
+    config: str, rank: int
+) -> tuple[Callable[[int], None], Callable[[], dict[str, object]]]:
+    """A chunk worker's pipeline for the test below: counts the steps it is asked for."""
+    done = [0]
+
+    def run(n: int) -> None:
+        done[0] += n
+
+    return run, lambda: {"config": config, "steps": done[0]}
+
+
+def test_chunks_alternate_in_worker_processes_and_report_time_cores_and_state() -> None:
+    from _chunks import time_in_chunks
+
+    chunks = time_in_chunks(_counting_build, ["a", "b"], chunk=5, rounds=3, processes=2,
+                            warm_up=4)  # fmt: skip
+    for config in ("a", "b"):
+        assert len(chunks.ms[config]) == len(chunks.cores[config]) == 6  # 3 rounds x 2 sets
+        assert all(ms >= 0 for ms in chunks.ms[config])
+        assert all(0 <= cores < 64 for cores in chunks.cores[config])
+        # each set's worker: the warm-up, then every chunk and its two lead-in steps
+        assert chunks.reports[config] == [{"config": config, "steps": 4 + 3 * (2 + 5)}] * 2

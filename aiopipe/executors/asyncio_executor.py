@@ -235,13 +235,9 @@ class AsyncExecutor:
         layout = self._layout(stages[0])
         if layout.loop_chain or not layout.thread_chains:
             return None
-        if self._compute_off_loop:
-            release_thread_pool()
         return StepHandle(self._begin_stage(step, stages[0], on_done))
 
     async def run_step(self, step: Step) -> None:
-        if self._compute_off_loop:
-            release_thread_pool()
         for active in step.active.stages:
             if active:
                 await self._finish_stage(self._begin_stage(step, active))
@@ -322,6 +318,8 @@ class AsyncExecutor:
         run = _Run(step, layout, waker, self._tickets, on_done)
         for lane, (_, chain) in zip(lanes, layout.thread_chains):
             lane.submit(functools.partial(self._run_thread_chain, run, lane, chain))
+        if self._compute_off_loop:
+            release_thread_pool()
         if lanes:
             # Let a lane just woken have this CPU and the GIL before the loop goes on
             # with its own Python.  With no idle core (a lane's OpenMP workers spin
