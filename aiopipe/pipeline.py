@@ -156,7 +156,8 @@ class SchedulablePipeline:
         # For an iteration on the fast path: its handle, and the task that waits for
         # it once its caller was cancelled (so that a loop shutting down waits too).
         self._handle: StepHandle | None = None
-        self._guard: asyncio.Task[None] | None = None
+        self._guarded: asyncio.Future[None] | None = None  # the iteration last guarded
+        self._guards: set[asyncio.Task[None]] = set()
         # Callers waiting for it, woken by the iteration itself when it ends.
         self._iteration_waiters: list[asyncio.Future[None]] = []
         if pipeline_log.isEnabledFor(logging.INFO):
@@ -596,18 +597,20 @@ class SchedulablePipeline:
         """A fast-path iteration's caller was cancelled: wait for the iteration in a
         task, so that a loop shutting down (which cancels every task) stops it and
         waits for its running bodies, as it would a task awaiting ``run_step``."""
-        if self._handle is not None and self._running is not None and self._guard is None:
-            self._guard = asyncio.ensure_future(self._await_lanes(self._running, self._handle))
+        running, handle = self._running, self._handle
+        if handle is None or running is None or self._guarded is running:
+            return  # a task's iteration, none, or guarded already (by an earlier caller)
+        self._guarded = running
+        guard = asyncio.ensure_future(self._await_lanes(running, handle))
+        self._guards.add(guard)  # referenced until done
+        guard.add_done_callback(self._guards.discard)
 
     async def _await_lanes(self, done: asyncio.Future[None], handle: StepHandle) -> None:
-        try:
-            while not done.done():
-                try:
-                    await wait_settled(done)
-                except asyncio.CancelledError:  # the loop is shutting down
-                    handle.abort(asyncio.CancelledError())
-        finally:
-            self._guard = None
+        while not done.done():
+            try:
+                await wait_settled(done)
+            except asyncio.CancelledError:  # the loop is shutting down
+                handle.abort(asyncio.CancelledError())
 
     async def _pull(self, feed: Feed) -> None:
         top = self._ring.top
