@@ -8,13 +8,13 @@ bound to an :class:`ExecutionPlan` once and runs one :class:`Step` per iteration
 from __future__ import annotations
 
 from ..plan import ActiveSet, ExecutionPlan
-from .asyncio_executor import AsyncExecutor
+from .asyncio_executor import AsyncExecutor, StepHandle
 from .base import Executor, Step
 from .sequential import SequentialExecutor
 
 __all__ = (
     "ActiveSet", "AsyncExecutor", "ExecutionPlan", "Executor", "SequentialExecutor", "Step",
-    "make_executor",
+    "StepHandle", "make_executor",
 )  # fmt: skip
 
 
