@@ -142,8 +142,8 @@ class SchedulablePipeline:
         self._broken: str | None = None
         self._closed = False
         # Evicted slot stores stay referenced until the device work queued so far
-        # completes (their tensors may still be read by another stream), and until
-        # the next iteration has started (_free_retired).
+        # completes (their tensors may still be read by another stream), and for one
+        # loop cycle after their iteration ended (_free_retired_soon).
         self._retiring: collections.deque[tuple[SlotStore, list[Any]]] = collections.deque()
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
@@ -333,7 +333,7 @@ class SchedulablePipeline:
         self._iteration_waiters.append(waiter)
         try:
             await waiter
-        except asyncio.CancelledError:
+        except BaseException:
             self._guard_lanes()
             raise
 
@@ -475,7 +475,7 @@ class SchedulablePipeline:
     async def _next_result(self, feed: Feed) -> tuple[bool, Any]:
         """Deliver the next result of ``feed``, running iterations as needed;
         ``(False, None)`` once every result has been delivered.  Cancelling the
-        caller leaves the iteration under way running (see ``_iterate``)."""
+        caller leaves the iteration under way running (see ``_start_iteration``)."""
         if feed.lost is not None and not (feed.exhausted or feed.draining):
             raise PipelineStateError(
                 f"{feed.lost}: the rest of its items cannot be read. drain() finishes the "
@@ -493,16 +493,21 @@ class SchedulablePipeline:
                 if not feed.exhausted and not self._top_pulled:
                     await self._pull(feed)
                 if feed.finished:
-                    self._free_retired()  # no next iteration to wait for
                     return False, None
                 in_task = self._start_iteration(feed)
-                if feed.can_read_ahead:
-                    # Read the next batch while this iteration runs.  A task first hands
-                    # its work to the lanes (tasks start in FIFO order).
-                    if in_task:
-                        await asyncio.sleep(0)
-                    feed.read_ahead()
-            await self._iteration_ended()
+                try:
+                    if feed.can_read_ahead:
+                        # Read the next batch while this iteration runs.  A task first
+                        # hands its work to the lanes (tasks start in FIFO order).
+                        if in_task:
+                            await asyncio.sleep(0)
+                        feed.read_ahead()
+                    await self._iteration_ended()
+                except BaseException:  # cancelled, or the source raised KeyboardInterrupt
+                    self._guard_lanes()
+                    raise
+            else:
+                await self._iteration_ended()
 
     def _start_iteration(self, feed: Feed) -> bool:
         """Start the next iteration; whether it runs as a task (which has yet to run).
@@ -522,12 +527,10 @@ class SchedulablePipeline:
             handle = self._start_step(step, finished)
             if handle is not None:
                 self._running, self._handle = done, handle
-                self._free_retired()
                 return False
         running = asyncio.ensure_future(self._iterate(feed, step))
         if not running.done():  # an eager task factory may have run it to the end
             self._running = running
-        self._free_retired()
         return True
 
     async def _iterate(self, feed: Feed, step: Step) -> None:
@@ -537,37 +540,40 @@ class SchedulablePipeline:
         try:
             await self._executor.run_step(step)
             step.finish()
+            self._iteration_done(feed, step)
         except BaseException as exc:
-            self._running = None
             self._iteration_failed(step, exc)
             if not isinstance(exc, Exception):
                 raise  # the loop shutting down, KeyboardInterrupt: let it through
             self._failure = exc  # raised by the caller, or by the next call
-        else:
-            self._running = None
-            self._iteration_done(feed, step)
         finally:
+            self._running = None
             self._wake_waiters()
+            self._free_retired_soon()
 
     def _lanes_finished(
         self, feed: Feed, step: Step, done: asyncio.Future[None], error: BaseException | None
     ) -> None:
-        """On the loop, once the lanes have run every task of a fast-path step."""
+        """On the loop, once the lanes have run every task of a fast-path step.  Never
+        raises, bar a ``KeyboardInterrupt``/``SystemExit`` from a body, let through
+        as a task would (after the waiting callers were woken)."""
         self._handle = None
-        if error is None:
-            try:
-                step.finish()
-            except BaseException as exc:
-                error = exc
         self._running = None
-        if error is None:
-            self._iteration_done(feed, step)
-        else:
+        try:
+            if error is None:
+                step.finish()
+                self._iteration_done(feed, step)
+        except BaseException as exc:  # the device or the bookkeeping failed
+            error = exc
+        if error is not None:
             self._iteration_failed(step, error)
-            if not isinstance(error, asyncio.CancelledError):  # the loop shutting down
+            if isinstance(error, Exception):
                 self._failure = error  # raised by the caller, or by the next call
         done.set_result(None)
         self._wake_waiters()
+        self._free_retired_soon()
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise error  # out of the loop, as from a task (the pipeline now asks for reset)
 
     def _iteration_done(self, feed: Feed, step: Step) -> None:
         self._top_pulled = False
@@ -594,9 +600,15 @@ class SchedulablePipeline:
                 waiter.set_result(None)
 
     def _guard_lanes(self) -> None:
-        """A fast-path iteration's caller was cancelled: wait for the iteration in a
-        task, so that a loop shutting down (which cancels every task) stops it and
-        waits for its running bodies, as it would a task awaiting ``run_step``."""
+        """A fast-path iteration's caller left early (cancelled): make a loop shutting
+        down wait for the step, as it would for a task awaiting ``run_step``.
+
+        Two things, since the caller's own cancellation may come from that shutdown.
+        A task waits for the step; cancelled (``asyncio.run`` cancels every task
+        left), it skips the step's tasks not yet started.  And a thread of the loop's
+        default executor waits for the lanes: ``asyncio.run`` (like every runner of
+        this package) waits for those threads before it closes the loop, so the
+        step's end is still handled on it."""
         running, handle = self._running, self._handle
         if handle is None or running is None or self._guarded is running:
             return  # a task's iteration, none, or guarded already (by an earlier caller)
@@ -604,6 +616,10 @@ class SchedulablePipeline:
         guard = asyncio.ensure_future(self._await_lanes(running, handle))
         self._guards.add(guard)  # referenced until done
         guard.add_done_callback(self._guards.discard)
+        try:
+            asyncio.get_running_loop().run_in_executor(None, handle.wait)
+        except RuntimeError:  # the executor is shut down already: the task alone
+            pass
 
     async def _await_lanes(self, done: asyncio.Future[None], handle: StepHandle) -> None:
         while not done.done():
@@ -664,10 +680,15 @@ class SchedulablePipeline:
         events = [] if pool.is_null else [pool.record_event(name) for name in pool.names()]
         self._retiring.append((store, events))
 
+    def _free_retired_soon(self) -> None:
+        """Free what the iteration that just ended evicted one loop cycle later: after
+        its caller has run on, usually to the next hand-off.  Freeing a batch's
+        tensors took 20-30 us of the loop's time between two steps
+        (docs/performance.md)."""
+        asyncio.get_running_loop().call_soon(self._free_retired)
+
     def _free_retired(self) -> None:
-        """Drop the evicted stores whose device work has completed.  Called once the
-        next iteration has started: freeing a batch's tensors took 20-30 us of the
-        loop's time between two steps (docs/performance.md)."""
+        """Drop the evicted stores whose device work has completed."""
         retiring = self._retiring
         while retiring and all(ev is None or ev.query() for ev in retiring[0][1]):
             retiring.popleft()

@@ -154,10 +154,15 @@ def _loop_running_in_this_thread() -> bool:
 
 
 def _finish_loop(loop: asyncio.AbstractEventLoop) -> None:
-    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-    for task in pending:
-        task.cancel()
-    if pending:
+    # A cancelled progress() leaves a task behind that waits for its step on the
+    # lanes (SchedulablePipeline._guard_lanes): cancel that one too.  A few rounds,
+    # not forever (a task may start another as it is cancelled).
+    for _ in range(4):
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        if not pending:
+            break
+        for task in pending:
+            task.cancel()
         loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.run_until_complete(loop.shutdown_asyncgens())
     loop.run_until_complete(loop.shutdown_default_executor())

@@ -327,3 +327,85 @@ def test_a_loop_shut_down_mid_step_skips_what_had_not_started_and_waits_for_the_
         return results
 
     assert asyncio.run(after()) == [1, 2]
+
+
+def test_asyncio_run_waits_for_a_step_whose_caller_its_shutdown_cancelled() -> None:
+    """``main()`` returns with a ``progress()`` still running in a task of its own.
+    ``asyncio.run`` cancels that task as it shuts down; the step on the lanes still
+    ends while the loop is open, and its result comes from the next call."""
+    started, gate, closed = threading.Event(), threading.Event(), threading.Event()
+    loops: list[asyncio.AbstractEventLoop] = []
+    loop_closed_at_second: list[bool] = []
+
+    class Loop(asyncio.SelectorEventLoop):
+        def close(self) -> None:
+            super().close()
+            closed.set()
+
+    def first(ctx: TaskContext) -> None:
+        started.set()
+        gate.wait(30)
+        closed.wait(0.2)  # set only if the loop closes while the step runs
+
+    def second(ctx: TaskContext) -> None:
+        loop_closed_at_second.append(loops[0].is_closed())
+        ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+    pipe = Pipeline([Task.from_fn("first", first),
+                     Task.from_fn("second", second, depends_on=("first",),
+                                  writes=("step_result",))], executor="async")  # fmt: skip
+    source = iter([7])
+
+    async def main() -> None:
+        loops.append(asyncio.get_running_loop())
+        call = asyncio.ensure_future(pipe.progress(source))
+        call.add_done_callback(lambda _: gate.set())  # once the shutdown has cancelled it
+        await asyncio.to_thread(started.wait, 30)
+
+    with asyncio.Runner(loop_factory=Loop) as runner:
+        runner.run(main())
+    assert loop_closed_at_second == [False]
+
+    async def after() -> list[int]:
+        results = await collect(pipe, source)
+        await pipe.aclose()
+        return results
+
+    assert asyncio.run(after()) == [7]
+
+
+def test_a_system_exit_from_a_body_leaves_the_loop_when_its_caller_is_gone() -> None:
+    """As from a task: ``SystemExit``/``KeyboardInterrupt`` raised by a body on a lane
+    is not kept for a later call (which may never come) but leaves the loop."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def body(ctx: TaskContext) -> None:
+        if ctx.batch_index == 1:
+            entered.set()
+            gate.wait(30)
+            raise SystemExit(3)
+        ctx.slots.set("step_result", ctx.batch_index)
+
+    pipe = Pipeline([Task.from_fn("t", body, writes=("step_result",))], executor="async")
+
+    async def main() -> None:
+        source = iter(range(3))
+        assert await pipe.progress(source) == 0
+        call = asyncio.ensure_future(pipe.progress(source))
+        await asyncio.to_thread(entered.wait, 30)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        gate.set()
+        await asyncio.wait_for(asyncio.Event().wait(), 30)  # SystemExit ends this first
+
+    with pytest.raises(SystemExit):
+        asyncio.run(main())
+    with pytest.raises(PipelineStateError, match="interrupted by SystemExit"):
+        asyncio.run(_progress_once(pipe))
+    pipe.reset()
+    pipe.shutdown()
+
+
+async def _progress_once(pipe: Pipeline) -> object:
+    return await pipe.progress(iter([0]))

@@ -8,6 +8,7 @@ without a GPU.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import weakref
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 from conftest import collect
 
-from aiopipe import Pipeline, StreamPool, Task, TaskContext
+from aiopipe import Pipeline, PipelineStateError, StreamPool, Task, TaskContext
 
 
 @dataclass(frozen=True)
@@ -205,3 +206,43 @@ def test_stream_pool_rejects_objects_that_are_not_streams() -> None:
         StreamPool({"default": object()})  # type: ignore[dict-item]
     with pytest.raises(KeyError, match="not in this StreamPool"):
         StreamPool({"default": None}).get("memcpy")
+
+
+class FailingOnTheLoop(RecordingStream):
+    """Records for the lanes; fails as the loop records the end of a step (a device
+    error surfacing there)."""
+
+    loop_thread: int | None = None  # armed once a body has run
+
+    def record_event(self, event: object = None) -> FakeEvent:
+        if threading.get_ident() == self.loop_thread:
+            raise RuntimeError("device error at the end of the step")
+        return super().record_event(event)
+
+
+async def test_a_device_error_at_the_end_of_a_step_reaches_the_caller() -> None:
+    # The step's end is handled in a callback on the loop (every task on a lane): an
+    # error there must not leave the waiting caller hanging.
+    rec = Recording(("default",))
+    stream = FailingOnTheLoop("default", rec)
+    loop_thread = threading.get_ident()
+
+    def step(ctx: TaskContext) -> None:
+        ctx.slots.set("step_result", ctx.batch_index)
+        if armed:
+            stream.loop_thread = loop_thread
+
+    armed = [True]
+
+    tasks = [Task.from_fn("t", step, writes=("step_result",))]
+    pipe = Pipeline(tasks, executor="async", stream_pool=StreamPool({"default": stream}))
+    source = iter(range(3))
+    assert await asyncio.wait_for(pipe.progress(source), 10) == 0  # the result was taken
+    with pytest.raises(RuntimeError, match="device error"):
+        await pipe.progress(source)
+    with pytest.raises(PipelineStateError, match="interrupted by RuntimeError"):
+        await pipe.progress(source)
+    stream.loop_thread, armed[:] = None, []  # the device recovered
+    pipe.reset()
+    assert await collect(pipe, iter(range(2))) == [0, 1]
+    pipe.shutdown()

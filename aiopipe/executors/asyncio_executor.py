@@ -82,8 +82,8 @@ class _Run:
     """Shared state of one stage of one iteration."""
 
     __slots__ = (
-        "async_tasks", "error", "failed", "layout", "lock", "on_done", "outstanding", "signals",
-        "step", "threads_done", "tickets", "waker",
+        "async_tasks", "error", "failed", "finished", "layout", "lock", "on_done", "outstanding",
+        "signals", "step", "threads_done", "tickets", "waker",
     )  # fmt: skip
 
     def __init__(
@@ -99,6 +99,7 @@ class _Run:
         self.error: BaseException | None = None
         self.signals = {i: Signal(waker, self.lock) for i in layout.signalled}
         self.outstanding = len(layout.thread_chains)
+        self.finished = threading.Event()  # every lane is done with this stage
         # Who hears that the last lane finished: a callback on the loop (start_step),
         # else a future awaited by _finish_stage.
         self.on_done = on_done
@@ -121,6 +122,8 @@ class _Run:
             self.outstanding -= 1
             last = self.outstanding == 0
             future = self.threads_done if last else None
+        if last:
+            self.finished.set()
         if future is not None:
             self.waker.resolve(future)
         elif last and self.on_done is not None:
@@ -156,6 +159,11 @@ class StepHandle:
         """Skip the tasks not yet started (the loop is shutting down); running bodies
         finish, then ``on_done`` is called as usual."""
         self._run.fail(exc)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every lane has finished the step (``True``), or ``timeout``
+        seconds have passed (``False``).  Any thread but the lanes'."""
+        return self._run.finished.wait(timeout)
 
 
 class AsyncExecutor:
