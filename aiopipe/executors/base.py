@@ -16,12 +16,14 @@ A custom executor implements three methods::
 ``run_step`` must run every task of ``step.active`` exactly once, never start a task
 before its same-progress predecessors (``plan.preds``) and the previous active task
 on its stream have finished, run stages in order, and raise the first task failure
-after every started task has finished.  An executor may also offer
-``start_step(step, on_done)``: start the whole step now, from the caller's frame, and
-call ``on_done(error)`` on the loop when it is over, returning a handle with
-``abort(exc)``; or return ``None``, and ``run_step`` is awaited in a task instead
-(``AsyncExecutor`` does this when every task runs on a lane thread).  Device-only ``same_progress_sync`` waits need
+after every started task has finished.  Device-only ``same_progress_sync`` waits need
 nothing from it: ``Step`` issues them, and the pipeline calls :meth:`Step.finish`.
+
+An executor may also offer ``start_step(step, on_done)``: start the whole step now,
+from the caller's frame, call ``on_done(error)`` on the loop when it is over, and
+return a handle with ``abort(exc)`` and a blocking ``wait(timeout)``; or return
+``None``, and ``run_step`` is awaited in a task instead (``AsyncExecutor`` runs a
+step this way when every task of it is mapped to a lane thread).
 """
 
 from __future__ import annotations
