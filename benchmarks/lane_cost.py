@@ -1,5 +1,6 @@
-"""What running the step on lane threads costs in one process: the HSTU demo step under
-each pipeline, every pipeline in a worker process of its own, in short alternating chunks.
+"""What running the step on lane threads costs on one rank (or more): the HSTU demo step
+under each pipeline, every pipeline in a worker process of its own, in short
+alternating chunks.
 
 The rows: the plain loop, torchrec's ``TrainPipelineSparseDist``, aiopipe as the demo
 runs it (async form on uvloop when installed, default lanes: on a CPU every task on
@@ -19,7 +20,7 @@ costs a little per task).  ``--model dlrm`` times torchrec's DLRM instead
 ``--ranks 2`` gives every pipeline a gloo group of two worker processes of its own
 (each rank its own data); a chunk's time is the slower rank's.
 
-    ./dev bench lane_cost [--model hstu|dlrm] [--ranks 1] [--chunk 20] [--rounds 15]
+    ./dev bench lane_cost [--model hstu|dlrm] [--ranks 1] [--chunk 20|80] [--rounds 15]
                           [--processes 3] [--configs ...] [--tasks]
 """
 

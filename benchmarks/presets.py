@@ -6,9 +6,10 @@ is a visible share of the step, where T2 (copy one batch ahead on its own stream
 should beat the plain loop.  Every config runs in a worker process of its own, in
 short alternating chunks, ``--processes`` fresh sets of them
 (``benchmarks/_chunks.py`` says why); each chunk's ratio to the plain loop's chunk
-next to it is the paired figure.
+of the same round is the paired figure.
 
     ./dev bench presets [--device cpu|cuda] [--chunk 40] [--rounds 15] [--processes 3]
+                        [--configs plain T1 T2 sequential] [--width 512] [--batch 256]
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def main() -> None:
     rows, payload = [], {}
     for config, values in chunks.ms.items():
         median = statistics.median(values)
-        # Each chunk's ratio to the plain loop's chunk next to it: drift cancels out.
+        # Each chunk's ratio to the plain loop's chunk of the same round: drift cancels.
         paired = statistics.median(v / b for v, b in zip(values, base, strict=True))
         best = min(values) / min(base)
         cores = statistics.median(chunks.cores[config])

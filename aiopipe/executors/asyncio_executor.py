@@ -122,12 +122,12 @@ class _Run:
             self.outstanding -= 1
             last = self.outstanding == 0
             future = self.threads_done if last else None
-        if last:
-            self.finished.set()
         if future is not None:
             self.waker.resolve(future)
         elif last and self.on_done is not None:
             self.waker.call(self.on_done, self.error)
+        if last:  # after on_done is queued: whoever waits here finds it on the loop
+            self.finished.set()
 
     def renew_threads_done(self) -> asyncio.Future[None] | None:
         """A fresh future for the lanes still running (cancelling the task that

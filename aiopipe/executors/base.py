@@ -20,10 +20,11 @@ after every started task has finished.  Device-only ``same_progress_sync`` waits
 nothing from it: ``Step`` issues them, and the pipeline calls :meth:`Step.finish`.
 
 An executor may also offer ``start_step(step, on_done)``: start the whole step now,
-from the caller's frame, call ``on_done(error)`` on the loop when it is over, and
-return a handle with ``abort(exc)`` and a blocking ``wait(timeout)``; or return
-``None``, and ``run_step`` is awaited in a task instead (``AsyncExecutor`` runs a
-step this way when every task of it is mapped to a lane thread).
+from the caller's frame, and return a handle with ``abort(exc)`` and a blocking
+``wait(timeout)``; then call ``on_done(error)`` exactly once, later, on the loop's
+thread.  Or return ``None``, and ``run_step`` is awaited in a task instead
+(``AsyncExecutor`` runs a step this way when every task of it is mapped to a lane
+thread).
 """
 
 from __future__ import annotations
