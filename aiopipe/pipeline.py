@@ -495,19 +495,17 @@ class SchedulablePipeline:
                 if feed.finished:
                     return False, None
                 in_task = self._start_iteration(feed)
-                try:
-                    if feed.can_read_ahead:
-                        # Read the next batch while this iteration runs.  A task first
-                        # hands its work to the lanes (tasks start in FIFO order).
+                if feed.can_read_ahead:
+                    # Read the next batch while this iteration runs.  A task first hands
+                    # its work to the lanes (tasks start in FIFO order).
+                    try:
                         if in_task:
                             await asyncio.sleep(0)
                         feed.read_ahead()
-                    await self._iteration_ended()
-                except BaseException:  # cancelled, or the source raised KeyboardInterrupt
-                    self._guard_lanes()
-                    raise
-            else:
-                await self._iteration_ended()
+                    except BaseException:  # cancelled, or the source raised KeyboardInterrupt
+                        self._guard_lanes()
+                        raise
+            await self._iteration_ended()  # guards the lanes too if the caller leaves
 
     def _start_iteration(self, feed: Feed) -> bool:
         """Start the next iteration; whether it runs as a task (which has yet to run).
