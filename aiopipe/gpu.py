@@ -4,7 +4,7 @@
 short wait is polled inline with exponential back-off; pushing each query through an
 executor would cost far more than it saves.  A wait that outlasts ``handoff_after``
 seconds moves to a waiter thread blocked in ``synchronize()``, which wakes the loop
-with ``call_soon_threadsafe``.  On CPU (``event is None``, CPU tensors) both helpers
+through a ``LoopWaker``.  On CPU (``event is None``, CPU tensors) both helpers
 return at once.
 """
 

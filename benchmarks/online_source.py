@@ -1,9 +1,9 @@
 """Online training from a source with latency: does the pipeline hide the fetch?
 
 Each batch of the HSTU demo's data is fetched with a latency of 5-10 ms (a feature
-store over the network, drawn per batch from a seeded generator) and then decoded on
-the CPU (the synthetic batch is built: torch ops and Python).  Side by side, one
-process, interleaved over rounds:
+store over the network, drawn per batch from a seeded generator: the same latencies
+for every pipeline) and then decoded on the CPU (the synthetic batch is built: torch
+ops and Python).  The rows:
 
 * plain loop: ``for batch in fetcher`` (fetch, then train);
 * torchrec: ``TrainPipelineSparseDist`` over the same sync iterator (it calls
@@ -14,15 +14,20 @@ process, interleaved over rounds:
   (``asyncio.sleep``) and decodes on the loop; the pipeline reads it ahead while the
   lanes train.
 
-Each run is timed after its first steps (set-up and prefill left out).
+Every pipeline runs in worker processes of its own, in short alternating chunks,
+``--processes`` fresh sets of them (``benchmarks/_chunks.py`` says why); each chunk's
+ratio to the prefetch thread's and torchrec's chunks of the same round is the paired
+figure.  Between two chunks a worker's fetcher waits like any other source.
 
-    ./dev bench online_source [--steps 100] [--repeats 3] [--latency-ms 5 10]
+    ./dev bench online_source [--chunk 30] [--rounds 12] [--processes 3]
+                              [--latency-ms 5 10] [--configs ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import queue
 import random
 import statistics
@@ -35,41 +40,34 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import print_json, print_table, progress, spread  # noqa: E402
-
-from aiopipe import run  # noqa: E402
-from hstu_tasks import (  # noqa: E402
-    DataConfig,
-    HSTUPipeline,
-    ModelConfig,
-    OptimizerConfig,
-    SyntheticHSTUData,
-    build_training,
-    init_distributed,
-    quiet_torchrec,
-)
-from hstu_tasks.runners import run_pipeline  # noqa: E402
+from _chunks import nothing_to_report, repeat, time_in_chunks  # noqa: E402
+from _common import print_json, print_table, spread  # noqa: E402
 
 CONFIGS = ("plain loop", "torchrec", "prefetch thread", "aiopipe")
-#: Steps left out of the timing at the start of every run.
-WARM_UP = 10
+WARM_UP = 20  # steps before the first timed chunk (set-up, torchrec's rewrite, prefill)
 
 
 class Fetcher:
-    """Batch ``i`` after its latency; the same latencies for every configuration."""
+    """Batch ``i`` after its latency, endlessly; the same latencies for every pipeline."""
 
-    def __init__(self, steps: int, latency_ms: tuple[float, float], seed: int) -> None:
-        self.data = SyntheticHSTUData(DataConfig(), steps, seed=seed)
-        draw = random.Random(seed)
-        self.latency_s = [draw.uniform(*latency_ms) / 1000 for _ in range(steps)]
+    def __init__(self, latency_ms: tuple[float, float], seed: int) -> None:
+        from hstu_tasks import DataConfig, SyntheticHSTUData
+
+        self.data = SyntheticHSTUData(DataConfig(), 10**6, seed=seed)
+        self.latency_ms, self.seed = latency_ms, seed
+
+    def _latencies(self) -> Iterator[tuple[int, float]]:
+        draw = random.Random(self.seed)
+        for index in range(len(self.data)):
+            yield index, draw.uniform(*self.latency_ms) / 1000
 
     def __iter__(self) -> Iterator[Any]:  # the blocking client
-        for index, latency in enumerate(self.latency_s):
+        for index, latency in self._latencies():
             time.sleep(latency)
             yield self.data.batch(index)
 
     async def __aiter__(self) -> AsyncIterator[Any]:  # the asyncio client
-        for index, latency in enumerate(self.latency_s):
+        for index, latency in self._latencies():
             await asyncio.sleep(latency)
             yield self.data.batch(index)
 
@@ -89,75 +87,77 @@ def prefetched(batches: Iterator[Any], depth: int = 2) -> Iterator[Any]:
         yield batch
 
 
-def train_aiopipe(setup: Any, fetcher: Fetcher, on_step: Callable[[int], None]) -> None:
-    pipe = HSTUPipeline(setup.model, setup.optimizer, setup.device)
+def _build(config: str, rank: int, *,
+           latency_ms: tuple[float, float]) -> tuple[Callable[[int], None], Any]:  # fmt: skip
+    """The chunk worker's ``run(n)``: the next ``n`` steps of ``config``."""
+    from hstu_tasks import DataConfig, HSTUPipeline, ModelConfig, OptimizerConfig
+    from hstu_tasks import build_training, quiet_torchrec
+    from hstu_tasks.parallel import plain_train_step
+    from hstu_tasks.runners import torchrec_pipeline
 
-    async def train() -> None:
-        async with pipe:
-            step = 0
-            async for _ in pipe.results(fetcher):
-                step += 1
-                on_step(step)
+    from aiopipe.runner import LoopRunner
 
-    run(train())
-
-
-def measure(name: str, steps: int, latency_ms: tuple[float, float], seed: int) -> float:
-    """Steps per second after the first :data:`WARM_UP` steps (the pipelines' own
-    set-up -- torchrec's rewrite of the model on its first batch, the prefill -- and
-    the first fetches are left out, as in a long online run)."""
+    quiet_torchrec()
     setup = build_training(ModelConfig(), DataConfig(), OptimizerConfig(), seed=0)
-    fetcher = Fetcher(steps, latency_ms, seed)
-    done: list[float] = []
+    fetcher = Fetcher(latency_ms, seed=1)
+    if config == "aiopipe":
+        pipe = HSTUPipeline(setup.model, setup.optimizer, setup.device)
+        source = aiter(fetcher)
+        runner = LoopRunner()  # one loop for every chunk, as one aiopipe.run would be
 
-    def on_step(step: int) -> None:  # run_pipeline's hook: called after step n
-        done.append(time.perf_counter())
+        async def chunk(n: int) -> None:
+            for _ in range(n):
+                await pipe.progress(source)
 
-    if name == "aiopipe":
-        train_aiopipe(setup, fetcher, on_step)
-    else:
-        mode = {"plain loop": "none", "torchrec": "torchrec", "prefetch thread": "none"}[name]
-        source: Any = prefetched(iter(fetcher)) if name == "prefetch thread" else fetcher
-        run_pipeline(mode, setup, source, on_step)
-    if len(done) != steps:
-        raise RuntimeError(f"{name} trained {len(done)} of {steps} batches")
-    return (steps - WARM_UP) / (done[-1] - done[WARM_UP - 1])
+        return (lambda n: runner.run(chunk, n)), nothing_to_report
+    batches = prefetched(iter(fetcher)) if config == "prefetch thread" else iter(fetcher)
+    if config == "torchrec":
+        sparse_dist = torchrec_pipeline(setup)
+        return repeat(lambda: sparse_dist.progress(batches)), nothing_to_report
+    return repeat(lambda: plain_train_step(setup, next(batches))), nothing_to_report
+
+
+def _paired(values: list[float], base: list[float]) -> float:
+    """The median of each chunk's time over the base row's chunk of the same round."""
+    return statistics.median(v / b for v, b in zip(values, base, strict=True))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=30, help="steps per timed chunk")
+    parser.add_argument("--rounds", type=int, default=12, help="chunks per pipeline and process")
+    parser.add_argument("--processes", type=int, default=3,
+                        help="fresh processes per pipeline, one set after another")  # fmt: skip
     parser.add_argument("--latency-ms", type=float, nargs=2, default=(5.0, 10.0))
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     args = parser.parse_args()
-    if args.steps <= WARM_UP + 10:
-        parser.error(f"--steps must be above {WARM_UP + 10}")
-    quiet_torchrec()
-    init_distributed()  # one rank on gloo: torchrec's pipeline needs a process group
+    if min(args.chunk, args.rounds, args.processes) < 1:
+        parser.error("--chunk, --rounds and --processes must be at least 1")
     latency = (args.latency_ms[0], args.latency_ms[1])
-    samples: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    for repeat in range(args.repeats + 1):  # the first round warms up
-        for name in CONFIGS:
-            rate = measure(name, args.steps, latency, seed=repeat)
-            if repeat:
-                samples[name].append(rate)
-            progress(f"round {repeat}/{args.repeats}{' (warm-up)' if not repeat else ''}: "
-                     f"{name} {rate:.1f} steps/s")  # fmt: skip
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    rows = [
-        [name, f"{rate:.1f}", spread(samples[name]),
-         f"{rate / medians['torchrec']:.2f}", f"{rate / medians['prefetch thread']:.2f}"]
-        for name, rate in medians.items()
-    ]  # fmt: skip
+    configs = [*(c for c in ("torchrec", "prefetch thread") if c in args.configs),
+               *(c for c in args.configs if c not in ("torchrec", "prefetch thread"))]  # fmt: skip
+    chunks = time_in_chunks(
+        functools.partial(_build, latency_ms=latency), configs, chunk=args.chunk,
+        rounds=args.rounds, processes=args.processes, gloo=True, warm_up=WARM_UP,
+    )  # fmt: skip
+    ms = chunks.ms
+    rows = []
+    for config, values in ms.items():
+        rows.append([
+            config, f"{1e3 / statistics.median(values):.1f}", spread(values),
+            *(f"{1 / _paired(values, ms[base]):.2f}" if base in ms else "--"
+              for base in ("torchrec", "prefetch thread")),
+            f"{statistics.median(chunks.cores[config]):.2f}",
+        ])  # fmt: skip
     print_table(
-        f"HSTU step with a {latency[0]:g}-{latency[1]:g} ms fetch per batch, {args.steps} "
-        f"steps (the first {WARM_UP} not timed), median of {args.repeats} rounds (spread: half "
-        f"their range)",
-        ["pipeline", "steps / s", "spread", "x torchrec", "x prefetch thread"],
+        f"HSTU step with a {latency[0]:g}-{latency[1]:g} ms fetch per batch, one rank, "
+        f"{args.processes} process sets, {args.rounds} alternating chunks of {args.chunk} "
+        "steps per set (speed ratios: paired medians)",
+        ["pipeline", "steps / s", "spread", "x torchrec", "x prefetch thread",
+         "cores busy (cpu/wall)"],
         rows,
-    )
-    print_json("online_source", {"args": vars(args), "steps_per_s": medians,
-                                 "samples": samples})  # fmt: skip
+    )  # fmt: skip
+    print_json("online_source", {"args": vars(args), "ms_per_step": ms, "cores": chunks.cores})
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ short alternating chunks, ``--processes`` fresh sets of them
 (``benchmarks/_chunks.py`` says why); each chunk's ratio to the plain loop's chunk
 of the same round is the paired figure.
 
-    ./dev bench presets [--device cpu|cuda] [--chunk 40] [--rounds 15] [--processes 3]
+    ./dev bench presets [--device cpu|cuda] [--chunk 40] [--rounds 15] [--processes 5]
                         [--configs plain T1 T2 sequential] [--width 512] [--batch 256]
 """
 
@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--chunk", type=int, default=40, help="steps per timed chunk")
     parser.add_argument("--rounds", type=int, default=15, help="chunks per config and process")
-    parser.add_argument("--processes", type=int, default=3,
+    parser.add_argument("--processes", type=int, default=5,
                         help="fresh processes per config, one set after another")  # fmt: skip
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--width", type=int, default=512)

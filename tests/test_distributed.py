@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 import aiopipe
 from aiopipe import AsyncExecutor, CollectiveOrderError, Pipeline, Task, TaskContext
+from hstu_tasks import leave_and_exit
 
 pytestmark = pytest.mark.distributed
 
@@ -73,7 +74,7 @@ def ordered_worker(rank: int, port: int) -> None:
     assert aiopipe.run(train()) == STEPS
     for name, magnitude in MAGNITUDE.items():
         assert sums[name] == [3 * magnitude] * STEPS, (rank, name, sums[name][:5])
-    dist.destroy_process_group()
+    leave_and_exit(0)  # no native teardown at exit (leave_and_exit says why)
 
 
 def mismatch_worker(rank: int, port: int) -> None:
@@ -90,7 +91,7 @@ def mismatch_worker(rank: int, port: int) -> None:
 
     with pytest.raises(CollectiveOrderError, match=r"rank 0: \(0, \('a', 'b'\)\)"):
         aiopipe.run(train())
-    dist.destroy_process_group()
+    leave_and_exit(0)
 
 
 def spawn(worker: object) -> None:

@@ -13,6 +13,7 @@ from conftest import Recorder, collect
 from aiopipe import AsyncExecutor, Pipeline, Task, TaskContext
 from aiopipe.executors.asyncio_executor import LOOP_SWITCH_INTERVAL_S
 from aiopipe.executors.lanes import resolve_lane
+from aiopipe.executors.signals import LoopWaker
 
 
 def noop(ctx: object) -> None:
@@ -98,30 +99,27 @@ async def test_run_on_lane_propagates_errors() -> None:
             await pipe.progress(iter(range(1)))
 
 
-@pytest.mark.one_loop
-async def test_same_lane_work_does_not_bounce_through_the_loop() -> None:
+async def test_same_lane_work_does_not_bounce_through_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Ten tasks on one lane: one hand-off to the lane and one wake of the loop per
     progress, not one per task."""
     tasks = [Task.from_fn(f"t{i}", noop, lookahead=i % 2) for i in range(10)]
-    loop = asyncio.get_running_loop()
     calls = 0
-    original = loop.call_soon_threadsafe
+    original = LoopWaker.post
 
-    def counting(*args: object, **kwargs: object) -> object:
+    def counting(self: LoopWaker, *args: Any) -> bool:
         nonlocal calls
         calls += 1
-        return original(*args, **kwargs)  # type: ignore[arg-type]
+        return original(self, *args)
 
-    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
-    try:
-        async with Pipeline(tasks, thread_map=lambda t: "single") as pipe:
-            source = iter(range(50))
-            await pipe.progress(source)  # prefill
-            calls = 0
-            for _ in range(20):
-                await pipe.progress(source)
-    finally:
-        del loop.call_soon_threadsafe
+    monkeypatch.setattr(LoopWaker, "post", counting)
+    async with Pipeline(tasks, thread_map=lambda t: "single") as pipe:
+        source = iter(range(50))
+        await pipe.progress(source)  # prefill
+        calls = 0
+        for _ in range(20):
+            await pipe.progress(source)
     assert calls == 20
 
 

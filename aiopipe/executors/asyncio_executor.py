@@ -125,8 +125,14 @@ class _Run:
         if future is not None:
             self.waker.resolve(future)
         elif last and self.on_done is not None:
-            self.waker.call(self.on_done, self.error)
-        if last:  # after on_done is queued: whoever waits here finds it on the loop
+            # Queued, then the lane's own bookkeeping, then the loop woken: woken
+            # first, the loop thread would wait for this thread to let go of the GIL.
+            wake = self.waker.post(self.on_done, self.error)
+            self.finished.set()  # after on_done is queued: a waiter finds it on the loop
+            if wake:
+                self.waker.wake()
+            return
+        if last:
             self.finished.set()
 
     def renew_threads_done(self) -> asyncio.Future[None] | None:
@@ -163,7 +169,10 @@ class StepHandle:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every lane has finished the step (``True``), or ``timeout``
         seconds have passed (``False``).  Any thread but the lanes'."""
-        return self._run.finished.wait(timeout)
+        if not self._run.finished.wait(timeout):
+            return False
+        self._run.waker.wake()  # the step's end may be queued, its wake-up not yet written
+        return True
 
 
 class AsyncExecutor:

@@ -3,13 +3,16 @@
 Each task with consumers on another lane gets one per iteration.  Lane threads block
 on it directly (one thread wake per cross-lane edge, no detour through the loop);
 coroutines on the event loop ``await`` it through a future that ``set()`` resolves
-with ``call_soon_threadsafe``.
+through a :class:`LoopWaker`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,13 +20,14 @@ __all__ = ("LoopWaker", "Signal", "settle_future", "wait_settled")
 
 
 class LoopWaker:
-    """Resolves futures of one event loop from any thread."""
+    """Resolves futures of one event loop from any thread.  Built on the loop's thread."""
 
-    __slots__ = ("loop", "loop_thread")
+    __slots__ = ("_channel", "loop", "loop_thread")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.loop_thread = threading.get_ident()
+        self._channel = _WakeChannel.of(loop)
 
     def resolve(
         self, future: asyncio.Future[Any], exc: BaseException | None = None, result: Any = None
@@ -36,10 +40,117 @@ class LoopWaker:
         if the loop has closed."""
         if threading.get_ident() == self.loop_thread:
             fn(*args)
-            return
+        elif self.post(fn, *args):
+            self.wake()
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """From another thread: queue ``fn(*args)`` for the loop, to run once
+        :meth:`wake` has been called; ``False`` if no wake is needed (the loop has
+        the call already, or it closed).  Whatever the thread still does before it
+        waits goes between the two: the loop thread, once woken, needs the GIL."""
+        if self._channel is not None:
+            if self.loop.is_closed():
+                return False
+            self._channel.calls.append((fn, args))
+            return True
         try:
             self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop closed under us (interpreter shutdown, Ctrl-C)
+            pass
+        return False
+
+    def wake(self) -> None:
+        """Wake the loop for the calls :meth:`post` queued."""
+        if self._channel is not None:
+            self._channel.wake()
+
+
+class _WakeChannel:
+    """Calls queued for one loop by other threads; the loop wakes through a file
+    descriptor it watches.
+
+    ``call_soon_threadsafe`` would do the same, but uvloop's writes its wake-up while
+    the calling thread holds the GIL: the loop thread, woken on the lane's core,
+    then blocks on the GIL until the lane lets go of it, and a step's end reached
+    the loop 120-160 us after the lane finished, against 60-75 us this way on the
+    2-core machine of docs/performance.md.  ``os.write`` releases the GIL around the
+    system call."""
+
+    __slots__ = ("__weakref__", "_read_fd", "_write_fd", "calls")
+
+    _of_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _WakeChannel | None] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    def __init__(self, read_fd: int, write_fd: int) -> None:
+        self.calls: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
+            collections.deque()
+        )
+        self._read_fd, self._write_fd = read_fd, write_fd
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _WakeChannel | None:
+        """``loop``'s channel, opened on first use (from the loop's thread); ``None``
+        where the loop cannot watch a descriptor (Windows' proactor loop): the caller
+        then uses ``call_soon_threadsafe``."""
+        try:
+            return cls._of_loop[loop]
+        except KeyError:
+            pass
+        channel = None
+        read_fd, write_fd = _wake_fds()
+        try:
+            channel = cls(read_fd, write_fd)
+            loop.add_reader(read_fd, channel._drain)
+        except (NotImplementedError, RuntimeError):  # no readers here, or closed
+            channel = None
+            _close_fds(read_fd, write_fd)
+        else:  # the descriptors live as long as the loop
+            weakref.finalize(loop, _close_fds, read_fd, write_fd)
+        cls._of_loop[loop] = channel
+        return channel
+
+    def wake(self) -> None:
+        try:
+            os.write(self._write_fd, _ONE)
+        except (BlockingIOError, OSError):  # full: the loop has a wake-up pending; closed
+            pass
+
+    def _drain(self) -> None:
+        try:
+            os.read(self._read_fd, 1 << 12)  # an eventfd resets; a pipe empties
+        except (BlockingIOError, OSError):
+            pass
+        calls = self.calls
+        while calls:
+            fn, args = calls.popleft()
+            try:
+                fn(*args)
+            except BaseException:  # the loop reports it (or leaves, for KeyboardInterrupt)
+                if calls:
+                    self.wake()  # the rest run on the next loop cycle
+                raise
+
+
+_ONE = (1).to_bytes(8, "little")  # an eventfd takes an 8-byte count; a pipe any bytes
+
+
+def _wake_fds() -> tuple[int, int]:
+    """A non-blocking eventfd (Linux: read and written alike) or pipe."""
+    if hasattr(os, "eventfd"):
+        fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        return fd, fd
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+    return read_fd, write_fd
+
+
+def _close_fds(read_fd: int, write_fd: int) -> None:
+    for fd in {read_fd, write_fd}:
+        try:
+            os.close(fd)
+        except OSError:
             pass
 
 
