@@ -103,17 +103,24 @@ async def test_same_lane_work_does_not_bounce_through_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Ten tasks on one lane: one hand-off to the lane and one wake of the loop per
-    progress, not one per task."""
+    progress, not one per task (by a waker or by ``call_soon_threadsafe``)."""
     tasks = [Task.from_fn(f"t{i}", noop, lookahead=i % 2) for i in range(10)]
+    loop = asyncio.get_running_loop()
     calls = 0
-    original = LoopWaker.post
+    post, threadsafe = LoopWaker.post, loop.call_soon_threadsafe
 
-    def counting(self: LoopWaker, *args: Any) -> bool:
+    def counting_post(self: LoopWaker, *args: Any) -> bool:
         nonlocal calls
         calls += 1
-        return original(self, *args)
+        return post(self, *args)
 
-    monkeypatch.setattr(LoopWaker, "post", counting)
+    def counting_threadsafe(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return threadsafe(*args, **kwargs)
+
+    monkeypatch.setattr(LoopWaker, "post", counting_post)
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting_threadsafe)
     async with Pipeline(tasks, thread_map=lambda t: "single") as pipe:
         source = iter(range(50))
         await pipe.progress(source)  # prefill

@@ -5,22 +5,41 @@ where a loop cannot watch one."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import os
+import subprocess
 import sys
+import textwrap
 import threading
+import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
 import uvloop
 
-from aiopipe.executors.signals import LoopWaker
+from aiopipe import Pipeline, Task, TaskContext
+from aiopipe.executors.signals import LoopWaker, _WakeChannel
+
+LOOPS = [asyncio.new_event_loop, uvloop.new_event_loop]
 
 
 def from_thread(fn: Any) -> None:
-    thread = threading.Thread(target=fn)
+    """Run ``fn`` on a thread of its own; re-raise what it raised."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
     thread.start()
     thread.join()
+    if errors:
+        raise errors[0]
 
 
 async def test_calls_from_a_thread_run_on_the_loop_in_order() -> None:
@@ -88,7 +107,7 @@ async def test_a_failing_call_is_reported_and_the_rest_still_run() -> None:
     assert [type(exc) for exc in reported] == [ValueError]
 
 
-@pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop])
+@pytest.mark.parametrize("new_loop", LOOPS)
 def test_calls_after_the_loop_closed_are_dropped(new_loop: Any) -> None:
     loop = new_loop()
     try:
@@ -97,7 +116,7 @@ def test_calls_after_the_loop_closed_are_dropped(new_loop: Any) -> None:
         loop.close()
     queued: list[bool] = []
     from_thread(lambda: queued.append(waker.post(print, "never")))
-    from_thread(lambda: waker.call(print, "never"))  # no error either
+    from_thread(lambda: waker.call(print, "never"))  # raises nothing on the closed loop
     assert queued == [False]
 
 
@@ -110,7 +129,7 @@ def _open_fds() -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts /proc/self/fd")
-@pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop])
+@pytest.mark.parametrize("new_loop", LOOPS)
 def test_a_loops_descriptor_is_closed_with_the_loop(new_loop: Any) -> None:
     gc.collect()
     before = _open_fds()
@@ -154,3 +173,103 @@ def test_a_loop_without_readers_is_woken_with_call_soon_threadsafe() -> None:
     finally:
         loop.close()
     assert threadsafe == 1
+
+
+REQUEST: contextvars.ContextVar[object] = contextvars.ContextVar("request", default=None)
+
+
+class Held:
+    """What a caller's context variable refers to."""
+
+
+@pytest.mark.parametrize("new_loop", LOOPS)
+def test_calls_from_threads_neither_see_nor_keep_the_first_callers_context(
+    new_loop: Any,
+) -> None:
+    loop = new_loop()
+    try:
+        held = Held()
+        ref = weakref.ref(held)
+
+        async def first_caller() -> None:
+            REQUEST.set(held)
+            LoopWaker(asyncio.get_running_loop())  # opens the loop's channel
+
+        loop.run_until_complete(first_caller())
+        del held
+        gc.collect()
+        assert ref() is None
+
+        async def later() -> object:
+            running = asyncio.get_running_loop()
+            waker, seen = LoopWaker(running), running.create_future()
+            from_thread(lambda: waker.call(lambda: seen.set_result(REQUEST.get())))
+            return await seen
+
+        assert loop.run_until_complete(later()) is None
+    finally:
+        loop.close()
+
+
+def echo(ctx: TaskContext) -> None:
+    ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+
+@pytest.mark.parametrize("new_loop", LOOPS)
+def test_a_ctrl_c_after_the_wake_was_read_strands_no_call(
+    new_loop: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interrupt lands in the loop's reader after the wake-up was consumed and
+    before the step's end ran: the same loop, run again, still finishes the step."""
+    consume = _WakeChannel._consume_wake
+    armed = False
+
+    def interrupted(channel: _WakeChannel) -> None:
+        nonlocal armed
+        consume(channel)
+        if armed:
+            armed = False
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_WakeChannel, "_consume_wake", interrupted)
+    loop = new_loop()
+    pipe = Pipeline([Task.from_fn("echo", echo, writes=("step_result",))])
+    source = iter(range(10))
+
+    async def progress() -> Any:
+        return await pipe.progress(source)
+
+    try:
+        assert loop.run_until_complete(progress()) == 0
+        armed = True
+        task = loop.create_task(progress())
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(task)
+        assert loop.run_until_complete(asyncio.wait_for(asyncio.shield(task), 60)) == 1
+        loop.run_until_complete(pipe.aclose())
+    finally:
+        loop.close()
+
+
+AT_EXIT = """
+    import atexit, os, sys
+    write_fd = []
+    # Registered before anything else: runs after every other exit hook.
+    atexit.register(lambda: print("open" if os.path.exists(f"/proc/self/fd/{write_fd[0]}")
+                                  else "closed"))
+    import asyncio
+    from aiopipe.executors.signals import LoopWaker
+    loop = asyncio.new_event_loop()  # alive until exit, as a runner's loop may be
+    async def make(): return LoopWaker(asyncio.get_running_loop())
+    write_fd.append(loop.run_until_complete(make())._channel._write_fd)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/fd")
+def test_a_live_loops_descriptor_stays_open_through_exit() -> None:
+    """Daemon lanes may still wake a loop while the interpreter exits: a descriptor
+    closed then, and its number reused by a file, would get the wake-up."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(AT_EXIT)], check=True,
+                          capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])  # fmt: skip
+    assert done.stdout.strip() == "open"

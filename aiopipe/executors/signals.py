@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import os
 import threading
 import weakref
@@ -72,9 +73,10 @@ class _WakeChannel:
     ``call_soon_threadsafe`` would do the same, but uvloop's writes its wake-up while
     the calling thread holds the GIL: the loop thread, woken on the lane's core,
     then blocks on the GIL until the lane lets go of it, and a step's end reached
-    the loop 120-160 us after the lane finished, against 60-75 us this way on the
+    the loop 121-138 us after the lane finished, against 69-89 us this way on the
     2-core machine of docs/performance.md.  ``os.write`` releases the GIL around the
-    system call."""
+    system call.  Each call runs in a fresh context, as one queued with
+    ``call_soon_threadsafe`` from a lane thread would."""
 
     __slots__ = ("__weakref__", "_read_fd", "_write_fd", "calls")
 
@@ -101,12 +103,17 @@ class _WakeChannel:
         read_fd, write_fd = _wake_fds()
         try:
             channel = cls(read_fd, write_fd)
-            loop.add_reader(read_fd, channel._drain)
+            # In an empty context: the reader would keep the current one (the first
+            # caller's variables, and what they reference) for the loop's life.
+            contextvars.Context().run(loop.add_reader, read_fd, channel._drain)
         except (NotImplementedError, RuntimeError):  # no readers here, or closed
             channel = None
             _close_fds(read_fd, write_fd)
-        else:  # the descriptors live as long as the loop
-            weakref.finalize(loop, _close_fds, read_fd, write_fd)
+        else:
+            # The descriptors live as long as the loop, but are not closed at exit:
+            # daemon lanes may still wake a loop then, and a number closed and
+            # reused by a file would get the wake-up written into it.
+            weakref.finalize(loop, _close_fds, read_fd, write_fd).atexit = False
         cls._of_loop[loop] = channel
         return channel
 
@@ -117,19 +124,21 @@ class _WakeChannel:
             pass
 
     def _drain(self) -> None:
+        calls = self.calls
+        try:
+            self._consume_wake()
+            while calls:
+                fn, args = calls.popleft()
+                contextvars.Context().run(fn, *args)  # no call sees another's variables
+        finally:  # an error (the loop reports it) or a KeyboardInterrupt, wherever it lands
+            if calls:
+                self.wake()  # the rest run on the next loop cycle
+
+    def _consume_wake(self) -> None:
         try:
             os.read(self._read_fd, 1 << 12)  # an eventfd resets; a pipe empties
         except (BlockingIOError, OSError):
             pass
-        calls = self.calls
-        while calls:
-            fn, args = calls.popleft()
-            try:
-                fn(*args)
-            except BaseException:  # the loop reports it (or leaves, for KeyboardInterrupt)
-                if calls:
-                    self.wake()  # the rest run on the next loop cycle
-                raise
 
 
 _ONE = (1).to_bytes(8, "little")  # an eventfd takes an 8-byte count; a pipe any bytes
