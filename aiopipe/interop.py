@@ -1,7 +1,7 @@
 """Driving pipelines from trio, directly or through anyio's trio backend.
 
-The engine is built on asyncio: lane threads resolve asyncio futures with
-``call_soon_threadsafe``, ``async def`` bodies run as asyncio tasks, collective
+The engine is built on asyncio: lane threads resolve asyncio futures through the
+loop (``LoopWaker``), ``async def`` bodies run as asyncio tasks, collective
 tickets are futures.  Under trio the caller's thread has no asyncio loop, so a
 pipeline's public coroutines (``progress`` and ``drain``, and ``step`` / ``results``
 built on them) hand each call to a private asyncio loop running on a thread of its

@@ -1,5 +1,5 @@
 """Time pipelines in short alternating chunks, each pipeline in worker processes of its
-own (``lane_cost``, ``presets``).
+own (``lane_cost``, ``presets``, ``online_source``).
 
 Between two whole runs a shared machine's speed can drift by more than the
 differences these benchmarks look for (+-15-35 % on the 2-core machine of

@@ -17,7 +17,9 @@ ops and Python).  The rows:
 Every pipeline runs in worker processes of its own, in short alternating chunks,
 ``--processes`` fresh sets of them (``benchmarks/_chunks.py`` says why); each chunk's
 ratio to the prefetch thread's and torchrec's chunks of the same round is the paired
-figure.  Between two chunks a worker's fetcher waits like any other source.
+figure.  Between chunks a worker is idle, but a fetch under way completes (the
+prefetch thread fills its queue); the two untimed steps that start every chunk use
+that up.
 
     ./dev bench online_source [--chunk 30] [--rounds 12] [--processes 3]
                               [--latency-ms 5 10] [--configs ...]

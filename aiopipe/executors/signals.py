@@ -75,8 +75,8 @@ class _WakeChannel:
     then blocks on the GIL until the lane lets go of it, and a step's end reached
     the loop 121-138 us after the lane finished, against 69-89 us this way on the
     2-core machine of docs/performance.md.  ``os.write`` releases the GIL around the
-    system call.  Each call runs in a fresh context, as one queued with
-    ``call_soon_threadsafe`` from a lane thread would."""
+    system call.  Each call runs in an empty context (``call_soon_threadsafe`` would
+    use a copy of the lane thread's)."""
 
     __slots__ = ("__weakref__", "_read_fd", "_write_fd", "calls")
 
