@@ -10,7 +10,6 @@ result raises ``StopAsyncIteration``.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import inspect
 import logging
@@ -28,7 +27,7 @@ from .executors.base import Step
 from .executors.signals import wait_settled
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
-from .ring import BatchRing, SlotStore
+from .ring import BatchRing, RetiredStores
 from .schedule import Schedule
 from .source import END, Feed, OneBatch, Source, iterate
 from .streams import StreamPool
@@ -141,10 +140,7 @@ class SchedulablePipeline:
         self._busy = False
         self._broken: str | None = None
         self._closed = False
-        # Evicted slot stores stay referenced until the device work queued so far
-        # completes (their tensors may still be read by another stream), and for one
-        # loop cycle after their iteration ended (_free_retired_soon).
-        self._retiring: collections.deque[tuple[SlotStore, list[Any]]] = collections.deque()
+        self._retired = RetiredStores(stream_pool)  # evicted, not yet safe to drop
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
         self._read_ahead = read_ahead
@@ -367,7 +363,7 @@ class SchedulablePipeline:
         if self._feed is not None:
             self._feed.close()
         self._failure = None
-        self._retire_all(self._ring.reset())
+        self._retired.add_all(self._ring.reset())
         self._top_pulled = False
         self._feed = None
         self._seed = None
@@ -387,7 +383,7 @@ class SchedulablePipeline:
         self._closed = True
         self._executor.shutdown()
         self._trio.close()
-        self._retiring.clear()
+        self._retired.clear()
 
     async def __aenter__(self) -> SchedulablePipeline:
         return self
@@ -467,7 +463,7 @@ class SchedulablePipeline:
         level = logging.DEBUG if isinstance(source, OneBatch) else logging.INFO
         if pipeline_log.isEnabledFor(level):
             pipeline_log.log(level, "%s: new source %s", self.name, type(source).__name__)
-        self._retire_all(self._ring.reset())
+        self._retired.add_all(self._ring.reset())
         self._top_pulled = False
         self._feed = new_feed
         return new_feed
@@ -547,7 +543,7 @@ class SchedulablePipeline:
         finally:
             self._running = None
             self._wake_waiters()
-            self._free_retired_soon()
+            self._retired.free_soon()
 
     def _lanes_finished(
         self, feed: Feed, step: Step, done: asyncio.Future[None], error: BaseException | None
@@ -569,7 +565,7 @@ class SchedulablePipeline:
                 self._failure = error  # raised by the caller, or by the next call
         done.set_result(None)
         self._wake_waiters()
-        self._free_retired_soon()
+        self._retired.free_soon()
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise error  # out of the loop, as from a task (the pipeline now asks for reset)
 
@@ -578,7 +574,7 @@ class SchedulablePipeline:
         produced = 0 <= step.iteration - self._plan.max_lookahead < feed.pulled
         if produced:
             feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
-        self._retire(self._ring.advance())
+        self._retired.add(self._ring.advance())
         feed.iteration += 1
 
     def _iteration_failed(self, step: Step, exc: BaseException) -> None:
@@ -672,29 +668,6 @@ class SchedulablePipeline:
         self._initialised = True
         pipeline_log.info("%s: init() of %d tasks done; up to %d batches will be in flight",
                           self.name, len(self._plan), self._plan.max_lookahead + 1)  # fmt: skip
-
-    def _retire(self, store: SlotStore) -> None:
-        pool = self._plan.stream_pool
-        events = [] if pool.is_null else [pool.record_event(name) for name in pool.names()]
-        self._retiring.append((store, events))
-
-    def _free_retired_soon(self) -> None:
-        """Free what the iteration that just ended evicted one loop cycle later: after
-        its caller has run on, usually to the next hand-off.  Freeing a batch's
-        tensors took 20-30 us of the loop's time between two steps
-        (docs/performance.md)."""
-        asyncio.get_running_loop().call_soon(self._free_retired)
-
-    def _free_retired(self) -> None:
-        """Drop the evicted stores whose device work has completed."""
-        retiring = self._retiring
-        while retiring and all(ev is None or ev.query() for ev in retiring[0][1]):
-            retiring.popleft()
-
-    def _retire_all(self, stores: list[SlotStore]) -> None:
-        for store in stores:
-            self._retire(store)
-        self._free_retired()
 
     def __repr__(self) -> str:
         stats = self.statistics()

@@ -9,10 +9,15 @@ so values move from producer to consumer without copies.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ("BatchRing", "SlotStore")
+if TYPE_CHECKING:
+    from .streams import StreamPool
+
+__all__ = ("BatchRing", "RetiredStores", "SlotStore")
 
 _MISSING = object()
 
@@ -104,3 +109,43 @@ class BatchRing:
 
     def __repr__(self) -> str:
         return f"BatchRing({[s.batch_index for s in self._stores]})"
+
+
+class RetiredStores:
+    """Slot stores evicted from the ring, still referenced until the device work
+    queued when they left has completed (another stream may still read their
+    tensors), and for one loop cycle after their iteration ended (:meth:`free_soon`)."""
+
+    def __init__(self, stream_pool: StreamPool) -> None:
+        self._pool = stream_pool
+        self._stores: collections.deque[tuple[SlotStore, list[Any]]] = collections.deque()
+
+    def add(self, store: SlotStore) -> None:
+        pool = self._pool
+        events = [] if pool.is_null else [pool.record_event(name) for name in pool.names()]
+        self._stores.append((store, events))
+
+    def add_all(self, stores: list[SlotStore]) -> None:
+        """Retire every store of a ring just reset, and free what can be freed now."""
+        for store in stores:
+            self.add(store)
+        self.free()
+
+    def free_soon(self) -> None:
+        """Free what the iteration that just ended evicted one loop cycle later: after
+        its caller has run on, usually to the next hand-off.  Freeing a batch's
+        tensors took 20-30 us of the loop's time between two steps
+        (docs/performance.md)."""
+        asyncio.get_running_loop().call_soon(self.free)
+
+    def free(self) -> None:
+        """Drop the stores whose device work has completed, oldest first."""
+        stores = self._stores
+        while stores and all(ev is None or ev.query() for ev in stores[0][1]):
+            stores.popleft()
+
+    def clear(self) -> None:
+        self._stores.clear()
+
+    def __len__(self) -> int:
+        return len(self._stores)

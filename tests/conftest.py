@@ -94,3 +94,17 @@ async def collect(pipe: SchedulablePipeline, source: Any) -> list[Any]:
             results.append(await pipe.progress(source))
         except StopAsyncIteration:
             return results
+
+
+class CompletesOnWait:
+    """A device event as a CUDA one behaves for a copy still under way: not done
+    when queried, done once waited for."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 import hstu_workers
-from conftest import collect
+from conftest import CompletesOnWait, collect
 from one_rank import TINY_DATA, one_rank_group, tiny_training
 from hstu_tasks import DataConfig, HSTUPipeline, OptimizerConfig, SyntheticHSTUData, TrainingSetup
 from hstu_tasks import balanced_partition
@@ -54,20 +54,6 @@ def test_shuffler_moves_every_sample_exactly_once() -> None:
 
 
 # -- single-process pieces -------------------------------------------------------------
-
-
-class CompletesOnWait:
-    """A device event as a CUDA one behaves for a copy still under way: not done
-    when queried, done once waited for."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
 
 
 def test_results_yields_what_progress_does_and_checks_the_last_losses() -> None:

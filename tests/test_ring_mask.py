@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
-from aiopipe import BatchRing
+import pytest
+from conftest import CompletesOnWait
+
+from aiopipe import BatchRing, StreamPool
+from aiopipe.ring import RetiredStores, SlotStore
 from aiopipe.mask import batch_index, fires
 
 
@@ -59,3 +63,46 @@ def test_prefill_runs_only_deep_lookaheads() -> None:
     assert [fires(la, 2, 2, 10) for la in range(3)] == [True, True, True]
     # drain: the last batch (9) has been pulled; iteration 11 runs lookahead 0 only.
     assert [fires(la, 11, 2, 10) for la in range(3)] == [True, False, False]
+
+
+class Stream:
+    """The device-stream protocol on CPU: every recorded event stays pending until
+    the test completes it."""
+
+    def __init__(self) -> None:
+        self.events: list[CompletesOnWait] = []
+
+    def record_event(self, event: object = None) -> CompletesOnWait:
+        self.events.append(CompletesOnWait())
+        return self.events[-1]
+
+    def wait_event(self, event: object) -> None:
+        return None
+
+    def wait_stream(self, stream: object) -> None:
+        return None
+
+
+def test_retired_stores_go_once_their_device_work_has_completed() -> None:
+    stream = Stream()
+    retired = RetiredStores(StreamPool({"default": stream}))
+    first, second = SlotStore(), SlotStore()
+    retired.add(first)
+    retired.add(second)
+    retired.free()
+    assert len(retired) == 2  # nothing queued when they left has completed
+    stream.events[1].done = True
+    retired.free()
+    assert len(retired) == 2  # oldest first: the second waits for the first
+    stream.events[0].done = True
+    retired.free()
+    assert len(retired) == 0
+
+
+async def test_retired_stores_of_a_cpu_pool_go_one_loop_cycle_later() -> None:
+    retired = RetiredStores(StreamPool({"default": None}))
+    retired.add(SlotStore())
+    retired.free_soon()
+    assert len(retired) == 1  # the caller runs on first
+    await asyncio.sleep(0)
+    assert len(retired) == 0
