@@ -140,7 +140,7 @@ class SchedulablePipeline:
         self._busy = False
         self._broken: str | None = None
         self._closed = False
-        self._retired = RetiredStores(stream_pool)  # evicted, not yet safe to drop
+        self._retired = RetiredStores(self._plan.stream_pool)  # evicted, not yet droppable
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
         self._read_ahead = read_ahead
