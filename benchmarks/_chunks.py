@@ -22,6 +22,7 @@ models need one on one rank too); a chunk's time is the slowest rank's.
 from __future__ import annotations
 
 import multiprocessing
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,12 @@ def repeat(step: Callable[[], object]) -> Run:
 
 def nothing_to_report() -> dict[str, Any]:
     return {}
+
+
+def paired(values: Sequence[float], base: Sequence[float]) -> float:
+    """The median of each chunk's time over the base row's chunk of the same round:
+    drift between rounds cancels."""
+    return statistics.median(v / b for v, b in zip(values, base, strict=True))
 
 
 def _worker(build: Build, config: str, warm_up: int, conn: Connection, rank: int, ranks: int,

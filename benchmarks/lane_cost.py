@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _chunks import repeat, time_in_chunks  # noqa: E402
+from _chunks import paired, repeat, time_in_chunks  # noqa: E402
 from _common import print_json, print_table, spread  # noqa: E402
 
 CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-blocking",
@@ -190,7 +190,7 @@ def main() -> None:
     rows = []
     for config, values in ms.items():
         ratio = (
-            f"{statistics.median(v / b for v, b in zip(values, base)):.3f}" if base else "--"
+            f"{paired(values, base):.3f}" if base else "--"
         )
         best = f"{min(values) / min(base):.3f}" if base else "--"
         rows.append([config, f"{statistics.median(values):.2f}", spread(values), ratio,

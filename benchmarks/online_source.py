@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _chunks import nothing_to_report, repeat, time_in_chunks  # noqa: E402
+from _chunks import nothing_to_report, paired, repeat, time_in_chunks  # noqa: E402
 from _common import print_json, print_table, spread  # noqa: E402
 
 CONFIGS = ("plain loop", "torchrec", "prefetch thread", "aiopipe")
@@ -119,11 +119,6 @@ def _build(config: str, rank: int, *,
     return repeat(lambda: plain_train_step(setup, next(batches))), nothing_to_report
 
 
-def _paired(values: list[float], base: list[float]) -> float:
-    """The median of each chunk's time over the base row's chunk of the same round."""
-    return statistics.median(v / b for v, b in zip(values, base, strict=True))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunk", type=int, default=30, help="steps per timed chunk")
@@ -147,7 +142,7 @@ def main() -> None:
     for config, values in ms.items():
         rows.append([
             config, f"{1e3 / statistics.median(values):.1f}", spread(values),
-            *(f"{1 / _paired(values, ms[base]):.2f}" if base in ms else "--"
+            *(f"{1 / paired(values, ms[base]):.2f}" if base in ms else "--"
               for base in ("torchrec", "prefetch thread")),
             f"{statistics.median(chunks.cores[config]):.2f}",
         ])  # fmt: skip

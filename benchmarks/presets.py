@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _chunks import nothing_to_report, time_in_chunks  # noqa: E402
+from _chunks import nothing_to_report, paired, time_in_chunks  # noqa: E402
 from _common import print_json, print_table, spread  # noqa: E402
 
 from aiopipe import SchedulablePipeline  # noqa: E402
@@ -130,13 +130,12 @@ def main() -> None:
     rows, payload = [], {}
     for config, values in chunks.ms.items():
         median = statistics.median(values)
-        # Each chunk's ratio to the plain loop's chunk of the same round: drift cancels.
-        paired = statistics.median(v / b for v, b in zip(values, base, strict=True))
+        ratio = paired(values, base)  # to the plain loop's chunk of the same round
         best = min(values) / min(base)
         cores = statistics.median(chunks.cores[config])
         rows.append([CONFIGS[config], f"{median:.3f}", spread(values), f"{1e3 / median:.1f}",
-                     f"{paired:.3f}", f"{best:.3f}", f"{cores:.2f}"])  # fmt: skip
-        payload[config] = {"ms_per_step": values, "x_plain_paired": paired,
+                     f"{ratio:.3f}", f"{best:.3f}", f"{cores:.2f}"])  # fmt: skip
+        payload[config] = {"ms_per_step": values, "x_plain_paired": ratio,
                            "x_plain_fastest": best, "cores": chunks.cores[config]}  # fmt: skip
     print_table(
         f"basic() preset vs plain loop, {args.device}, {args.processes} process sets, "

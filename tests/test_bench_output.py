@@ -73,3 +73,12 @@ def test_chunks_alternate_in_worker_processes_and_report_time_cores_and_state() 
         assert all(0 <= cores < 64 for cores in chunks.cores[config])
         # each set's worker: the warm-up, then every chunk and its two lead-in steps
         assert chunks.reports[config] == [{"config": config, "steps": 4 + 3 * (2 + 5)}] * 2
+
+
+def test_a_paired_ratio_is_the_median_of_the_per_round_ratios() -> None:
+    from _chunks import paired
+
+    # per-round ratios 0.5, 0.5 and 1.5: one disturbed round does not move the median
+    assert paired([1.0, 4.0, 3.0], [2.0, 8.0, 2.0]) == 0.5
+    with pytest.raises(ValueError):
+        paired([1.0], [1.0, 2.0])  # rows of different lengths are a bug

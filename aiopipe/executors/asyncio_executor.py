@@ -33,7 +33,7 @@ from ..plan import ExecutionPlan
 from .base import Step
 from .lanes import LOOP_LANE, Lane, LanePool, ThreadMap, call_on_lane, resolve_lane
 from .order_check import CollectiveOrderCheck
-from .signals import LoopWaker, Signal
+from .signals import LoopWaker, Signal, settle_future
 from .tickets import TicketLock, TicketStatistics
 
 __all__ = (
@@ -120,20 +120,18 @@ class _Run:
     def thread_chain_finished(self) -> None:
         with self.lock:
             self.outstanding -= 1
-            last = self.outstanding == 0
-            future = self.threads_done if last else None
+            if self.outstanding:
+                return
+            future = self.threads_done
+        # Queued, then `finished` set, then the loop woken: woken first, the loop
+        # thread would wait for this thread to let go of the GIL.
         if future is not None:
-            self.waker.resolve(future)
-        elif last and self.on_done is not None:
-            # Queued, then the lane's own bookkeeping, then the loop woken: woken
-            # first, the loop thread would wait for this thread to let go of the GIL.
-            wake = self.waker.post(self.on_done, self.error)
-            self.finished.set()  # after on_done is queued: a waiter finds it on the loop
-            if wake:
-                self.waker.wake()
-            return
-        if last:
-            self.finished.set()
+            wake = self.waker.post(settle_future, future, None, None)
+        else:  # a step started by start_step: its callback
+            wake = self.on_done is not None and self.waker.post(self.on_done, self.error)
+        self.finished.set()  # after the step's end is queued: a waiter finds it on the loop
+        if wake:
+            self.waker.wake()
 
     def renew_threads_done(self) -> asyncio.Future[None] | None:
         """A fresh future for the lanes still running (cancelling the task that

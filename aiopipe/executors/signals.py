@@ -99,21 +99,20 @@ class _WakeChannel:
             return cls._of_loop[loop]
         except KeyError:
             pass
-        channel = None
         read_fd, write_fd = _wake_fds()
+        channel = cls(read_fd, write_fd)
         try:
-            channel = cls(read_fd, write_fd)
             # In an empty context: the reader would keep the current one (the first
             # caller's variables, and what they reference) for the loop's life.
             contextvars.Context().run(loop.add_reader, read_fd, channel._drain)
         except (NotImplementedError, RuntimeError):  # no readers here, or closed
-            channel = None
             _close_fds(read_fd, write_fd)
-        else:
-            # The descriptors live as long as the loop, but are not closed at exit:
-            # daemon lanes may still wake a loop then, and a number closed and
-            # reused by a file would get the wake-up written into it.
-            weakref.finalize(loop, _close_fds, read_fd, write_fd).atexit = False
+            cls._of_loop[loop] = None
+            return None
+        # The descriptors live as long as the loop, but are not closed at exit:
+        # daemon lanes may still wake a loop then, and a number closed and reused by
+        # a file would get the wake-up written into it.
+        weakref.finalize(loop, _close_fds, read_fd, write_fd).atexit = False
         cls._of_loop[loop] = channel
         return channel
 
