@@ -3,7 +3,7 @@
 Layers, each depending only on the ones below it:
 
 * engine core -- ``Task`` / ``DataSlot`` (task.py), ``Schedule`` (schedule.py),
-  dependency analysis and validation (graph.py, validate.py), the batch ring
+  dependency analysis and validation (edges.py, validate.py), the batch ring
   (ring.py), the fire mask (mask.py), ``StreamPool`` (streams.py) and the driver
   ``SchedulablePipeline`` (pipeline.py);
 * executors -- ``SequentialExecutor`` and ``AsyncExecutor`` (one event loop plus
@@ -38,13 +38,14 @@ from .executors import SequentialExecutor as SequentialExecutor
 from .facade import Pipeline as Pipeline
 from .gpu import copy_to_host as copy_to_host
 from .gpu import wait_for_event as wait_for_event
-from .graph import Edge as Edge
-from .graph import dependency_edges as dependency_edges
-from .graph import infer_cross_stream_event_deps as infer_cross_stream_event_deps
-from .graph import topological_sort as topological_sort
+from .edges import Edge as Edge
+from .edges import dependency_edges as dependency_edges
+from .edges import infer_cross_stream_event_deps as infer_cross_stream_event_deps
+from .edges import topological_sort as topological_sort
 from .pipeline import PipelineStatistics as PipelineStatistics
 from .pipeline import SchedulablePipeline as SchedulablePipeline
 from .presets import BasicPipeline as BasicPipeline
+from .presets import basic as basic
 from .presets import move_to_device as move_to_device
 from .ring import BatchRing as BatchRing
 from .ring import SlotStore as SlotStore
@@ -93,6 +94,7 @@ __all__ = (
     "TaskDefinitionError",
     "TicketAbortedError",
     "Tracer",
+    "basic",
     "copy_to_host",
     "dependency_edges",
     "infer_cross_stream_event_deps",

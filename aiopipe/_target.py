@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import PipelineError
 from .executors import AsyncExecutor
-from .executors.lanes import ThreadMap
+from .lanes import ThreadMap
 from .pipeline import SchedulablePipeline
 from .schedule import Schedule
 from .streams import StreamPool

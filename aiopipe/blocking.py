@@ -22,7 +22,7 @@ import weakref
 from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .runner import LoopRunner
+from ._core.loops import LoopRunner
 from .source import iterate
 
 if TYPE_CHECKING:

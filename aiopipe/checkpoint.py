@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._log import checkpoint_log
+from ._core.log import checkpoint_log
 from .errors import PipelineError
 
 __all__ = ("CheckpointError", "CheckpointManager", "materialize_optimizer_state")

@@ -33,8 +33,8 @@ from . import __version__, diagram
 from ._target import Target, TargetError, load_target, parse_thread_map
 from .errors import PipelineError, ScheduleValidationError
 from .executors import AsyncExecutor, Executor
-from .executors.lanes import ThreadMap, resolve_lane
-from .graph import dependency_edges, infer_cross_stream_event_deps, topological_sort
+from .lanes import ThreadMap, resolve_lane
+from .edges import dependency_edges, infer_cross_stream_event_deps, topological_sort
 from .pipeline import SchedulablePipeline
 from .runner import run
 from .timeline import write_timeline

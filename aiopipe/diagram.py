@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Literal
 
 from .errors import PipelineError
-from .executors.lanes import ThreadMap, resolve_lane
-from .graph import Edge, dependency_edges
+from .lanes import ThreadMap, resolve_lane
+from .edges import Edge, dependency_edges
 from .schedule import Schedule
 from .task import Task
 

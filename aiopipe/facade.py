@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ._nvtx import Annotator
+from ._core.nvtx import Annotator
 from .executors import AsyncExecutor, Executor
-from .executors.lanes import ThreadMap
+from .lanes import ThreadMap
 from .pipeline import SchedulablePipeline
 from .schedule import Schedule
 from .streams import StreamPool

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .executors.signals import LoopWaker
+from ._core.waker import LoopWaker
 from .interop import running_loop
 from .streams import EventLike
 

@@ -41,8 +41,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ParamSpec, TypeVar
 
 from .errors import AsyncLibraryError, NoRunningLoopError, PipelineStateError
-from .executors.signals import settle_future
-from .runner import _finish_loop, new_event_loop
+from ._core.waker import settle_future
+from ._core.loops import finish_loop, new_event_loop
 from .source import END, Source
 
 __all__ = ("TrioBridge", "current_trio", "in_trio", "needs_event_loop", "running_loop")
@@ -180,7 +180,7 @@ def _serve_forever(loop: asyncio.AbstractEventLoop) -> None:
     asyncio.set_event_loop(loop)
     try:
         loop.run_forever()
-        _finish_loop(loop)
+        finish_loop(loop)
     finally:
         loop.close()
 

@@ -17,14 +17,16 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Ma
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._log import lanes_summary, next_pipeline_name, pipeline_log
-from ._nvtx import Annotator, resolve_annotator
+import torch
+
+from ._core.log import lanes_summary, next_pipeline_name, pipeline_log
+from ._core.nvtx import Annotator, resolve_annotator
 from .context import CURRENT, Running, TaskContext
 from .errors import BadBatchError, PipelineStateError
 from .executors import Executor, make_executor
 from .executors.asyncio_executor import StepHandle
 from .executors.base import Step
-from .executors.signals import wait_settled
+from ._core.waker import wait_settled
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores
@@ -37,7 +39,6 @@ from .validate import validate_schedule, warn_without_result
 
 if TYPE_CHECKING:
     from .blocking import BlockingPipeline
-    from .presets import basic as basic_preset
 
 __all__ = ("PipelineStatistics", "SchedulablePipeline")
 
@@ -58,16 +59,6 @@ class PipelineStatistics:
     broken: str | None
     closed: bool
     refused: int = 0
-
-
-class _BasicPreset:
-    """``SchedulablePipeline.basic`` is :func:`aiopipe.presets.basic`, looked up when
-    used: the preset builds on this module, so this module cannot import it."""
-
-    def __get__(self, instance: object, owner: type | None = None) -> Callable[..., Any]:
-        from .presets import basic
-
-        return basic
 
 
 class SchedulablePipeline:
@@ -122,7 +113,7 @@ class SchedulablePipeline:
         )
         self._ring = BatchRing(self._plan.max_lookahead + 1)
         self._ctx = TaskContext(stream_pool)
-        self._annotator = resolve_annotator(nvtx)
+        self._annotator = resolve_annotator(nvtx, gpu_present=torch.cuda.is_available)
         self._tracer = resolve_tracer(trace)
         self._check_batch = check_batch
         lane_of = getattr(self._executor, "lane_of", None)
@@ -390,11 +381,6 @@ class SchedulablePipeline:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-    if TYPE_CHECKING:
-        basic = staticmethod(basic_preset)
-    else:
-        basic = _BasicPreset()
 
     def blocking(self) -> BlockingPipeline:
         """A blocking view for ordinary scripts (``progress`` raises ``StopIteration``)."""

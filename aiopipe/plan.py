@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from .graph import dependency_edges, infer_cross_stream_event_deps, topological_sort
+from .edges import dependency_edges, infer_cross_stream_event_deps, topological_sort
 from .mask import fires
 from .schedule import Schedule
 from .streams import StreamPool

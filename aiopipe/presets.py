@@ -24,11 +24,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._nvtx import Annotator
+from ._core.nvtx import Annotator
 from .context import TaskContext
 from .errors import PipelineError
 from .executors import AsyncExecutor, Executor
-from .executors.lanes import ThreadMap, lanes_for_device
+from .lanes import ThreadMap, thread_map_for_device
 from .facade import Pipeline
 from .task import Task
 from .trace import Tracer
@@ -326,9 +326,9 @@ def basic(
                                      writes=("batch_device",)))  # fmt: skip
     if executor is None and thread_map is None:
         # The model's work on lane "compute", copies (T2) on lane "io": the event loop
-        # stays free, and the lane runs torch at full speed (see aiopipe/_openmp.py).
-        # On a CPU, one lane (see lanes_for_device).
-        executor = AsyncExecutor(lanes_for_device(_preset_lane, device))
+        # stays free, and the lane runs torch at full speed (see aiopipe/_core/openmp.py).
+        # On a CPU, one lane (see thread_map_for_device).
+        executor = AsyncExecutor(thread_map_for_device(_preset_lane, device))
     return BasicPipeline(
         tasks,
         executor=executor,

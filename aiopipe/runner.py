@@ -1,171 +1,21 @@
-"""Running coroutines from ordinary code: ``aiopipe.run`` and the loop behind the
-blocking API.
+"""``aiopipe.run``: ``asyncio.run`` on uvloop when it is installed.
 
-``aiopipe.run`` uses uvloop when it is installed (``AIOPIPE_UVLOOP=0`` opts out) and
-plain asyncio otherwise.  The blocking API always uses plain asyncio: it starts and
-stops its loop on every call, and uvloop sets its signal handling up on every start
-in the main thread (37 us a start there against 13 for asyncio's loop; 70-200 us more
-per progress between two training steps, docs/performance.md).
-
-Ctrl-C cancels the running coroutine -- so the pipeline releases its lanes and
-tickets -- and then raises ``KeyboardInterrupt``, as ``asyncio.run`` does.
+``AIOPIPE_UVLOOP=0`` opts out.  Ctrl-C cancels the running coroutine -- so the
+pipeline releases its lanes and tickets -- and then raises ``KeyboardInterrupt``, as
+``asyncio.run`` does.  The loop itself is :class:`aiopipe._core.loops.LoopRunner`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import threading
-from collections.abc import Callable, Coroutine
-from types import FrameType
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from ._core.loops import LoopRunner
 from .errors import PipelineStateError
 
-__all__ = ("LoopRunner", "new_event_loop", "run", "uvloop_enabled")
+__all__ = ("run",)
 
 T = TypeVar("T")
-
-
-def uvloop_enabled() -> bool:
-    """Whether the project's entry points run on uvloop."""
-    if os.environ.get("AIOPIPE_UVLOOP") == "0":
-        return False
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def new_event_loop(*, prefer_uvloop: bool = True) -> asyncio.AbstractEventLoop:
-    """A uvloop loop when ``prefer_uvloop`` and :func:`uvloop_enabled`, else asyncio's."""
-    if prefer_uvloop and uvloop_enabled():
-        import uvloop
-
-        return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
-
-
-class LoopRunner:
-    """Owns one event loop and runs coroutines on it to completion, call after call
-    (pipelines keep lanes and state between calls, so the loop must persist).
-    ``prefer_uvloop=False``: always asyncio's loop (for many short calls, see above)."""
-
-    def __init__(self, *, prefer_uvloop: bool = True) -> None:
-        self._prefer_uvloop = prefer_uvloop
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._interrupts = 0
-        self._closed = False
-        self._task: asyncio.Task[Any] | None = None  # the call under way
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None or self._loop.is_closed():
-            self._loop = new_event_loop(prefer_uvloop=self._prefer_uvloop)
-            self._closed = False
-        return self._loop
-
-    def run(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any) -> T:
-        """Run ``fn(*args)`` to completion on this runner's loop."""
-        if _loop_running_in_this_thread():
-            raise PipelineStateError(
-                "the blocking API was called from inside a running event loop; in async "
-                "code use 'await pipe.progress(...)' instead"
-            )
-        if self._task is not None:  # another thread's call is under way on this loop
-            raise PipelineStateError(
-                "the blocking API is already running a call on this pipeline (from another "
-                "thread); one call at a time"
-            )
-        loop = self.loop
-
-        async def call() -> T:  # fn(*args) is made inside the loop: coroutine APIs check
-            return await fn(*args)
-
-        task = loop.create_task(call())
-        self._task = task
-        install = (
-            threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        )
-        if install:
-            # A bound method, not a partial holding the task: on CPython 3.11
-            # signal.signal() builds the repr of the handler it replaces, and a finished
-            # task's repr formats its result (tensors too) -- 6 % of a DLRM step.
-            signal.signal(signal.SIGINT, self._on_sigint)
-        self._interrupts = 0
-        try:
-            return loop.run_until_complete(task)
-        except asyncio.CancelledError:
-            if self._interrupts:
-                raise KeyboardInterrupt() from None
-            raise
-        finally:
-            self._task = None
-            if install:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
-        task = self._task
-        if task is None:  # between calls: a plain Ctrl-C
-            raise KeyboardInterrupt()
-        self._interrupts += 1
-        if self._interrupts == 1 and not task.done():
-            task.cancel()
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(lambda: None)  # wake the loop
-            return
-        raise KeyboardInterrupt()
-
-    @property
-    def usable(self) -> bool:
-        """Whether :meth:`run` may be called now: not closed, and no loop is running
-        in this thread."""
-        return not self._closed and not _loop_running_in_this_thread()
-
-    def close(self) -> None:
-        """Cancel what is left on the loop and close it.  Safe from a finalizer: if
-        another loop runs in this thread, the loop is just closed."""
-        self._closed = True
-        loop, self._loop = self._loop, None
-        if loop is None or loop.is_closed() or loop.is_running():
-            return
-        try:
-            if not _loop_running_in_this_thread():
-                _finish_loop(loop)
-        finally:
-            loop.close()
-
-    def __enter__(self) -> LoopRunner:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def _loop_running_in_this_thread() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _finish_loop(loop: asyncio.AbstractEventLoop) -> None:
-    # A cancelled progress() leaves a task behind that waits for its step on the
-    # lanes (SchedulablePipeline._guard_lanes): cancel that one too.  A few rounds,
-    # not forever (a task may start another as it is cancelled).
-    for _ in range(4):
-        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        if not pending:
-            break
-        for task in pending:
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    loop.run_until_complete(loop.shutdown_asyncgens())
-    loop.run_until_complete(loop.shutdown_default_executor())
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

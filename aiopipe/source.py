@@ -17,7 +17,7 @@ import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, Union
 
-from .executors.signals import wait_settled
+from ._core.waker import wait_settled
 
 __all__ = ("END", "Feed", "OneBatch", "Source", "iterate")
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
 
-from .trace import Span, _several_pipelines, _track_numbers, _track_name
+from .trace import Span, several_pipelines, track_numbers, track_name
 
 __all__ = ("timeline_svg", "write_timeline")
 
@@ -53,8 +53,8 @@ def timeline_svg(
     if not spans:
         raise ValueError("no spans to draw (is tracing on, and are the iterations traced?)")
     # the tracks of Tracer.chrome_trace, in its order: one row each
-    rows = {name: number - 1 for name, number in _track_numbers(spans).items()}
-    several = _several_pipelines(spans)
+    rows = {name: number - 1 for name, number in track_numbers(spans).items()}
+    several = several_pipelines(spans)
     colours: dict[str, str] = {}
     for span in spans:
         colours.setdefault(span.task, _PALETTE[len(colours) % len(_PALETTE)])
@@ -124,7 +124,7 @@ def _gpu_end(span: Span) -> int:
 
 def _bars(span: Span, several: bool, rows: dict[str, int], colours: dict[str, str], to_x: ToX,
           top: int, row_height: int) -> list[str]:  # fmt: skip
-    y = top + rows[_track_name(span, several)] * row_height + 3
+    y = top + rows[track_name(span, several)] * row_height + 3
     h = row_height - 6
     tip = (f"{span.task}: batch {span.batch}, iteration {span.iteration}, "
            f"{span.duration_ns / 1e6:.3f} ms on {span.thread}"
@@ -146,7 +146,7 @@ def _bars(span: Span, several: bool, rows: dict[str, int], colours: dict[str, st
         bars.append(f'<text x="{sx + 3:.2f}" y="{y + h * 0.72:.1f}" fill="{ink}">'
                     f'{escape(span.task)}</text>')  # fmt: skip
     if span.gpu_ms is not None and span.gpu_start_ns is not None:
-        gy = top + rows[_track_name(span, several, gpu=True)] * row_height + 3
+        gy = top + rows[track_name(span, several, gpu=True)] * row_height + 3
         gx = to_x(span.gpu_start_ns)
         gw = max(to_x(span.gpu_start_ns + int(span.gpu_ms * 1e6)) - gx, 0.5)
         bars.append(f'<rect class="gpu" x="{gx:.2f}" y="{gy}" width="{gw:.2f}" height="{h}" '

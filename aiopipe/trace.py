@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ("Span", "Tracer", "merge_traces", "resolve_tracer")
+__all__ = (
+    "Span", "Tracer", "merge_traces", "resolve_tracer", "several_pipelines", "track_name",
+    "track_numbers",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,12 +223,12 @@ class Tracer:
             pid = default_pid
         if process_name is None:
             process_name = default_name
-        tracks = _track_numbers(spans)
-        several = _several_pipelines(spans)
+        tracks = track_numbers(spans)
+        several = several_pipelines(spans)
         offset = self._wall_offset_ns
         events: list[dict[str, Any]] = []
         for span in spans:
-            track = tracks[_track_name(span, several)]
+            track = tracks[track_name(span, several)]
             args = {
                 "iteration": span.iteration,
                 "batch": span.batch,
@@ -247,7 +250,7 @@ class Tracer:
             ))  # fmt: skip
             if span.gpu_ms is not None and span.gpu_start_ns is not None:
                 events.append(_slice(
-                    span.task, "gpu", pid, tracks[_track_name(span, several, gpu=True)],
+                    span.task, "gpu", pid, tracks[track_name(span, several, gpu=True)],
                     span.gpu_start_ns + offset, int(span.gpu_ms * 1e6), args,
                 ))  # fmt: skip
         meta: list[dict[str, Any]] = [
@@ -305,28 +308,29 @@ def merge_traces(paths: Iterable[str | os.PathLike[str]], output: str | os.PathL
     return target
 
 
-def _track_name(span: Span, several_pipelines: bool, *, gpu: bool = False) -> str:
+def track_name(span: Span, several_pipelines: bool, *, gpu: bool = False) -> str:
     """The track (timeline row) of ``span``: ``"lane NAME"``, or ``"stream NAME"`` for
     its GPU time; prefixed with the pipeline's name when several pipelines share it."""
     track = f"stream {span.stream}" if gpu else f"lane {span.lane}"
     return f"{span.pipeline} · {track}" if several_pipelines and span.pipeline else track
 
 
-def _several_pipelines(spans: Iterable[Span]) -> bool:
+def several_pipelines(spans: Iterable[Span]) -> bool:
+    """Whether ``spans`` come from more than one pipeline (tracks then name theirs)."""
     return len({span.pipeline for span in spans}) > 1
 
 
-def _track_numbers(spans: Sequence[Span]) -> dict[str, int]:
+def track_numbers(spans: Sequence[Span]) -> dict[str, int]:
     """Track name -> tid from 1: pipelines in first-seen order, in each its lanes and
     then its streams, each in first-seen order."""
-    several = _several_pipelines(spans)
+    several = several_pipelines(spans)
     pipelines: dict[str, int] = {}
     keys: dict[str, tuple[int, int, int]] = {}
     for span in spans:
         rank = pipelines.setdefault(span.pipeline, len(pipelines))
-        keys.setdefault(_track_name(span, several), (rank, 0, len(keys)))
+        keys.setdefault(track_name(span, several), (rank, 0, len(keys)))
         if span.gpu_ms is not None and span.gpu_start_ns is not None:
-            keys.setdefault(_track_name(span, several, gpu=True), (rank, 1, len(keys)))
+            keys.setdefault(track_name(span, several, gpu=True), (rank, 1, len(keys)))
     ordered = sorted(keys, key=keys.__getitem__)
     return {name: number for number, name in enumerate(ordered, start=1)}
 

@@ -26,7 +26,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from .errors import NoStepResultWarning, ScheduleValidationError
-from .graph import dependency_edges, infer_cross_stream_event_deps, topological_sort
+from .edges import dependency_edges, infer_cross_stream_event_deps, topological_sort
 from .schedule import Schedule
 from .task import BATCH_SLOT, RESULT_SLOT, Task
 

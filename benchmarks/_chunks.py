@@ -10,7 +10,7 @@ ratio pairs neighbours in time.  A process also keeps its own luck for its whole
 (where its threads and memory landed), so the whole set of workers is built afresh
 ``processes`` times.  Separate processes also keep the pipelines' torch threads apart:
 two pipelines in one process each keep an OpenMP pool, and libgomp slows every pool
-down once it counts more pool threads than CPUs (``aiopipe/_openmp.py``).
+down once it counts more pool threads than CPUs (``aiopipe/_core/openmp.py``).
 
 A benchmark names a module-level ``build(config, rank) -> (run, report)`` (spawned
 workers import it by name): ``run(n)`` trains the next ``n`` batches, ``report()``

@@ -17,8 +17,8 @@ from hstu_shape import IO_COMPUTE_THREAD_MAP, hstu_schedule
 
 from aiopipe import AsyncExecutor, SchedulablePipeline, Schedule, Stage, Task, TaskContext
 from aiopipe.autosched import CostModel, EngineCosts, profile_schedule
-from aiopipe.executors.lanes import ThreadMap
-from aiopipe.runner import new_event_loop
+from aiopipe.lanes import ThreadMap
+from aiopipe._core.loops import new_event_loop
 
 #: Per-task sleep (ms) of the HSTU-shaped workload: input distribution and prefetch
 #: stand for waits on other ranks, forward/backward for GIL-free compute.

@@ -41,7 +41,7 @@ from aiopipe import Schedule, Tracer  # noqa: E402
 from aiopipe.autosched import CostModel, CostProfiler, calibrate_engine, joint_search  # noqa: E402
 from aiopipe.autosched import simulate  # noqa: E402
 from aiopipe.autosched.cli import format_plan, report  # noqa: E402
-from aiopipe.runner import run  # noqa: E402
+from aiopipe.runner import run
 from hstu_tasks import (  # noqa: E402
     HSTU_DEFAULT_THREAD_MAP,
     HSTU_DIST_LANE_THREAD_MAP,

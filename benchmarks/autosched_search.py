@@ -32,7 +32,7 @@ from _sleep_workloads import HSTU_FROZEN, hstu, measure_ms, profile  # noqa: E40
 from hstu_shape import IO_COMPUTE_THREAD_MAP  # noqa: E402
 
 from aiopipe.autosched import calibrate_engine, joint_search, simulate  # noqa: E402
-from aiopipe.runner import new_event_loop  # noqa: E402
+from aiopipe._core.loops import new_event_loop
 
 
 def main() -> None:

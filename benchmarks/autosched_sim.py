@@ -22,7 +22,7 @@ from _common import Table, print_json, progress, run_on, spread  # noqa: E402
 from _sleep_workloads import WORKLOADS, measure_ms, profile  # noqa: E402
 
 from aiopipe.autosched import calibrate_engine, simulate  # noqa: E402
-from aiopipe.runner import new_event_loop  # noqa: E402
+from aiopipe._core.loops import new_event_loop
 
 
 def main() -> None:

@@ -113,7 +113,7 @@ def _aiopipe_options(config: str, gpu_thread_map: Any) -> dict[str, Any]:
 
 def _aiopipe_run(config: str, pipe: Any, source: Iterator[Any]) -> Callable[[int], None]:
     """``run(n)`` for an aiopipe row: the blocking form, or the async form on one loop."""
-    from aiopipe.runner import LoopRunner
+    from aiopipe._core.loops import LoopRunner
     if config == "aiopipe-blocking":
         blocking = pipe.blocking()
         return repeat(lambda: blocking.progress(source))

@@ -97,7 +97,7 @@ def _build(config: str, rank: int, *,
     from hstu_tasks.parallel import plain_train_step
     from hstu_tasks.runners import torchrec_pipeline
 
-    from aiopipe.runner import LoopRunner
+    from aiopipe._core.loops import LoopRunner
 
     quiet_torchrec()
     setup = build_training(ModelConfig(), DataConfig(), OptimizerConfig(), seed=0)

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from _chunks import nothing_to_report, paired, time_in_chunks  # noqa: E402
 from _common import print_json, print_table, spread  # noqa: E402
 
-from aiopipe import SchedulablePipeline  # noqa: E402
-from aiopipe.runner import LoopRunner  # noqa: E402
+from aiopipe import SchedulablePipeline, basic  # noqa: E402
+from aiopipe._core.loops import LoopRunner
 
 CONFIGS = {
     "plain": "plain loop",
@@ -98,7 +98,7 @@ def _build(config: str, rank: int, *, device: str, width: int,
         "sequential": {"executor": "sequential"},
     }  # fmt: skip
     options = choices[config]
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, **options)
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward, **options)
     runner = LoopRunner()  # one loop for every chunk, as one aiopipe.run would be
 
     async def chunk(n: int) -> None:

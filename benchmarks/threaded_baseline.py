@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor as _Pool
 
 from aiopipe.executors.base import Step
-from aiopipe.executors.lanes import ThreadMap, resolve_lane
+from aiopipe.lanes import ThreadMap, resolve_lane
 from aiopipe.plan import ExecutionPlan
 
 

@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from aiopipe import SchedulablePipeline
+from aiopipe import SchedulablePipeline, basic
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -91,7 +91,7 @@ def train_plain(batches: list[Batch], device: torch.device) -> tuple[list[float]
 def train_pipelined(batches: list[Batch], device: torch.device) -> tuple[list[float], Classifier]:
     model, optimizer = make_model(0, device)
     amp = ScaledStep(model, device, max_norm=0.5)
-    pipe = SchedulablePipeline.basic(
+    pipe = basic(
         model,
         optimizer,
         loss_fn=torch.nn.CrossEntropyLoss(),

@@ -22,7 +22,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import (
 )
 
 from aiopipe import Task, Tracer
-from aiopipe.executors.lanes import ThreadMap
+from aiopipe.lanes import ThreadMap
 from aiopipe.source import Source
 
 from .data import check_batch

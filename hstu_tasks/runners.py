@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from aiopipe import Tracer, run
-from aiopipe.executors.lanes import ThreadMap
+from aiopipe.lanes import ThreadMap
 
 from .data import HSTUBatch
 from .factory import HSTUPipelineFactory

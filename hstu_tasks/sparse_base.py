@@ -22,7 +22,7 @@ from torchrec.streamable import Pipelineable
 
 from aiopipe import AsyncExecutor, BadBatchError, BlockingPipeline, PipelineStateError, SchedulablePipeline
 from aiopipe import Schedule, Task, Tracer
-from aiopipe.executors.lanes import ThreadMap, lanes_for_device, resolve_lane
+from aiopipe.lanes import ThreadMap, thread_map_for_device, resolve_lane
 from aiopipe.interop import needs_event_loop
 from aiopipe.source import END, Feed, Source
 from aiopipe.trace import resolve_tracer
@@ -61,7 +61,7 @@ class SparseDistBase(Generic[ResultT]):
         if executor == "async":  # the default executor, with the pipeline's lanes
             executor = None
         if thread_map is None:
-            thread_map = lanes_for_device(default_thread_map, shared.device)
+            thread_map = thread_map_for_device(default_thread_map, shared.device)
         self._thread_map = thread_map
         if executor is None:  # a bad thread map fails here, not after a batch was taken
             for task in self._build_tasks():

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from aiopipe import Task, Tracer
-from aiopipe.executors.lanes import ThreadMap
+from aiopipe.lanes import ThreadMap
 from aiopipe.source import Source
 
 from .sparse_base import SparseDistBase

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from aiopipe.dag import OUTPUT, TaskGraph
-from aiopipe.executors.lanes import LANE_THREAD_PREFIX
+from aiopipe._core.lanes import LANE_THREAD_PREFIX
 
 
 async def test_members_spread_over_lanes_all_run_at_once() -> None:

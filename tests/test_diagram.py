@@ -20,7 +20,7 @@ from schedules import Trace, build_tasks, schedule_specs, thread_maps
 
 from aiopipe import Schedule, ScheduleValidationError, Stage, Task, dependency_edges
 from aiopipe.diagram import RenderError, format_for, render, to_dot, to_mermaid, write
-from aiopipe.executors.lanes import resolve_lane
+from aiopipe.lanes import resolve_lane
 
 
 def noop(ctx: object) -> None:

@@ -37,3 +37,126 @@ def test_aiopipe_sources_import_only_allowed_packages() -> None:
                 if root not in stdlib and root not in ALLOWED_THIRD_PARTY and root != "aiopipe":
                     offenders.append(f"{path.relative_to(PACKAGE.parent)}: {root}")
     assert not offenders, offenders
+
+
+# -- the package's own layering ------------------------------------------------------
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, *, top_level_only: bool) -> list[tuple[str, tuple[str, ...]]]:
+    """``(absolute module, names)`` for each ``from ... import`` / ``import`` in
+    ``path``; with ``top_level_only``, those a module runs as it is imported (not in a
+    function, not under ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text())
+    package = _module_of(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found: list[tuple[str, tuple[str, ...]]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if top_level_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if top_level_only and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom):
+                base = package[: len(package) - child.level + 1] if child.level else []
+                module = ".".join(base + ([child.module] if child.module else []))
+                found.append((module, tuple(alias.name for alias in child.names)))
+            elif isinstance(child, ast.Import):
+                found.extend((alias.name, ()) for alias in child.names)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _aiopipe_modules() -> dict[str, Path]:
+    return {_module_of(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def test_the_private_core_imports_only_the_standard_library_and_errors() -> None:
+    stdlib = set(sys.stdlib_module_names)
+    offenders = []
+    for path in (PACKAGE / "_core").glob("*.py"):
+        for module, _ in _imports(path, top_level_only=False):
+            root = module.split(".")[0]
+            inside = module in ("aiopipe.errors", "aiopipe._core") or module.startswith("aiopipe._core.")
+            # nvtx and uvloop are imported inside the functions that use them
+            if not (root in stdlib or inside or root in ("nvtx", "uvloop")):
+                offenders.append(f"{path.name}: {module}")
+    assert not offenders, offenders
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    modules = _aiopipe_modules()
+    offenders = []
+    for name, path in modules.items():
+        for module, names in _imports(path, top_level_only=False):
+            if not module.startswith("aiopipe") or module == name:
+                continue
+            private = [n for n in names if n.startswith("_") and n != "__version__"]
+            # a module of a private package (aiopipe._core.lanes) is fine; `from aiopipe
+            # import _core` is the package itself
+            private = [n for n in private if f"{module}.{n}" not in modules]
+            if private:
+                offenders.append(f"{name} imports {private} from {module}")
+    assert not offenders, offenders
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    """Only type-only imports may point back up (cycles through ``TYPE_CHECKING``)."""
+    modules = _aiopipe_modules()
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for module, names in _imports(path, top_level_only=False):
+            if not module.startswith("aiopipe"):
+                continue
+            if _is_type_only(path, module):
+                continue
+            targets = [f"{module}.{n}" for n in names if f"{module}.{n}" in modules] or [module]
+            edges[name].update(t for t in targets if t in modules and t != name)
+    # a package's __init__ re-exports its children: importing a child imports the parent
+    # first, so child -> parent edges are implied and not counted as cycles
+    cycles = []
+    for start in edges:
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in edges[node]:
+                if nxt == start and not _is_parent_chain(trail):
+                    cycles.append(" -> ".join((*trail, nxt)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, (*trail, nxt)))
+    assert not cycles, sorted(set(cycles))[:10]
+
+
+def _is_parent_chain(trail: tuple[str, ...]) -> bool:
+    return any(b == a.rsplit(".", 1)[0] or a.startswith(b + ".") for a, b in zip(trail, trail[1:]))
+
+
+def _is_type_only(path: Path, module: str) -> bool:
+    all_imports = [m for m, _ in _imports(path, top_level_only=False)]
+    runtime = [m for m, _ in _imports(path, top_level_only=True)]
+    function_level = _function_level_imports(path)
+    return module in all_imports and module not in runtime and module not in function_level
+
+
+def _function_level_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    package = _module_of(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = set()
+    for func in ast.walk(tree):
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(func):
+                if isinstance(node, ast.ImportFrom):
+                    base = package[: len(package) - node.level + 1] if node.level else []
+                    found.add(".".join(base + ([node.module] if node.module else [])))
+    return found

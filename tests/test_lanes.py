@@ -12,8 +12,8 @@ from conftest import Recorder, collect
 
 from aiopipe import AsyncExecutor, Pipeline, Task, TaskContext
 from aiopipe.executors.asyncio_executor import LOOP_SWITCH_INTERVAL_S
-from aiopipe.executors.lanes import resolve_lane
-from aiopipe.executors.signals import LoopWaker
+from aiopipe.lanes import resolve_lane
+from aiopipe._core.waker import LoopWaker
 
 
 def noop(ctx: object) -> None:

@@ -20,7 +20,7 @@ import pytest
 import uvloop
 
 from aiopipe import Pipeline, Task, TaskContext
-from aiopipe.executors.signals import LoopWaker, _WakeChannel
+from aiopipe._core.waker import LoopWaker, _WakeChannel
 
 LOOPS = [asyncio.new_event_loop, uvloop.new_event_loop]
 
@@ -258,7 +258,7 @@ AT_EXIT = """
     atexit.register(lambda: print("open" if os.path.exists(f"/proc/self/fd/{write_fd[0]}")
                                   else "closed"))
     import asyncio
-    from aiopipe.executors.signals import LoopWaker
+    from aiopipe._core.waker import LoopWaker
     loop = asyncio.new_event_loop()  # alive until exit, as a runner's loop may be
     async def make(): return LoopWaker(asyncio.get_running_loop())
     write_fd.append(loop.run_until_complete(make())._channel._write_fd)

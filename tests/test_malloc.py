@@ -1,4 +1,4 @@
-"""Freed host memory stays in the process once a pipeline runs lanes (aiopipe/_malloc.py).
+"""Freed host memory stays in the process once a pipeline runs lanes (aiopipe/_core/malloc.py).
 
 Each case runs in a fresh interpreter: the malloc settings are process-wide and
 applied once, so a case in this process would see what earlier tests left.
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 # 200 blocks of 1 MiB, every page written, freed together: three times after a first.
 FAULTS_PER_CYCLE = """
 import resource, torch
-from aiopipe._malloc import keep_freed_memory
+from aiopipe._core.malloc import keep_freed_memory
 applied = keep_freed_memory()
 def cycle():
     blocks = [torch.ones(1 << 18) for _ in range(200)]
@@ -35,7 +35,8 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 APPLIED_BY_A_PIPELINE = """
 import asyncio
-from aiopipe import Pipeline, Task, _malloc
+from aiopipe import Pipeline, Task
+from aiopipe._core import malloc as _malloc
 tasks = [Task.from_fn("train", lambda ctx: ctx.slots.set("step_result", ctx.slots["batch_cpu"]))]
 async def main():
     async with Pipeline(tasks, {EXECUTOR}) as pipe:

@@ -11,7 +11,7 @@ import pytest
 from conftest import collect
 
 from aiopipe import Pipeline, Task, TaskContext
-from aiopipe._nvtx import resolve_annotator
+from aiopipe._core.nvtx import resolve_annotator
 
 
 class RecordingAnnotator:
@@ -58,6 +58,7 @@ async def test_every_body_runs_inside_a_range_on_its_own_thread() -> None:
 def test_annotator_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AIOPIPE_NVTX", raising=False)
     assert resolve_annotator(None) is None  # no CUDA here
+    assert resolve_annotator(None, gpu_present=lambda: True) is not None
     assert resolve_annotator(False) is None
     forced = resolve_annotator(True)
     assert forced is not None

@@ -1,4 +1,4 @@
-"""SchedulablePipeline.basic: the standard training step as a pipeline."""
+"""aiopipe.basic: the standard training step as a pipeline."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import collect
 
-from aiopipe import PipelineError, SchedulablePipeline, move_to_device
+from aiopipe import PipelineError, SchedulablePipeline, basic, move_to_device
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "migration"
 
@@ -68,7 +68,7 @@ async def test_parameters_equal_the_plain_loop_bit_for_bit(
 ) -> None:
     data = batches(12)
     model, opt = make(0, optimizer)
-    pipe = SchedulablePipeline.basic(
+    pipe = basic(
         model, opt, loss_fn=loss_fn, forward=forward, executor=executor, **PRESETS[preset]
     )
     async with pipe:
@@ -86,7 +86,7 @@ def lanes_of(pipe: SchedulablePipeline) -> dict[str, str]:
 
 async def test_t2_moves_batches_one_ahead_on_their_own_stream() -> None:
     model, opt = make(0, "sgd")
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
                                      memcpy_stream=True)  # fmt: skip
     h2d = pipe.schedule.task("h2d")
     assert (h2d.lookahead, h2d.stream) == (1, "memcpy")
@@ -98,7 +98,7 @@ async def test_t2_moves_batches_one_ahead_on_their_own_stream() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 async def test_t2_on_a_gpu_copies_on_a_lane_of_their_own() -> None:
     model, opt = make(0, "sgd")
-    pipe = SchedulablePipeline.basic(model.cuda(), opt, loss_fn=loss_fn, forward=forward,
+    pipe = basic(model.cuda(), opt, loss_fn=loss_fn, forward=forward,
                                      prefetch=True, memcpy_stream=True)  # fmt: skip
     lanes = lanes_of(pipe)
     assert lanes.pop("h2d") == "io" and set(lanes.values()) == {"compute"}
@@ -107,7 +107,7 @@ async def test_t2_on_a_gpu_copies_on_a_lane_of_their_own() -> None:
 
 async def test_a_thread_map_given_on_a_cpu_is_used_as_given() -> None:
     model, opt = make(0, "sgd")
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
                                      memcpy_stream=True, thread_map={"h2d": "io"})  # fmt: skip
     assert lanes_of(pipe)["h2d"] == "io"
     pipe.shutdown()
@@ -117,7 +117,7 @@ async def test_a_thread_map_given_on_a_cpu_is_used_as_given() -> None:
 async def test_every_thread_map_form_works(thread_map: object) -> None:
     data = batches(6)
     model, opt = make(0, "adam")
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
                                      thread_map=thread_map)  # fmt: skip
     async with pipe:
         losses = [float(loss) for loss in await collect(pipe, iter(data))]
@@ -128,7 +128,7 @@ async def test_every_thread_map_form_works(thread_map: object) -> None:
 async def test_gradient_accumulation_is_explicit_and_exact(executor: str) -> None:
     data = batches(10)  # groups of 3: steps after batches 3, 6, 9 and the trailing 10th
     model, opt = make(0, "sgd")
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward,
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward,
                                      grad_accumulation=3, prefetch=True, executor=executor)  # fmt: skip
     async with pipe:
         losses = [float(loss) for loss in await collect(pipe, iter(data))]
@@ -137,13 +137,13 @@ async def test_gradient_accumulation_is_explicit_and_exact(executor: str) -> Non
     for got, want in zip(model.parameters(), expected_params):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="grad_accumulation"):
-        SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, grad_accumulation=0)
+        basic(model, opt, loss_fn=loss_fn, grad_accumulation=0)
 
 
 async def test_drain_leaves_a_partial_accumulation_group_to_the_next_batches() -> None:
     data = batches(6)
     model, opt = make(0, "sgd")
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward,
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward,
                                      grad_accumulation=3, prefetch=True)  # fmt: skip
     source = iter(data)
     async with pipe:
@@ -164,7 +164,7 @@ async def test_loss_fn_may_return_a_tuple() -> None:
     def loss_and_mae(output: torch.Tensor, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         return loss_fn(output, batch), (output - batch[1]).abs().mean()
 
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_and_mae, forward=forward)
+    pipe = basic(model, opt, loss_fn=loss_and_mae, forward=forward)
     async with pipe:
         results = await collect(pipe, iter(batches(3)))
     assert all(isinstance(r, tuple) and len(r) == 2 for r in results)
@@ -174,7 +174,7 @@ async def test_loss_fn_may_return_a_tuple() -> None:
 
 async def test_one_argument_loss_fn_and_default_forward() -> None:
     model, opt = make(0, "sgd")
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=lambda out: out.pow(2).mean())
+    pipe = basic(model, opt, loss_fn=lambda out: out.pow(2).mean())
     async with pipe:
         results = await collect(pipe, iter([torch.randn(4, 8) for _ in range(3)]))
     assert len(results) == 3 and all(r.ndim == 0 for r in results)
@@ -182,7 +182,7 @@ async def test_one_argument_loss_fn_and_default_forward() -> None:
 
 async def test_a_loss_that_is_not_a_tensor_is_a_clear_error() -> None:
     model, opt = make(0, "sgd")
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=lambda out: "nope")
+    pipe = basic(model, opt, loss_fn=lambda out: "nope")
     async with pipe:
         with pytest.raises(PipelineError, match="loss_fn must return a tensor"):
             await pipe.progress(iter([torch.randn(4, 8)]))
@@ -192,7 +192,7 @@ async def test_a_loss_that_is_not_a_tensor_is_a_clear_error() -> None:
 async def test_step_feeds_one_batch_at_a_time(executor: str) -> None:
     data = batches(4)
     model, opt = make(0, "sgd")
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
                                      executor=executor)  # fmt: skip
     async with pipe:
         losses = [float(await pipe.step(batch)) for batch in data]
@@ -202,7 +202,7 @@ async def test_step_feeds_one_batch_at_a_time(executor: str) -> None:
 def test_blocking_step() -> None:
     data = batches(3)
     model, opt = make(0, "sgd")
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward).blocking()
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward).blocking()
     with pipe:
         assert [float(pipe.step(b)) for b in data] == plain_loop(data, "sgd")[0]
 
@@ -312,7 +312,7 @@ def classifier() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 async def test_inputs_target_pairs_work_with_a_loss_module_and_no_forward(preset: str) -> None:
     data = classification(6)
     model, opt = classifier()
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=torch.nn.CrossEntropyLoss(),
+    pipe = basic(model, opt, loss_fn=torch.nn.CrossEntropyLoss(),
                                      **PRESETS[preset])  # fmt: skip
     async with pipe:
         losses = [float(loss) for loss in await collect(pipe, iter(data))]
@@ -358,7 +358,7 @@ async def test_without_loss_fn_the_loss_comes_from_the_output(kind: str) -> None
     plain.load_state_dict(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    pipe = SchedulablePipeline.basic(model, opt)
+    pipe = basic(model, opt)
     async with pipe:
         results = await collect(pipe, iter(data))
     expected = []
@@ -375,7 +375,7 @@ async def test_without_loss_fn_the_loss_comes_from_the_output(kind: str) -> None
 
 async def test_an_output_that_is_not_a_loss_says_what_to_pass() -> None:
     model, opt = make(0, "sgd")  # returns (batch, 1) predictions, not a loss
-    pipe = SchedulablePipeline.basic(model, opt)
+    pipe = basic(model, opt)
     async with pipe:
         with pytest.raises(PipelineError, match=r"tensor of shape \(4, 1\).*Pass loss_fn="):
             await pipe.progress(iter([torch.randn(4, 8)]))
@@ -383,7 +383,7 @@ async def test_an_output_that_is_not_a_loss_says_what_to_pass() -> None:
 
 async def test_a_pair_given_whole_to_the_model_gets_a_hint() -> None:
     model, opt = make(0, "sgd")
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=lambda output: output.sum())
+    pipe = basic(model, opt, loss_fn=lambda output: output.sum())
     async with pipe:
         with pytest.raises(TypeError) as caught:
             await pipe.progress(iter(batches(1)))
@@ -407,7 +407,7 @@ async def test_clipping_through_the_step_hook_equals_the_plain_loop(executor: st
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         optimizer.step()
 
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, forward=forward,
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward,
                                      backward_fn=backward_fn, optimizer_step_fn=clip_and_step,
                                      grad_accumulation=3, prefetch=True, executor=executor)  # fmt: skip
     async with pipe:

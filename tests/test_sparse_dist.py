@@ -17,7 +17,7 @@ from torchrec.datasets.utils import Batch
 
 import sparse_workers
 from aiopipe import BadBatchError, PipelineStateError
-from aiopipe.executors.lanes import lanes_for_device
+from aiopipe.lanes import thread_map_for_device
 from conftest import collect
 from hstu_tasks import DLRMConfig, HSTUPipeline, SparseDistPipeline, SyntheticDLRMData
 from hstu_tasks import SparseDistEvalPipeline, SyntheticHSTUData, build_dlrm_training
@@ -352,4 +352,4 @@ def test_on_a_cpu_every_task_defaults_to_the_compute_lane() -> None:
         assert asyncio.run(lanes_after_one_step(chosen, iter(SyntheticDLRMData(config, 2)))) == {
             "io", "compute"}  # fmt: skip
     for gpu in ("cuda", "cuda:1"):
-        assert lanes_for_device(SPARSE_DIST_THREAD_MAP, torch.device(gpu)) is SPARSE_DIST_THREAD_MAP
+        assert thread_map_for_device(SPARSE_DIST_THREAD_MAP, torch.device(gpu)) is SPARSE_DIST_THREAD_MAP

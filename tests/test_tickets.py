@@ -12,7 +12,7 @@ from conftest import collect
 
 from aiopipe import AsyncExecutor, Pipeline, Task, TaskContext, TicketAbortedError
 from aiopipe.errors import CollectiveOrderError
-from aiopipe.executors.tickets import TicketLock
+from aiopipe._core.tickets import TicketLock
 
 
 async def test_tickets_are_admitted_in_order() -> None:

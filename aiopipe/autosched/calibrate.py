@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..executors import AsyncExecutor
-from ..executors.lanes import ThreadMap
+from ..lanes import ThreadMap
 from ..pipeline import SchedulablePipeline
 from ..schedule import Schedule
 from ..task import Task

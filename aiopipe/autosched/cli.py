@@ -26,7 +26,7 @@ from typing import Any
 
 from .._target import Target, TargetError, load_target, parse_thread_map
 from ..errors import ScheduleValidationError
-from ..executors.lanes import ThreadMap
+from ..lanes import ThreadMap
 from ..runner import run
 from .calibrate import calibrate_engine
 from .costs import CostModel, EngineCosts

@@ -17,7 +17,7 @@ import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..graph import dependency_edges, topological_sort
+from ..edges import dependency_edges, topological_sort
 from ..schedule import Schedule
 from .costs import CostModel
 from .errors import AutoschedError

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from ..errors import ScheduleValidationError
-from ..executors.lanes import ThreadMap
-from ..graph import dependency_edges
+from ..lanes import ThreadMap
+from ..edges import dependency_edges
 from ..schedule import Schedule
 from .costs import CostModel
 from .errors import AutoschedError

@@ -17,7 +17,7 @@ import time
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from ..executors.lanes import ThreadMap
+from ..lanes import ThreadMap
 from ..schedule import Schedule
 from ..streams import StreamPool
 from ..trace import Span, Tracer

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import ScheduleValidationError
-from ..executors.lanes import LOOP_LANE, ThreadMap, resolve_lane
-from ..graph import topological_sort
+from .._core.lanes import LOOP_LANE
+from ..lanes import ThreadMap, resolve_lane
+from ..edges import topological_sort
 from ..schedule import Schedule
 from .costs import CostModel
 from .errors import AutoschedError

@@ -28,8 +28,9 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..executors.lanes import LOOP_LANE, ThreadMap, resolve_lane
-from ..graph import dependency_edges, topological_sort
+from .._core.lanes import LOOP_LANE
+from ..lanes import ThreadMap, resolve_lane
+from ..edges import dependency_edges, topological_sort
 from ..mask import fires
 from ..schedule import Schedule
 from .costs import CostModel

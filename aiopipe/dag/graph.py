@@ -38,8 +38,8 @@ import torch
 
 from ..errors import BackPressureTimeout, GraphError, PoisonedError
 from ..executors.base import attach_origin
-from ..executors.lanes import LOOP_LANE, Lane, LanePool
-from ..executors.signals import LoopWaker
+from .._core.lanes import LOOP_LANE, Lane, LanePool
+from .._core.waker import LoopWaker
 from ..interop import needs_event_loop, running_loop
 from .members import MemberFailure, run_async_members, run_sync_members
 from .tags import Tagged
@@ -48,16 +48,16 @@ from .tensor_map import TensorKey, TensorMap
 if sys.version_info < (3, 11):  # the standard library has it from 3.11
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ("GraphStatistics", "TaskGraph", "TaskHandle")
+__all__ = ("GraphStatistics", "Node", "TaskGraph", "TaskHandle")
 
 
-class _Node:
+class Node:
     """One submitted task (a group counts as one)."""
 
     __slots__ = ("done", "error", "name", "poisoned_by", "result", "scope", "submission", "writes")
 
     def __init__(
-        self, name: str, submission: int, scope: dict[_Node, None], loop: asyncio.AbstractEventLoop
+        self, name: str, submission: int, scope: dict[Node, None], loop: asyncio.AbstractEventLoop
     ) -> None:
         self.name = name
         self.submission = submission  # the graph's n-th submit, from 0
@@ -66,13 +66,13 @@ class _Node:
         self.done: asyncio.Future[None] = loop.create_future()  # resolves, never raises
         self.result: Any = None
         self.error: BaseException | None = None
-        self.poisoned_by: _Node | None = None
+        self.poisoned_by: Node | None = None
 
     @property
     def failed(self) -> bool:
         return self.error is not None or self.poisoned_by is not None
 
-    def root_failure(self) -> _Node:
+    def root_failure(self) -> Node:
         node = self
         while node.poisoned_by is not None:
             node = node.poisoned_by
@@ -85,7 +85,7 @@ class TaskHandle:
 
     __slots__ = ("_node",)
 
-    def __init__(self, node: _Node) -> None:
+    def __init__(self, node: Node) -> None:
         self._node = node
 
     @property
@@ -153,7 +153,7 @@ class TaskGraph:
         self._tensors = TensorMap()
         # Per open scope, its unfinished and failed tasks in submission order (a task
         # that succeeded leaves at once).
-        self._scopes: list[dict[_Node, None]] = []
+        self._scopes: list[dict[Node, None]] = []
         self._submissions = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._in_flight = 0
@@ -267,10 +267,10 @@ class TaskGraph:
             calls.append(tuple(values))
         await self._wait_for_room()
         scope = self._scopes[-1]
-        node = _Node(name or str(getattr(fn, "__name__", "task")), self._submissions, scope,
+        node = Node(name or str(getattr(fn, "__name__", "task")), self._submissions, scope,
                      self._waker.loop)  # fmt: skip
         self._submissions += 1
-        producers: dict[int, _Node] = {}
+        producers: dict[int, Node] = {}
         for key in reads:
             producer = self._tensors.lookup(key)
             if producer is not None:
@@ -331,8 +331,8 @@ class TaskGraph:
     # -- execution -------------------------------------------------------------------
 
     async def _run(
-        self, node: _Node, fn: Callable[..., Any], calls: list[tuple[Any, ...]],
-        kwargs: dict[str, Any], producers: list[_Node], placement: list[Lane | None] | None,
+        self, node: Node, fn: Callable[..., Any], calls: list[tuple[Any, ...]],
+        kwargs: dict[str, Any], producers: list[Node], placement: list[Lane | None] | None,
         group: bool,
     ) -> None:  # fmt: skip
         try:
@@ -364,7 +364,7 @@ class TaskGraph:
                     self._room.notify()
 
     @staticmethod
-    def _record_failure(node: _Node, error: BaseException, member: int | None) -> None:
+    def _record_failure(node: Node, error: BaseException, member: int | None) -> None:
         where = f"submission {node.submission}" + ("" if member is None else f", group member {member}")
         attach_origin(error, node.name, f"of a TaskGraph ({where})", aiopipe_submission=node.submission)
         node.error = error
@@ -379,7 +379,7 @@ class TaskGraph:
         )
 
 
-async def _first_failure(producers: list[_Node]) -> _Node | None:
+async def _first_failure(producers: list[Node]) -> Node | None:
     """Wait for every producer; the first that failed, if any."""
     for producer in producers:
         await producer.done  # never raises

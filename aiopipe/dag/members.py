@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..executors.lanes import Lane, start_on_lane
-from ..executors.signals import LoopWaker
+from .._core.lanes import Lane, start_on_lane
+from .._core.waker import LoopWaker
 
 __all__ = ("MemberFailure", "run_async_members", "run_sync_members")
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Tuple
 import torch
 
 if TYPE_CHECKING:
-    from .graph import _Node as Node
+    from .graph import Node
 
 __all__ = ("TensorKey", "TensorMap")
 

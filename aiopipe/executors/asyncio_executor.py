@@ -3,13 +3,13 @@
 Per iteration the active tasks are split into *chains*, one per lane, in
 topological order.  Each thread lane receives its whole chain in one hand-off and
 runs it without returning to the loop; it blocks only where a task has a
-same-progress predecessor on another lane (a :class:`Signal`) or must take a
+same-progress predecessor on another lane (a :class:`OneShotFlag`) or must take a
 collective ticket.  The ``"loop"`` lane's chain runs as a coroutine on the event
 loop; ``async def`` bodies always run on the loop (a thread lane hands them over and
 serves their ``ctx.run_on_lane`` calls meanwhile, so lane order is kept).
 
 Failure: the first error marks the iteration failed, aborts the ticket lock and sets
-every signal, so nothing waits forever; tasks not yet started are skipped, running
+every flag, so nothing waits forever; tasks not yet started are skipped, running
 bodies finish, then the original exception is raised.  Cancelling the caller takes
 the same path before ``CancelledError`` propagates.
 """
@@ -25,16 +25,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._log import executor_log
-from .._malloc import keep_freed_memory
-from .._openmp import release_thread_pool
+from .._core.log import executor_log
+from .._core.malloc import keep_freed_memory
+from .._core.openmp import release_thread_pool
 from ..errors import CollectiveOrderError, TicketAbortedError
 from ..plan import ExecutionPlan
 from .base import Step
-from .lanes import LOOP_LANE, Lane, LanePool, ThreadMap, call_on_lane, resolve_lane
+from .._core.lanes import LOOP_LANE, Lane, LanePool, call_on_lane
+from ..lanes import ThreadMap, resolve_lane
 from .order_check import CollectiveOrderCheck
-from .signals import LoopWaker, Signal, settle_future
-from .tickets import TicketLock, TicketStatistics
+from .._core.flags import OneShotFlag
+from .._core.waker import LoopWaker, settle_future
+from .._core.tickets import TicketLock, TicketStatistics
 
 __all__ = (
     "AsyncExecutor", "ExecutorStatistics", "LOOP_SWITCH_INTERVAL_S", "SLOW_WAIT_S", "StepHandle",
@@ -83,7 +85,7 @@ class _Run:
 
     __slots__ = (
         "async_tasks", "error", "failed", "finished", "layout", "lock", "on_done", "outstanding",
-        "signals", "step", "threads_done", "tickets", "waker",
+        "flags", "step", "threads_done", "tickets", "waker",
     )  # fmt: skip
 
     def __init__(
@@ -97,7 +99,7 @@ class _Run:
         self.lock = threading.Lock()
         self.failed = False
         self.error: BaseException | None = None
-        self.signals = {i: Signal(waker, self.lock) for i in layout.signalled}
+        self.flags = {i: OneShotFlag(waker, self.lock) for i in layout.signalled}
         self.outstanding = len(layout.thread_chains)
         self.finished = threading.Event()  # every lane is done with this stage
         # Who hears that the last lane finished: a callback on the loop (start_step),
@@ -114,8 +116,8 @@ class _Run:
                 self.error = exc
             self.failed = True
         self.tickets.abort(f"{type(exc).__name__} in the same progress")
-        for signal in self.signals.values():
-            signal.set()
+        for flag in self.flags.values():
+            flag.set()
 
     def thread_chain_finished(self) -> None:
         with self.lock:
@@ -146,9 +148,9 @@ class _Run:
         ticket = self.layout.tickets.get(index)
         if ticket is not None:
             self.tickets.release(ticket)
-        signal = self.signals.get(index)
-        if signal is not None:
-            signal.set()
+        flag = self.flags.get(index)
+        if flag is not None:
+            flag.set()
 
 
 class StepHandle:
@@ -224,13 +226,13 @@ class AsyncExecutor:
             )
         self._plan, self._lane_of = plan, lane_of
         # Every sync body runs on a lane thread: the loop thread's OpenMP pool only
-        # slows the lanes' pools down (see _openmp.py), so it is released per step.
+        # slows the lanes' pools down (see _core/openmp.py), so it is released per step.
         self._compute_off_loop = bool(threads) and not any(
             lane == LOOP_LANE and not plan.is_async[i] for i, lane in enumerate(lane_of)
         )
         if threads:
             keep_loop_responsive()
-            keep_freed_memory()  # page faults cost lane threads most (_malloc.py)
+            keep_freed_memory()  # page faults cost lane threads most (_core/malloc.py)
 
     def start_step(
         self, step: Step, on_done: Callable[[BaseException | None], None]
@@ -377,13 +379,13 @@ class AsyncExecutor:
             if step.tracing and (cross_preds or ticket is not None):
                 step.mark_ready(i)
             for p in cross_preds:
-                signal = run.signals[p]
-                if slow_s is None or signal.is_set():
-                    await signal.wait()  # set on failure too: never waits forever
+                flag = run.flags[p]
+                if slow_s is None or flag.is_set():
+                    await flag.wait()  # set on failure too: never waits forever
                     continue
                 timer = run.waker.loop.call_later(slow_s, self._warn_slow_wait, run, i, p, slow_s)
                 try:
-                    await signal.wait()
+                    await flag.wait()
                 finally:
                     timer.cancel()
             if run.failed:
@@ -416,9 +418,9 @@ class AsyncExecutor:
                     step.mark_ready(i)
                 for p in cross_preds:
                     # set on failure too; a timeout only reports a long wait
-                    if not run.signals[p].wait_blocking(slow_s):
+                    if not run.flags[p].wait_blocking(slow_s):
                         self._warn_slow_wait(run, i, p, slow_s)
-                        run.signals[p].wait_blocking()
+                        run.flags[p].wait_blocking()
                 if run.failed:
                     return
                 try:

@@ -35,15 +35,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from .._log import executor_log
+from .._core.log import executor_log
 from ..context import CURRENT, LaneRunner, Running, TaskContext
 from ..errors import TaskDefinitionError
 from ..plan import ActiveSet, ExecutionPlan
 from ..ring import BatchRing
-from .lanes import lane_of_thread
+from .._core.lanes import lane_of_thread
 
 if TYPE_CHECKING:
-    from .._nvtx import Annotator
+    from .._core.nvtx import Annotator
     from ..trace import Tracer
 
 __all__ = ("Executor", "Step", "annotate_failure", "attach_origin")

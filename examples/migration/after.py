@@ -9,7 +9,7 @@ from common import loss_fn, setup
 def train(steps: int = 40) -> tuple[object, list[float]]:
     model, opt, loader = setup(steps)
     losses = []
-    pipe = aiopipe.SchedulablePipeline.basic(model, opt, loss_fn=loss_fn, prefetch=True, memcpy_stream=True)
+    pipe = aiopipe.basic(model, opt, loss_fn=loss_fn, prefetch=True, memcpy_stream=True)
     for loss in pipe.blocking().results(iter(loader)):
         losses.append(loss.item())
     return model, losses

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from aiopipe import Executor, SchedulablePipeline, SequentialExecutor
+from aiopipe import Executor, SchedulablePipeline, SequentialExecutor, basic
 from aiopipe.executors import Step
 from aiopipe.plan import ExecutionPlan
 
@@ -40,7 +40,7 @@ class VerboseExecutor:
 def train_pipelined(batches: list[torch.Tensor]) -> tuple[list[float], torch.nn.Module, list[str]]:
     model, opt = toy.model_and_optimizer()
     executor = VerboseExecutor(SequentialExecutor())
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=lambda out: out.sum(), prefetch=True,
+    pipe = basic(model, opt, loss_fn=lambda out: out.sum(), prefetch=True,
                                      executor=executor)  # fmt: skip
     with pipe.blocking() as blocking:
         losses = [loss.item() for loss in blocking.results(iter(batches))]

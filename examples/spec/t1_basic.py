@@ -8,7 +8,7 @@ The loop::
         loss.backward()
         opt.step()
 
-becomes ``SchedulablePipeline.basic(model, opt, loss_fn=...)``, fed one batch at a
+becomes ``aiopipe.basic(model, opt, loss_fn=...)``, fed one batch at a
 time with ``step(batch)``.  The blocking view serves ordinary scripts; in an
 ``async def`` the same calls are awaited.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from aiopipe import SchedulablePipeline
+from aiopipe import SchedulablePipeline, basic
 
 import toy
 from toy import train_plain  # the specification's loop, unpipelined
@@ -27,7 +27,7 @@ from toy import train_plain  # the specification's loop, unpipelined
 
 def train_pipelined(batches: list[torch.Tensor]) -> tuple[list[float], torch.nn.Module]:
     model, opt = toy.model_and_optimizer()
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=lambda out: out.sum()).blocking()
+    pipe = basic(model, opt, loss_fn=lambda out: out.sum()).blocking()
     with pipe:  # shuts the lane threads down at the end
         losses = [pipe.step(batch).item() for batch in batches]
     return losses, model

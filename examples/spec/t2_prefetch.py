@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from aiopipe import SchedulablePipeline
+from aiopipe import SchedulablePipeline, basic
 
 import toy
 
@@ -27,7 +27,7 @@ def train_plain(batches: list[torch.Tensor]) -> tuple[list[float], torch.nn.Modu
 
 def train_pipelined(batches: list[torch.Tensor]) -> tuple[list[float], torch.nn.Module]:
     model, opt = toy.model_and_optimizer(toy.device())  # the model's device is the target
-    pipe = SchedulablePipeline.basic(
+    pipe = basic(
         model, opt, loss_fn=lambda out: out.sum(), prefetch=True, memcpy_stream=True
     )
     h2d = pipe.schedule.task("h2d")

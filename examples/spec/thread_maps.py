@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from aiopipe import AsyncExecutor, SchedulablePipeline, Task
-from aiopipe.executors.lanes import ThreadMap
+from aiopipe import AsyncExecutor, SchedulablePipeline, Task, basic
+from aiopipe.lanes import ThreadMap
 
 import toy
 from toy import train_plain  # the specification's loop, unpipelined
@@ -46,7 +46,7 @@ def train_pipelined(
 ) -> tuple[list[float], torch.nn.Module, dict[str, str]]:
     """The losses, the trained model and the lane of every task."""
     model, opt = toy.model_and_optimizer()
-    pipe = SchedulablePipeline.basic(model, opt, loss_fn=lambda out: out.sum(), prefetch=True,
+    pipe = basic(model, opt, loss_fn=lambda out: out.sum(), prefetch=True,
                                      memcpy_stream=True, thread_map=thread_map)  # fmt: skip
     executor = pipe.executor
     assert isinstance(executor, AsyncExecutor)  # what a thread map configures

@@ -1,8 +1,9 @@
-"""Lanes: long-lived GPU-submit threads, and how tasks are mapped onto them.
+"""Lane threads: long-lived submit threads, each with a work queue.
 
-A lane is one thread with a work queue.  Synchronous task bodies run on their lane's
-thread, so CUDA launches and GIL-releasing torch ops of different lanes overlap.  The
-reserved lane ``"loop"`` is not a thread: its bodies run inline on the event loop.
+Synchronous task bodies run on their lane's thread, so CUDA launches and
+GIL-releasing torch ops of different lanes overlap.  The reserved lane ``"loop"`` is
+not a thread: its bodies run inline on the event loop.  Which task runs on which lane
+is policy, in :mod:`aiopipe.lanes`.
 """
 
 from __future__ import annotations
@@ -11,26 +12,20 @@ import asyncio
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Union
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import PipelineStateError
-from .signals import LoopWaker
-
-if TYPE_CHECKING:
-    import torch
-
-    from ..task import Task
+from .waker import LoopWaker
 
 __all__ = (
-    "LANE_THREAD_PREFIX", "LOOP_LANE", "Lane", "LanePool", "ThreadMap", "call_on_lane",
-    "lane_of_thread", "lanes_for_device", "resolve_lane", "start_on_lane",
+    "LANE_THREAD_PREFIX", "LOOP_LANE", "Lane", "LanePool", "call_on_lane", "lane_of_thread",
+    "start_on_lane",
 )  # fmt: skip
 
 LOOP_LANE = "loop"
 #: Lane threads are named ``aiopipe-lane-<lane>`` (tests and traces rely on it).
 LANE_THREAD_PREFIX = "aiopipe-lane-"
-ThreadMap = Union[None, str, Mapping[str, str], Callable[["Task"], str]]
 
 _STOP = object()
 
@@ -38,46 +33,6 @@ _STOP = object()
 def lane_of_thread(name: str) -> str:
     """The lane a thread (by name) serves: a lane thread's lane, else ``"loop"``."""
     return name[len(LANE_THREAD_PREFIX):] if name.startswith(LANE_THREAD_PREFIX) else LOOP_LANE
-
-
-def lanes_for_device(thread_map: ThreadMap, device: torch.device) -> ThreadMap:
-    """A preset's default ``thread_map`` on a CUDA device; on any other device every
-    task on lane ``"compute"``.  A second lane overlaps host-to-device copies with
-    compute on a GPU's copy engine; a CPU has none, and the lane's thread only takes a
-    core from the compute lane's intra-op threads at every step (docs/performance.md,
-    ``./dev bench lane_cost``)."""
-    return thread_map if device.type == "cuda" else _on_compute_lane
-
-
-def _on_compute_lane(task: Task) -> str:
-    return "compute"
-
-
-def resolve_lane(task: Task, thread_map: ThreadMap) -> str:
-    """The lane of ``task`` under ``thread_map``.
-
-    ``None``/``"by_stream"``: the task's stream.  ``"per_task"``: its name.  A mapping:
-    ``thread_map[name]``, falling back to lane ``"default"``.  A callable:
-    ``thread_map(task)``.
-    """
-    if thread_map is None or thread_map == "by_stream":
-        lane = task.stream
-    elif thread_map == "per_task":
-        lane = task.name
-    elif isinstance(thread_map, str):
-        raise ValueError(
-            f"unknown thread_map {thread_map!r}; use 'by_stream', 'per_task', a dict "
-            f"{{task name: lane}} or a callable task -> lane"
-        )
-    elif isinstance(thread_map, Mapping):
-        lane = thread_map.get(task.name, "default")
-    elif callable(thread_map):
-        lane = thread_map(task)
-    else:
-        raise TypeError(f"thread_map must be a str, a mapping or a callable, got {thread_map!r}")
-    if not isinstance(lane, str) or not lane:
-        raise TypeError(f"thread_map gave lane {lane!r} for task {task.name!r}; lanes are names")
-    return lane
 
 
 class Lane:

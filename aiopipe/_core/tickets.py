@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from ..errors import CollectiveOrderError, TicketAbortedError
-from .signals import LoopWaker
+from .waker import LoopWaker
 
 __all__ = ("TicketLock", "TicketStatistics")
 

@@ -28,12 +28,10 @@ _OMP_PAUSE_SOFT = 1
 
 @functools.lru_cache(maxsize=1)
 def _pause_function() -> Callable[[int], int] | None:
-    """libgomp's ``omp_pause_resource_all``, when torch's parallel backend uses it."""
+    """libgomp's ``omp_pause_resource_all``, when libgomp is loaded (torch's CPU
+    wheels load it for their OpenMP backend; with another backend, pausing the
+    caller's idle libgomp pool, if any, is still harmless)."""
     if not sys.platform.startswith("linux"):
-        return None
-    import torch
-
-    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
     try:
         with open("/proc/self/maps") as maps:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Any, Protocol
-
-import torch
 
 __all__ = ("Annotator", "resolve_annotator")
 
@@ -44,15 +43,21 @@ class _NvtxAnnotator:
         self._nvtx.end_range(handle)
 
 
-def resolve_annotator(enabled: bool | Annotator | None = None) -> Annotator | None:
-    """``None``: on when ``nvtx`` imports and CUDA is available (``AIOPIPE_NVTX=0/1``
-    overrides); ``True``/``False`` force it; an object with ``push_pop``/``start``/
-    ``end`` is used as the annotator."""
+def _no_gpu() -> bool:
+    return False
+
+
+def resolve_annotator(
+    enabled: bool | Annotator | None = None, *, gpu_present: Callable[[], bool] = _no_gpu
+) -> Annotator | None:
+    """``None``: on when ``nvtx`` imports and ``gpu_present()`` (the pipeline passes
+    ``torch.cuda.is_available``; ``AIOPIPE_NVTX=0/1`` overrides); ``True``/``False``
+    force it; an object with ``push_pop``/``start``/``end`` is used as the annotator."""
     if enabled is not None and not isinstance(enabled, bool):
         return enabled
     if enabled is None:
         env = os.environ.get("AIOPIPE_NVTX")
-        enabled = env == "1" if env in ("0", "1") else torch.cuda.is_available()
+        enabled = env == "1" if env in ("0", "1") else gpu_present()
     if not enabled:
         return None
     try:

@@ -1,9 +1,11 @@
-"""``Signal``: a one-shot completion flag awaited by the loop or waited on by lanes.
+"""``LoopWaker``: how other threads hand calls to the event loop.
 
-Each task with consumers on another lane gets one per iteration.  Lane threads block
-on it directly (one thread wake per cross-lane edge, no detour through the loop);
-coroutines on the event loop ``await`` it through a future that ``set()`` resolves
-through a :class:`LoopWaker`.
+Lane threads finish their work off the loop; each end they report (a step's last
+chain, a result for a coroutine, a collective ticket) is queued on the waker and the
+loop is woken through a descriptor written without the GIL, so the loop thread does
+not wait for the lane to let go of it (docs/performance.md).  ``settle_future`` and
+``wait_settled`` complete and await futures without cancelling what a cancelled
+caller leaves running.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ("LoopWaker", "Signal", "settle_future", "wait_settled")
+__all__ = ("LoopWaker", "settle_future", "wait_settled")
 
 
 class LoopWaker:
@@ -185,44 +187,3 @@ async def wait_settled(future: asyncio.Future[Any]) -> None:
 
     future.add_done_callback(wake)
     await waiter
-
-
-class Signal:
-    """Set once, by any thread; waited on by threads (blocking) or the loop (async)."""
-
-    __slots__ = ("_event", "_futures", "_lock", "_waker")
-
-    def __init__(self, waker: LoopWaker, lock: threading.Lock) -> None:
-        self._event = threading.Event()
-        self._futures: list[asyncio.Future[None]] | None = None
-        self._waker = waker
-        self._lock = lock  # shared per iteration: registration and set() must not interleave
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def set(self) -> None:
-        if self._event.is_set():
-            return
-        self._event.set()
-        with self._lock:
-            futures, self._futures = self._futures, None
-        if futures:
-            for future in futures:
-                self._waker.resolve(future)
-
-    def wait_blocking(self, timeout: float | None = None) -> bool:
-        """Block until set (``True``) or ``timeout`` seconds have passed (``False``)."""
-        return self._event.wait(timeout)
-
-    async def wait(self) -> None:
-        if self._event.is_set():
-            return
-        future = self._waker.loop.create_future()
-        with self._lock:
-            if self._event.is_set():
-                return
-            if self._futures is None:
-                self._futures = []
-            self._futures.append(future)
-        await future

@@ -1,0 +1,58 @@
+"""``OneShotFlag``: a completion flag set once by any thread, awaited by the loop or
+waited on by lanes.
+
+Each task with consumers on another lane gets one per iteration.  Lane threads block
+on it directly (one thread wake per cross-lane edge, no detour through the loop);
+coroutines on the event loop ``await`` it through a future that ``set()`` resolves
+through a :class:`~aiopipe._core.waker.LoopWaker`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from .waker import LoopWaker
+
+__all__ = ("OneShotFlag",)
+
+
+class OneShotFlag:
+    """Set once, by any thread; waited on by threads (blocking) or the loop (async)."""
+
+    __slots__ = ("_event", "_futures", "_lock", "_waker")
+
+    def __init__(self, waker: LoopWaker, lock: threading.Lock) -> None:
+        self._event = threading.Event()
+        self._futures: list[asyncio.Future[None]] | None = None
+        self._waker = waker
+        self._lock = lock  # shared per iteration: registration and set() must not interleave
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        if self._event.is_set():
+            return
+        self._event.set()
+        with self._lock:
+            futures, self._futures = self._futures, None
+        if futures:
+            for future in futures:
+                self._waker.resolve(future)
+
+    def wait_blocking(self, timeout: float | None = None) -> bool:
+        """Block until set (``True``) or ``timeout`` seconds have passed (``False``)."""
+        return self._event.wait(timeout)
+
+    async def wait(self) -> None:
+        if self._event.is_set():
+            return
+        future = self._waker.loop.create_future()
+        with self._lock:
+            if self._event.is_set():
+                return
+            if self._futures is None:
+                self._futures = []
+            self._futures.append(future)
+        await future

@@ -1,0 +1,63 @@
+"""Lane policy: which lane thread runs each task.
+
+``thread_map`` says it: ``None``/``"by_stream"`` (lane = stream), ``"per_task"``, a
+mapping ``{task name: lane}`` (unmapped tasks go to lane ``"default"``) or a callable
+``task -> lane``; lane ``"loop"`` runs sync bodies inline on the event loop.  The
+threads themselves are plumbing (:mod:`aiopipe._core.lanes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Union
+
+from ._core.lanes import LOOP_LANE
+
+if TYPE_CHECKING:
+    import torch
+
+    from .task import Task
+
+__all__ = ("LOOP_LANE", "ThreadMap", "resolve_lane", "thread_map_for_device")
+
+ThreadMap = Union[None, str, Mapping[str, str], Callable[["Task"], str]]
+
+
+def thread_map_for_device(thread_map: ThreadMap, device: torch.device) -> ThreadMap:
+    """A preset's default ``thread_map`` on a CUDA device; on any other device every
+    task on lane ``"compute"``.  A second lane overlaps host-to-device copies with
+    compute on a GPU's copy engine; a CPU has none, and the lane's thread only takes a
+    core from the compute lane's intra-op threads at every step (docs/performance.md,
+    ``./dev bench lane_cost``)."""
+    return thread_map if device.type == "cuda" else _on_compute_lane
+
+
+def _on_compute_lane(task: Task) -> str:
+    return "compute"
+
+
+def resolve_lane(task: Task, thread_map: ThreadMap) -> str:
+    """The lane of ``task`` under ``thread_map``.
+
+    ``None``/``"by_stream"``: the task's stream.  ``"per_task"``: its name.  A mapping:
+    ``thread_map[name]``, falling back to lane ``"default"``.  A callable:
+    ``thread_map(task)``.
+    """
+    if thread_map is None or thread_map == "by_stream":
+        lane = task.stream
+    elif thread_map == "per_task":
+        lane = task.name
+    elif isinstance(thread_map, str):
+        raise ValueError(
+            f"unknown thread_map {thread_map!r}; use 'by_stream', 'per_task', a dict "
+            f"{{task name: lane}} or a callable task -> lane"
+        )
+    elif isinstance(thread_map, Mapping):
+        lane = thread_map.get(task.name, "default")
+    elif callable(thread_map):
+        lane = thread_map(task)
+    else:
+        raise TypeError(f"thread_map must be a str, a mapping or a callable, got {thread_map!r}")
+    if not isinstance(lane, str) or not lane:
+        raise TypeError(f"thread_map gave lane {lane!r} for task {task.name!r}; lanes are names")
+    return lane
