@@ -22,6 +22,7 @@ __all__ = (
     "ScheduleValidationError",
     "TaskDefinitionError",
     "TicketAbortedError",
+    "attach_origin",
 )
 
 
@@ -95,3 +96,19 @@ class BadBatchError(PipelineError, ValueError):
 class NoStepResultWarning(UserWarning):
     """A pipeline was built whose tasks never write ``step_result``, so ``progress``
     returns ``None`` for every batch; pass ``expect_result=False`` when that is meant."""
+
+
+def attach_origin(exc: BaseException, task_name: str, where: str, **attributes: object) -> None:
+    """Name the task that raised ``exc`` on the exception itself: ``aiopipe_task``,
+    the given ``aiopipe_*`` attributes and a note "raised by task ... <where>".  Only
+    once: an exception re-raised by a later task keeps its origin."""
+    if getattr(exc, "aiopipe_task", None) is not None:
+        return
+    try:
+        exc.aiopipe_task = task_name  # type: ignore[attr-defined]
+        for attribute, value in attributes.items():
+            setattr(exc, attribute, value)
+    except AttributeError:  # exceptions with __slots__
+        return
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"aiopipe: raised by task {task_name!r} {where}")

@@ -36,8 +36,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BackPressureTimeout, GraphError, PoisonedError
-from ..executors.base import attach_origin
+from ..errors import BackPressureTimeout, GraphError, PoisonedError, attach_origin
 from .._core.lanes import LOOP_LANE, Lane, LanePool
 from .._core.waker import LoopWaker
 from ..interop import needs_event_loop, running_loop

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .._core.log import executor_log
 from ..context import CURRENT, LaneRunner, Running, TaskContext
-from ..errors import TaskDefinitionError
+from ..errors import TaskDefinitionError, attach_origin
 from ..plan import ActiveSet, ExecutionPlan
 from ..ring import BatchRing
 from .._core.lanes import lane_of_thread
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .._core.nvtx import Annotator
     from ..trace import Tracer
 
-__all__ = ("Executor", "Step", "annotate_failure", "attach_origin")
+__all__ = ("Executor", "Step", "annotate_failure")
 
 
 @runtime_checkable
@@ -64,22 +64,6 @@ class Executor(Protocol):
 def annotate_failure(exc: BaseException, task_name: str, iteration: int, batch: int) -> None:
     """Attach where a task body failed to the original exception (once)."""
     attach_origin(exc, task_name, f"at iteration {iteration} (batch {batch})", aiopipe_iteration=iteration)
-
-
-def attach_origin(exc: BaseException, task_name: str, where: str, **attributes: object) -> None:
-    """Name the task that raised ``exc`` on the exception itself: ``aiopipe_task``,
-    the given ``aiopipe_*`` attributes and a note "raised by task ... <where>".  Only
-    once: an exception re-raised by a later task keeps its origin."""
-    if getattr(exc, "aiopipe_task", None) is not None:
-        return
-    try:
-        exc.aiopipe_task = task_name  # type: ignore[attr-defined]
-        for attribute, value in attributes.items():
-            setattr(exc, attribute, value)
-    except AttributeError:  # exceptions with __slots__
-        return
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"aiopipe: raised by task {task_name!r} {where}")
 
 
 class Step:
