@@ -20,26 +20,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import AsyncIterable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ._core.loops import LoopRunner
+from .face import AsyncPipeline
 from .source import iterate
 
 if TYPE_CHECKING:
     from .source import Source
 
-__all__ = ("AsyncPipeline", "BlockingPipeline")
-
-
-class AsyncPipeline(Protocol):
-    """What the blocking form needs: ``SchedulablePipeline`` and adapters such as
-    ``hstu_tasks.HSTUPipeline`` provide it."""
-
-    async def progress(self, source: Source) -> Any: ...
-
-    async def drain(self) -> list[Any]: ...
-
-    def shutdown(self) -> None: ...
+__all__ = ("BlockingPipeline",)
 
 
 class BlockingPipeline:
@@ -47,7 +37,7 @@ class BlockingPipeline:
 
     ``step`` and ``reset`` are available when the wrapped pipeline has them."""
 
-    def __init__(self, pipeline: AsyncPipeline) -> None:
+    def __init__(self, pipeline: AsyncPipeline[Any]) -> None:
         self._pipeline = pipeline
         self._runner = LoopRunner(prefer_uvloop=False)
         weakref.finalize(self, self._runner.close)  # dropped without shutdown()

@@ -32,7 +32,7 @@ from typing import Any
 from . import __version__, diagram
 from ._target import Target, TargetError, load_target, parse_thread_map
 from .errors import PipelineError, ScheduleValidationError
-from .executors import AsyncExecutor, Executor
+from .executors import resolve_executor
 from .lanes import ThreadMap, resolve_lane
 from .edges import dependency_edges, infer_cross_stream_event_deps, topological_sort
 from .pipeline import SchedulablePipeline
@@ -178,11 +178,10 @@ def _trace_pipeline(
                 f"(Pipeline(..., trace=trace)), or return its schedule instead."
             )
         return target.pipeline, own
-    executor: str | Executor = "sequential"
-    if (args.executor or "async") == "async":
-        executor = AsyncExecutor(_thread_map(args, target))
-    elif args.thread_map:
+    if args.executor == "sequential" and args.thread_map:
         raise TargetError("--thread-map configures the async executor; drop one of them")
+    sequential = args.executor == "sequential"
+    executor = resolve_executor(args.executor, None if sequential else _thread_map(args, target))
     # Traced for its timings: the results are not looked at.
     pipe = SchedulablePipeline(target.schedule, None, executor, trace=tracer, expect_result=False)
     return pipe, tracer

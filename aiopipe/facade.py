@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ._core.nvtx import Annotator
-from .executors import AsyncExecutor, Executor
+from .executors import Executor, resolve_executor
 from .lanes import ThreadMap
 from .pipeline import SchedulablePipeline
 from .schedule import Schedule
@@ -51,13 +51,7 @@ class Pipeline(SchedulablePipeline):
         schedule = Schedule.of(tasks)
         if stream_pool is None:
             stream_pool = StreamPool.for_device(schedule.stream_slots, device)
-        if thread_map is not None:
-            if executor not in (None, "async"):
-                raise ValueError("thread_map configures the async executor; drop one of them")
-            executor = AsyncExecutor(thread_map)
-        elif executor is None:
-            executor = "async"
         super().__init__(
-            schedule, stream_pool, executor, nvtx=nvtx, trace=trace, check_batch=check_batch,
+            schedule, stream_pool, resolve_executor(executor, thread_map), nvtx=nvtx, trace=trace, check_batch=check_batch,
             read_ahead=read_ahead, expect_result=expect_result, name=name,
         )  # fmt: skip

@@ -8,7 +8,7 @@ threads themselves are plumbing (:mod:`aiopipe._core.lanes`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Union
 
 from ._core.lanes import LOOP_LANE
@@ -18,9 +18,26 @@ if TYPE_CHECKING:
 
     from .task import Task
 
-__all__ = ("LOOP_LANE", "ThreadMap", "resolve_lane", "thread_map_for_device")
+__all__ = (
+    "COMPUTE_LANE", "IO_LANE", "LOOP_LANE", "ThreadMap", "copies_on_io", "resolve_lane",
+    "thread_map_for_device",
+)  # fmt: skip
 
 ThreadMap = Union[None, str, Mapping[str, str], Callable[["Task"], str]]
+
+#: The two lanes of the default layout on a GPU (and the one lane on a CPU).
+IO_LANE = "io"
+COMPUTE_LANE = "compute"
+
+
+def copies_on_io(copies: Iterable[str], others: Iterable[str]) -> dict[str, str]:
+    """The default layout on a CUDA device: the copy tasks ``copies`` on lane
+    ``"io"`` (overlapping compute on the GPU's copy engine), every task of
+    ``others`` on lane ``"compute"`` (so the model's state is touched from one
+    thread).  :func:`thread_map_for_device` turns it into one lane on a CPU."""
+    lanes = {name: COMPUTE_LANE for name in others}
+    lanes.update((name, IO_LANE) for name in copies)
+    return lanes
 
 
 def thread_map_for_device(thread_map: ThreadMap, device: torch.device) -> ThreadMap:
@@ -33,7 +50,7 @@ def thread_map_for_device(thread_map: ThreadMap, device: torch.device) -> Thread
 
 
 def _on_compute_lane(task: Task) -> str:
-    return "compute"
+    return COMPUTE_LANE
 
 
 def resolve_lane(task: Task, thread_map: ThreadMap) -> str:

@@ -23,10 +23,11 @@ from ._core.log import lanes_summary, next_pipeline_name, pipeline_log
 from ._core.nvtx import Annotator, resolve_annotator
 from .context import CURRENT, Running, TaskContext
 from .errors import BadBatchError, PipelineStateError
-from .executors import Executor, make_executor
+from .executors import Executor, resolve_executor
 from .executors.asyncio_executor import StepHandle
 from .executors.base import Step
 from ._core.waker import wait_settled
+from .face import results_of
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores
@@ -104,7 +105,7 @@ class SchedulablePipeline:
             warn_without_result(schedule)
         self._plan = ExecutionPlan(schedule, stream_pool)
         self._schedule = schedule.in_order(self._plan.order)
-        self._executor = make_executor(executor)
+        self._executor = resolve_executor(executor)
         self._executor.bind(self._plan)
         # The fast path of an executor that can run a step without a coroutine
         # (AsyncExecutor.start_step): no task per iteration, see _start_iteration.
@@ -242,12 +243,7 @@ class SchedulablePipeline:
         ``for batch in loader``.  An iterable (a list, a ``DataLoader``) gets a fresh
         iterator, so each call is a new pass over it; an iterator continues where it
         stands (every remaining result)."""
-        source = iterate(source)
-        while True:
-            try:
-                result = await self.progress(source)
-            except StopAsyncIteration:
-                return
+        async for result in results_of(self, source):
             yield result
 
     @needs_event_loop
@@ -286,12 +282,19 @@ class SchedulablePipeline:
     async def aclose(self) -> None:
         """Wait for an iteration still running (its caller was cancelled), then shut
         down.  ``async with pipe:`` calls it on exit."""
-        await self._finish_running()
+        await self.wait_idle()
         self.shutdown()
 
-    async def _finish_running(self) -> None:
-        """Wait for an iteration whose caller was cancelled (it runs on), from an
-        asyncio or a trio caller."""
+    @property
+    def idle(self) -> bool:
+        """No iteration is running: none whose caller was cancelled runs on."""
+        return self._running is None
+
+    async def wait_idle(self) -> None:
+        """Wait for an iteration whose caller was cancelled (it runs on to completion),
+        from an asyncio or a trio caller; return at once when none runs.  Its result
+        is kept for the next ``progress``.  Adapters driving several engines on one
+        model call it before switching engines."""
         if in_trio():  # the iteration runs on the bridge's loop
             await self._trio.call(SchedulablePipeline._await_running, self)
         else:

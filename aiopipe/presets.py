@@ -27,9 +27,9 @@ import torch
 from ._core.nvtx import Annotator
 from .context import TaskContext
 from .errors import PipelineError
-from .executors import AsyncExecutor, Executor
-from .lanes import ThreadMap, thread_map_for_device
+from .executors import Executor, resolve_executor
 from .facade import Pipeline
+from .lanes import ThreadMap, copies_on_io
 from .task import Task
 from .trace import Tracer
 
@@ -214,10 +214,6 @@ def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
-def _preset_lane(task: Task) -> str:
-    return "io" if task.name == "h2d" and task.stream == "memcpy" else "compute"
-
-
 class BasicPipeline(Pipeline):
     """The pipeline ``basic()`` builds.  With ``grad_accumulation=k`` the optimizer
     steps after every k-th batch and once more after a trailing partial group, when
@@ -324,15 +320,14 @@ def basic(
         la = 1 if prefetch else 0
         tasks.insert(0, Task.from_fn("h2d", h2d, lookahead=la, stream=copy_stream,
                                      writes=("batch_device",)))  # fmt: skip
-    if executor is None and thread_map is None:
-        # The model's work on lane "compute", copies (T2) on lane "io": the event loop
-        # stays free, and the lane runs torch at full speed (see aiopipe/_core/openmp.py).
-        # On a CPU, one lane (see thread_map_for_device).
-        executor = AsyncExecutor(thread_map_for_device(_preset_lane, device))
+    # The model's work on lane "compute", copies (T2) on lane "io": the event loop
+    # stays free, and the lane runs torch at full speed (see aiopipe/_core/openmp.py).
+    # On a CPU, one lane (see thread_map_for_device).
+    copies = ["h2d"] if moves and copy_stream != "default" else []
+    lanes = copies_on_io(copies, [task.name for task in tasks])
     return BasicPipeline(
         tasks,
-        executor=executor,
-        thread_map=thread_map,
+        executor=resolve_executor(executor, thread_map, default_thread_map=lanes, device=device),
         device=device,
         nvtx=nvtx,
         trace=trace,

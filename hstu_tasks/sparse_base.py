@@ -23,6 +23,7 @@ from torchrec.streamable import Pipelineable
 from aiopipe import AsyncExecutor, BadBatchError, BlockingPipeline, PipelineStateError, SchedulablePipeline
 from aiopipe import Schedule, Task, Tracer
 from aiopipe.lanes import ThreadMap, thread_map_for_device, resolve_lane
+from aiopipe.face import results_of
 from aiopipe.interop import needs_event_loop
 from aiopipe.source import END, Feed, Source
 from aiopipe.trace import resolve_tracer
@@ -126,8 +127,7 @@ class SparseDistBase(Generic[ResultT]):
     def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[ResultT]:
         """``async for result in pipe.results(loader)``: ``progress`` until the end (an
         iterable gets a fresh iterator, an iterator continues where it stands)."""
-        # The engine's loop: it calls only self.progress.
-        return SchedulablePipeline.results(self, source)  # type: ignore[arg-type]
+        return results_of(self, source)
 
     @contextlib.contextmanager
     def _taking_turn(self, call: str) -> Iterator[None]:
@@ -186,8 +186,8 @@ class SparseDistBase(Generic[ResultT]):
         if len(engines) < 2:  # this one alone, as in most steps: skip the weak-dict walk
             return
         for other in list(engines.values()):
-            if other is not engine and other._running is not None:
-                await other._finish_running()
+            if other is not engine and not other.idle:
+                await other.wait_idle()
 
     async def aclose(self) -> None:
         """Wait for an iteration whose caller was cancelled, then shut down

@@ -7,6 +7,9 @@ bound to an :class:`ExecutionPlan` once and runs one :class:`Step` per iteration
 
 from __future__ import annotations
 
+import torch
+
+from ..lanes import ThreadMap, thread_map_for_device
 from ..plan import ActiveSet, ExecutionPlan
 from .asyncio_executor import AsyncExecutor, StepHandle
 from .base import Executor, Step
@@ -14,21 +17,45 @@ from .sequential import SequentialExecutor
 
 __all__ = (
     "ActiveSet", "AsyncExecutor", "ExecutionPlan", "Executor", "SequentialExecutor", "Step",
-    "StepHandle", "make_executor",
+    "StepHandle", "resolve_executor",
 )  # fmt: skip
 
 
-def make_executor(spec: str | Executor) -> Executor:
-    """``"sequential"``, ``"async"`` or an executor instance."""
-    if isinstance(spec, str):
-        if spec == "sequential":
-            return SequentialExecutor()
-        if spec == "async":
-            return AsyncExecutor()
-        raise ValueError(f"unknown executor {spec!r}; use 'sequential', 'async' or an instance")
-    if not isinstance(spec, Executor):
-        raise TypeError(
-            f"executor must be 'sequential', 'async' or provide bind/run_step/shutdown, "
-            f"got {spec!r}"
+def resolve_executor(
+    executor: str | Executor | None = None,
+    thread_map: ThreadMap = None,
+    *,
+    default_thread_map: ThreadMap = None,
+    device: torch.device | str | None = None,
+) -> Executor:
+    """The executor that the ``executor=`` and ``thread_map=`` options of every
+    pipeline ask for; the one place that decides it.
+
+    ``executor``: ``None`` or ``"async"`` (an :class:`AsyncExecutor`), ``"sequential"``
+    or an executor instance.  ``thread_map`` configures the async executor, so it
+    cannot go with another choice.  Without one, the async executor uses
+    ``default_thread_map`` -- the pipeline's own layout, kept on a CUDA ``device``
+    and folded onto one ``"compute"`` lane on any other
+    (:func:`~aiopipe.lanes.thread_map_for_device`) -- or, without that, one lane per
+    stream."""
+    if executor is None or executor == "async":
+        if thread_map is None and default_thread_map is not None:
+            where = torch.device(device) if device is not None else torch.device("cpu")
+            thread_map = thread_map_for_device(default_thread_map, where)
+        return AsyncExecutor(thread_map)
+    if thread_map is not None:
+        raise ValueError(
+            f"thread_map configures the async executor; drop thread_map or executor={executor!r}"
         )
-    return spec
+    if executor == "sequential":
+        return SequentialExecutor()
+    if isinstance(executor, str):
+        raise ValueError(
+            f"unknown executor {executor!r}; use 'async', 'sequential' or an instance"
+        )
+    if not isinstance(executor, Executor):
+        raise TypeError(
+            f"executor must be 'async', 'sequential' or provide bind/run_step/shutdown, "
+            f"got {executor!r}"
+        )
+    return executor
