@@ -42,6 +42,7 @@ from .edges import Edge as Edge
 from .edges import dependency_edges as dependency_edges
 from .edges import infer_cross_stream_event_deps as infer_cross_stream_event_deps
 from .edges import topological_sort as topological_sort
+from .options import PipelineOptions as PipelineOptions
 from .pipeline import PipelineStatistics as PipelineStatistics
 from .pipeline import SchedulablePipeline as SchedulablePipeline
 from .presets import BasicPipeline as BasicPipeline
@@ -78,6 +79,7 @@ __all__ = (
     "NoStepResultWarning",
     "Pipeline",
     "PipelineError",
+    "PipelineOptions",
     "PipelineStateError",
     "PipelineStatistics",
     "PoisonedError",

@@ -19,7 +19,7 @@ same_progress_sync X        0                               X.la
 
 A ``same_progress_sync`` edge may keep one side only (``Task.same_progress_sync_sides``):
 ``"cpu"`` orders the bodies but issues no event wait; ``"device"`` issues the event
-wait but adds no topological or CPU edge (see ``Step`` for where that wait goes).
+wait but adds no topological or CPU edge (see ``Iteration`` for where that wait goes).
 """
 
 from __future__ import annotations

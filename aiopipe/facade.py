@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
-from ._core.nvtx import Annotator
 from .executors import Executor, resolve_executor
 from .lanes import ThreadMap
 from .pipeline import SchedulablePipeline
 from .schedule import Schedule
 from .streams import StreamPool
 from .task import Task
-from .trace import Tracer
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; only read by type checkers
+
+    from .options import PipelineOptions
 
 __all__ = ("Pipeline",)
 
@@ -28,8 +31,8 @@ class Pipeline(SchedulablePipeline):
     :class:`AsyncExecutor` -- sync bodies on one lane thread per stream (or per
     ``thread_map``), so the event loop never waits for them; ``"sequential"`` runs
     them inline on the loop instead (cheapest for tiny bodies, but it blocks the loop).
-    The other options (``check_batch``, ``expect_result``, ...) are those of
-    :class:`SchedulablePipeline`.  A non-``Task`` entry in ``tasks`` raises
+    The keyword options (``trace``, ``check_batch``, ``name``, ...) are those of every
+    pipeline, :class:`~aiopipe.options.PipelineOptions`.  A non-``Task`` entry in ``tasks`` raises
     ``TypeError`` naming it and its position; an empty list is refused.
     """
 
@@ -41,17 +44,9 @@ class Pipeline(SchedulablePipeline):
         thread_map: ThreadMap = None,
         device: torch.device | str | None = None,
         stream_pool: StreamPool | None = None,
-        nvtx: bool | Annotator | None = None,
-        trace: bool | Tracer | None = None,
-        check_batch: Callable[[Any], None] | None = None,
-        read_ahead: bool = True,
-        expect_result: bool = True,
-        name: str | None = None,
+        **options: Unpack[PipelineOptions],
     ) -> None:
         schedule = Schedule.of(tasks)
         if stream_pool is None:
             stream_pool = StreamPool.for_device(schedule.stream_slots, device)
-        super().__init__(
-            schedule, stream_pool, resolve_executor(executor, thread_map), nvtx=nvtx, trace=trace, check_batch=check_batch,
-            read_ahead=read_ahead, expect_result=expect_result, name=name,
-        )  # fmt: skip
+        super().__init__(schedule, stream_pool, resolve_executor(executor, thread_map), **options)

@@ -25,7 +25,7 @@ IndexedWait = tuple[int, str, int]
 
 @dataclass(frozen=True)
 class ActiveSet:
-    """The tasks that fire in one iteration (``Step.active``), as task numbers of the
+    """The tasks that fire in one iteration (``Iteration.active``), as task numbers of the
     :class:`ExecutionPlan`.
 
     * ``stages``: one tuple per stage, in topological order; stages run one after
@@ -51,7 +51,7 @@ class ExecutionPlan:
     * ``order``: the tasks, in topological order; ``index``: task name -> number.
     * ``stream``: each task's stream name; ``on_device``: whether that stream is a
       real (CUDA) stream rather than a null one.
-    * ``is_async``: the body is ``async def`` (run it with ``Step.invoke_async``).
+    * ``is_async``: the body is ``async def`` (run it with ``Iteration.invoke_async``).
     * ``nccl``: the task issues collectives (it takes a ticket).
     * ``preds``: same-progress predecessors, which must finish before the task starts.
     * ``lookahead``, ``lag`` (``max_lookahead - lookahead``), ``stage_of``,

@@ -20,18 +20,21 @@ import copy
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from ._core.nvtx import Annotator
 from .context import TaskContext
 from .errors import PipelineError
 from .executors import Executor, resolve_executor
 from .facade import Pipeline
 from .lanes import ThreadMap, copies_on_io
 from .task import Task
-from .trace import Tracer
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; only read by type checkers
+
+    from .options import PipelineOptions
 
 __all__ = (
     "BackwardFn",
@@ -244,8 +247,7 @@ def basic(
     grad_accumulation: int = 1,
     executor: str | Executor | None = None,
     thread_map: ThreadMap = None,
-    nvtx: bool | Annotator | None = None,
-    trace: bool | Tracer | None = None,
+    **options: Unpack[PipelineOptions],
 ) -> BasicPipeline:
     """A pipeline of the standard training step; each result is the loss of that
     batch (what ``loss_fn`` returned, tensors detached).
@@ -266,7 +268,8 @@ def basic(
     :class:`AsyncExecutor` that runs the model's work on lane ``"compute"`` (and,
     with ``memcpy_stream=True`` on a CUDA device, ``h2d`` on lane ``"io"``), so the
     event loop stays free; ``thread_map`` picks other lanes, ``executor="sequential"`` runs
-    everything inline on the loop.
+    everything inline on the loop.  The keyword options (``trace``, ``name``, ...)
+    are those of every pipeline, :class:`~aiopipe.options.PipelineOptions`.
     """
     if grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be >= 1, got {grad_accumulation}")
@@ -329,7 +332,6 @@ def basic(
         tasks,
         executor=resolve_executor(executor, thread_map, default_thread_map=lanes, device=device),
         device=device,
-        nvtx=nvtx,
-        trace=trace,
         finish=finish if grad_accumulation > 1 else None,
+        **options,
     )

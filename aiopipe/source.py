@@ -1,5 +1,10 @@
 """``Feed``: the batches pulled from one source and where the pipeline stands in it.
 
+:meth:`Feed.pull` takes one whole item into the ring's top slot store: the batch an
+adapter seeded, else the next item of the source, refused (``BadBatchError``) when
+the pipeline's check finds it malformed; and it keeps the counts (pulled, refused,
+batch index) that the statistics and checkpoints read.
+
 Pulls are cancel-safe.  An async source is pulled by a task of its own that a
 cancelled caller leaves running (its item is kept for the next call), so a
 cancellation never lands inside the source and never loses an item.  A sync source is
@@ -14,10 +19,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import inspect
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
-from typing import Any, Union
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Union
 
 from ._core.waker import wait_settled
+from .errors import BadBatchError
+from .task import BATCH_SLOT
+
+if TYPE_CHECKING:
+    from .ring import SlotStore
 
 __all__ = ("END", "Feed", "OneBatch", "Source", "iterate")
 
@@ -63,13 +73,14 @@ class Feed:
     """One source (a sync or async iterator) and the progress made through it."""
 
     __slots__ = (
-        "_async", "_inspect", "_sync", "ahead", "draining", "exhausted", "iteration", "lost", "outbox",
-        "pulled", "read_ahead_allowed", "refused", "returned", "source",
+        "_async", "_inspect", "_seed", "_sync", "ahead", "draining", "exhausted", "iteration", "lost",
+        "outbox", "pulled", "read_ahead_allowed", "refused", "returned", "source", "top_pulled",
     )  # fmt: skip
 
     def __init__(
-        self, source: Source, *, read_ahead: bool = True, inspect: Inspect | None = None
-    ) -> None:
+        self, source: Source, *, read_ahead: bool = True, inspect: Inspect | None = None,
+        seed: Mapping[str, Any] | None = None, refused: int = 0,
+    ) -> None:  # fmt: skip
         #: Checks each item when it is read (ahead: off the step's critical path).
         self._inspect = inspect or _nothing_wrong
         self._async: AsyncIterator[Any] | None = None
@@ -101,8 +112,15 @@ class Feed:
         #: ``drain()`` was called: take what was already read, read nothing new.
         self.draining = False
         #: Items the pipeline refused (``BadBatchError``): the source's position is
-        #: ``returned + refused`` once nothing is in flight.
-        self.refused = 0
+        #: ``returned + refused`` once nothing is in flight.  ``refused`` at
+        #: construction: those an adapter refused before seeding the first batch.
+        self.refused = refused
+        #: The first batch's slot contents, fetched by an adapter before the pipeline
+        #: existed: taken by the first pull instead of an item of the source.
+        self._seed = dict(seed) if seed is not None else None
+        #: The ring's top store holds a batch pulled for an iteration that has not
+        #: run (its progress was cancelled or failed before any task started).
+        self.top_pulled = False
         #: Why the source can no longer be read, when a cancelled pull closed it.
         self.lost: str | None = None
         #: The next item, read ahead or being read (a future, done for sync sources).
@@ -152,6 +170,39 @@ class Feed:
         except Exception as exc:  # the source's own error: raised when the item is taken
             future.set_exception(exc)
         self.ahead = future
+
+    async def pull(self, top: SlotStore) -> None:
+        """Place the next whole item in ``top`` (the ring's top store): the seed,
+        else the item read ahead or pulled now; at the source's end set
+        :attr:`exhausted` instead.  A malformed item is dropped and refused with
+        ``BadBatchError``; nothing else is touched."""
+        if self._seed is not None:
+            seed, self._seed = self._seed, None
+            for name, value in seed.items():
+                top.set(name, value)
+        else:
+            if self.draining and self.ahead is None:
+                self.exhausted = True  # drain(): nothing new is read
+                return
+            batch, problem = await self.take()
+            if batch is END:
+                self.exhausted = True
+                return
+            if problem is not None:
+                self._refuse(problem)
+            top.set(BATCH_SLOT, batch)
+        top.batch_index = self.pulled
+        self.pulled += 1
+        self.top_pulled = True
+
+    def _refuse(self, problem: BaseException) -> None:
+        self.refused += 1
+        raise BadBatchError(
+            f"the source's next batch (after {self.pulled} taken) was refused: {problem}. "
+            f"It was skipped. "
+            f"The {self.in_flight} batch(es) in flight are intact: call progress() again "
+            f"with the same iterator to continue, or drain() to finish them"
+        ) from problem
 
     async def take(self) -> Taken:
         """The next item (read ahead or pulled now), or :data:`END`, with what is

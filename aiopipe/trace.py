@@ -60,7 +60,7 @@ class Span:
         return self.end_ns - self.start_ns
 
 
-#: What Step hands over per task run, turned into a Span only when read:
+#: What Iteration hands over per task run, turned into a Span only when read:
 #: (task, iteration, batch, lane, thread, stream, start_ns, end_ns, wait_ns, failed,
 #:  pipeline, _GpuTiming or None).  Appending a tuple to a deque keeps tracing cheap.
 RawSpan = tuple[str, int, int, str, str, "str | None", int, int, int, bool, str, Any]
@@ -131,7 +131,7 @@ class Tracer:
         # of several ranks on one host line up.
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
 
-    # -- recording (called by Step, from any thread) -------------------------------------
+    # -- recording (called by Iteration, from any thread) -------------------------------------
 
     def append(self, raw: RawSpan) -> None:
         with self._lock:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor as _Pool
 
-from aiopipe.executors.base import Step
+from aiopipe.executors.base import Iteration
 from aiopipe.lanes import ThreadMap, resolve_lane
 from aiopipe.plan import ExecutionPlan
 
@@ -56,12 +56,12 @@ class ThreadedExecutor:
         self._thread_of = [resolve_lane(t, self.thread_map) for t in plan.order]
         self._pool = _Pool(max_workers=len(set(self._thread_of)))
 
-    async def run_step(self, step: Step) -> None:
-        for active in step.active.stages:
+    async def run_iteration(self, iteration: Iteration) -> None:
+        for active in iteration.active.stages:
             if active:
-                self._execute_stage(step, active)
+                self._execute_stage(iteration, active)
 
-    def _execute_stage(self, step: Step, active: tuple[int, ...]) -> None:
+    def _execute_stage(self, iteration: Iteration, active: tuple[int, ...]) -> None:
         plan, thread_of = self._plan, self._thread_of
         active_set = set(active)
         completion = {i: threading.Event() for i in active}
@@ -94,7 +94,7 @@ class ThreadedExecutor:
                     if ticket is not None:
                         self._lock.acquire(ticket)
                     try:
-                        step.invoke(i)
+                        iteration.invoke(i)
                     except BaseException as exc:
                         cancelled.set()
                         self._lock.abort()

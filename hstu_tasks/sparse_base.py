@@ -124,10 +124,12 @@ class SparseDistBase(Generic[ResultT]):
         with self._taking_turn("progress()"):
             return await self._progress(self._adapt(source))
 
-    def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[ResultT]:
+    @needs_event_loop
+    async def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[ResultT]:
         """``async for result in pipe.results(loader)``: ``progress`` until the end (an
         iterable gets a fresh iterator, an iterator continues where it stands)."""
-        return results_of(self, source)
+        async for result in results_of(self, source):
+            yield result
 
     @contextlib.contextmanager
     def _taking_turn(self, call: str) -> Iterator[None]:

@@ -206,7 +206,7 @@ async def test_the_chain_finishing_the_progress_is_handed_over_first() -> None:
 
     def recording(lane: Any) -> Any:
         def submit(work: Any) -> None:
-            handed.setdefault(work.args[0].step.iteration, []).append(lane.name)
+            handed.setdefault(work.args[0].iteration.number, []).append(lane.name)
             queue_work(work)
 
         queue_work = lane.submit
@@ -214,7 +214,7 @@ async def test_the_chain_finishing_the_progress_is_handed_over_first() -> None:
 
     async with Pipeline(tasks, executor=executor) as pipe:
         for name in ("io", "compute"):
-            lane = executor._lanes.get(name)
+            lane = executor._lane_pool.get(name)
             lane.submit = recording(lane)  # type: ignore[method-assign]
         assert await collect(pipe, iter(range(5))) == [None] * 5
     assert handed[0] == ["io"]  # prefill: batches ahead only

@@ -2,7 +2,7 @@
 
 ``SequentialExecutor`` is the reference; ``AsyncExecutor`` runs one event loop plus
 GPU-submit lane threads.  Any object following :class:`Executor` plugs in: it is
-bound to an :class:`ExecutionPlan` once and runs one :class:`Step` per iteration.
+bound to an :class:`ExecutionPlan` once and runs one :class:`Iteration` per iteration.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import torch
 
 from ..lanes import ThreadMap, thread_map_for_device
 from ..plan import ActiveSet, ExecutionPlan
-from .asyncio_executor import AsyncExecutor, StepHandle
-from .base import Executor, Step
+from .asyncio_executor import AsyncExecutor, IterationHandle
+from .base import Executor, Iteration
 from .sequential import SequentialExecutor
 
 __all__ = (
-    "ActiveSet", "AsyncExecutor", "ExecutionPlan", "Executor", "SequentialExecutor", "Step",
-    "StepHandle", "resolve_executor",
+    "ActiveSet", "AsyncExecutor", "ExecutionPlan", "Executor", "SequentialExecutor", "Iteration",
+    "IterationHandle", "resolve_executor",
 )  # fmt: skip
 
 
@@ -55,7 +55,7 @@ def resolve_executor(
         )
     if not isinstance(executor, Executor):
         raise TypeError(
-            f"executor must be 'async', 'sequential' or provide bind/run_step/shutdown, "
+            f"executor must be 'async', 'sequential' or provide bind/run_iteration/shutdown, "
             f"got {executor!r}"
         )
     return executor

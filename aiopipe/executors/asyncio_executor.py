@@ -30,7 +30,7 @@ from .._core.malloc import keep_freed_memory
 from .._core.openmp import release_thread_pool
 from ..errors import CollectiveOrderError, TicketAbortedError
 from ..plan import ExecutionPlan
-from .base import Step
+from .base import Iteration
 from .._core.lanes import LOOP_LANE, Lane, LanePool, call_on_lane
 from ..lanes import ThreadMap, resolve_lane
 from .order_check import CollectiveOrderCheck
@@ -39,7 +39,7 @@ from .._core.waker import LoopWaker, settle_future
 from .._core.tickets import TicketLock, TicketStatistics
 
 __all__ = (
-    "AsyncExecutor", "ExecutorStatistics", "LOOP_SWITCH_INTERVAL_S", "SLOW_WAIT_S", "StepHandle",
+    "AsyncExecutor", "ExecutorStatistics", "LOOP_SWITCH_INTERVAL_S", "SLOW_WAIT_S", "IterationHandle",
     "keep_loop_responsive",
 )  # fmt: skip
 
@@ -85,14 +85,14 @@ class _Run:
 
     __slots__ = (
         "async_tasks", "error", "failed", "finished", "layout", "lock", "on_done", "outstanding",
-        "flags", "step", "threads_done", "tickets", "waker",
+        "flags", "iteration", "threads_done", "tickets", "waker",
     )  # fmt: skip
 
     def __init__(
-        self, step: Step, layout: _Layout, waker: LoopWaker, tickets: TicketLock,
+        self, iteration: Iteration, layout: _Layout, waker: LoopWaker, tickets: TicketLock,
         on_done: Callable[[BaseException | None], None] | None = None,
     ) -> None:  # fmt: skip
-        self.step = step
+        self.iteration = iteration
         self.layout = layout
         self.waker = waker
         self.tickets = tickets
@@ -102,7 +102,7 @@ class _Run:
         self.flags = {i: OneShotFlag(waker, self.lock) for i in layout.signalled}
         self.outstanding = len(layout.thread_chains)
         self.finished = threading.Event()  # every lane is done with this stage
-        # Who hears that the last lane finished: a callback on the loop (start_step),
+        # Who hears that the last lane finished: a callback on the loop (start_iteration),
         # else a future awaited by _finish_stage.
         self.on_done = on_done
         self.threads_done: asyncio.Future[None] | None = (
@@ -129,9 +129,9 @@ class _Run:
         # thread would wait for this thread to let go of the GIL.
         if future is not None:
             wake = self.waker.post(settle_future, future, None, None)
-        else:  # a step started by start_step: its callback
+        else:  # a iteration started by start_iteration: its callback
             wake = self.on_done is not None and self.waker.post(self.on_done, self.error)
-        self.finished.set()  # after the step's end is queued: a waiter finds it on the loop
+        self.finished.set()  # after the iteration's end is queued: a waiter finds it on the loop
         if wake:
             self.waker.wake()
 
@@ -153,8 +153,8 @@ class _Run:
             flag.set()
 
 
-class StepHandle:
-    """A step started by :meth:`AsyncExecutor.start_step`."""
+class IterationHandle:
+    """A iteration started by :meth:`AsyncExecutor.start_iteration`."""
 
     __slots__ = ("_run",)
 
@@ -167,11 +167,11 @@ class StepHandle:
         self._run.fail(exc)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until every lane has finished the step (``True``), or ``timeout``
+        """Block until every lane has finished the iteration (``True``), or ``timeout``
         seconds have passed (``False``).  Any thread but the lanes'."""
         if not self._run.finished.wait(timeout):
             return False
-        self._run.waker.wake()  # the step's end may be queued, its wake-up not yet written
+        self._run.waker.wake()  # the iteration's end may be queued, its wake-up not yet written
         return True
 
 
@@ -200,7 +200,7 @@ class AsyncExecutor:
     ) -> None:
         self.thread_map = thread_map
         self.slow_wait_s = slow_wait_s
-        self._lanes = LanePool(max_lanes)
+        self._lane_pool = LanePool(max_lanes)
         self._tickets = TicketLock()
         self._order_check = (
             CollectiveOrderCheck(check_collective_order, process_group)
@@ -219,14 +219,14 @@ class AsyncExecutor:
             raise ValueError("an AsyncExecutor serves one pipeline; create one per pipeline")
         lane_of = tuple(resolve_lane(task, self.thread_map) for task in plan.order)
         threads = sorted(set(lane_of) - {LOOP_LANE})
-        if len(threads) > self._lanes.max_lanes:
+        if len(threads) > self._lane_pool.max_lanes:
             raise ValueError(
                 f"thread_map puts tasks on {len(threads)} lanes {threads}, more than "
-                f"max_lanes={self._lanes.max_lanes}; group tasks onto fewer lanes"
+                f"max_lanes={self._lane_pool.max_lanes}; group tasks onto fewer lanes"
             )
         self._plan, self._lane_of = plan, lane_of
         # Every sync body runs on a lane thread: the loop thread's OpenMP pool only
-        # slows the lanes' pools down (see _core/openmp.py), so it is released per step.
+        # slows the lanes' pools down (see _core/openmp.py), so it is released per iteration.
         self._compute_off_loop = bool(threads) and not any(
             lane == LOOP_LANE and not plan.is_async[i] for i, lane in enumerate(lane_of)
         )
@@ -234,43 +234,43 @@ class AsyncExecutor:
             keep_loop_responsive()
             keep_freed_memory()  # page faults cost lane threads most (_core/malloc.py)
 
-    def start_step(
-        self, step: Step, on_done: Callable[[BaseException | None], None]
-    ) -> StepHandle | None:
-        """Run ``step`` without a coroutine, when every task of it runs on lane threads
+    def start_iteration(
+        self, iteration: Iteration, on_done: Callable[[BaseException | None], None]
+    ) -> IterationHandle | None:
+        """Run ``iteration`` without a coroutine, when every task of it runs on lane threads
         (one stage, nothing on the loop's chain, no collective order check): hand its
         chains to their lanes now and return a handle; ``on_done(error)`` is called on
         the loop once every lane has finished (``error``: the first failure, or
-        ``None``).  Otherwise return ``None``: the step needs :meth:`run_step`.
+        ``None``).  Otherwise return ``None``: the iteration needs :meth:`run_iteration`.
 
         The pipeline's fast path: the lanes start before the caller next yields, and
-        the step's end is handled in the callback that wakes the loop, two loop cycles
-        sooner than a task awaiting :meth:`run_step` would (docs/performance.md)."""
-        stages = [active for active in step.active.stages if active]
+        the iteration's end is handled in the callback that wakes the loop, two loop cycles
+        sooner than a task awaiting :meth:`run_iteration` would (docs/performance.md)."""
+        stages = [active for active in iteration.active.stages if active]
         if len(stages) != 1 or self._order_check is not None:
             return None
         layout = self._layout(stages[0])
         if layout.loop_chain or not layout.thread_chains:
             return None
-        return StepHandle(self._begin_stage(step, stages[0], on_done))
+        return IterationHandle(self._begin_stage(iteration, stages[0], on_done))
 
-    async def run_step(self, step: Step) -> None:
-        for active in step.active.stages:
+    async def run_iteration(self, iteration: Iteration) -> None:
+        for active in iteration.active.stages:
             if active:
-                await self._finish_stage(self._begin_stage(step, active))
+                await self._finish_stage(self._begin_stage(iteration, active))
         if self._order_check is not None:
-            names = [step.plan.order[i].name for i in step.active.all if step.plan.nccl[i]]
-            await self._order_check.record_and_check(step.iteration, names)
+            names = [iteration.plan.order[i].name for i in iteration.active.all if iteration.plan.nccl[i]]
+            await self._order_check.record_and_check(iteration.number, names)
 
     def shutdown(self) -> None:
-        self._lanes.shutdown()
+        self._lane_pool.shutdown()
 
     def lane_of(self, task_name: str) -> str:
         plan = self._require_plan()
         return self._lane_of[plan.index[task_name]]
 
     def statistics(self) -> ExecutorStatistics:
-        return ExecutorStatistics(self._lanes.names(), self._tickets.statistics())
+        return ExecutorStatistics(self._lane_pool.names(), self._tickets.statistics())
 
     def __repr__(self) -> str:
         return f"AsyncExecutor(thread_map={self.thread_map!r})"
@@ -322,17 +322,17 @@ class AsyncExecutor:
     # -- one stage ---------------------------------------------------------------------
 
     def _begin_stage(
-        self, step: Step, active: tuple[int, ...],
+        self, iteration: Iteration, active: tuple[int, ...],
         on_done: Callable[[BaseException | None], None] | None = None,
     ) -> _Run:  # fmt: skip
         """Hand the stage's thread chains to their lanes; :meth:`_finish_stage` runs
         the loop's chain and waits for the lanes (or ``on_done`` is called, see
-        :meth:`start_step`)."""
+        :meth:`start_iteration`)."""
         layout = self._layout(active)
         waker = LoopWaker(asyncio.get_running_loop())
-        lanes = [self._lanes.get(name) for name, _ in layout.thread_chains]  # may start threads
+        lanes = [self._lane_pool.get(name) for name, _ in layout.thread_chains]  # may start threads
         self._tickets.reset(waker)
-        run = _Run(step, layout, waker, self._tickets, on_done)
+        run = _Run(iteration, layout, waker, self._tickets, on_done)
         for lane, (_, chain) in zip(lanes, layout.thread_chains):
             lane.submit(functools.partial(self._run_thread_chain, run, lane, chain))
         if self._compute_off_loop:
@@ -341,7 +341,7 @@ class AsyncExecutor:
             # Let a lane just woken have this CPU and the GIL before the loop goes on
             # with its own Python.  With no idle core (a lane's OpenMP workers spin
             # between regions) the loop thread would otherwise keep both, and the
-            # lane start later: 20-30 us of every step boundary (docs/performance.md).
+            # lane start later: 20-30 us of every iteration boundary (docs/performance.md).
             _yield_cpu()
         return run
 
@@ -369,15 +369,15 @@ class AsyncExecutor:
             raise run.error
 
     async def _run_loop_chain(self, run: _Run, chain: tuple[int, ...]) -> None:
-        step, layout = run.step, run.layout
-        is_async = step.plan.is_async
+        iteration, layout = run.iteration, run.layout
+        is_async = iteration.plan.is_async
         slow_s = self.slow_wait_s
         slow_ticket = self._slow_ticket_warning(run)
         for i in chain:
             ticket = layout.tickets.get(i)
             cross_preds = layout.cross_preds.get(i, ())
-            if step.tracing and (cross_preds or ticket is not None):
-                step.mark_ready(i)
+            if iteration.tracing and (cross_preds or ticket is not None):
+                iteration.mark_ready(i)
             for p in cross_preds:
                 flag = run.flags[p]
                 if slow_s is None or flag.is_set():
@@ -394,9 +394,9 @@ class AsyncExecutor:
                 if ticket is not None:
                     await run.tickets.acquire(ticket, slow_s, slow_ticket)
                 if is_async[i]:
-                    await step.invoke_async(i)
+                    await iteration.invoke_async(i)
                 else:
-                    step.invoke(i)
+                    iteration.invoke(i)
             except TicketAbortedError:
                 return
             except Exception as exc:
@@ -406,16 +406,16 @@ class AsyncExecutor:
 
     def _run_thread_chain(self, run: _Run, lane: Lane, chain: tuple[int, ...]) -> None:
         """Runs on ``lane``'s thread."""
-        step, layout = run.step, run.layout
-        is_async = step.plan.is_async
+        iteration, layout = run.iteration, run.layout
+        is_async = iteration.plan.is_async
         slow_s = self.slow_wait_s
         slow_ticket = self._slow_ticket_warning(run)
         try:
             for i in chain:
                 ticket = layout.tickets.get(i)
                 cross_preds = layout.cross_preds.get(i, ())
-                if step.tracing and (cross_preds or ticket is not None):
-                    step.mark_ready(i)
+                if iteration.tracing and (cross_preds or ticket is not None):
+                    iteration.mark_ready(i)
                 for p in cross_preds:
                     # set on failure too; a timeout only reports a long wait
                     if not run.flags[p].wait_blocking(slow_s):
@@ -429,7 +429,7 @@ class AsyncExecutor:
                     if is_async[i]:
                         self._hand_to_loop(run, lane, i)
                     else:
-                        step.invoke(i)
+                        iteration.invoke(i)
                 except TicketAbortedError:
                     return
                 except BaseException as exc:
@@ -444,10 +444,10 @@ class AsyncExecutor:
     # -- long waits --------------------------------------------------------------------
 
     def _warn_slow_wait(self, run: _Run, index: int, pred: int, seconds: float | None) -> None:
-        names = run.step.plan.order
+        names = run.iteration.plan.order
         executor_log.warning(
             "%s: task %r (iteration %d, lane %r) has waited %g s for task %r on lane %r; "
-            "still waiting", run.step.pipeline, names[index].name, run.step.iteration,
+            "still waiting", run.iteration.pipeline, names[index].name, run.iteration.number,
             self._lane_of[index], seconds, names[pred].name, self._lane_of[pred],
         )  # fmt: skip
 
@@ -458,12 +458,12 @@ class AsyncExecutor:
         return functools.partial(self._warn_slow_ticket, run, self.slow_wait_s)
 
     def _warn_slow_ticket(self, run: _Run, seconds: float | None, ticket: int) -> None:
-        plan, index = run.step.plan, run.layout.collectives[ticket]
+        plan, index = run.iteration.plan, run.layout.collectives[ticket]
         holder = plan.order[run.layout.collectives[ticket - 1]].name if ticket else "none"
         executor_log.warning(
             "%s: task %r (iteration %d, lane %r) has waited %g s for collective ticket %d "
             "(the collective before it, %r, has not finished submitting); still waiting",
-            run.step.pipeline, plan.order[index].name, run.step.iteration,
+            run.iteration.pipeline, plan.order[index].name, run.iteration.number,
             self._lane_of[index], seconds, ticket, holder,
         )  # fmt: skip
 
@@ -479,7 +479,7 @@ class AsyncExecutor:
         async def body() -> None:
             try:
                 if not run.failed:
-                    await run.step.invoke_async(index, lane_runner)
+                    await run.iteration.invoke_async(index, lane_runner)
             except BaseException as exc:
                 outcome.append(exc)
             finally:

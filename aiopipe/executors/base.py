@@ -1,29 +1,29 @@
-"""The executor protocol, and ``Step``: one internal iteration handed to an executor.
+"""The executor protocol, and ``Iteration``: one internal iteration handed to an executor.
 
 An executor decides *where* and *when* each active task runs (which thread, in which
 order, what overlaps).  *How* a task runs is the same everywhere and lives in
-:meth:`Step.invoke` / :meth:`Step.invoke_async`: set the task context, issue its
+:meth:`Iteration.invoke` / :meth:`Iteration.invoke_async`: set the task context, issue its
 cross-stream event waits, run the body under its stream and NVTX range, record its
 completion event in the batch's slot store.
 
 A custom executor implements three methods::
 
     class MyExecutor:
-        def bind(self, plan: ExecutionPlan) -> None: ...   # once, before any step
-        async def run_step(self, step: Step) -> None: ...  # once per iteration
+        def bind(self, plan: ExecutionPlan) -> None: ...   # once, before any iteration
+        async def run_iteration(self, iteration: Iteration) -> None: ...  # once per iteration
         def shutdown(self) -> None: ...                    # idempotent
 
-``run_step`` must run every task of ``step.active`` exactly once, never start a task
+``run_iteration`` must run every task of ``iteration.active`` exactly once, never start a task
 before its same-progress predecessors (``plan.preds``) and the previous active task
 on its stream have finished, run stages in order, and raise the first task failure
 after every started task has finished.  Device-only ``same_progress_sync`` waits need
-nothing from it: ``Step`` issues them, and the pipeline calls :meth:`Step.finish`.
+nothing from it: ``Iteration`` issues them, and the pipeline calls :meth:`Iteration.finish`.
 
-An executor may also offer ``start_step(step, on_done)``: start the whole step now,
+An executor may also offer ``start_iteration(iteration, on_done)``: start the whole iteration now,
 from the caller's frame, and return a handle with ``abort(exc)`` and a blocking
 ``wait(timeout)``; then call ``on_done(error)`` exactly once, later, on the loop's
-thread.  Or return ``None``, and ``run_step`` is awaited in a task instead
-(``AsyncExecutor`` runs a step this way when every task of it is mapped to a lane
+thread.  Or return ``None``, and ``run_iteration`` is awaited in a task instead
+(``AsyncExecutor`` runs a iteration this way when every task of it is mapped to a lane
 thread).
 """
 
@@ -46,17 +46,17 @@ if TYPE_CHECKING:
     from .._core.nvtx import Annotator
     from ..trace import Tracer
 
-__all__ = ("Executor", "Step", "annotate_failure")
+__all__ = ("Executor", "Iteration", "annotate_failure")
 
 
 @runtime_checkable
 class Executor(Protocol):
-    """What a pipeline needs from an executor: ``bind`` once, ``run_step`` per
+    """What a pipeline needs from an executor: ``bind`` once, ``run_iteration`` per
     iteration, ``shutdown`` (idempotent).  See this module's docstring."""
 
     def bind(self, plan: ExecutionPlan) -> None: ...
 
-    async def run_step(self, step: Step) -> None: ...
+    async def run_iteration(self, iteration: Iteration) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -66,19 +66,20 @@ def annotate_failure(exc: BaseException, task_name: str, iteration: int, batch: 
     attach_origin(exc, task_name, f"at iteration {iteration} (batch {batch})", aiopipe_iteration=iteration)
 
 
-class Step:
+class Iteration:
     """The active tasks of one internal iteration and the means to run them.
 
-    An executor's ``run_step(step)`` reads ``step.plan`` (the :class:`ExecutionPlan`),
-    ``step.iteration`` and ``step.active`` (an :class:`~aiopipe.plan.ActiveSet` of task
-    numbers), and runs each active task once with :meth:`invoke` (a synchronous body,
-    on the calling thread) or :meth:`invoke_async` (an ``async def`` body).
-    ``step.started`` turns true once any body has begun.
+    An executor's ``run_iteration(iteration)`` reads ``iteration.plan`` (the
+    :class:`ExecutionPlan`), ``iteration.number`` (counting from 0 in each source)
+    and ``iteration.active`` (an :class:`~aiopipe.plan.ActiveSet` of task numbers),
+    and runs each active task once with :meth:`invoke` (a synchronous body, on the
+    calling thread) or :meth:`invoke_async` (an ``async def`` body).
+    ``iteration.started`` turns true once any body has begun.
     """
 
     __slots__ = (
         "_annotator", "_ctx", "_deferred_syncs", "_lanes", "_ready_ns", "_ring", "_tracer",
-        "active", "iteration", "pipeline", "plan", "started",
+        "active", "number", "pipeline", "plan", "started",
     )  # fmt: skip
 
     def __init__(
@@ -86,7 +87,7 @@ class Step:
         plan: ExecutionPlan,
         ring: BatchRing,
         ctx: TaskContext,
-        iteration: int,
+        number: int,
         active: ActiveSet,
         annotator: Annotator | None = None,
         tracer: Tracer | None = None,
@@ -94,9 +95,9 @@ class Step:
         pipeline: str = "",
     ) -> None:
         self.plan = plan
-        #: The name of the pipeline running the step (log records, trace tracks).
+        #: The name of the pipeline running the iteration (log records, trace tracks).
         self.pipeline = pipeline
-        self.iteration = iteration
+        self.number = number
         self.active = active
         #: Set once any task body has begun: the iteration can no longer be retried.
         self.started = False
@@ -121,14 +122,14 @@ class Step:
         self._ready_ns[index] = time.perf_counter_ns()
 
     def batch_index(self, index: int) -> int:
-        return self.iteration - self.plan.lag[index]
+        return self.number - self.plan.lag[index]
 
     def _enter(self, index: int, run_on_lane: LaneRunner | None) -> Any:
         self.started = True
         running = Running(
             self.plan.order[index],
             self._ring.at(self.plan.lookahead[index]),
-            self.iteration,
+            self.number,
             self.batch_index(index),
             run_on_lane,
         )
@@ -184,9 +185,9 @@ class Step:
         if isinstance(exc, Exception) and executor_log.isEnabledFor(logging.WARNING):
             executor_log.warning(
                 "%s: task %r failed at iteration %d (batch %d) on %s: %s: %s", self.pipeline,
-                task, self.iteration, batch, self._lane_name(index), type(exc).__name__, exc,
+                task, self.number, batch, self._lane_name(index), type(exc).__name__, exc,
             )  # fmt: skip
-        annotate_failure(exc, task, self.iteration, batch)
+        annotate_failure(exc, task, self.number, batch)
 
     def _lane_name(self, index: int) -> str:
         """Where task ``index`` runs, for a record (its lane, else the thread's)."""
@@ -219,8 +220,8 @@ class Step:
             Running(
                 task,
                 self._ring.at(plan.lookahead[index]),
-                self.iteration,
-                self.iteration - plan.lag[index],
+                self.number,
+                self.number - plan.lag[index],
                 run_on_lane,
             )
         )
@@ -319,7 +320,7 @@ class Step:
         thread = threading.current_thread().name
         ready = self._ready_ns.pop(index, start) if self._ready_ns else start
         raw = (
-            plan.order[index].name, self.iteration, self.iteration - plan.lag[index],
+            plan.order[index].name, self.number, self.number - plan.lag[index],
             self._lanes[index] if self._lanes else lane_of_thread(thread), thread,
             plan.stream[index], start, end, start - ready if ready < start else 0, failed,
             self.pipeline, None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..plan import ExecutionPlan
-from .base import Step
+from .base import Iteration
 
 __all__ = ("SequentialExecutor",)
 
@@ -19,13 +19,13 @@ class SequentialExecutor:
     def bind(self, plan: ExecutionPlan) -> None:
         self._plan = plan
 
-    async def run_step(self, step: Step) -> None:
-        is_async = step.plan.is_async
-        for index in step.active.all:
+    async def run_iteration(self, iteration: Iteration) -> None:
+        is_async = iteration.plan.is_async
+        for index in iteration.active.all:
             if is_async[index]:
-                await step.invoke_async(index)
+                await iteration.invoke_async(index)
             else:
-                step.invoke(index)
+                iteration.invoke(index)
 
     def shutdown(self) -> None:
         return None

@@ -1,9 +1,9 @@
 """Specification §9.3: plugging in an executor of your own.
 
 An executor decides where and when the active tasks of each iteration run.  It
-implements ``bind(plan)`` (once), ``async run_step(step)`` (every iteration) and
+implements ``bind(plan)`` (once), ``async run_iteration(iteration)`` (every iteration) and
 ``shutdown()``.  ``VerboseExecutor`` logs the tasks of each iteration, then hands the
-step to the executor it wraps -- here the sequential one, the reference semantics.
+iteration to the executor it wraps -- here the sequential one, the reference semantics.
 
     python examples/spec/custom_executor.py
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from aiopipe import Executor, SchedulablePipeline, SequentialExecutor, basic
-from aiopipe.executors import Step
+from aiopipe.executors import Iteration
 from aiopipe.plan import ExecutionPlan
 
 import toy
@@ -28,10 +28,10 @@ class VerboseExecutor:
     def bind(self, plan: ExecutionPlan) -> None:
         self._inner.bind(plan)
 
-    async def run_step(self, step: Step) -> None:
-        names = [step.plan.order[index].name for index in step.active.all]
-        self.log.append(f"[iteration {step.iteration}] {' -> '.join(names)}")
-        await self._inner.run_step(step)
+    async def run_iteration(self, iteration: Iteration) -> None:
+        names = [iteration.plan.order[index].name for index in iteration.active.all]
+        self.log.append(f"[iteration {iteration.number}] {' -> '.join(names)}")
+        await self._inner.run_iteration(iteration)
 
     def shutdown(self) -> None:
         self._inner.shutdown()

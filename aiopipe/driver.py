@@ -1,0 +1,300 @@
+"""``IterationDriver``: the life of one internal iteration, owned in one place.
+
+It delivers a source's results one by one (:meth:`IterationDriver.next_result`),
+running the tasks' ``init`` once and then iterations as needed.
+
+The driver starts an iteration -- on the executor's fast path when it offers one
+(``start_iteration``: the lanes run it all, no asyncio task), else as a task awaiting
+``run_iteration`` -- and ends it exactly once, whichever way it ran: the result goes
+to the feed's outbox, the ring advances, the callers waiting are woken and evicted
+slot stores are freed.  It guards the lanes when a caller leaves early, and holds the
+failure of an iteration whose caller was cancelled for the next call.
+
+Invariant (cancel-safety): an iteration that has started runs to its end whatever
+happens to the callers awaiting it; its result is delivered once, by whichever call
+comes next.  Only a task body that raises breaks an iteration; if one does after
+other bodies ran, :attr:`broken` says so until the pipeline is reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from ._core.log import pipeline_log
+from ._core.nvtx import Annotator
+from ._core.waker import wait_settled
+from .context import CURRENT, Running, TaskContext
+from .errors import PipelineStateError
+from .executors import Executor, Iteration, IterationHandle
+from .plan import ExecutionPlan
+from .ring import BatchRing, RetiredStores
+from .source import Feed
+from .task import RESULT_SLOT
+from .trace import Tracer
+
+__all__ = ("IterationDriver",)
+
+StartFast = Callable[[Iteration, Callable[[BaseException | None], None]], "IterationHandle | None"]
+
+
+class IterationDriver:
+    """Starts, ends and guards the internal iterations of one pipeline."""
+
+    def __init__(
+        self, plan: ExecutionPlan, ring: BatchRing, ctx: TaskContext, executor: Executor, *,
+        annotator: Annotator | None, tracer: Tracer | None, lane_names: tuple[str, ...],
+        pipeline: str, retired: RetiredStores,
+    ) -> None:  # fmt: skip
+        self._plan, self._ring, self._ctx, self._executor = plan, ring, ctx, executor
+        self._annotator, self._tracer = annotator, tracer
+        self._lane_names, self._pipeline, self._retired = lane_names, pipeline, retired
+        self._start_fast: StartFast | None = getattr(executor, "start_iteration", None)
+        # The iteration under way: a task, or a future the lanes' callback completes.
+        # Cancelling a caller never cancels it.
+        self.running: asyncio.Future[None] | None = None
+        #: Why the batches in flight are in an unknown state (an iteration failed
+        #: after some of its tasks ran); ``None`` while they are intact.
+        self.broken: str | None = None
+        self._failure: BaseException | None = None  # of an iteration nobody awaited
+        self._handle: IterationHandle | None = None  # the running fast-path iteration
+        self._guarded: asyncio.Future[None] | None = None  # the iteration last guarded
+        self._guards: set[asyncio.Task[None]] = set()
+        self._waiters: list[asyncio.Future[None]] = []  # woken by the iteration's end
+        self._initialised = False
+        self._init_done: set[str] = set()  # tasks whose init() has run
+
+    # -- delivering results ----------------------------------------------------------------
+
+    async def next_result(self, feed: Feed) -> tuple[bool, Any]:
+        """Deliver the next result of ``feed``, running iterations as needed;
+        ``(False, None)`` once every result has been delivered.  Cancelling the
+        caller leaves the iteration under way running."""
+        if feed.lost is not None and not (feed.exhausted or feed.draining):
+            raise PipelineStateError(
+                f"{feed.lost}: the rest of its items cannot be read. drain() finishes the "
+                f"{feed.in_flight} batch(es) in flight; then pass a new source (a cancel-safe "
+                f"one, e.g. a queue or memory channel, survives cancellation)"
+            )
+        if not self._initialised:
+            await self._init_tasks()
+        while True:
+            if feed.outbox:
+                feed.returned += 1
+                return True, feed.outbox.popleft()
+            self.raise_pending_failure()
+            if self.running is None:
+                if not feed.exhausted and not feed.top_pulled:
+                    await feed.pull(self._ring.top)
+                if feed.finished:
+                    return False, None
+                in_task = self.start(feed)
+                if feed.can_read_ahead:
+                    # Read the next batch while this iteration runs.  A task first hands
+                    # its work to the lanes (tasks start in FIFO order).
+                    try:
+                        if in_task:
+                            await asyncio.sleep(0)
+                        feed.read_ahead()
+                    except BaseException:  # cancelled, or the source raised KeyboardInterrupt
+                        self.guard_lanes()
+                        raise
+            await self.wait_ended()  # guards the lanes too if the caller leaves
+
+    async def _init_tasks(self) -> None:
+        for task in self._plan.order:
+            if task.name in self._init_done:  # an earlier call failed after it
+                continue
+            token = CURRENT.set(Running(task, None, -1, -1, None))
+            try:
+                result = task.init(self._ctx)
+                if inspect.isawaitable(result):
+                    await result
+            finally:
+                CURRENT.reset(token)
+            self._init_done.add(task.name)
+        self._initialised = True
+        pipeline_log.info("%s: init() of %d tasks done; up to %d batches will be in flight",
+                          self._pipeline, len(self._plan), self._plan.max_lookahead + 1)  # fmt: skip
+
+    # -- starting ----------------------------------------------------------------------
+
+    def start(self, feed: Feed) -> bool:
+        """Start the feed's next iteration; whether it runs as a task (which has yet
+        to run: the caller yields once before relying on its lanes having started).
+
+        The fast path hands the whole iteration to the lanes now, and its end is
+        handled in the callback that wakes the loop: no task to create and wake, two
+        loop cycles fewer on every iteration's critical path (docs/performance.md)."""
+        plan = self._plan
+        iteration = Iteration(
+            plan, self._ring, self._ctx, feed.iteration, plan.active(feed.iteration, feed.pulled),
+            self._annotator, self._tracer, self._lane_names, self._pipeline,
+        )  # fmt: skip
+        if self._start_fast is not None:
+            done = asyncio.get_running_loop().create_future()
+            handle = self._start_fast(
+                iteration, functools.partial(self._lanes_finished, feed, iteration, done)
+            )
+            if handle is not None:
+                self.running, self._handle = done, handle
+                return False
+        running = asyncio.ensure_future(self._run_as_task(feed, iteration))
+        if not running.done():  # an eager task factory may have run it to the end
+            self.running = running
+        return True
+
+    async def _run_as_task(self, feed: Feed, iteration: Iteration) -> None:
+        """A task of its own: a cancelled caller stops waiting for it, but it runs on.
+        Only shutting the loop down cancels it (the executor then stops cleanly)."""
+        error: BaseException | None = None
+        try:
+            await self._executor.run_iteration(iteration)
+        except BaseException as exc:
+            error = exc
+        error = self._end(feed, iteration, error)
+        if error is not None and not isinstance(error, Exception):
+            raise error  # the loop shutting down, KeyboardInterrupt: let it through
+
+    def _lanes_finished(
+        self, feed: Feed, iteration: Iteration, done: asyncio.Future[None],
+        error: BaseException | None,
+    ) -> None:  # fmt: skip
+        """On the loop, once the lanes have run every task of a fast-path iteration.
+        Never raises, bar a ``KeyboardInterrupt``/``SystemExit`` from a body, let
+        through as a task would (after the waiting callers were woken)."""
+        error = self._end(feed, iteration, error, done)
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise error  # out of the loop, as from a task (the pipeline now asks for reset)
+
+    # -- ending, exactly once --------------------------------------------------------------
+
+    def _end(
+        self, feed: Feed, iteration: Iteration, error: BaseException | None,
+        done: asyncio.Future[None] | None = None,
+    ) -> BaseException | None:  # fmt: skip
+        """Deliver the iteration's result, or record its failure; wake its waiters and
+        free what it evicted.  Returns the failure, if any (the device or this
+        bookkeeping may fail too)."""
+        self.running = self._handle = None
+        try:
+            if error is None:
+                iteration.finish()
+                self._advance(feed, iteration)
+        except BaseException as exc:
+            error = exc
+        if error is not None:
+            # Before any task ran, the next call runs this iteration again, batch and all.
+            if iteration.started:
+                self.broken = (
+                    f"iteration {iteration.number} was interrupted by "
+                    f"{type(error).__name__} after some of its tasks ran"
+                )
+            if isinstance(error, Exception):
+                self._failure = error  # raised by the caller, or by the next call
+        if done is not None:
+            done.set_result(None)
+        self._wake_waiters()
+        self._retired.free_soon()
+        return error
+
+    def _advance(self, feed: Feed, iteration: Iteration) -> None:
+        feed.top_pulled = False
+        if 0 <= iteration.number - self._plan.max_lookahead < feed.pulled:
+            feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
+        self._retired.add(self._ring.advance())
+        feed.iteration += 1
+
+    def _wake_waiters(self) -> None:
+        """Wake the callers waiting for the iteration that just ended, from the
+        iteration itself: one loop cycle sooner than a done-callback would."""
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():  # else its caller was cancelled
+                waiter.set_result(None)
+
+    # -- waiting -------------------------------------------------------------------------
+
+    async def wait_ended(self) -> None:
+        """Wait for the iteration under way to end; cancelling the caller leaves it
+        running (and its lanes guarded)."""
+        running = self.running
+        if running is None or running.done():  # it ended already (it may never suspend)
+            return
+        if running.get_loop() is not asyncio.get_running_loop():
+            raise PipelineStateError(
+                "the iteration under way runs on another event loop (a call there was "
+                "cancelled or timed out, and its iteration runs on); finish it on that "
+                "loop ('await pipe.aclose()' or another progress() there)"
+            )
+        waiter = running.get_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            self.guard_lanes()
+            raise
+
+    async def wait_idle(self) -> None:
+        """Wait until no iteration runs, through any cancellation (cancel scopes
+        re-deliver theirs: the iteration is finished anyway)."""
+        while self.running is not None:
+            try:
+                await self.wait_ended()
+            except asyncio.CancelledError:
+                continue
+
+    def guard_lanes(self) -> None:
+        """A fast-path iteration's caller left early (cancelled): make a loop shutting
+        down wait for the iteration, as it would for a task awaiting ``run_iteration``.
+
+        Two things, since the caller's own cancellation may come from that shutdown.
+        A task waits for the iteration; cancelled (``asyncio.run`` cancels every task
+        left), it skips the iteration's tasks not yet started.  And a thread of the
+        loop's default executor waits for the lanes: ``asyncio.run`` (like every
+        runner of this package) waits for those threads before it closes the loop, so
+        the iteration's end is still handled on it."""
+        running, handle = self.running, self._handle
+        if handle is None or running is None or self._guarded is running:
+            return  # a task's iteration, none, or guarded already (by an earlier caller)
+        self._guarded = running
+        guard = asyncio.ensure_future(_await_lanes(running, handle))
+        self._guards.add(guard)  # referenced until done
+        guard.add_done_callback(self._guards.discard)
+        try:
+            asyncio.get_running_loop().run_in_executor(None, handle.wait)
+        except RuntimeError:  # the executor is shut down already: the task alone
+            pass
+
+    # -- failures ------------------------------------------------------------------------
+
+    def raise_pending_failure(self) -> None:
+        """An iteration failed with no caller waiting (it was cancelled): the next
+        call reports the original error, once."""
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def refuse_while_running(self, what: str) -> None:
+        if self.running is not None:
+            raise PipelineStateError(
+                f"cannot call {what} while an iteration is still running (the progress() "
+                f"that started it was cancelled); 'await pipe.aclose()', or any call that "
+                f"awaits it first (progress, drain), finishes it"
+            )
+
+    def clear(self) -> None:
+        """Forget a pending failure and a broken state (the pipeline is reset)."""
+        self._failure = None
+        self.broken = None
+
+
+async def _await_lanes(done: asyncio.Future[None], handle: IterationHandle) -> None:
+    while not done.done():
+        try:
+            await wait_settled(done)
+        except asyncio.CancelledError:  # the loop is shutting down
+            handle.abort(asyncio.CancelledError())

@@ -1,0 +1,41 @@
+"""``PipelineOptions``: the keyword options every pipeline constructor takes.
+
+Declared once and passed on as ``**options``, so ``SchedulablePipeline``,
+``Pipeline`` and the presets cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypedDict
+
+from ._core.nvtx import Annotator
+from .trace import Tracer
+
+__all__ = ("PipelineOptions",)
+
+
+class PipelineOptions(TypedDict, total=False):
+    """The keyword options of every pipeline (all optional).
+
+    * ``nvtx``: NVTX ranges around task bodies -- ``None`` (the default) when a GPU
+      and the ``nvtx`` package are present, ``True``/``False``, or an annotator.
+    * ``trace``: ``True`` (or a shared :class:`~aiopipe.trace.Tracer`) records a
+      span per task run.
+    * ``check_batch(batch)`` may raise to refuse a malformed batch before it enters
+      the ring: ``progress`` then raises :class:`~aiopipe.errors.BadBatchError` and
+      the batches in flight stay intact.
+    * ``read_ahead`` (default ``True``): read the next batch while an iteration runs.
+    * ``expect_result`` (default ``True``): warn with
+      :class:`~aiopipe.errors.NoStepResultWarning` when no task writes
+      ``step_result``; ``False`` says the pipeline runs for its side effects.
+    * ``name`` labels the pipeline in log records and in the tracks of a shared
+      tracer (default ``"pipeline N"``, numbered in the order pipelines are built).
+    """
+
+    nvtx: bool | Annotator | None
+    trace: bool | Tracer | None
+    check_batch: Callable[[Any], None] | None
+    read_ahead: bool
+    expect_result: bool
+    name: str | None
