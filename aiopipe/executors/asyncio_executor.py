@@ -20,23 +20,23 @@ import asyncio
 import functools
 import os
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._core.lanes import LOOP_LANE, Lane, LanePool, call_on_lane
 from .._core.log import executor_log
 from .._core.malloc import keep_freed_memory
 from .._core.openmp import release_thread_pool
+from .._core.tickets import TicketLock, TicketStatistics
+from .._core.waker import LoopWaker
 from ..errors import CollectiveOrderError, TicketAbortedError
+from ..lanes import ThreadMap, resolve_lane
 from ..plan import ExecutionPlan
 from .base import Iteration
-from .._core.lanes import LOOP_LANE, Lane, LanePool, call_on_lane
-from ..lanes import ThreadMap, resolve_lane
+from .layout import StageLayout, build_layout
 from .order_check import CollectiveOrderCheck
-from .._core.flags import OneShotFlag
-from .._core.waker import LoopWaker, settle_future
-from .._core.tickets import TicketLock, TicketStatistics
+from .stage import IterationHandle, StageRun
 
 __all__ = (
     "AsyncExecutor", "ExecutorStatistics", "LOOP_SWITCH_INTERVAL_S", "SLOW_WAIT_S", "IterationHandle",
@@ -63,116 +63,9 @@ def keep_loop_responsive() -> None:
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """How one stage's active tasks map onto lanes (cached per active set)."""
-
-    thread_chains: tuple[tuple[str, tuple[int, ...]], ...]
-    loop_chain: tuple[int, ...]
-    cross_preds: dict[int, tuple[int, ...]]  # CPU predecessors on other lanes
-    signalled: tuple[int, ...]  # tasks some other lane waits for
-    tickets: dict[int, int]  # empty when all collectives share one lane
-    collectives: tuple[int, ...]  # nccl tasks, topological order
-
-
-@dataclass(frozen=True)
 class ExecutorStatistics:
     lanes: tuple[str, ...]
     tickets: TicketStatistics
-
-
-class _Run:
-    """Shared state of one stage of one iteration."""
-
-    __slots__ = (
-        "async_tasks", "error", "failed", "finished", "layout", "lock", "on_done", "outstanding",
-        "flags", "iteration", "threads_done", "tickets", "waker",
-    )  # fmt: skip
-
-    def __init__(
-        self, iteration: Iteration, layout: _Layout, waker: LoopWaker, tickets: TicketLock,
-        on_done: Callable[[BaseException | None], None] | None = None,
-    ) -> None:  # fmt: skip
-        self.iteration = iteration
-        self.layout = layout
-        self.waker = waker
-        self.tickets = tickets
-        self.lock = threading.Lock()
-        self.failed = False
-        self.error: BaseException | None = None
-        self.flags = {i: OneShotFlag(waker, self.lock) for i in layout.signalled}
-        self.outstanding = len(layout.thread_chains)
-        self.finished = threading.Event()  # every lane is done with this stage
-        # Who hears that the last lane finished: a callback on the loop (start_iteration),
-        # else a future awaited by _finish_stage.
-        self.on_done = on_done
-        self.threads_done: asyncio.Future[None] | None = (
-            waker.loop.create_future() if layout.thread_chains and on_done is None else None
-        )
-        self.async_tasks: set[asyncio.Task[None]] = set()
-
-    def fail(self, exc: BaseException) -> None:
-        with self.lock:
-            if self.error is None:
-                self.error = exc
-            self.failed = True
-        self.tickets.abort(f"{type(exc).__name__} in the same progress")
-        for flag in self.flags.values():
-            flag.set()
-
-    def thread_chain_finished(self) -> None:
-        with self.lock:
-            self.outstanding -= 1
-            if self.outstanding:
-                return
-            future = self.threads_done
-        # Queued, then `finished` set, then the loop woken: woken first, the loop
-        # thread would wait for this thread to let go of the GIL.
-        if future is not None:
-            wake = self.waker.post(settle_future, future, None, None)
-        else:  # a iteration started by start_iteration: its callback
-            wake = self.on_done is not None and self.waker.post(self.on_done, self.error)
-        self.finished.set()  # after the iteration's end is queued: a waiter finds it on the loop
-        if wake:
-            self.waker.wake()
-
-    def renew_threads_done(self) -> asyncio.Future[None] | None:
-        """A fresh future for the lanes still running (cancelling the task that
-        awaited ``threads_done`` cancelled that future too); ``None`` if none run."""
-        with self.lock:
-            if self.outstanding == 0:
-                return None
-            self.threads_done = self.waker.loop.create_future()
-            return self.threads_done
-
-    def finish_task(self, index: int) -> None:
-        ticket = self.layout.tickets.get(index)
-        if ticket is not None:
-            self.tickets.release(ticket)
-        flag = self.flags.get(index)
-        if flag is not None:
-            flag.set()
-
-
-class IterationHandle:
-    """A iteration started by :meth:`AsyncExecutor.start_iteration`."""
-
-    __slots__ = ("_run",)
-
-    def __init__(self, run: _Run) -> None:
-        self._run = run
-
-    def abort(self, exc: BaseException) -> None:
-        """Skip the tasks not yet started (the loop is shutting down); running bodies
-        finish, then ``on_done`` is called as usual."""
-        self._run.fail(exc)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until every lane has finished the iteration (``True``), or ``timeout``
-        seconds have passed (``False``).  Any thread but the lanes'."""
-        if not self._run.finished.wait(timeout):
-            return False
-        self._run.waker.wake()  # the iteration's end may be queued, its wake-up not yet written
-        return True
 
 
 class AsyncExecutor:
@@ -209,7 +102,7 @@ class AsyncExecutor:
         )
         self._plan: ExecutionPlan | None = None
         self._lane_of: tuple[str, ...] = ()
-        self._layouts: dict[tuple[int, ...], _Layout] = {}
+        self._layouts: dict[tuple[int, ...], StageLayout] = {}
         self._compute_off_loop = False
 
     # -- protocol ----------------------------------------------------------------------
@@ -282,49 +175,18 @@ class AsyncExecutor:
             raise RuntimeError("AsyncExecutor used before bind()")
         return self._plan
 
-    def _layout(self, active: tuple[int, ...]) -> _Layout:
+    def _layout(self, active: tuple[int, ...]) -> StageLayout:
         layout = self._layouts.get(active)
         if layout is None:
-            layout = self._layouts[active] = self._build_layout(active)
+            layout = self._layouts[active] = build_layout(self._require_plan(), self._lane_of, active)
         return layout
-
-    def _build_layout(self, active: tuple[int, ...]) -> _Layout:
-        plan, lane_of = self._require_plan(), self._lane_of
-        active_set = set(active)
-        same_stream = plan.same_stream_predecessor(active)
-        chains: dict[str, list[int]] = {}
-        cross_preds: dict[int, tuple[int, ...]] = {}
-        for i in active:
-            chains.setdefault(lane_of[i], []).append(i)
-            preds = {p for p in plan.preds[i] if p in active_set}
-            if i in same_stream:
-                preds.add(same_stream[i])
-            cross = tuple(sorted(p for p in preds if lane_of[p] != lane_of[i]))
-            if cross:
-                cross_preds[i] = cross
-        collectives = tuple(i for i in active if plan.nccl[i])
-        needs_lock = len({lane_of[i] for i in collectives}) > 1
-        # The chain finishing this progress's batch is handed over first: its lane wakes
-        # first and takes the GIL before lanes working on batches ahead.
-        by_urgency = sorted(
-            (lane for lane in chains if lane != LOOP_LANE),
-            key=lambda lane: (min(plan.lookahead[i] for i in chains[lane]), chains[lane][0]),
-        )
-        return _Layout(
-            thread_chains=tuple((lane, tuple(chains[lane])) for lane in by_urgency),
-            loop_chain=tuple(chains.get(LOOP_LANE, ())),
-            cross_preds=cross_preds,
-            signalled=tuple(sorted({p for preds in cross_preds.values() for p in preds})),
-            tickets={i: k for k, i in enumerate(collectives)} if needs_lock else {},
-            collectives=collectives,
-        )
 
     # -- one stage ---------------------------------------------------------------------
 
     def _begin_stage(
         self, iteration: Iteration, active: tuple[int, ...],
         on_done: Callable[[BaseException | None], None] | None = None,
-    ) -> _Run:  # fmt: skip
+    ) -> StageRun:  # fmt: skip
         """Hand the stage's thread chains to their lanes; :meth:`_finish_stage` runs
         the loop's chain and waits for the lanes (or ``on_done`` is called, see
         :meth:`start_iteration`)."""
@@ -332,7 +194,7 @@ class AsyncExecutor:
         waker = LoopWaker(asyncio.get_running_loop())
         lanes = [self._lane_pool.get(name) for name, _ in layout.thread_chains]  # may start threads
         self._tickets.reset(waker)
-        run = _Run(iteration, layout, waker, self._tickets, on_done)
+        run = StageRun(iteration, layout, waker, self._tickets, on_done)
         for lane, (_, chain) in zip(lanes, layout.thread_chains):
             lane.submit(functools.partial(self._run_thread_chain, run, lane, chain))
         if self._compute_off_loop:
@@ -345,7 +207,7 @@ class AsyncExecutor:
             _yield_cpu()
         return run
 
-    async def _finish_stage(self, run: _Run) -> None:
+    async def _finish_stage(self, run: StageRun) -> None:
         layout = run.layout
         try:
             if layout.loop_chain:
@@ -368,7 +230,7 @@ class AsyncExecutor:
         if run.error is not None:
             raise run.error
 
-    async def _run_loop_chain(self, run: _Run, chain: tuple[int, ...]) -> None:
+    async def _run_loop_chain(self, run: StageRun, chain: tuple[int, ...]) -> None:
         iteration, layout = run.iteration, run.layout
         is_async = iteration.plan.is_async
         slow_s = self.slow_wait_s
@@ -404,7 +266,7 @@ class AsyncExecutor:
                 return
             run.finish_task(i)
 
-    def _run_thread_chain(self, run: _Run, lane: Lane, chain: tuple[int, ...]) -> None:
+    def _run_thread_chain(self, run: StageRun, lane: Lane, chain: tuple[int, ...]) -> None:
         """Runs on ``lane``'s thread."""
         iteration, layout = run.iteration, run.layout
         is_async = iteration.plan.is_async
@@ -443,7 +305,7 @@ class AsyncExecutor:
 
     # -- long waits --------------------------------------------------------------------
 
-    def _warn_slow_wait(self, run: _Run, index: int, pred: int, seconds: float | None) -> None:
+    def _warn_slow_wait(self, run: StageRun, index: int, pred: int, seconds: float | None) -> None:
         names = run.iteration.plan.order
         executor_log.warning(
             "%s: task %r (iteration %d, lane %r) has waited %g s for task %r on lane %r; "
@@ -451,13 +313,13 @@ class AsyncExecutor:
             self._lane_of[index], seconds, names[pred].name, self._lane_of[pred],
         )  # fmt: skip
 
-    def _slow_ticket_warning(self, run: _Run) -> Callable[[int], None] | None:
+    def _slow_ticket_warning(self, run: StageRun) -> Callable[[int], None] | None:
         """What a ticket wait calls once it has lasted ``slow_wait_s`` (if anything)."""
         if not run.layout.tickets or self.slow_wait_s is None:
             return None
         return functools.partial(self._warn_slow_ticket, run, self.slow_wait_s)
 
-    def _warn_slow_ticket(self, run: _Run, seconds: float | None, ticket: int) -> None:
+    def _warn_slow_ticket(self, run: StageRun, seconds: float | None, ticket: int) -> None:
         plan, index = run.iteration.plan, run.layout.collectives[ticket]
         holder = plan.order[run.layout.collectives[ticket - 1]].name if ticket else "none"
         executor_log.warning(
@@ -469,7 +331,7 @@ class AsyncExecutor:
 
     # -- async bodies on thread lanes --------------------------------------------------
 
-    def _hand_to_loop(self, run: _Run, lane: Lane, index: int) -> None:
+    def _hand_to_loop(self, run: StageRun, lane: Lane, index: int) -> None:
         """From ``lane``'s thread: run async task ``index`` on the loop, serving its
         ``run_on_lane`` calls here until it finishes; re-raise its error."""
         done = object()

@@ -78,7 +78,7 @@ class Iteration:
     """
 
     __slots__ = (
-        "_annotator", "_ctx", "_deferred_syncs", "_lanes", "_ready_ns", "_ring", "_tracer",
+        "_annotator", "_ctx", "_deferred_syncs", "_lane_names", "_ready_ns", "_ring", "_tracer",
         "active", "number", "pipeline", "plan", "started",
     )  # fmt: skip
 
@@ -91,7 +91,7 @@ class Iteration:
         active: ActiveSet,
         annotator: Annotator | None = None,
         tracer: Tracer | None = None,
-        lanes: tuple[str, ...] = (),
+        lane_names: tuple[str, ...] = (),
         pipeline: str = "",
     ) -> None:
         self.plan = plan
@@ -106,7 +106,7 @@ class Iteration:
         self._annotator = annotator
         #: With tracing on: where each task runs, and when its lane reached it.
         self._tracer = tracer
-        self._lanes = lanes
+        self._lane_names = lane_names
         self._ready_ns: dict[int, int] = {}
         #: Device-only syncs whose producer had not recorded when the consumer started:
         #: ``(consumer, producer, slot_offset)``, issued by :meth:`finish`.
@@ -191,8 +191,8 @@ class Iteration:
 
     def _lane_name(self, index: int) -> str:
         """Where task ``index`` runs, for a record (its lane, else the thread's)."""
-        if self._lanes:
-            return f"lane {self._lanes[index]!r}"
+        if self._lane_names:
+            return f"lane {self._lane_names[index]!r}"
         return f"lane {lane_of_thread(threading.current_thread().name)!r}"
 
     def invoke(self, index: int, run_on_lane: LaneRunner | None = None) -> None:
@@ -321,7 +321,7 @@ class Iteration:
         ready = self._ready_ns.pop(index, start) if self._ready_ns else start
         raw = (
             plan.order[index].name, self.number, self.number - plan.lag[index],
-            self._lanes[index] if self._lanes else lane_of_thread(thread), thread,
+            self._lane_names[index] if self._lane_names else lane_of_thread(thread), thread,
             plan.stream[index], start, end, start - ready if ready < start else 0, failed,
             self.pipeline, None,
         )  # fmt: skip

@@ -1,0 +1,58 @@
+"""``StageLayout``: how one stage's active tasks map onto the lanes of an
+``AsyncExecutor`` -- built once per active set and cached by the executor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._core.lanes import LOOP_LANE
+from ..plan import ExecutionPlan
+
+__all__ = ("StageLayout", "build_layout")
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """How one stage's active tasks map onto lanes (cached per active set)."""
+
+    thread_chains: tuple[tuple[str, tuple[int, ...]], ...]
+    loop_chain: tuple[int, ...]
+    cross_preds: dict[int, tuple[int, ...]]  # CPU predecessors on other lanes
+    flagged: tuple[int, ...]  # tasks some other lane waits for
+    tickets: dict[int, int]  # empty when all collectives share one lane
+    collectives: tuple[int, ...]  # nccl tasks, topological order
+
+
+def build_layout(
+    plan: ExecutionPlan, lane_of: tuple[str, ...], active: tuple[int, ...]
+) -> StageLayout:
+    """How the active tasks ``active`` of one stage map onto lanes: one chain per
+    lane in topological order, the cross-lane waits and the collective tickets."""
+    active_set = set(active)
+    same_stream = plan.same_stream_predecessor(active)
+    chains: dict[str, list[int]] = {}
+    cross_preds: dict[int, tuple[int, ...]] = {}
+    for i in active:
+        chains.setdefault(lane_of[i], []).append(i)
+        preds = {p for p in plan.preds[i] if p in active_set}
+        if i in same_stream:
+            preds.add(same_stream[i])
+        cross = tuple(sorted(p for p in preds if lane_of[p] != lane_of[i]))
+        if cross:
+            cross_preds[i] = cross
+    collectives = tuple(i for i in active if plan.nccl[i])
+    needs_lock = len({lane_of[i] for i in collectives}) > 1
+    # The chain finishing this progress's batch is handed over first: its lane wakes
+    # first and takes the GIL before lanes working on batches ahead.
+    by_urgency = sorted(
+        (lane for lane in chains if lane != LOOP_LANE),
+        key=lambda lane: (min(plan.lookahead[i] for i in chains[lane]), chains[lane][0]),
+    )
+    return StageLayout(
+        thread_chains=tuple((lane, tuple(chains[lane])) for lane in by_urgency),
+        loop_chain=tuple(chains.get(LOOP_LANE, ())),
+        cross_preds=cross_preds,
+        flagged=tuple(sorted({p for preds in cross_preds.values() for p in preds})),
+        tickets={i: k for k, i in enumerate(collectives)} if needs_lock else {},
+        collectives=collectives,
+    )
