@@ -156,7 +156,7 @@ def finish_loop(loop: asyncio.AbstractEventLoop) -> None:
     """Cancel what is left on ``loop`` and shut down its async generators and default
     executor (``asyncio.run``'s ending), before the owner closes it."""
     # A cancelled progress() leaves a task behind that waits for its step on the
-    # lanes (SchedulablePipeline._guard_lanes): cancel that one too.  A few rounds,
+    # lanes (IterationDriver.guard_lanes): cancel that one too.  A few rounds,
     # not forever (a task may start another as it is cancelled).
     for _ in range(4):
         pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
