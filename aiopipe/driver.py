@@ -66,6 +66,7 @@ class IterationDriver:
         self._waiters: list[asyncio.Future[None]] = []  # woken by the iteration's end
         self._initialised = False
         self._init_done: set[str] = set()  # tasks whose init() has run
+        self._inits: asyncio.Future[None] | None = None  # the task running them
 
     # -- delivering results ----------------------------------------------------------------
 
@@ -80,7 +81,7 @@ class IterationDriver:
                 f"one, e.g. a queue or memory channel, survives cancellation)"
             )
         if not self._initialised:
-            await self._init_tasks()
+            await self._run_inits()
         while True:
             if feed.outbox:
                 feed.returned += 1
@@ -103,6 +104,16 @@ class IterationDriver:
                         self.guard_lanes()
                         raise
             await self.wait_ended()  # guards the lanes too if the caller leaves
+
+    async def _run_inits(self) -> None:
+        """Run the tasks' ``init`` once, in a task of its own: a cancelled caller
+        leaves it running (the next call waits for it, never runs an init twice); a
+        failure is raised, and the next call retries the inits not yet done."""
+        inits = self._inits
+        if inits is None or (inits.done() and (inits.cancelled() or inits.exception())):
+            inits = self._inits = asyncio.ensure_future(self._init_tasks())
+        await wait_settled(inits)
+        inits.result()
 
     async def _init_tasks(self) -> None:
         for task in self._plan.order:
@@ -239,13 +250,10 @@ class IterationDriver:
             raise
 
     async def wait_idle(self) -> None:
-        """Wait until no iteration runs, through any cancellation (cancel scopes
-        re-deliver theirs: the iteration is finished anyway)."""
+        """Wait until no iteration runs.  Cancelling the caller stops the wait at once
+        (the iteration runs on, its lanes guarded) and raises ``CancelledError``."""
         while self.running is not None:
-            try:
-                await self.wait_ended()
-            except asyncio.CancelledError:
-                continue
+            await self.wait_ended()
 
     def guard_lanes(self) -> None:
         """A fast-path iteration's caller left early (cancelled): make a loop shutting

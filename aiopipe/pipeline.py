@@ -193,6 +193,12 @@ class SchedulablePipeline:
         try:
             feed = self._adopt(source)
             produced, result = await self._driver.next_result(feed)
+            if not produced and feed.draining:
+                # A drain() that was interrupted (cancelled, or a refused batch) has now
+                # finished the batches in flight: the source itself goes on, as after
+                # a drain() that completed.
+                self._feed = None
+                produced, result = await self._driver.next_result(self._adopt(source))
             if not produced:
                 self._on_source_end()
                 raise StopAsyncIteration
@@ -258,7 +264,9 @@ class SchedulablePipeline:
 
     async def aclose(self) -> None:
         """Wait for an iteration still running (its caller was cancelled), then shut
-        down.  ``async with pipe:`` calls it on exit."""
+        down.  ``async with pipe:`` calls it on exit.  Cancelled while it waits, it
+        raises ``CancelledError`` at once and leaves the pipeline open: the iteration
+        runs on, and a later ``aclose()`` finishes the job."""
         await self.wait_idle()
         self.shutdown()
 
@@ -271,7 +279,8 @@ class SchedulablePipeline:
         """Wait for an iteration whose caller was cancelled (it runs on to completion),
         from an asyncio or a trio caller; return at once when none runs.  Its result
         is kept for the next ``progress``.  Adapters driving several engines on one
-        model call it before switching engines."""
+        model call it before switching engines.  Cancelling the caller stops the wait
+        (``CancelledError``); the iteration runs on."""
         if in_trio():  # the iteration runs on the bridge's loop
             await self._trio.call(SchedulablePipeline.wait_idle, self)
         else:

@@ -73,7 +73,7 @@ class Feed:
     """One source (a sync or async iterator) and the progress made through it."""
 
     __slots__ = (
-        "_async", "_inspect", "_seed", "_sync", "ahead", "draining", "exhausted", "iteration", "lost",
+        "_async", "_inspect", "_pulled_inline", "_seed", "_sync", "ahead", "draining", "exhausted", "iteration", "lost",
         "outbox", "pulled", "read_ahead_allowed", "refused", "returned", "source", "top_pulled",
     )  # fmt: skip
 
@@ -127,7 +127,8 @@ class Feed:
         self.ahead: asyncio.Future[Any] | None = None
         # A trio caller's source is pulled by the caller during its own call
         # (interop.py): it cannot be read between calls.
-        self.read_ahead_allowed = read_ahead and not getattr(source, "pulled_inline", False)
+        self._pulled_inline = bool(getattr(source, "pulled_inline", False))
+        self.read_ahead_allowed = read_ahead and not self._pulled_inline
 
     @property
     def in_flight(self) -> int:
@@ -213,9 +214,9 @@ class Feed:
                 # Never through a thread: StopIteration crossing a future hangs
                 # (CPython gh-112182); next() with a default cannot raise it.
                 return self._checked(next(self._sync, END))
-            if not self.read_ahead_allowed:
+            if self._pulled_inline:
                 return await self._pull_async()
-            self._pull_in_task()
+            self._pull_in_task()  # read_ahead=False too: a cancelled caller loses nothing
         ahead = self.ahead
         assert ahead is not None
         await wait_settled(ahead)

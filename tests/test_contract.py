@@ -1,0 +1,125 @@
+"""The cancellation contract, case by case: a caller cancelled anywhere loses no item,
+repeats no step and leaves the pipeline usable.  Each interleaving is forced with
+events held by the source or a task body."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from aiopipe import BadBatchError, Pipeline, Task, TaskContext
+
+
+def echo(ctx: TaskContext) -> None:
+    ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+
+async def in_a_thread(event: threading.Event) -> None:
+    """Wait for a lane body to reach its gate without blocking the loop."""
+    assert await asyncio.get_running_loop().run_in_executor(None, event.wait, 10)
+
+
+async def cancelled(call: asyncio.Future[Any]) -> None:
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+
+async def test_without_read_ahead_a_cancelled_pull_keeps_the_async_generator() -> None:
+    reached, release = asyncio.Event(), asyncio.Event()
+
+    async def items() -> AsyncIterator[int]:
+        for n in range(5):
+            if n == 2:
+                reached.set()
+                await release.wait()  # a cancellation thrown in here would close the generator
+            yield n
+
+    source = items()
+    async with Pipeline([Task.from_fn("train", echo)], read_ahead=False) as pipe:
+        assert [await pipe.progress(source), await pipe.progress(source)] == [0, 1]
+        call = asyncio.ensure_future(pipe.progress(source))
+        await reached.wait()
+        await cancelled(call)
+        release.set()
+        assert [r async for r in pipe.results(source)] == [2, 3, 4]
+
+
+async def test_a_cancelled_drain_leaves_the_rest_of_the_source_to_progress() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 3:
+            started.set()
+            release.wait(10)
+        echo(ctx)
+
+    source = iter(range(10))
+    async with Pipeline([Task.from_fn("train", train)]) as pipe:
+        assert [await pipe.progress(source) for _ in range(3)] == [0, 1, 2]  # 3 read ahead
+        call = asyncio.ensure_future(pipe.drain())
+        await in_a_thread(started)
+        await cancelled(call)
+        release.set()
+        # the drain was cancelled, not done: the source goes on, batch 3's result first
+        assert [r async for r in pipe.results(source)] == list(range(3, 10))
+
+
+async def test_progress_after_a_drain_refused_a_batch_goes_on_with_the_source() -> None:
+    def check(batch: int) -> None:
+        if batch == 3:
+            raise ValueError("malformed")
+
+    source = iter(range(10))
+    async with Pipeline([Task.from_fn("train", echo)], check_batch=check) as pipe:
+        assert [await pipe.progress(source) for _ in range(3)] == [0, 1, 2]  # 3 read ahead
+        with pytest.raises(BadBatchError):
+            await pipe.drain()
+        # BadBatchError's advice: call progress() again with the same iterator
+        assert [r async for r in pipe.results(source)] == list(range(4, 10))
+
+
+async def test_an_async_init_cancelled_half_way_runs_once() -> None:
+    reached, release = asyncio.Event(), asyncio.Event()
+    runs: list[str] = []
+
+    async def init(ctx: TaskContext) -> None:
+        runs.append("init")
+        reached.set()
+        await release.wait()
+
+    source = iter(range(3))
+    async with Pipeline([Task.from_fn("train", echo, init=init)]) as pipe:
+        call = asyncio.ensure_future(pipe.progress(source))
+        await reached.wait()
+        await cancelled(call)
+        release.set()
+        assert [r async for r in pipe.results(source)] == [0, 1, 2]
+    assert runs == ["init"]
+
+
+async def test_a_cancelled_aclose_raises_and_the_pipeline_closes_later() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def train(ctx: TaskContext) -> None:
+        started.set()
+        release.wait(10)
+        echo(ctx)
+
+    pipe = Pipeline([Task.from_fn("train", train)])
+    try:
+        call = asyncio.ensure_future(pipe.progress(iter(range(2))))
+        await in_a_thread(started)
+        await cancelled(call)
+        # the body holds its gate until released: the wait cannot end in time
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(pipe.aclose(), 0.05)
+        assert not pipe.statistics().closed  # still to be closed
+    finally:
+        release.set()
+    await pipe.aclose()
+    assert pipe.statistics().closed
