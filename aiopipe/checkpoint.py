@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ._core.log import checkpoint_log
 from .errors import PipelineError
@@ -107,7 +108,7 @@ class CheckpointManager:
             from torch.distributed.checkpoint.state_dict_saver import save
 
             save(state, checkpoint_id=str(partial), process_group=self._group)
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:  # torch's is a BaseException
             raise CheckpointError(f"saving the checkpoint of step {step} failed: {exc}") from exc
         self._barrier()  # every rank's shards are on disk
         failure: str | None = None
@@ -169,7 +170,7 @@ class CheckpointManager:
             from torch.distributed.checkpoint.state_dict_loader import load
 
             load(state, checkpoint_id=str(path), process_group=self._group)
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:  # torch's is a BaseException
             raise CheckpointError(f"loading the checkpoint of step {step} failed: {exc}") from exc
         checkpoint_log.info("resuming from the checkpoint of step %d in %s", step, path)
         return dict(body.get("meta", {}))

@@ -266,7 +266,9 @@ class SchedulablePipeline:
         """Wait for an iteration still running (its caller was cancelled), then shut
         down.  ``async with pipe:`` calls it on exit.  Cancelled while it waits, it
         raises ``CancelledError`` at once and leaves the pipeline open: the iteration
-        runs on, and a later ``aclose()`` finishes the job."""
+        runs on, and a later ``aclose()`` finishes the job.  Idempotent."""
+        if self._closed:
+            return
         await self.wait_idle()
         self.shutdown()
 

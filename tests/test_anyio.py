@@ -328,3 +328,12 @@ def test_trio_inside_a_task_body_is_a_clear_error() -> None:
                 await pipe.step(torch.zeros(1))
 
     run_on("trio", main)
+
+
+@on_each_backend
+async def test_aclose_is_idempotent(library: str) -> None:
+    pipe = three_tasks()
+    assert [r async for r in pipe.results(range(2))] == [1, 3]
+    await pipe.aclose()
+    await pipe.aclose()  # under trio too: the bridge is gone, nothing is left to wait for
+    assert pipe.statistics().closed

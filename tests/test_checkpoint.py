@@ -132,3 +132,13 @@ def test_two_ranks_save_and_agree_on_the_latest(tmp_path: Path) -> None:
     store = tmp_path / "store"
     mp.spawn(two_rank_worker, args=(str(store), str(tmp_path / "ckpt")), nprocs=2, join=True)
     assert (tmp_path / "ckpt" / "step-00000005" / "aiopipe-meta.json").is_file()
+
+
+def test_a_checkpoint_that_does_not_fit_the_state_raises_checkpoint_error(tmp_path: Path) -> None:
+    # torch reports it with its CheckpointException, a BaseException: not past our family
+    model, optimizer = model_and_adam(0)
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, state(model, optimizer))
+    target = {**state(model, optimizer), "extra": {"w": torch.zeros(2)}}
+    with pytest.raises(CheckpointError, match="loading the checkpoint of step 1 failed"):
+        manager.load(1, target)
