@@ -5,6 +5,9 @@ events held by the source or a task body."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -123,3 +126,37 @@ async def test_a_cancelled_aclose_raises_and_the_pipeline_closes_later() -> None
         release.set()
     await pipe.aclose()
     assert pipe.statistics().closed
+
+
+FORKED_CHILD = """
+import os
+from aiopipe import Pipeline, PipelineStateError, Task
+
+def echo(ctx):
+    ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+pipe = Pipeline([Task.from_fn("train", echo)]).blocking()
+assert list(pipe.results([1, 2])) == [1, 2]  # the lane thread runs
+pid = os.fork()
+if pid == 0:  # the child: the lane's queue is here, its thread is not
+    try:
+        pipe.progress(iter([3]))
+    except PipelineStateError as exc:
+        print("child:", exc, flush=True)
+        os._exit(0)
+    os._exit(1)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status))
+pipe.shutdown()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_child_is_told_its_lanes_did_not_come_along() -> None:
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", FORKED_CHILD],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "fork() does not copy threads" in out.stdout
+    assert "child exit 0" in out.stdout

@@ -9,6 +9,7 @@ is policy, in :mod:`aiopipe.lanes`.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import weakref
@@ -95,11 +96,20 @@ class LanePool:
             raise ValueError(f"max_lanes must be >= 1, got {max_lanes}")
         self.max_lanes = max_lanes
         self._lanes: dict[str, Lane] = {}
+        self._pid = os.getpid()  # a fork()ed child has the lanes' queues, not their threads
         self._closed = False
         # A pool dropped without shutdown() still lets its threads end.
         weakref.finalize(self, _post_stop, self._lanes)
 
     def get(self, name: str) -> Lane:
+        if os.getpid() != self._pid and self._lanes:
+            raise PipelineStateError(
+                f"this pipeline's lane threads were started in process {self._pid}, and "
+                f"fork() does not copy threads: work handed to them here would wait "
+                f"forever. Build the pipeline in the child process (or fork before the "
+                f"first progress, or use the 'spawn' start method)"
+            )
+        self._pid = os.getpid()  # no lane yet: this process starts them
         lane = self._lanes.get(name)
         if lane is None:
             if self._closed:
