@@ -431,3 +431,26 @@ async def test_max_lanes_bounds_the_lane_threads() -> None:
         assert await (await graph.submit(on_the_loop, lane="c")) == "async"  # no thread either
         await (await graph.submit_group(lambda: None, [(), (), ()], lanes=["b", "a"]))
         assert graph.statistics().lanes == ("a", "b")
+
+
+async def test_leaving_the_graph_by_cancellation_does_not_join_running_lanes() -> None:
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def held(x: torch.Tensor) -> None:
+        started.set()
+        release.wait(10)
+        finished.set()
+
+    async def use_graph() -> None:
+        async with TaskGraph() as graph:
+            await graph.submit(held, OUTPUT(torch.zeros(1)), lane="a")
+
+    user = asyncio.ensure_future(use_graph())
+    assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+    user.cancel()  # lands in the graph's exit, which waits for `held`
+    with pytest.raises(asyncio.CancelledError):
+        await user
+    try:
+        assert not finished.is_set()  # the loop came back while the body still ran
+    finally:
+        release.set()
