@@ -454,3 +454,6 @@ async def test_leaving_the_graph_by_cancellation_does_not_join_running_lanes() -
         assert not finished.is_set()  # the loop came back while the body still ran
     finally:
         release.set()
+        for thread in threading.enumerate():  # the lane stops once its body ends
+            if thread.name == "aiopipe-lane-a":
+                thread.join(10)

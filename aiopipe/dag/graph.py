@@ -172,9 +172,12 @@ class TaskGraph:
     async def __aexit__(self, *exc_info: object) -> None:
         try:
             await self._close_scope(raise_failures=exc_info[0] is None)
+        except Exception:  # the graph's failures, raised once every task is done
+            self._lanes.shutdown()
+            raise
         except BaseException:
-            # Interrupted (cancelled): tell the lanes to stop after their current body,
-            # but never join them here, on the loop's thread.
+            # Interrupted (cancelled) while bodies may still run: tell the lanes to stop
+            # after their current body, but never join them here, on the loop's thread.
             self._lanes.shutdown(timeout=0)
             raise
         self._lanes.shutdown()  # every task is done: the lanes stop at once
