@@ -11,6 +11,9 @@ Layers, each depending only on the ones below it:
 * conveniences -- ``Pipeline`` (facade.py), the blocking API (blocking.py),
   ``aiopipe.run`` (runner.py) and GPU waits that never block the loop (gpu.py).
 
+Every error aiopipe raises is a :class:`PipelineError` (families in
+``aiopipe.errors``).
+
 The engine imports only the standard library and torch (plus nvtx and uvloop when
 installed); framework adapters such as ``hstu_tasks`` live outside it.
 """
@@ -23,6 +26,8 @@ from .errors import AsyncLibraryError as AsyncLibraryError
 from .errors import BackPressureTimeout as BackPressureTimeout
 from .errors import BadBatchError as BadBatchError
 from .errors import CollectiveOrderError as CollectiveOrderError
+from .errors import ConfigurationError as ConfigurationError
+from .errors import ConfigurationTypeError as ConfigurationTypeError
 from .errors import GraphError as GraphError
 from .errors import NoRunningLoopError as NoRunningLoopError
 from .errors import NoStepResultWarning as NoStepResultWarning
@@ -70,6 +75,8 @@ __all__ = (
     "BatchRing",
     "BlockingPipeline",
     "CollectiveOrderError",
+    "ConfigurationError",
+    "ConfigurationTypeError",
     "DataSlot",
     "Edge",
     "Executor",

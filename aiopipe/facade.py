@@ -30,7 +30,8 @@ class Pipeline(SchedulablePipeline):
     them inline on the loop instead (cheapest for tiny bodies, but it blocks the loop).
     The other options (``check_batch``, ``expect_result``, ...) are those of
     :class:`SchedulablePipeline`.  A non-``Task`` entry in ``tasks`` raises
-    ``TypeError`` naming it and its position; an empty list is refused.
+    :class:`~aiopipe.errors.ConfigurationTypeError` (a ``TypeError``) naming it and its
+    position; an empty list is refused.
     """
 
     def __init__(

@@ -43,3 +43,17 @@ def test_one_root_exception() -> None:
     errors = [getattr(aiopipe, name) for name in aiopipe.__all__ if name.endswith("Error")]
     for error in errors:
         assert issubclass(error, aiopipe.PipelineError), error
+
+
+def test_the_error_families_keep_their_builtin_bases() -> None:
+    """``except ValueError`` / ``except TypeError`` still catch what they caught before."""
+    assert issubclass(aiopipe.ConfigurationError, ValueError)
+    assert issubclass(aiopipe.ConfigurationTypeError, TypeError)
+    assert not issubclass(aiopipe.ConfigurationTypeError, ValueError)
+    assert issubclass(aiopipe.PipelineStateError, RuntimeError)
+    with pytest.raises(aiopipe.ConfigurationError, match="max_spans") as value_error:
+        aiopipe.Tracer(max_spans=0)
+    assert isinstance(value_error.value, ValueError)
+    with pytest.raises(aiopipe.ConfigurationTypeError, match="a list of tasks") as type_error:
+        aiopipe.Schedule.of(42)  # type: ignore[arg-type]
+    assert isinstance(type_error.value, TypeError)
