@@ -24,6 +24,8 @@ __all__ = (
     "thread_map_for_device",
 )  # fmt: skip
 
+#: Which lane thread runs each task: ``None`` / ``"by_stream"``, ``"per_task"``, a
+#: mapping ``{task name: lane}`` or a callable ``task -> lane`` (``aiopipe.lanes``).
 ThreadMap = Union[None, str, Mapping[str, str], Callable[["Task"], str]]
 
 #: The two lanes of the default layout on a GPU (and the one lane on a CPU).
