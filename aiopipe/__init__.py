@@ -9,7 +9,15 @@ Layers, each depending only on the ones below it:
 * executors -- ``SequentialExecutor`` and ``AsyncExecutor`` (one event loop plus
   GPU-submit lane threads, ticket-ordered collectives) in ``aiopipe.executors``;
 * conveniences -- ``Pipeline`` (facade.py), the blocking API (blocking.py),
-  ``aiopipe.run`` (runner.py) and GPU waits that never block the loop (gpu.py).
+  ``aiopipe.run`` (runner.py) and GPU waits that never block the loop (gpu.py);
+* types for annotations -- ``Source`` (what ``progress`` pulls batches from: a sync
+  or async iterator), ``ThreadMap`` (lanes.py) and ``AsyncPipeline`` (face.py: what
+  every pipeline offers to async code).
+
+The top level exports what programs use; the engine's own machinery (dependency
+edges and topological order in ``aiopipe.edges``, the batch ring in ``aiopipe.ring``)
+stays importable from its module.  Every error aiopipe raises is a
+:class:`PipelineError` (families in ``aiopipe.errors``).
 
 The engine imports only the standard library and torch (plus nvtx and uvloop when
 installed); framework adapters such as ``hstu_tasks`` live outside it.
@@ -23,6 +31,8 @@ from .errors import AsyncLibraryError as AsyncLibraryError
 from .errors import BackPressureTimeout as BackPressureTimeout
 from .errors import BadBatchError as BadBatchError
 from .errors import CollectiveOrderError as CollectiveOrderError
+from .errors import ConfigurationError as ConfigurationError
+from .errors import ConfigurationTypeError as ConfigurationTypeError
 from .errors import GraphError as GraphError
 from .errors import NoRunningLoopError as NoRunningLoopError
 from .errors import NoStepResultWarning as NoStepResultWarning
@@ -35,24 +45,21 @@ from .errors import TicketAbortedError as TicketAbortedError
 from .executors import AsyncExecutor as AsyncExecutor
 from .executors import Executor as Executor
 from .executors import SequentialExecutor as SequentialExecutor
+from .face import AsyncPipeline as AsyncPipeline
 from .facade import Pipeline as Pipeline
 from .gpu import copy_to_host as copy_to_host
 from .gpu import wait_for_event as wait_for_event
-from .edges import Edge as Edge
-from .edges import dependency_edges as dependency_edges
-from .edges import infer_cross_stream_event_deps as infer_cross_stream_event_deps
-from .edges import topological_sort as topological_sort
+from .lanes import ThreadMap as ThreadMap
 from .options import PipelineOptions as PipelineOptions
 from .pipeline import PipelineStatistics as PipelineStatistics
 from .pipeline import SchedulablePipeline as SchedulablePipeline
 from .presets import BasicPipeline as BasicPipeline
 from .presets import basic as basic
 from .presets import move_to_device as move_to_device
-from .ring import BatchRing as BatchRing
-from .ring import SlotStore as SlotStore
 from .runner import run as run
 from .schedule import Schedule as Schedule
 from .schedule import Stage as Stage
+from .source import Source as Source
 from .streams import StreamPool as StreamPool
 from .task import DataSlot as DataSlot
 from .task import Task as Task
@@ -65,14 +72,15 @@ __version__ = "0.1.0"
 __all__ = (
     "AsyncExecutor",
     "AsyncLibraryError",
+    "AsyncPipeline",
     "BackPressureTimeout",
     "BadBatchError",
     "BasicPipeline",
-    "BatchRing",
     "BlockingPipeline",
     "CollectiveOrderError",
+    "ConfigurationError",
+    "ConfigurationTypeError",
     "DataSlot",
-    "Edge",
     "Executor",
     "GraphError",
     "NoRunningLoopError",
@@ -87,22 +95,20 @@ __all__ = (
     "Schedule",
     "ScheduleValidationError",
     "SequentialExecutor",
-    "SlotStore",
+    "Source",
     "Span",
     "Stage",
     "StreamPool",
     "Task",
     "TaskContext",
     "TaskDefinitionError",
+    "ThreadMap",
     "TicketAbortedError",
     "Tracer",
     "basic",
     "copy_to_host",
-    "dependency_edges",
-    "infer_cross_stream_event_deps",
     "move_to_device",
     "run",
-    "topological_sort",
     "validate_schedule",
     "wait_for_event",
 )

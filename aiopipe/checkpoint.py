@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ._core.log import checkpoint_log
-from .errors import PipelineError
+from .errors import ConfigurationError, PipelineError
 
 __all__ = ("CheckpointError", "CheckpointManager", "materialize_optimizer_state")
 
@@ -54,7 +54,7 @@ class CheckpointManager:
         self, directory: str | os.PathLike[str], *, keep: int = 2, process_group: Any = None
     ) -> None:
         if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
+            raise ConfigurationError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory)
         self.keep = keep
         self._group = process_group
@@ -88,7 +88,7 @@ class CheckpointManager:
         as the checkpoint of data position ``step``; ``meta`` is JSON kept beside it
         (rank 0's copy is the one written)."""
         if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+            raise ConfigurationError(f"step must be >= 0, got {step}")
         problem = None
         if self._rank() == 0:  # only rank 0's meta is written: its verdict holds for all
             try:
@@ -97,7 +97,7 @@ class CheckpointManager:
                 problem = str(exc)
         problem = self._from_rank_zero(problem)
         if problem is not None:
-            raise ValueError(f"meta must be JSON-serialisable: {problem}")
+            raise ConfigurationError(f"meta must be JSON-serialisable: {problem}")
         final = self.path(step)
         partial = self.directory / f"{final.name}.partial"
         if self._rank() == 0:

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar, copy_context
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from .errors import PipelineStateError
+from .errors import ConfigurationError, ConfigurationTypeError, PipelineStateError
 from .ring import SlotStore
 from .streams import StreamLike, StreamPool
 
@@ -169,6 +169,6 @@ class TaskContext:
 
 def _check_event_name(name: object) -> None:
     if not isinstance(name, str):
-        raise TypeError(f"an event name must be a string, got {name!r}")
+        raise ConfigurationTypeError(f"an event name must be a string, got {name!r}")
     if not name:
-        raise ValueError("an event name must not be empty: name the state it guards")
+        raise ConfigurationError("an event name must not be empty: name the state it guards")

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .errors import PipelineError
+from .errors import ConfigurationError, PipelineError
 from .lanes import ThreadMap, resolve_lane
 from .edges import Edge, dependency_edges
 from .schedule import Schedule
@@ -143,7 +143,9 @@ def _groups(
         elif group_by == "stream":
             title = f"stream {task.stream}"
         else:
-            raise ValueError(f"group_by must be 'lane', 'stream' or 'none', got {group_by!r}")
+            raise ConfigurationError(
+                f"group_by must be 'lane', 'stream' or 'none', got {group_by!r}"
+            )
         groups.setdefault(title, []).append(task)
     return groups
 

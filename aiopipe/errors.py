@@ -1,7 +1,13 @@
 """The exception hierarchy: one root, a few families.
 
-Everything aiopipe raises on its own account derives from :class:`PipelineError`.
-Exceptions raised by task bodies are re-raised unchanged (annotated with the task
+Everything aiopipe raises on its own account derives from :class:`PipelineError`,
+and from the built-in exception it would otherwise be (``ValueError`` for a value it
+cannot use, ``TypeError`` for a type, ``RuntimeError`` for a state), so ``except
+ValueError`` keeps working.  Python's protocol exceptions stay what they are:
+``KeyError`` for a name looked up that is not there (a slot, a stream, a task),
+``AttributeError`` for a read-only ``Task`` field, ``NotImplementedError`` from a
+``Task.run`` not overridden, ``StopIteration`` / ``StopAsyncIteration`` at the end
+of a source.  Exceptions raised by task bodies are re-raised unchanged (annotated with the task
 name and iteration), so ``except ValueError`` around ``progress()`` still catches a
 ``ValueError`` raised inside ``forward``.
 """
@@ -13,6 +19,8 @@ __all__ = (
     "AsyncLibraryError",
     "BackPressureTimeout",
     "CollectiveOrderError",
+    "ConfigurationError",
+    "ConfigurationTypeError",
     "GraphError",
     "NoRunningLoopError",
     "NoStepResultWarning",
@@ -28,6 +36,18 @@ __all__ = (
 
 class PipelineError(Exception):
     """Root of every error aiopipe raises itself."""
+
+
+class ConfigurationError(PipelineError, ValueError):
+    """An argument or option (or what a callback given as one returned) has a value
+    aiopipe cannot use: out of range, an unknown choice, or one that contradicts
+    another.  The message names it and what to pass instead."""
+
+
+class ConfigurationTypeError(PipelineError, TypeError):
+    """An argument or option (or what a callback given as one returned) has a type
+    aiopipe cannot use, or is a keyword it does not know.  The message names it and
+    what it expects."""
 
 
 class TaskDefinitionError(PipelineError, ValueError):
@@ -50,8 +70,9 @@ class PipelineStateError(PipelineError, RuntimeError):
     """The pipeline cannot do what was asked in its current state.
 
     Raised for a new iterator while batches are in flight, use after ``shutdown()``,
-    use after a failed progress (until ``reset()``), or the blocking API
-    called from inside a running event loop.
+    use after a failed progress (until ``reset()``), the blocking API called from
+    inside a running event loop, an executor used before it was bound to a pipeline,
+    or the event loop closing under a running call.
     """
 
 

@@ -32,8 +32,9 @@ class Pipeline(SchedulablePipeline):
     ``thread_map``), so the event loop never waits for them; ``"sequential"`` runs
     them inline on the loop instead (cheapest for tiny bodies, but it blocks the loop).
     The keyword options (``trace``, ``check_batch``, ``name``, ...) are those of every
-    pipeline, :class:`~aiopipe.options.PipelineOptions`.  A non-``Task`` entry in ``tasks`` raises
-    ``TypeError`` naming it and its position; an empty list is refused.
+    pipeline, :class:`~aiopipe.options.PipelineOptions`.  A non-``Task`` entry in
+    ``tasks`` raises :class:`~aiopipe.errors.ConfigurationTypeError` (a ``TypeError``)
+    naming it and its position; an empty list is refused.
     """
 
     def __init__(

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Union
 
 from ._core.lanes import LOOP_LANE
+from .errors import ConfigurationError, ConfigurationTypeError
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +24,8 @@ __all__ = (
     "thread_map_for_device",
 )  # fmt: skip
 
+#: Which lane thread runs each task: ``None`` / ``"by_stream"``, ``"per_task"``, a
+#: mapping ``{task name: lane}`` or a callable ``task -> lane`` (``aiopipe.lanes``).
 ThreadMap = Union[None, str, Mapping[str, str], Callable[["Task"], str]]
 
 #: The two lanes of the default layout on a GPU (and the one lane on a CPU).
@@ -65,7 +68,7 @@ def resolve_lane(task: Task, thread_map: ThreadMap) -> str:
     elif thread_map == "per_task":
         lane = task.name
     elif isinstance(thread_map, str):
-        raise ValueError(
+        raise ConfigurationError(
             f"unknown thread_map {thread_map!r}; use 'by_stream', 'per_task', a dict "
             f"{{task name: lane}} or a callable task -> lane"
         )
@@ -74,7 +77,11 @@ def resolve_lane(task: Task, thread_map: ThreadMap) -> str:
     elif callable(thread_map):
         lane = thread_map(task)
     else:
-        raise TypeError(f"thread_map must be a str, a mapping or a callable, got {thread_map!r}")
+        raise ConfigurationTypeError(
+            f"thread_map must be a str, a mapping or a callable, got {thread_map!r}"
+        )
     if not isinstance(lane, str) or not lane:
-        raise TypeError(f"thread_map gave lane {lane!r} for task {task.name!r}; lanes are names")
+        raise ConfigurationTypeError(
+            f"thread_map gave lane {lane!r} for task {task.name!r}; lanes are names"
+        )
     return lane

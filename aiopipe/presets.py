@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from .context import TaskContext
-from .errors import PipelineError
+from .errors import ConfigurationError, ConfigurationTypeError
 from .executors import Executor, resolve_executor
 from .facade import Pipeline
 from .lanes import ThreadMap, copies_on_io
@@ -152,7 +152,7 @@ def _loss_of_output(output: Any) -> torch.Tensor:
     else:
         loss = None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise PipelineError(
+        raise ConfigurationError(
             f"basic() has no loss_fn, so the loss must be the model's output as a "
             f"one-element tensor, its .loss, or its first item; the model returned "
             f"{_describe(output)}. Pass loss_fn=..., e.g. loss_fn=lambda output: "
@@ -165,7 +165,7 @@ def _loss_of_output(output: Any) -> torch.Tensor:
 def _loss_tensor(value: Any) -> torch.Tensor:
     loss = value[0] if isinstance(value, (tuple, list)) else value
     if not isinstance(loss, torch.Tensor):
-        raise PipelineError(
+        raise ConfigurationTypeError(
             f"loss_fn must return a tensor, or a tuple whose first item is the tensor to "
             f"differentiate; got {type(loss).__name__}"
         )
@@ -272,7 +272,7 @@ def basic(
     are those of every pipeline, :class:`~aiopipe.options.PipelineOptions`.
     """
     if grad_accumulation < 1:
-        raise ValueError(f"grad_accumulation must be >= 1, got {grad_accumulation}")
+        raise ConfigurationError(f"grad_accumulation must be >= 1, got {grad_accumulation}")
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")

@@ -14,6 +14,8 @@ import collections
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from .errors import ConfigurationError
+
 if TYPE_CHECKING:
     from .streams import StreamPool
 
@@ -77,7 +79,7 @@ class BatchRing:
 
     def __init__(self, depth: int) -> None:
         if depth < 1:
-            raise ValueError(f"BatchRing depth must be >= 1, got {depth}")
+            raise ConfigurationError(f"BatchRing depth must be >= 1, got {depth}")
         self._stores = [SlotStore() for _ in range(depth)]
 
     @property

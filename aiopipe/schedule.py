@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from .errors import ConfigurationTypeError
 from .task import Task
 
 __all__ = ("Schedule", "Stage")
@@ -13,23 +14,28 @@ __all__ = ("Schedule", "Stage")
 def _checked_tasks(entries: Iterable[object], where: str) -> tuple[Task, ...]:
     """``entries`` as a tuple of tasks; anything else is named with its position."""
     if isinstance(entries, Task):
-        raise TypeError(f"{where}: expected a list of tasks, got the single task {entries!r}: "
-                        f"wrap it, [task]")  # fmt: skip
+        raise ConfigurationTypeError(
+            f"{where}: expected a list of tasks, got the single task {entries!r}: wrap it, [task]"
+        )
     try:
         tasks = tuple(entries)
     except TypeError:
-        raise TypeError(f"{where}: expected a list of tasks, got {entries!r}") from None
+        raise ConfigurationTypeError(
+            f"{where}: expected a list of tasks, got {entries!r}"
+        ) from None
     for position, entry in enumerate(tasks):
         if isinstance(entry, type) and issubclass(entry, Task):
-            raise TypeError(f"{where}[{position}] is the class {entry.__name__}, not a task: "
-                            f"pass an instance, {entry.__name__}()")  # fmt: skip
+            raise ConfigurationTypeError(
+                f"{where}[{position}] is the class {entry.__name__}, not a task: "
+                f"pass an instance, {entry.__name__}()"
+            )
         if not isinstance(entry, Task):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"{where}[{position}] is {entry!r} ({type(entry).__name__}), not a Task; "
                 f"build tasks with Task.from_fn(name, fn, ...) or a Task subclass"
             )
         if not entry._sealed:
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"{where}[{position}] ({type(entry).__name__}) was never initialised as a "
                 f"Task: its __init__ must call super().__init__(...)"
             )
@@ -58,18 +64,23 @@ class Schedule:
         stages = tuple(self.stages)
         for stage in stages:
             if not isinstance(stage, Stage):
-                raise TypeError(f"Schedule.stages entries must be Stage instances, got {stage!r}")
+                raise ConfigurationTypeError(
+                    f"Schedule.stages entries must be Stage instances, got {stage!r}"
+                )
         slots: object = self.stream_slots
         if isinstance(slots, str):
-            raise TypeError("Schedule.stream_slots must be a tuple of stream names, not a str")
+            raise ConfigurationTypeError(
+                "Schedule.stream_slots must be a tuple of stream names, not a str"
+            )
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "stream_slots", tuple(self.stream_slots))
 
     @classmethod
     def of(cls, tasks: Iterable[Task], stream_slots: Iterable[str] | None = None) -> Schedule:
         """A single-stage schedule; streams default to ``"default"`` plus the ones the
-        tasks name.  A non-``Task`` entry raises ``TypeError`` naming it and its
-        position."""
+        tasks name.  A non-``Task`` entry raises
+        :class:`~aiopipe.errors.ConfigurationTypeError` (a ``TypeError``) naming it and
+        its position."""
         tasks = _checked_tasks(tasks, "tasks")
         if stream_slots is None:
             stream_slots = dict.fromkeys(["default", *(t.stream for t in tasks)])

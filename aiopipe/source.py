@@ -23,7 +23,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, It
 from typing import TYPE_CHECKING, Any, Union
 
 from ._core.waker import wait_settled
-from .errors import BadBatchError
+from .errors import BadBatchError, ConfigurationTypeError
 from .task import BATCH_SLOT
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def iterate(items: Iterable[Any] | AsyncIterable[Any]) -> Source:
         return aiter(given)
     if isinstance(given, Iterable):
         return iter(given)
-    raise TypeError(f"results() takes an iterable or async iterable of batches, got {items!r}")
+    raise ConfigurationTypeError(f"results() takes an iterable or async iterable of batches, got {items!r}")
 
 
 class OneBatch(Iterator[Any]):
@@ -91,14 +91,14 @@ class Feed:
         elif isinstance(given, Iterator):
             self._sync = given
         elif hasattr(given, "__iter__") or hasattr(given, "__aiter__"):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"progress() takes an iterator, got the iterable {type(source).__name__}: "
                 f"create it once with iter(...) / aiter(...) and pass the same iterator on "
                 f"every call (a fresh iterator per call would restart the pipeline), or "
                 f"loop over results({type(source).__name__}), which does that for you"
             )
         else:
-            raise TypeError(f"progress() takes a sync or async iterator, got {source!r}")
+            raise ConfigurationTypeError(f"progress() takes a sync or async iterator, got {source!r}")
         self.source = source
         #: Batches placed in the ring so far (the final count once ``exhausted``).
         self.pulled = 0

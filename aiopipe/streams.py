@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .errors import ConfigurationTypeError
+
 __all__ = ("EventLike", "StreamLike", "StreamPool")
 
 
@@ -40,12 +42,14 @@ class StreamPool:
 
     def __init__(self, streams: Mapping[str, StreamLike | None]) -> None:
         if not isinstance(streams, Mapping):
-            raise TypeError("StreamPool takes a mapping {name: stream or None}")
+            raise ConfigurationTypeError("StreamPool takes a mapping {name: stream or None}")
         for name, stream in streams.items():
             if not isinstance(name, str) or not name:
-                raise TypeError(f"stream names must be non-empty strings, got {name!r}")
+                raise ConfigurationTypeError(
+                    f"stream names must be non-empty strings, got {name!r}"
+                )
             if stream is not None and not isinstance(stream, StreamLike):
-                raise TypeError(
+                raise ConfigurationTypeError(
                     f"stream {name!r} must be a torch.cuda.Stream, None (CPU null stream) or "
                     f"provide record_event/wait_event/wait_stream; got {stream!r}"
                 )

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
 
-from .errors import TaskDefinitionError
+from .errors import ConfigurationError, ConfigurationTypeError, TaskDefinitionError
 
 if TYPE_CHECKING:
     from .context import TaskContext
@@ -41,11 +41,13 @@ class DataSlot:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"DataSlot name must be a non-empty str, got {self.name!r}")
+            raise ConfigurationTypeError(
+                f"DataSlot name must be a non-empty str, got {self.name!r}"
+            )
         if not isinstance(self.offset, int) or isinstance(self.offset, bool):
-            raise TypeError(f"DataSlot offset must be an int, got {self.offset!r}")
+            raise ConfigurationTypeError(f"DataSlot offset must be an int, got {self.offset!r}")
         if self.offset < 0:
-            raise ValueError(f"DataSlot({self.name!r}, {self.offset}): offset must be >= 0")
+            raise ConfigurationError(f"DataSlot({self.name!r}, {self.offset}): offset must be >= 0")
 
 
 SlotRef = Union[str, DataSlot]
@@ -65,7 +67,7 @@ def _as_tuple(value: Any, field: str, task_name: str) -> tuple[Any, ...]:
     try:
         return tuple(value)
     except TypeError:
-        raise TypeError(
+        raise ConfigurationTypeError(
             f"Task {task_name!r}: {field} must be an iterable of entries, got {value!r}"
         ) from None
 
@@ -82,7 +84,7 @@ def _normalise_slots(refs: Any, field: str, task_name: str, lookahead: int) -> t
         elif isinstance(ref, str) and ref:
             out.append(DataSlot(ref, lookahead))
         else:
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"Task {task_name!r}: {field} entries must be slot names or DataSlot, got {ref!r}"
             )
     return _dedupe(out)
@@ -92,7 +94,9 @@ def _normalise_names(refs: Any, field: str, task_name: str) -> tuple[str, ...]:
     out = []
     for ref in _as_tuple(refs, field, task_name):
         if not isinstance(ref, str) or not ref:
-            raise TypeError(f"Task {task_name!r}: {field} entries must be task names, got {ref!r}")
+            raise ConfigurationTypeError(
+                f"Task {task_name!r}: {field} entries must be task names, got {ref!r}"
+            )
         out.append(ref)
     return _dedupe(out)
 
@@ -104,13 +108,13 @@ def _normalise_cross_iter(refs: Any, task_name: str) -> tuple[tuple[str, int], .
             out.append((ref, -1))  # a bare name means "the previous batch"
             continue
         if not (isinstance(ref, tuple) and len(ref) == 2):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"Task {task_name!r}: cross_iter_depends_on entries must be a task name "
                 f"or a (name, -N) pair, got {ref!r}"
             )
         producer, offset = ref
         if not isinstance(producer, str) or not isinstance(offset, int) or isinstance(offset, bool):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"Task {task_name!r}: cross_iter_depends_on entry {ref!r} must be (str, int)"
             )
         if offset >= 0:
@@ -134,7 +138,7 @@ def _normalise_sides(
     try:
         given = dict(sides)
     except (TypeError, ValueError):
-        raise TypeError(
+        raise ConfigurationTypeError(
             f"Task {task_name!r}: same_progress_sync_sides must map producer names to "
             f"'cpu' or 'device', got {sides!r}"
         ) from None
@@ -206,7 +210,7 @@ class Task:
     def __init__(self, name: str | None = None, **fields: Any) -> None:
         unknown = set(fields) - set(self._FIELDS)
         if unknown:
-            raise TypeError(f"Task got unknown field(s) {sorted(unknown)}")
+            raise ConfigurationTypeError(f"Task got unknown field(s) {sorted(unknown)}")
         if name is not None:
             self.name = name
         if not isinstance(self.name, str) or not self.name:
@@ -238,7 +242,7 @@ class Task:
         normalised and checked like a new task; the body is shared."""
         unknown = set(changes) - {"name", *self._FIELDS}
         if unknown:
-            raise TypeError(f"Task.replace got unknown field(s) {sorted(unknown)}")
+            raise ConfigurationTypeError(f"Task.replace got unknown field(s) {sorted(unknown)}")
         clone = copy.copy(self)
         object.__setattr__(clone, "_sealed", False)
         for key, value in changes.items():
@@ -252,18 +256,20 @@ class Task:
         if not isinstance(name, str) or not name:
             raise TaskDefinitionError("Task.name must be a non-empty string")
         if not isinstance(self.stream, str) or not self.stream:
-            raise TypeError(f"Task {name!r}: stream must be a non-empty string")
+            raise ConfigurationTypeError(f"Task {name!r}: stream must be a non-empty string")
         for field in ("lookahead", "priority"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"Task {name!r}: {field} must be an int, got {value!r}")
+                raise ConfigurationTypeError(
+                    f"Task {name!r}: {field} must be an int, got {value!r}"
+                )
         if self.lookahead < 0:
             raise TaskDefinitionError(
                 f"Task {name!r}: lookahead is {self.lookahead}; it must be >= 0 (0 works on "
                 f"the batch being finished, k on the batch k iterations ahead)"
             )
         if self.nvtx_tag is not None and not isinstance(self.nvtx_tag, str):
-            raise TypeError(f"Task {name!r}: nvtx_tag must be a string or None")
+            raise ConfigurationTypeError(f"Task {name!r}: nvtx_tag must be a string or None")
         self.nccl = bool(self.nccl)
         self.reads = _normalise_slots(self.reads, "reads", name, self.lookahead)
         self.writes = _normalise_slots(self.writes, "writes", name, self.lookahead)
@@ -336,7 +342,7 @@ class Task:
     ) -> Task:
         """Build a task whose ``run(ctx)`` is ``fn(ctx)`` (plain or ``async def``)."""
         if not callable(fn):
-            raise TypeError(f"Task {name!r}: fn must be callable, got {fn!r}")
+            raise ConfigurationTypeError(f"Task {name!r}: fn must be callable, got {fn!r}")
         return _FunctionTask(
             name,
             fn,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
 
+from .errors import ConfigurationError
 from .trace import Span, several_pipelines, track_numbers, track_name
 
 __all__ = ("timeline_svg", "write_timeline")
@@ -46,12 +47,13 @@ def timeline_svg(
     title: str | None = None,
 ) -> str:
     """An SVG of ``spans`` (those of ``iterations=(first, last)`` inclusive, when
-    given).  Raises ``ValueError`` when no span is left to draw."""
+    given).  Raises :class:`~aiopipe.errors.ConfigurationError` (a ``ValueError``)
+    when no span is left to draw."""
     if iterations is not None:
         first, last = iterations
         spans = [s for s in spans if first <= s.iteration <= last]
     if not spans:
-        raise ValueError("no spans to draw (is tracing on, and are the iterations traced?)")
+        raise ConfigurationError("no spans to draw (is tracing on, and are the iterations traced?)")
     # the tracks of Tracer.chrome_trace, in its order: one row each
     rows = {name: number - 1 for name, number in track_numbers(spans).items()}
     several = several_pipelines(spans)

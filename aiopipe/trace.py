@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigurationError
+
 __all__ = (
     "Span", "Tracer", "merge_traces", "resolve_tracer", "several_pipelines", "track_name",
     "track_numbers",
@@ -118,7 +120,7 @@ class Tracer:
         event_factory: Callable[[], Any] | None = None,
     ) -> None:
         if max_spans < 1:
-            raise ValueError(f"max_spans must be >= 1, got {max_spans}")
+            raise ConfigurationError(f"max_spans must be >= 1, got {max_spans}")
         self.max_spans = max_spans
         self.gpu_timing = gpu_timing
         self._event_factory = event_factory

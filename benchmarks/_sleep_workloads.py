@@ -15,9 +15,16 @@ from typing import Any
 from _common import run_on, time_progress
 from hstu_shape import IO_COMPUTE_THREAD_MAP, hstu_schedule
 
-from aiopipe import AsyncExecutor, SchedulablePipeline, Schedule, Stage, Task, TaskContext
+from aiopipe import (
+    AsyncExecutor,
+    SchedulablePipeline,
+    Schedule,
+    Stage,
+    Task,
+    TaskContext,
+    ThreadMap,
+)
 from aiopipe.autosched import CostModel, EngineCosts, profile_schedule
-from aiopipe.lanes import ThreadMap
 from aiopipe._core.loops import new_event_loop
 
 #: Per-task sleep (ms) of the HSTU-shaped workload: input distribution and prefetch

@@ -12,8 +12,9 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor as _Pool
 
+from aiopipe import ThreadMap
 from aiopipe.executors.base import Iteration
-from aiopipe.lanes import ThreadMap, resolve_lane
+from aiopipe.lanes import resolve_lane
 from aiopipe.plan import ExecutionPlan
 
 

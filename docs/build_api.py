@@ -203,9 +203,9 @@ def _value_doc(module_name: str, name: str, obj: Any, comments: dict[str, str]) 
     home = importlib.import_module(getattr(obj, "__module__", None) or module_name)
     if isinstance(obj, enum.Enum):
         home = sys.modules[type(obj).__module__]
-    for doc in (home.__doc__, sys.modules[module_name].__doc__):
-        if doc and re.search(rf"\b{re.escape(name)}\b", doc):
-            return f"Described in the docstring of `{home.__name__}`."
+    for where in (home, sys.modules[module_name]):
+        if where.__doc__ and re.search(rf"\b{re.escape(name)}\b", where.__doc__):
+            return f"Described in the docstring of `{where.__name__}`."
     return None
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from aiopipe import Schedule, Task, TaskContext, dependency_edges
+from aiopipe import Schedule, Task, TaskContext
+from aiopipe.edges import dependency_edges
 
 STREAMS = ("default", "memcpy", "data_dist")
 

@@ -13,7 +13,6 @@ from aiopipe import (
     Schedule,
     Task,
     TaskContext,
-    topological_sort,
     validate_schedule,
 )
 from aiopipe.autosched import (
@@ -28,6 +27,7 @@ from aiopipe.autosched import (
     simulate,
 )
 from aiopipe.autosched.search import Candidate, _dominance_prune
+from aiopipe.edges import topological_sort
 from aiopipe.streams import StreamPool
 from schedules import Trace, build_tasks, schedule_specs
 

@@ -19,8 +19,8 @@ from aiopipe import (
     Stage,
     Task,
     TaskContext,
-    topological_sort,
 )
+from aiopipe.edges import topological_sort
 
 
 def noop(ctx: TaskContext) -> None:

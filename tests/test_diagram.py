@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schedules import Trace, build_tasks, schedule_specs, thread_maps
 
-from aiopipe import Schedule, ScheduleValidationError, Stage, Task, dependency_edges
+from aiopipe import Schedule, ScheduleValidationError, Stage, Task
 from aiopipe.diagram import RenderError, format_for, render, to_dot, to_mermaid, write
+from aiopipe.edges import dependency_edges
 from aiopipe.lanes import resolve_lane
 
 

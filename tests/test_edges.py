@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from aiopipe import (
-    Schedule,
-    ScheduleValidationError,
-    Stage,
-    Task,
-    dependency_edges,
-    infer_cross_stream_event_deps,
-    topological_sort,
-)
+from aiopipe import Schedule, ScheduleValidationError, Stage, Task
+from aiopipe.edges import dependency_edges, infer_cross_stream_event_deps, topological_sort
 
 
 def noop(ctx: object) -> None:

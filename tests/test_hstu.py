@@ -20,7 +20,8 @@ from one_rank import TINY_DATA, one_rank_group, tiny_training
 from hstu_tasks import DataConfig, HSTUPipeline, OptimizerConfig, SyntheticHSTUData, TrainingSetup
 from hstu_tasks import balanced_partition
 from hstu_tasks import training_state
-from aiopipe import Schedule, topological_sort
+from aiopipe import Schedule
+from aiopipe.edges import topological_sort
 from hstu_tasks.parallel import resolve_data_parallel
 from hstu_tasks.shuffler import IdentityShuffler
 from hstu_tasks.tasks import PipelineState, build_tasks

@@ -9,7 +9,15 @@ import pytest
 from conftest import collect
 from test_streams_events import FakeEvent, Recording
 
-from aiopipe import Pipeline, PipelineStateError, StreamPool, Task, TaskContext
+from aiopipe import (
+    ConfigurationError,
+    ConfigurationTypeError,
+    Pipeline,
+    PipelineStateError,
+    StreamPool,
+    Task,
+    TaskContext,
+)
 
 EXECUTORS = ["sequential", "async"]
 
@@ -125,7 +133,10 @@ async def test_init_may_record_and_its_record_belongs_to_no_batch() -> None:
 
 @pytest.mark.parametrize(
     ("name", "error", "message"),
-    [("", ValueError, "must not be empty"), (None, TypeError, "must be a string")],
+    [
+        ("", ConfigurationError, "must not be empty"),
+        (None, ConfigurationTypeError, "must be a string"),
+    ],
 )
 async def test_event_names_must_be_non_empty_strings(name: Any, error: type, message: str) -> None:
     failures: list[BaseException] = []
@@ -141,6 +152,8 @@ async def test_event_names_must_be_non_empty_strings(name: Any, error: type, mes
         await pipe.step(0)
     assert [type(f) for f in failures] == [error, error]
     assert all(message in str(f) for f in failures)
+    builtin = ValueError if error is ConfigurationError else TypeError  # caught as before
+    assert all(isinstance(f, builtin) for f in failures)
 
 
 def test_named_events_need_a_running_task() -> None:

@@ -8,6 +8,7 @@ from schedules import Spec, Trace, build_tasks, check_trace, schedule_specs, thr
 
 import aiopipe
 from aiopipe import AsyncExecutor, SchedulablePipeline, Schedule, validate_schedule
+from aiopipe.edges import topological_sort
 
 
 async def run_all(pipe: SchedulablePipeline, batches: int) -> list[object]:
@@ -52,7 +53,7 @@ def test_async_executor_matches_sequential(data: st.DataObject, specs: list[Spec
     assert results == list(range(batches))
     sequential_results, sequential_trace, _ = run_schedule(specs, batches, "sequential")
     assert results == sequential_results
-    order = [t.name for t in aiopipe.topological_sort(schedule)]
+    order = [t.name for t in topological_sort(schedule)]
     check_trace(trace, schedule, order, batches)
     # the same (task, batch) pairs ran under both executors
     ran = sorted((task, batch) for _, kind, task, _, batch in trace.events if kind == "start")

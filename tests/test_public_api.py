@@ -11,9 +11,16 @@ import aiopipe
 
 SPEC_NAMES = {
     "Task", "DataSlot", "Schedule", "Stage", "StreamPool", "TaskContext", "SchedulablePipeline",
-    "Pipeline", "SequentialExecutor", "ScheduleValidationError", "topological_sort",
-    "infer_cross_stream_event_deps", "AsyncExecutor",
+    "Pipeline", "SequentialExecutor", "ScheduleValidationError", "AsyncExecutor",
+    "ThreadMap", "Source", "AsyncPipeline",
 }  # fmt: skip
+# The engine's machinery: importable from its module, not exported at the top level.
+INTERNALS = {
+    "aiopipe.edges": (
+        "Edge", "dependency_edges", "topological_sort", "infer_cross_stream_event_deps",
+    ),
+    "aiopipe.ring": ("BatchRing", "SlotStore"),
+}
 
 
 def public_modules() -> list[str]:
@@ -39,7 +46,29 @@ def test_all_is_declared_and_truthful(module_name: str) -> None:
     assert len(set(exported)) == len(exported)
 
 
+@pytest.mark.parametrize("module_name", sorted(INTERNALS))
+def test_internals_stay_in_their_modules(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    for name in INTERNALS[module_name]:
+        assert name in module.__all__
+        assert name not in aiopipe.__all__
+
+
 def test_one_root_exception() -> None:
     errors = [getattr(aiopipe, name) for name in aiopipe.__all__ if name.endswith("Error")]
     for error in errors:
         assert issubclass(error, aiopipe.PipelineError), error
+
+
+def test_the_error_families_keep_their_builtin_bases() -> None:
+    """``except ValueError`` / ``except TypeError`` still catch what they caught before."""
+    assert issubclass(aiopipe.ConfigurationError, ValueError)
+    assert issubclass(aiopipe.ConfigurationTypeError, TypeError)
+    assert not issubclass(aiopipe.ConfigurationTypeError, ValueError)
+    assert issubclass(aiopipe.PipelineStateError, RuntimeError)
+    with pytest.raises(aiopipe.ConfigurationError, match="max_spans") as value_error:
+        aiopipe.Tracer(max_spans=0)
+    assert isinstance(value_error.value, ValueError)
+    with pytest.raises(aiopipe.ConfigurationTypeError, match="a list of tasks") as type_error:
+        aiopipe.Schedule.of(42)  # type: ignore[arg-type]
+    assert isinstance(type_error.value, TypeError)

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from conftest import CompletesOnWait
 
-from aiopipe import BatchRing, StreamPool
-from aiopipe.ring import RetiredStores, SlotStore
+from aiopipe import StreamPool
+from aiopipe.ring import BatchRing, RetiredStores, SlotStore
 from aiopipe.mask import batch_index, fires
 
 

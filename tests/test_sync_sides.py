@@ -14,7 +14,8 @@ import pytest
 from conftest import collect
 from test_streams_events import FakeEvent, Recording
 
-from aiopipe import Pipeline, Schedule, Task, TaskContext, dependency_edges, topological_sort
+from aiopipe import Pipeline, Schedule, Task, TaskContext
+from aiopipe.edges import dependency_edges, topological_sort
 
 GATE_TIMEOUT_S = 30  # only reached when the engine wrongly holds a body back
 

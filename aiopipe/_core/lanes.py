@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import PipelineStateError
+from ..errors import ConfigurationError, PipelineStateError
 from .waker import LoopWaker
 
 __all__ = (
@@ -93,7 +93,7 @@ class LanePool:
 
     def __init__(self, max_lanes: int) -> None:
         if max_lanes < 1:
-            raise ValueError(f"max_lanes must be >= 1, got {max_lanes}")
+            raise ConfigurationError(f"max_lanes must be >= 1, got {max_lanes}")
         self.max_lanes = max_lanes
         self._lanes: dict[str, Lane] = {}
         self._pid = os.getpid()  # a fork()ed child has the lanes' queues, not their threads

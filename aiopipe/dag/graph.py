@@ -36,7 +36,14 @@ from typing import Any
 
 import torch
 
-from ..errors import BackPressureTimeout, GraphError, PoisonedError, attach_origin
+from ..errors import (
+    BackPressureTimeout,
+    ConfigurationError,
+    ConfigurationTypeError,
+    GraphError,
+    PoisonedError,
+    attach_origin,
+)
 from .._core.lanes import LOOP_LANE, Lane, LanePool
 from .._core.waker import LoopWaker
 from ..interop import needs_event_loop, running_loop
@@ -142,7 +149,7 @@ class TaskGraph:
         device: torch.device | str = "cpu",
     ) -> None:
         if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+            raise ConfigurationError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.max_in_flight = max_in_flight
         self.submit_timeout_s = submit_timeout_s
         self.default_lane = default_lane
@@ -223,13 +230,15 @@ class TaskGraph:
         def`` members run concurrently on the loop; a failure cancels the running
         siblings, and the group completes once they have ended."""
         if not args_list:
-            raise ValueError("submit_group needs at least one member")
+            raise ConfigurationError("submit_group needs at least one member")
         if lanes is None:
             lane_names = [lane or self.default_lane]
         elif lane is not None:
-            raise TypeError("submit_group takes lane= (one lane) or lanes= (spread), not both")
+            raise ConfigurationTypeError(
+                "submit_group takes lane= (one lane) or lanes= (spread), not both"
+            )
         elif isinstance(lanes, str) or not lanes or not all(isinstance(n, str) and n for n in lanes):
-            raise TypeError(
+            raise ConfigurationTypeError(
                 f"lanes must be a non-empty sequence of lane names, got {lanes!r}; "
                 f"for a single lane pass lane="
             )
@@ -251,7 +260,7 @@ class TaskGraph:
         if not self._scopes or self._waker is None:
             raise GraphError("submit outside 'async with TaskGraph()'")
         if not callable(fn):
-            raise TypeError(f"fn must be callable, got {fn!r}")
+            raise ConfigurationTypeError(f"fn must be callable, got {fn!r}")
         # async def members run on the loop; sync ones need their lanes (refused here,
         # before the task counts, if they would exceed max_lanes)
         placement = None if inspect.iscoroutinefunction(fn) else self._lane_threads(lane_names)

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Tuple
 
 import torch
 
+from ..errors import ConfigurationTypeError
+
 if TYPE_CHECKING:
     from .graph import Node
 
@@ -31,7 +33,7 @@ class TensorMap:
     @staticmethod
     def key(value: Any) -> TensorKey:
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"only tensors can be tagged, got {type(value).__name__}")
+            raise ConfigurationTypeError(f"only tensors can be tagged, got {type(value).__name__}")
         return (str(value.device), value.data_ptr())
 
     def lookup(self, key: TensorKey) -> Node | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigurationError, ConfigurationTypeError
 from ..lanes import ThreadMap, thread_map_for_device
 from ..plan import ActiveSet, ExecutionPlan
 from .asyncio_executor import AsyncExecutor, IterationHandle
@@ -44,17 +45,17 @@ def resolve_executor(
             thread_map = thread_map_for_device(default_thread_map, where)
         return AsyncExecutor(thread_map)
     if thread_map is not None:
-        raise ValueError(
+        raise ConfigurationError(
             f"thread_map configures the async executor; drop thread_map or executor={executor!r}"
         )
     if executor == "sequential":
         return SequentialExecutor()
     if isinstance(executor, str):
-        raise ValueError(
+        raise ConfigurationError(
             f"unknown executor {executor!r}; use 'async', 'sequential' or an instance"
         )
     if not isinstance(executor, Executor):
-        raise TypeError(
+        raise ConfigurationTypeError(
             f"executor must be 'async', 'sequential' or provide bind/run_iteration/shutdown, "
             f"got {executor!r}"
         )

@@ -30,7 +30,7 @@ from .._core.malloc import keep_freed_memory
 from .._core.openmp import release_thread_pool
 from .._core.tickets import TicketLock, TicketStatistics
 from .._core.waker import LoopWaker
-from ..errors import CollectiveOrderError, TicketAbortedError
+from ..errors import ConfigurationError, PipelineStateError, TicketAbortedError
 from ..lanes import ThreadMap, resolve_lane
 from ..plan import ExecutionPlan
 from .base import Iteration
@@ -109,11 +109,13 @@ class AsyncExecutor:
 
     def bind(self, plan: ExecutionPlan) -> None:
         if self._plan is not None and self._plan is not plan:
-            raise ValueError("an AsyncExecutor serves one pipeline; create one per pipeline")
+            raise ConfigurationError(
+                "an AsyncExecutor serves one pipeline; create one per pipeline"
+            )
         lane_of = tuple(resolve_lane(task, self.thread_map) for task in plan.order)
         threads = sorted(set(lane_of) - {LOOP_LANE})
         if len(threads) > self._lane_pool.max_lanes:
-            raise ValueError(
+            raise ConfigurationError(
                 f"thread_map puts tasks on {len(threads)} lanes {threads}, more than "
                 f"max_lanes={self._lane_pool.max_lanes}; group tasks onto fewer lanes"
             )
@@ -172,7 +174,7 @@ class AsyncExecutor:
 
     def _require_plan(self) -> ExecutionPlan:
         if self._plan is None:
-            raise RuntimeError("AsyncExecutor used before bind()")
+            raise PipelineStateError("AsyncExecutor used before bind()")
         return self._plan
 
     def _layout(self, active: tuple[int, ...]) -> StageLayout:
@@ -341,7 +343,7 @@ class AsyncExecutor:
         try:
             run.waker.loop.call_soon_threadsafe(start)
         except RuntimeError as exc:  # loop closed: nothing will ever run the body
-            raise CollectiveOrderError("the event loop closed during the progress") from exc
+            raise PipelineStateError("the event loop closed during the progress") from exc
         lane.run_pending_until(done)
         if outcome:
             raise outcome[0]

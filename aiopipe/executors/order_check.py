@@ -14,7 +14,7 @@ import hashlib
 from datetime import timedelta
 from typing import Any
 
-from ..errors import CollectiveOrderError, PipelineStateError
+from ..errors import CollectiveOrderError, ConfigurationError, PipelineStateError
 
 __all__ = ("CollectiveOrderCheck",)
 
@@ -22,7 +22,9 @@ __all__ = ("CollectiveOrderCheck",)
 class CollectiveOrderCheck:
     def __init__(self, every: int, process_group: Any = None, timeout_s: float = 300.0) -> None:
         if every < 1:
-            raise ValueError(f"check_collective_order must be >= 1 (iterations), got {every}")
+            raise ConfigurationError(
+                f"check_collective_order must be >= 1 (iterations), got {every}"
+            )
         self._every = every
         self._group = process_group
         self._timeout = timedelta(seconds=timeout_s)
