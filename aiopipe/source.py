@@ -23,7 +23,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, It
 from typing import TYPE_CHECKING, Any, Union
 
 from ._core.waker import wait_settled
-from .errors import BadBatchError, ConfigurationTypeError
+from .errors import BadBatchError, ConfigurationTypeError, PipelineStateError
 from .task import BATCH_SLOT
 
 if TYPE_CHECKING:
@@ -221,6 +221,15 @@ class Feed:
         assert ahead is not None
         await wait_settled(ahead)
         self.ahead = None
+        if ahead.cancelled():
+            # Only its loop shutting down cancels a pull (asyncio.run cancels every
+            # task left), not any caller of ours: unless that closed the source,
+            # pull again on this loop.
+            if self.lost is not None:
+                raise PipelineStateError(
+                    f"{self.lost}: the rest of its items cannot be read"
+                )
+            return await self.take()
         return ahead.result()  # type: ignore[no-any-return]
 
     def _pull_in_task(self) -> None:

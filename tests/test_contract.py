@@ -160,3 +160,41 @@ def test_a_forked_child_is_told_its_lanes_did_not_come_along() -> None:
     assert out.returncode == 0, out.stderr
     assert "fork() does not copy threads" in out.stdout
     assert "child exit 0" in out.stdout
+
+
+class ResumableItems:
+    """An async iterator whose pull of item 1 waits on the loop it first runs on;
+    cancelled there, it keeps its place (it is not a generator)."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.next_item, self.waited = count, 0, False
+
+    def __aiter__(self) -> ResumableItems:
+        return self
+
+    async def __anext__(self) -> int:
+        if self.next_item == 1 and not self.waited:
+            self.waited = True
+            await asyncio.Event().wait()  # never set: this loop ends first
+        if self.next_item == self.count:
+            raise StopAsyncIteration
+        self.next_item += 1
+        return self.next_item - 1
+
+
+def test_a_read_ahead_cancelled_with_its_loop_is_pulled_again_on_the_next() -> None:
+    source = ResumableItems(4)
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    try:
+        async def first() -> Any:
+            return await pipe.progress(source)
+
+        # item 1 is being read ahead when the first loop ends (asyncio.run cancels it)
+        assert asyncio.run(first()) == 0
+
+        async def the_rest() -> list[Any]:
+            return [r async for r in pipe.results(source)]
+
+        assert asyncio.run(the_rest()) == [1, 2, 3]  # nothing cancelled this call
+    finally:
+        pipe.shutdown()
