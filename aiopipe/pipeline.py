@@ -51,9 +51,11 @@ __all__ = ("PipelineStatistics", "SchedulablePipeline")
 class PipelineStatistics:
     """Where the pipeline stands in its current source.
 
-    ``refused`` counts items refused with ``BadBatchError``: with nothing in flight,
-    ``returned + refused`` items of the source have been consumed (the position to
-    resume a checkpointed run from)."""
+    ``applied`` counts the batches whose step has run: those ``returned``, and those
+    finished for a caller that was cancelled, whose results the next calls return
+    first.  ``refused`` counts items refused with ``BadBatchError``.  With no
+    iteration running (:attr:`SchedulablePipeline.idle`), ``applied + refused`` items
+    of the source are done with: the position to resume a checkpointed run from."""
 
     pulled: int
     returned: int
@@ -63,6 +65,7 @@ class PipelineStatistics:
     broken: str | None
     closed: bool
     refused: int = 0
+    applied: int = 0
 
 
 class SchedulablePipeline:
@@ -172,6 +175,7 @@ class SchedulablePipeline:
             broken=self._driver.broken,
             closed=self._closed,
             refused=feed.refused if feed else 0,
+            applied=feed.returned + len(feed.outbox) if feed else 0,
         )
 
     # -- the progress contract -------------------------------------------------------

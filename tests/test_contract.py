@@ -198,3 +198,30 @@ def test_a_read_ahead_cancelled_with_its_loop_is_pulled_again_on_the_next() -> N
         assert asyncio.run(the_rest()) == [1, 2, 3]  # nothing cancelled this call
     finally:
         pipe.shutdown()
+
+
+async def test_the_position_counts_steps_finished_for_a_cancelled_caller() -> None:
+    started, release = threading.Event(), threading.Event()
+    steps: list[int] = []
+
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 2:
+            started.set()
+            release.wait(10)
+        steps.append(ctx.slots["batch_cpu"])
+        echo(ctx)
+
+    source = iter(range(6))
+    async with Pipeline([Task.from_fn("train", train)]) as pipe:
+        assert [await pipe.progress(source) for _ in range(2)] == [0, 1]
+        call = asyncio.ensure_future(pipe.progress(source))
+        await in_a_thread(started)
+        await cancelled(call)
+        assert not pipe.idle  # batch 2's step runs on
+        release.set()
+        await pipe.wait_idle()
+        stats = pipe.statistics()
+        assert (stats.returned, stats.applied) == (2, 3) == (2, len(steps))
+        # a checkpoint here resumes at applied + refused = 3: batch 2 is not applied twice
+        assert [r async for r in pipe.results(source)] == [2, 3, 4, 5]  # 2 comes out first
+        assert pipe.statistics().applied == len(steps) == 6
