@@ -1,7 +1,7 @@
 """``HSTUPipeline``: the HSTU ranking step on aiopipe, a drop-in for torchrec's
 ``TrainPipelineSparseDist`` family with the legacy ``(loss, tokens, output)`` result.
 
-It is the generic sparse-dist pipeline (``sparse_base.py``: the progress contract,
+It is the generic sparse-dist pipeline (``sparse/base.py``: the progress contract,
 the bootstrap that traces the model on the first batch and seeds that batch, the
 lifetime) with the HSTU tasks (``tasks.py``) and its own rewrite of the model: the
 prefetch variant installs torchrec's prefetch forwards and contexts, and with a real
@@ -28,8 +28,8 @@ from aiopipe.source import Source
 from .data import check_batch
 from .megatron import grad_buffer_chunks
 from .shuffler import BatchShuffler, IdentityShuffler
-from .sparse_base import SparseDistBase
-from .sparse_model import PipelinedModel
+from .sparse.base import SparseDistBase
+from .sparse.model import PipelinedModel
 from .tasks import PipelineState, build_tasks
 
 _log = logging.getLogger("aiopipe.hstu")  # under "aiopipe": one logger shows the engine and this
@@ -82,7 +82,7 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
     rebuild all carry it).  ``pipelined_input_dist``: whether torchrec's input
     distribution runs as tasks ahead of ``forward``, on its rewrite of the model; by
     default yes, except on a CPU with one rank, where it distributes nothing
-    (:func:`~hstu_tasks.sparse_model.input_dist_pipelined`).
+    (:func:`~hstu_tasks.sparse.model.input_dist_pipelined`).
     """
 
     _what = "HSTU pipeline"

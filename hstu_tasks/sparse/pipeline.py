@@ -3,7 +3,7 @@
 on aiopipe's engine.
 
 Each pipeline has its own engine, ring and source; the pipelines of one model share
-its torchrec rewrite (``sparse_model.py``).  So training and evaluation interleave
+its torchrec rewrite (``model.py``).  So training and evaluation interleave
 on one model without a drain: an evaluation pass leaves the training batches in
 flight where they are, and training goes on with them afterwards -- every output
 belongs to its own pipeline's batch, and the training is the one a run without the
@@ -27,11 +27,11 @@ from aiopipe import Task, Tracer
 from aiopipe.lanes import ThreadMap
 from aiopipe.source import Source
 
-from .sparse_base import SparseDistBase
-from .sparse_model import PipelinedModel
-from .sparse_sources import without_last_two
-from .sparse_tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
-from .sparse_tasks import build_sparse_dist_tasks
+from .base import SparseDistBase
+from .model import PipelinedModel
+from .sources import without_last_two
+from .tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
+from .tasks import build_sparse_dist_tasks
 
 __all__ = ("SparseDistEvalPipeline", "SparseDistPipeline")
 
@@ -72,12 +72,12 @@ class SparseDistPipeline(_SparseDist):
     a step runs forward only, as in torchrec; :meth:`eval_pipeline` evaluates without
     touching the training batches in flight.  ``execute_all_batches=False`` drops the
     last two batches of each source, as torchrec does.  ``thread_map`` defaults to
-    :data:`~hstu_tasks.sparse_tasks.SPARSE_DIST_THREAD_MAP` on a CUDA device and to
+    :data:`~hstu_tasks.sparse.tasks.SPARSE_DIST_THREAD_MAP` on a CUDA device and to
     every task on lane ``"compute"`` on any other; ``executor`` may be
     ``"sequential"`` or an executor instance; ``trace=True`` records task spans.
     ``pipelined_input_dist``: whether torchrec's input distribution runs as tasks a
     batch ahead, on its rewrite of the model; by default yes, except on a CPU with one
-    rank, where it distributes nothing (:func:`~hstu_tasks.sparse_model.input_dist_pipelined`).
+    rank, where it distributes nothing (:func:`~hstu_tasks.sparse.model.input_dist_pipelined`).
     The pipelines on one model share the choice.
     """
 

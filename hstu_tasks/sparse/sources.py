@@ -1,14 +1,16 @@
-"""torchrec's ``execute_all_batches=False`` as a source wrapper."""
+"""Sources and passes over them: torchrec's ``execute_all_batches=False`` as a source
+wrapper, and one pass of a torchrec pipeline over data (the reference the runners
+compare with)."""
 
 from __future__ import annotations
 
 import collections
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 from aiopipe.source import Source
 
-__all__ = ("without_last_two",)
+__all__ = ("torchrec_results", "without_last_two")
 
 
 def without_last_two(source: Source) -> Source:
@@ -39,3 +41,14 @@ class _AsyncWithoutLastTwo(AsyncIterator[Any]):
         while len(self._held) < 3:
             self._held.append(await anext(self._source))
         return self._held.popleft()
+
+
+def torchrec_results(pipe: Any, data: Iterable[Any]) -> Iterator[Any]:
+    """One pass over ``data`` with a torchrec pipeline: ``progress`` until it raises
+    ``StopIteration``."""
+    source = iter(data)
+    while True:
+        try:
+            yield pipe.progress(source)
+        except StopIteration:
+            return

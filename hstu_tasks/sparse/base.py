@@ -4,8 +4,8 @@ the lifetime (detach / attach / reset / shutdown).
 
 A subclass gives its state and task list (``_build_tasks``), the check a batch must
 pass, and the first ring slot's contents (``_rewrite_and_seed``); the generic
-sparse-dist pipelines (``sparse_pipeline.py``) and the HSTU pipeline
-(``pipeline.py``) are two such subclasses.  The engine is built on the first
+sparse-dist pipelines (``pipeline.py``) and the HSTU pipeline
+(``hstu_tasks/pipeline.py``) are two such subclasses.  The engine is built on the first
 ``progress``, because torchrec must see one real batch to trace the model: that batch
 is copied, the model rewritten and its input distribution started, then seeded into
 the ring (trained like any other; none is lost).
@@ -28,7 +28,7 @@ from aiopipe.interop import needs_event_loop
 from aiopipe.source import END, Feed, Source
 from aiopipe.trace import resolve_tracer
 
-from .sparse_model import STREAMS, PipelinedModel
+from .model import STREAMS, PipelinedModel
 
 __all__ = ("SparseDistBase", "check_pipelineable")
 
