@@ -12,7 +12,8 @@ model, on aiopipe's engine.
 * ``dlrm`` -- torchrec's DLRM, sharded, with synthetic data and its runners.
 
 The HSTU pipeline (``hstu_tasks.pipeline``) is built from the same parts: the base,
-and ``pipelined_step_tasks`` among its tasks.
+and ``pipelined_step_tasks`` among its tasks.  The private torchrec helpers the
+pipelines need are imported in ``_torchrec`` only.
 """
 
 from __future__ import annotations

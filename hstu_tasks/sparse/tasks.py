@@ -33,9 +33,10 @@ from typing import Any, Protocol
 
 import torch
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
-from torchrec.distributed.train_pipeline.utils import _start_data_dist
 
 from aiopipe import Task, TaskContext
+
+from ._torchrec import start_data_dist
 
 __all__ = (
     "SPARSE_DIST_THREAD_MAP",
@@ -158,7 +159,7 @@ def pipelined_step_tasks(state: StepState, layout: StepLayout = StepLayout(), *,
     def start_input_dist(ctx: TaskContext) -> None:
         if "dist_started" not in ctx.slots:  # the bootstrap started the seeded batch's
             batch, context = ctx.slots[batch_slot], ctx.slots["torchrec_ctx"]
-            _start_data_dist(state.pipelined_modules, batch, context)
+            start_data_dist(state.pipelined_modules, batch, context)
         ctx.slots.set("dist_started", True)
 
     def wait_input_dist(ctx: TaskContext) -> None:
