@@ -4,6 +4,8 @@ model, on aiopipe's engine.
 * ``tasks`` -- the tasks of torchrec's ``TrainPipelineSparseDist`` step
   (``pipelined_step_tasks``, shared with the HSTU step) and their default lanes;
 * ``model`` -- one model's torchrec rewrite, shared by the pipelines on it;
+* ``spec`` -- ``PipelineSpec``: what one kind of pipeline gives the base (its tasks,
+  its rewrite of the model on the first batch, its batch check, ...);
 * ``base`` -- what every pipeline on a rewritten model shares: the progress contract,
   the bootstrap that traces the model on the first batch, the lifetime;
 * ``pipeline`` -- ``SparseDistPipeline`` and ``SparseDistEvalPipeline``;
@@ -11,15 +13,14 @@ model, on aiopipe's engine.
   torchrec pipeline;
 * ``dlrm`` -- torchrec's DLRM, sharded, with synthetic data and its runners.
 
-The HSTU pipeline (``hstu_tasks.pipeline``) is built from the same parts: the base,
-and ``pipelined_step_tasks`` among its tasks.  The private torchrec helpers the
-pipelines need are imported in ``_torchrec`` only.
+The HSTU pipeline (``hstu_tasks.pipeline``) is composed from the same parts: the base
+with a spec of its own, and ``pipelined_step_tasks`` among its tasks.  The private
+torchrec helpers the pipelines need are imported in ``_torchrec`` only.
 """
 
 from __future__ import annotations
 
 from .base import SparseDistBase as SparseDistBase
-from .base import check_pipelineable as check_pipelineable
 from .dlrm import DLRM_PIPELINES as DLRM_PIPELINES
 from .dlrm import DLRMConfig as DLRMConfig
 from .dlrm import DLRMRun as DLRMRun
@@ -33,8 +34,12 @@ from .model import input_dist_pipelined as input_dist_pipelined
 from .model import stream_pool as stream_pool
 from .pipeline import SparseDistEvalPipeline as SparseDistEvalPipeline
 from .pipeline import SparseDistPipeline as SparseDistPipeline
+from .sources import LastTwoDropped as LastTwoDropped
 from .sources import torchrec_results as torchrec_results
 from .sources import without_last_two as without_last_two
+from .spec import SHARED_REWRITE as SHARED_REWRITE
+from .spec import PipelineSpec as PipelineSpec
+from .spec import check_pipelineable as check_pipelineable
 from .tasks import SPARSE_DIST_THREAD_MAP as SPARSE_DIST_THREAD_MAP
 from .tasks import ModelForward as ModelForward
 from .tasks import SparseDistState as SparseDistState
@@ -45,11 +50,14 @@ from .tasks import pipelined_step_tasks as pipelined_step_tasks
 
 __all__ = (
     "DLRM_PIPELINES",
+    "SHARED_REWRITE",
     "SPARSE_DIST_THREAD_MAP",
     "STREAMS",
     "DLRMConfig",
     "DLRMRun",
+    "LastTwoDropped",
     "ModelForward",
+    "PipelineSpec",
     "PipelinedModel",
     "SparseDistBase",
     "SparseDistEvalPipeline",

@@ -1,6 +1,6 @@
 """Sources and passes over them: torchrec's ``execute_all_batches=False`` as a source
-wrapper, and one pass of a torchrec pipeline over data (the reference the runners
-compare with)."""
+wrapper (and the wrappers one pipeline keeps), and one pass of a torchrec pipeline
+over data (the reference the runners compare with)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from aiopipe.source import Source
 
-__all__ = ("torchrec_results", "without_last_two")
+__all__ = ("LastTwoDropped", "torchrec_results", "without_last_two")
 
 
 def without_last_two(source: Source) -> Source:
@@ -21,6 +21,32 @@ def without_last_two(source: Source) -> Source:
     if not isinstance(source, Iterator):
         raise TypeError(f"progress() takes a sync or async iterator, got {source!r}")
     return _WithoutLastTwo(source)
+
+
+class LastTwoDropped:
+    """``execute_all_batches=False`` for one pipeline: each source's wrapper, kept
+    until the source ends (a wrapper holds the two items it read ahead, and
+    ``drain()`` may leave one unended)."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[Source, Source]] = {}  # id(source): (source, wrapper)
+
+    def adapt(self, source: Source) -> Source:
+        """The wrapper ``progress`` reads instead of ``source``."""
+        held = self._held.get(id(source))
+        if held is None:
+            held = self._held[id(source)] = (source, without_last_two(source))
+        return held[1]
+
+    def ended(self, source: Source) -> None:
+        """``progress`` reported the end of the wrapper ``source``: forget it."""
+        for key, (_, wrapper) in list(self._held.items()):
+            if wrapper is source:
+                del self._held[key]
+
+    def clear(self) -> None:
+        """``reset()``: forget every wrapper."""
+        self._held.clear()
 
 
 class _WithoutLastTwo(Iterator[Any]):

@@ -35,6 +35,7 @@ import torch
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 
 from aiopipe import Task, TaskContext
+from aiopipe.lanes import copies_on_io
 
 from ._torchrec import start_data_dist
 
@@ -55,11 +56,10 @@ ModelForward = Callable[[Any], "tuple[torch.Tensor, Any]"]
 #: The default on a CUDA device: copies on the "io" lane, everything that touches the
 #: model on "compute" (the only writer of the pipelined modules' context is forward,
 #: on that lane).  On a CPU every task defaults to "compute".
-SPARSE_DIST_THREAD_MAP: dict[str, str] = {
-    "h2d": "io",
-    **{name: "compute" for name in ("start_input_dist", "zero_grad", "forward",
-                                    "wait_input_dist", "backward", "optimizer_step")},
-}  # fmt: skip
+SPARSE_DIST_THREAD_MAP: dict[str, str] = copies_on_io(
+    ("h2d",),
+    ("start_input_dist", "zero_grad", "forward", "wait_input_dist", "backward", "optimizer_step"),
+)
 
 
 @dataclass
