@@ -55,7 +55,7 @@ from hstu_tasks import (  # noqa: E402
 )
 from hstu_tasks.runners import run_pipeline  # noqa: E402
 from hstu_tasks.shuffler import IdentityShuffler  # noqa: E402
-from hstu_tasks.sparse_model import STREAMS  # noqa: E402
+from hstu_tasks.sparse.model import STREAMS  # noqa: E402
 from hstu_tasks.tasks import PipelineState, build_tasks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -133,7 +133,7 @@ def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], 
 
     from aiopipe import Tracer
     from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData, build_dlrm_training
-    from hstu_tasks.sparse_tasks import SPARSE_DIST_THREAD_MAP
+    from hstu_tasks.sparse.tasks import SPARSE_DIST_THREAD_MAP
 
     config_ = DLRMConfig()
     setup = build_dlrm_training(config_, "sgd", seed=0)

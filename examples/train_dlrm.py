@@ -20,9 +20,9 @@ from tqdm import tqdm
 
 from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training
 from hstu_tasks import init_distributed, leave_and_exit, quiet_torchrec
-from hstu_tasks.dlrm import DLRM_PIPELINES, run_dlrm
 from hstu_tasks.parallel import default_device
 from hstu_tasks.runners import parameter_checksum, parameter_digest
+from hstu_tasks.sparse.dlrm import DLRM_PIPELINES, run_dlrm
 
 
 def parse_args() -> argparse.Namespace:

@@ -11,10 +11,10 @@ imported here, never in ``aiopipe``):
 * ``tasks`` / ``pipeline`` / ``factory`` -- the fourteen tasks, ``HSTUPipeline`` and
   its named variants;
 * ``checkpoint`` -- saving and restoring the training state at a progress boundary;
-* ``sparse_tasks`` / ``sparse_model`` / ``sparse_sources`` / ``sparse_pipeline`` --
-  torchrec's sparse-dist train and eval pipelines for any sharded model
-  (``SparseDistPipeline``);
-* ``dlrm`` -- torchrec's DLRM, sharded, with synthetic data and its runners.
+* ``sparse`` -- the generic part, of which the HSTU pipeline is composed: torchrec's
+  sparse-dist train and eval pipelines for any sharded model (``SparseDistPipeline``,
+  ``SparseDistEvalPipeline``), and torchrec's DLRM, sharded, with synthetic data and
+  its runners (``sparse.dlrm``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ from .checkpoint import training_state as training_state
 from .data import DataConfig as DataConfig
 from .data import HSTUBatch as HSTUBatch
 from .data import SyntheticHSTUData as SyntheticHSTUData
-from .dlrm import DLRMConfig as DLRMConfig
-from .dlrm import SyntheticDLRMData as SyntheticDLRMData
-from .dlrm import build_dlrm_training as build_dlrm_training
 from .factory import HSTUPipelineFactory as HSTUPipelineFactory
 from .megatron import MegatronDataParallelWrapper as MegatronDataParallelWrapper
 from .model import HSTURankingModel as HSTURankingModel
@@ -47,9 +44,12 @@ from .pipeline import HSTUPipeline as HSTUPipeline
 from .shuffler import IdentityShuffler as IdentityShuffler
 from .shuffler import KarmarkarKarpShuffler as KarmarkarKarpShuffler
 from .shuffler import balanced_partition as balanced_partition
-from .sparse_pipeline import SparseDistEvalPipeline as SparseDistEvalPipeline
-from .sparse_pipeline import SparseDistPipeline as SparseDistPipeline
-from .sparse_tasks import SPARSE_DIST_THREAD_MAP as SPARSE_DIST_THREAD_MAP
+from .sparse import SPARSE_DIST_THREAD_MAP as SPARSE_DIST_THREAD_MAP
+from .sparse import DLRMConfig as DLRMConfig
+from .sparse import SparseDistEvalPipeline as SparseDistEvalPipeline
+from .sparse import SparseDistPipeline as SparseDistPipeline
+from .sparse import SyntheticDLRMData as SyntheticDLRMData
+from .sparse import build_dlrm_training as build_dlrm_training
 
 __all__ = (
     "HSTU_DEFAULT_THREAD_MAP",

@@ -1,12 +1,13 @@
 """``HSTUPipeline``: the HSTU ranking step on aiopipe, a drop-in for torchrec's
 ``TrainPipelineSparseDist`` family with the legacy ``(loss, tokens, output)`` result.
 
-It is the generic sparse-dist pipeline (``sparse_base.py``: the progress contract,
-the bootstrap that traces the model on the first batch and seeds that batch, the
-lifetime) with the HSTU tasks (``tasks.py``) and its own rewrite of the model: the
-prefetch variant installs torchrec's prefetch forwards and contexts, and with a real
-shuffler the bootstrap only initialises the input distributions (on a throwaway
-context), since the batch it took is not yet this rank's batch.
+It is composed from the generic sparse-dist pipeline (``sparse/base.py``: the
+progress contract, the bootstrap that traces the model on the first batch and seeds
+that batch, the lifetime), given a :class:`~hstu_tasks.sparse.spec.PipelineSpec` with
+the HSTU tasks (``tasks.py``) and its own rewrite of the model: the prefetch variant
+installs torchrec's prefetch forwards and contexts, and with a real shuffler the
+bootstrap only initialises the input distributions (on a throwaway context), since
+the batch it took is not yet this rank's batch.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from torchrec.distributed.train_pipeline.runtime_forwards import (
 )
 
 from aiopipe import Task, Tracer
-from aiopipe.lanes import ThreadMap
-from aiopipe.source import Source
+from aiopipe.lanes import ThreadMap, copies_on_io
 
 from .data import check_batch
 from .megatron import grad_buffer_chunks
 from .shuffler import BatchShuffler, IdentityShuffler
-from .sparse_base import SparseDistBase
-from .sparse_model import PipelinedModel
+from .sparse.base import SparseDistBase
+from .sparse.model import PipelinedModel
+from .sparse.spec import PipelineSpec
 from .tasks import PipelineState, build_tasks
 
 _log = logging.getLogger("aiopipe.hstu")  # under "aiopipe": one logger shows the engine and this
@@ -39,19 +40,14 @@ __all__ = ("HSTU_DEFAULT_THREAD_MAP", "HSTU_DIST_LANE_THREAD_MAP", "HSTUPipeline
 #: Two lanes, the default on a CUDA device: data movement on "io", everything touching
 #: the model on "compute" (the only writer of the pipelined modules' context is
 #: forward, on that lane).  On a CPU every task defaults to "compute".
-HSTU_DEFAULT_THREAD_MAP: dict[str, str] = {
-    "h2d": "io",
-    "start_shuffle": "io",
-    "finish_shuffle": "io",
-    **{
-        name: "compute"
-        for name in (
-            "start_input_dist", "wait_input_dist", "prefetch_embeddings", "zero_grad",
-            "global_tokens_allreduce", "nccl_safety_barrier", "forward", "backward",
-            "finalize_model_grads", "optimizer_step", "watchdog_step",
-        )
-    },
-}  # fmt: skip
+HSTU_DEFAULT_THREAD_MAP: dict[str, str] = copies_on_io(
+    ("h2d", "start_shuffle", "finish_shuffle"),
+    (
+        "start_input_dist", "wait_input_dist", "prefetch_embeddings", "zero_grad",
+        "global_tokens_allreduce", "nccl_safety_barrier", "forward", "backward",
+        "finalize_model_grads", "optimizer_step", "watchdog_step",
+    ),
+)  # fmt: skip
 
 #: Three lanes: the input distribution (and prefetch) of the next batch on its own
 #: lane, so its waits for the other ranks can overlap this batch's forward and
@@ -63,6 +59,42 @@ HSTU_DIST_LANE_THREAD_MAP: dict[str, str] = {
     "wait_input_dist": "dist",
     "prefetch_embeddings": "dist",
 }
+
+
+def _hstu_spec(shared: PipelinedModel, state: PipelineState) -> PipelineSpec:
+    """The HSTU step on a rewrite of the model of its own."""
+
+    def build() -> list[Task]:
+        return build_tasks(state)  # looked up per engine: a wrapper installed later applies
+
+    def rewrite_and_seed(peek: Any) -> dict[str, Any]:
+        """Copy ``peek``, let torchrec rewrite the model on it and start its input
+        distribution: what the first ring slot is seeded with."""
+        context = state.create_context(0)
+        forward_type = PrefetchPipelinedForward if state.prefetch else PipelinedForward
+        # With a real shuffler the batch must be shuffled before its input dist: the
+        # rewrite initialises the input dists on a throwaway context instead.
+        warm_up = None if state.shuffler.is_identity else state.create_context(-1)
+        batch = shared.rewrite(peek, context, forward_type=forward_type, warm_up=warm_up)
+        seed: dict[str, Any] = {"batch_cpu": peek, "batch_gpu": batch, "torchrec_ctx": context}
+        if warm_up is None:  # the seeded batch's input dist has started
+            seed.update(shuffled_batch=batch, dist_started=True)
+        return seed
+
+    def finished() -> None:
+        state.watch.flush()  # the last steps' losses, checked before the end
+
+    def release() -> None:
+        close = getattr(state.shuffler, "close", None)
+        if close is not None:
+            close()
+
+    return PipelineSpec(
+        what="HSTU pipeline", build_tasks=build, rewrite_and_seed=rewrite_and_seed,
+        default_thread_map=HSTU_DEFAULT_THREAD_MAP, check_batch=check_batch,
+        turns="",  # its rewrite of the model is its own: one call at a time, no more to say
+        finished=finished, release=release, log=_log,
+    )  # fmt: skip
 
 
 class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
@@ -82,12 +114,9 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
     rebuild all carry it).  ``pipelined_input_dist``: whether torchrec's input
     distribution runs as tasks ahead of ``forward``, on its rewrite of the model; by
     default yes, except on a CPU with one rank, where it distributes nothing
-    (:func:`~hstu_tasks.sparse_model.input_dist_pipelined`).
+    (:func:`~hstu_tasks.sparse.model.input_dist_pipelined`).
     """
 
-    _what = "HSTU pipeline"
-    _turns = ""  # its rewrite of the model is its own: one call at a time, no more to say
-    _check_batch = staticmethod(check_batch)
     _state: PipelineState
 
     def __init__(
@@ -123,41 +152,13 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
             prefetch_depth=prefetch_depth, memory_limit_bytes=memory_limit_bytes,
             streams=shared.streams, pipelined_modules=shared.modules,
         )  # fmt: skip
-        super().__init__(
-            shared, state, default_thread_map=HSTU_DEFAULT_THREAD_MAP, thread_map=thread_map,
-            executor=executor, trace=trace, name=name,
-        )  # fmt: skip
-        if self._executor_choice is None and isinstance(self._thread_map, Mapping):
-            unknown = sorted(set(self._thread_map) - set(HSTU_DEFAULT_THREAD_MAP))
+        super().__init__(shared, state, _hstu_spec(shared, state), thread_map=thread_map,
+                         executor=executor, trace=trace, name=name)  # fmt: skip
+        if (executor is None or executor == "async") and isinstance(thread_map, Mapping):
+            unknown = sorted(set(thread_map) - set(HSTU_DEFAULT_THREAD_MAP))
             if unknown:  # a misspelt task would go to "default"
                 raise ValueError(f"thread_map names no HSTU task {unknown}; the tasks are "
                                  f"{sorted(HSTU_DEFAULT_THREAD_MAP)}")  # fmt: skip
-
-    def _build_tasks(self) -> list[Task]:
-        return build_tasks(self._state)
-
-    def _rewrite_and_seed(self, peek: Any) -> dict[str, Any]:
-        """Copy ``peek``, let torchrec rewrite the model on it and start its input
-        distribution: what the first ring slot is seeded with."""
-        state = self._state
-        context = state.create_context(0)
-        forward_type = PrefetchPipelinedForward if state.prefetch else PipelinedForward
-        # With a real shuffler the batch must be shuffled before its input dist: the
-        # rewrite initialises the input dists on a throwaway context instead.
-        warm_up = None if state.shuffler.is_identity else state.create_context(-1)
-        batch = self._shared.rewrite(peek, context, forward_type=forward_type, warm_up=warm_up)
-        seed: dict[str, Any] = {"batch_cpu": peek, "batch_gpu": batch, "torchrec_ctx": context}
-        if warm_up is None:  # the seeded batch's input dist has started
-            seed.update(shuffled_batch=batch, dist_started=True)
-        return seed
-
-    async def _bootstrap(self, source: Source) -> None:
-        await super()._bootstrap(source)
-        _log.info("%s: bootstrap done: the engine is built and the source's first batch "
-                  "seeded", self.name)  # fmt: skip
-
-    def _finished(self) -> None:
-        self._state.watch.flush()  # the last steps' losses, checked before the end
 
     def attach(self, model: torch.nn.Module | None = None) -> None:
         super().attach(model)
@@ -167,11 +168,3 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
     def reset(self) -> None:
         super().reset()
         self._state.watch.discard()
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        super().shutdown()
-        close = getattr(self._state.shuffler, "close", None)
-        if close is not None:
-            close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +24,7 @@ from .data import HSTUBatch
 from .factory import HSTUPipelineFactory
 from .parallel import TrainingSetup, global_loss, global_tokens, plain_train_step
 from .shuffler import BatchShuffler
+from .sparse.sources import torchrec_results as torchrec_results
 
 __all__ = (
     "PIPELINES",
@@ -137,17 +138,6 @@ def _torchrec(setup: TrainingSetup, data: Iterable[HSTUBatch], result: RunResult
     for loss_sum, tokens, _ in torchrec_results(pipe, data):
         result.record(loss_sum, tokens)
         on_step(len(result.loss_sums))
-
-
-def torchrec_results(pipe: Any, data: Iterable[Any]) -> Iterator[Any]:
-    """One pass over ``data`` with a torchrec pipeline: ``progress`` until it raises
-    ``StopIteration``."""
-    source = iter(data)
-    while True:
-        try:
-            yield pipe.progress(source)
-        except StopIteration:
-            return
 
 
 def run_pipeline(

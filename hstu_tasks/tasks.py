@@ -32,7 +32,7 @@ order (without it, gloo reports mismatched collectives and NCCL hangs).  (2) pre
 variant only; it runs after this progress's ``forward`` and before its ``backward``
 (a cache's outstanding-key count is decremented by forward and incremented by
 prefetch).  ``h2d``, the input-dist tasks and ``forward`` are the generic sparse-dist
-step's (``sparse_tasks.pipelined_step_tasks``), here with HSTU's slots and depth.
+step's (``sparse.tasks.pipelined_step_tasks``), here with HSTU's slots and depth.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from aiopipe import Task, TaskContext
 from .megatron import finalize_grads, grad_buffer_chunks, zero_grad_buffers
 from .parallel import global_loss, global_tokens
 from .shuffler import BatchShuffler
-from .sparse_tasks import StepLayout, pipelined_step_tasks
+from .sparse.tasks import StepLayout, pipelined_step_tasks
 from .watchdog import LossWatch
 
 __all__ = ("PipelineState", "build_tasks")

@@ -168,13 +168,13 @@ async def feed_bad_batches(pipe: HSTUPipeline, data: SyntheticHSTUData) -> dict[
     refused_first = pipe.engine.statistics().refused  # the source's position stays exact
     # a bootstrap that fails after taking the first batch keeps it for the next try
     pipe.reset()
-    rewrite = pipe._rewrite_and_seed
+    spec = pipe._spec
 
     def fail_once(*args: Any) -> Any:
-        pipe._rewrite_and_seed = rewrite  # type: ignore[method-assign]
+        pipe._spec = spec
         raise RuntimeError("injected bootstrap failure")
 
-    pipe._rewrite_and_seed = fail_once  # type: ignore[method-assign]
+    pipe._spec = dataclasses.replace(spec, rewrite_and_seed=fail_once)
     source = iter(good)
     try:
         await pipe.progress(source)

@@ -16,9 +16,9 @@ from torchrec.distributed.types import ShardedModule
 
 from aiopipe import BadBatchError, PipelineStateError
 from hstu_tasks import join_local_group, leave_and_exit, quiet_torchrec
-from hstu_tasks.dlrm import DLRMConfig, SyntheticDLRMData, build_dlrm_training, run_dlrm
 from hstu_tasks.runners import parameter_digest
-from hstu_tasks.sparse_pipeline import SparseDistEvalPipeline, SparseDistPipeline
+from hstu_tasks.sparse.dlrm import DLRMConfig, SyntheticDLRMData, build_dlrm_training, run_dlrm
+from hstu_tasks.sparse.pipeline import SparseDistEvalPipeline, SparseDistPipeline
 
 CONFIG = DLRMConfig(num_embeddings=200, batch_size=16)
 STEPS = 6

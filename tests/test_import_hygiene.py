@@ -1,4 +1,5 @@
-"""aiopipe imports only the standard library, torch, nvtx and uvloop."""
+"""aiopipe imports only the standard library, torch, nvtx and uvloop; the adapter
+(hstu_tasks) uses aiopipe's public surface and torchrec's private helpers in one module."""
 
 from __future__ import annotations
 
@@ -160,3 +161,85 @@ def _function_level_imports(path: Path) -> set[str]:
                     base = package[: len(package) - node.level + 1] if node.level else []
                     found.add(".".join(base + ([node.module] if node.module else [])))
     return found
+
+
+# -- the adapter: aiopipe's public surface, torchrec's private helpers in one module ----
+
+ROOT = PACKAGE.parent
+ADAPTER = ROOT / "hstu_tasks"
+#: The one module that may import torchrec's private helpers (re-exported publicly).
+TORCHREC_PRIVATE = ADAPTER / "sparse" / "_torchrec.py"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(tree: ast.AST, package: str) -> list[str]:
+    """Private names of ``package`` that ``tree`` imports (a module path component or
+    an imported name starting with ``_``) or reaches through an imported name
+    (``aiopipe._core``, ``lanes._on_compute_lane``)."""
+    found, bound = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == package:
+                    if any(_is_private(part) for part in alias.name.split(".")):
+                        found.append(f"import {alias.name}")
+                    bound.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] != package:
+                continue
+            names = [alias.name for alias in node.names]
+            if any(_is_private(part) for part in node.module.split(".")) or any(
+                _is_private(name) for name in names
+            ):
+                found.append(f"from {node.module} import {', '.join(names)}")
+            bound.update(alias.asname or alias.name for alias in node.names)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in bound:
+                found.append(ast.unparse(node))
+    return found
+
+
+def _offenders(paths: list[Path], package: str) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}: {use}"
+        for path in sorted(paths)
+        for use in _private_uses(ast.parse(path.read_text()), package)
+    ]
+
+
+def test_the_private_use_check_sees_each_form() -> None:
+    private = (
+        "from aiopipe._core.lanes import Lane", "from aiopipe import _core",
+        "from aiopipe.lanes import _on_compute_lane", "import aiopipe._core",
+        "import aiopipe\naiopipe._core.loops", "from aiopipe import lanes\nlanes._x",
+    )  # fmt: skip
+    for source in private:
+        assert _private_uses(ast.parse(source), "aiopipe"), source
+    public = ("from aiopipe import __version__, lanes", "import aiopipe\naiopipe.run",
+              "from torchrec import _x", "engine._executor")  # fmt: skip
+    for source in public:
+        assert not _private_uses(ast.parse(source), "aiopipe"), source
+
+
+def test_the_adapter_uses_only_aiopipes_public_surface() -> None:
+    offenders = _offenders(list(ADAPTER.rglob("*.py")), "aiopipe")
+    assert not offenders, offenders
+
+
+def test_torchrecs_private_helpers_are_imported_in_one_module() -> None:
+    assert _private_uses(ast.parse(TORCHREC_PRIVATE.read_text()), "torchrec")  # it is that one
+    paths = [
+        path
+        for folder in ("hstu_tasks", "examples", "benchmarks", "tests")
+        for path in (ROOT / folder).rglob("*.py")
+        if path != TORCHREC_PRIVATE
+    ]
+    offenders = _offenders(paths, "torchrec")
+    assert not offenders, f"import them through {TORCHREC_PRIVATE.name}: {offenders}"

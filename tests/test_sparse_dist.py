@@ -21,11 +21,11 @@ from aiopipe.lanes import thread_map_for_device
 from conftest import collect
 from hstu_tasks import DLRMConfig, HSTUPipeline, SparseDistPipeline, SyntheticDLRMData
 from hstu_tasks import SparseDistEvalPipeline, SyntheticHSTUData, build_dlrm_training
-from hstu_tasks.dlrm import evaluate_plainly, run_dlrm
 from hstu_tasks.runners import parameter_digest
-from hstu_tasks.sparse_sources import without_last_two
-from hstu_tasks.sparse_model import input_dist_pipelined
-from hstu_tasks.sparse_tasks import SPARSE_DIST_THREAD_MAP
+from hstu_tasks.sparse.dlrm import evaluate_plainly, run_dlrm
+from hstu_tasks.sparse.model import input_dist_pipelined
+from hstu_tasks.sparse.sources import without_last_two
+from hstu_tasks.sparse.tasks import SPARSE_DIST_THREAD_MAP
 from one_rank import TINY_DATA, one_rank_group, tiny_training
 
 pytestmark = pytest.mark.distributed

@@ -1,14 +1,14 @@
 """One model's torchrec rewrite, shared by every sparse-dist pipeline on that model.
 
-torchrec's ``_rewrite_model`` replaces the forwards of a model's sharded modules with
-pipelined ones that read the input distribution from a per-batch context.  A model
-can be rewritten once: a training and an evaluation pipeline on the same model must
-share the rewrite (and the streams it was bound to), or the second would wrap the
-first one's pipelined forwards.  ``PipelinedModel.of(model, device)`` returns the one
-shared object per model; ``PipelinedModel(model, device, owner=...)`` is one a
-pipeline keeps to itself (the HSTU pipeline: its prefetch variant installs other
-forwards).  Either way a model runs under one of them at a time: another is refused
-until the pipelines on the first give the model back.
+torchrec's ``rewrite_model`` (``_torchrec.py``) replaces the forwards of a model's
+sharded modules with pipelined ones that read the input distribution from a per-batch
+context.  A model can be rewritten once: a training and an evaluation pipeline on the
+same model must share the rewrite (and the streams it was bound to), or the second
+would wrap the first one's pipelined forwards.  ``PipelinedModel.of(model, device)``
+returns the one shared object per model; ``PipelinedModel(model, device, owner=...)``
+is one a pipeline keeps to itself (the HSTU pipeline: its prefetch variant installs
+other forwards).  Either way a model runs under one of them at a time: another is
+refused until the pipelines on the first give the model back.
 
 On a CPU with one rank there is nothing to distribute, and torchrec's pipelined form
 only adds work (a splits all-to-all per batch, which its unpipelined path skips on
@@ -25,15 +25,12 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward, PipelinedForward
-from torchrec.distributed.train_pipeline.utils import (
-    _override_input_dist_forwards,
-    _pipeline_detach_model,
-    _rewrite_model,
-    _start_data_dist,
-)
 from torchrec.distributed.types import ShardedModule
 
 from aiopipe import PipelineStateError, SchedulablePipeline, StreamPool
+
+from ._torchrec import override_input_dist_forwards, pipeline_detach_model, rewrite_model
+from ._torchrec import start_data_dist
 
 __all__ = ("STREAMS", "PipelinedModel", "input_dist_pipelined", "stream_pool")
 
@@ -160,7 +157,7 @@ class PipelinedModel:
         # carries it can only run rewritten, one CPU rank or not
         left_rewritten = any(isinstance(m.forward, BaseForward) for m in sharded)
         if sharded and (self.pipelines_input_dist or left_rewritten):
-            modules, _, self._original_forwards, _, _ = _rewrite_model(
+            modules, _, self._original_forwards, _, _ = rewrite_model(
                 model=self.model,
                 context=context,
                 dist_stream=self.streams["data_dist"],
@@ -174,18 +171,18 @@ class PipelinedModel:
         self.installed = True
         _INSTALLED[id(self.model)] = self
         with pool.use("data_dist"):  # creates torchrec's input dists, then fuses their splits
-            _start_data_dist(modules, batch, context if warm_up is None else warm_up)
+            start_data_dist(modules, batch, context if warm_up is None else warm_up)
             if warm_up is not None:
                 for _, awaitable in warm_up.fused_splits_awaitables:
                     for request in awaitable.wait():
                         request.wait()
-        self._original_kjt_dist_forwards = _override_input_dist_forwards(modules)
+        self._original_kjt_dist_forwards = override_input_dist_forwards(modules)
         return batch
 
     def restore(self) -> None:
         """Give the model its own forwards back; the next batch traces it again."""
         if self.modules:
-            _pipeline_detach_model(
+            pipeline_detach_model(
                 model=self.model,
                 pipelined_modules=self.modules,
                 original_forwards=self._original_forwards,

@@ -31,9 +31,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from aiopipe import run
 
-from .parallel import TrainingSetup
-from .runners import torchrec_results
-from .sparse_pipeline import SparseDistPipeline
+from ..parallel import TrainingSetup
+from .pipeline import SparseDistPipeline
+from .sources import torchrec_results
 
 __all__ = (
     "DLRM_PIPELINES",

@@ -2,10 +2,10 @@
 the progress contract, the bootstrap that traces the model on the first batch, and
 the lifetime (detach / attach / reset / shutdown).
 
-A subclass gives its state and task list (``_build_tasks``), the check a batch must
-pass, and the first ring slot's contents (``_rewrite_and_seed``); the generic
-sparse-dist pipelines (``sparse_pipeline.py``) and the HSTU pipeline
-(``pipeline.py``) are two such subclasses.  The engine is built on the first
+A pipeline gives its state and a :class:`~.spec.PipelineSpec` (its task list, the
+check a batch must pass, the first ring slot's contents, ...); the generic
+sparse-dist pipelines (``pipeline.py``) and the HSTU pipeline
+(``hstu_tasks/pipeline.py``) are built so.  The engine is built on the first
 ``progress``, because torchrec must see one real batch to trace the model: that batch
 is copied, the model rewritten and its input distribution started, then seeded into
 the ring (trained like any other; none is lost).
@@ -14,61 +14,50 @@ the ring (trained like any other; none is lost).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import Any, Generic, Self, TypeVar
 
 import torch
-from torchrec.streamable import Pipelineable
 
-from aiopipe import AsyncExecutor, BadBatchError, BlockingPipeline, PipelineStateError, SchedulablePipeline
-from aiopipe import Schedule, Task, Tracer
-from aiopipe.lanes import ThreadMap, thread_map_for_device, resolve_lane
+from aiopipe import AsyncExecutor, BadBatchError, BlockingPipeline, Executor, PipelineStateError
+from aiopipe import Schedule, SchedulablePipeline, Tracer
+from aiopipe.executors import resolve_executor
 from aiopipe.face import results_of
 from aiopipe.interop import needs_event_loop
+from aiopipe.lanes import ThreadMap, resolve_lane
 from aiopipe.source import END, Feed, Source
 from aiopipe.trace import resolve_tracer
 
-from .sparse_model import STREAMS, PipelinedModel
+from .model import STREAMS, PipelinedModel
+from .spec import PipelineSpec
 
-__all__ = ("SparseDistBase", "check_pipelineable")
+__all__ = ("SparseDistBase",)
 
 #: What one step of a pipeline returns (``progress``, ``results``, ``drain``).
 ResultT = TypeVar("ResultT")
 
 
-def check_pipelineable(batch: object) -> None:
-    """torchrec pipelines ``Pipelineable`` batches (``to``, ``record_stream``,
-    ``pin_memory``) and tensors."""
-    if not isinstance(batch, (Pipelineable, torch.Tensor)):
-        raise TypeError(f"expected a torchrec Pipelineable batch (to, record_stream, "
-                        f"pin_memory) or a tensor, got {type(batch).__name__}")  # fmt: skip
-
-
 class SparseDistBase(Generic[ResultT]):
     """The progress contract, bootstrap and lifetime of a pipeline on ``shared``'s
-    model; ``state`` is what its tasks share, ``ResultT`` what a step returns."""
+    model; ``state`` is what its tasks share, ``spec`` what the pipeline's kind gives,
+    ``ResultT`` what a step returns.  ``executor`` and ``thread_map`` are resolved by
+    :func:`aiopipe.executors.resolve_executor` (with ``spec.default_thread_map``)."""
 
-    _what = "sparse-dist pipeline"
-    #: Why the pipelines of one model take turns (HSTU's rewrite is its own).
-    _turns = " (the pipelines of one model take turns: they share its torchrec rewrite)"
-    #: Raises ``TypeError`` or ``ValueError`` for a batch the tasks cannot run.
-    _check_batch = staticmethod(check_pipelineable)
-
-    def __init__(self, shared: PipelinedModel, state: Any, *, default_thread_map: Mapping[str, str],
-                 thread_map: ThreadMap, executor: str | Any, trace: bool | Tracer | None,
-                 name: str | None = None) -> None:  # fmt: skip
+    def __init__(self, shared: PipelinedModel, state: Any, spec: PipelineSpec, *,
+                 thread_map: ThreadMap, executor: str | Executor | None,
+                 trace: bool | Tracer | None, name: str | None = None) -> None:  # fmt: skip
         self.name = name
-        self._shared, self._state = shared, state
-        if executor == "async":  # the default executor, with the pipeline's lanes
-            executor = None
-        if thread_map is None:
-            thread_map = thread_map_for_device(default_thread_map, shared.device)
-        self._thread_map = thread_map
-        if executor is None:  # a bad thread map fails here, not after a batch was taken
-            for task in self._build_tasks():
-                resolve_lane(task, self._thread_map)
-        self._executor_choice = executor
-        self._executor_used = False  # an executor instance serves one engine
+        self._shared, self._state, self._spec = shared, state, spec
+        self._executor_options = (executor, thread_map)
+        # An executor instance serves one engine: detach()/reset() cannot rebuild on it.
+        self._given_instance = executor is not None and not isinstance(executor, str)
+        # The first engine's executor, resolved now: a bad choice fails here, and so
+        # does a bad thread map, not after a batch was taken.
+        first = self._resolve_executor()
+        self._next_executor: Executor | None = first
+        if not self._given_instance and isinstance(first, AsyncExecutor):
+            for task in spec.build_tasks():
+                resolve_lane(task, first.thread_map)
         # One tracer for the pipeline's lifetime: detach/attach rebuilds keep adding to it.
         self._tracer = resolve_tracer(trace)
         self._closed = False
@@ -77,26 +66,6 @@ class SparseDistBase(Generic[ResultT]):
         self._kept: tuple[Source, Any] | None = None
         self._refused: tuple[Source, int] | None = None
         self._ended_source: Source | None = None  # the source whose end progress() reported
-
-    # -- what a subclass gives ---------------------------------------------------------
-
-    def _build_tasks(self) -> list[Task]:
-        """The task list, in the declaration order that breaks topological ties."""
-        raise NotImplementedError
-
-    def _rewrite_and_seed(self, peek: Any) -> dict[str, Any]:
-        """Let torchrec rewrite the model on ``peek`` (``PipelinedModel.rewrite``):
-        what the first ring slot is seeded with."""
-        raise NotImplementedError
-
-    def _adapt(self, source: Source) -> Source:
-        return source
-
-    def _ended(self, source: Source) -> None:
-        """``progress`` reported the end of ``source``."""
-
-    def _finished(self) -> None:
-        """No batch is in flight any more: the source ended, or ``drain()``."""
 
     # -- the progress contract ---------------------------------------------------------
 
@@ -118,11 +87,11 @@ class SparseDistBase(Generic[ResultT]):
     async def progress(self, source: Source) -> ResultT:
         """One batch's result; ``StopAsyncIteration`` once ``source`` has ended."""
         if self._closed:
-            raise PipelineStateError(f"the {self._what} has been shut down")
+            raise PipelineStateError(f"the {self._spec.what} has been shut down")
         if not self._shared.attached:
             raise PipelineStateError("the model is detached; call attach() first")
         with self._taking_turn("progress()"):
-            return await self._progress(self._adapt(source))
+            return await self._progress(self._spec.adapt(source))
 
     @needs_event_loop
     async def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[ResultT]:
@@ -138,7 +107,7 @@ class SparseDistBase(Generic[ResultT]):
         if shared.busy is not None:
             raise PipelineStateError(
                 f"another progress() or drain() is running on this model; await it before "
-                f"calling {call}{self._turns}"
+                f"calling {call}{self._spec.turns}"
             )
         shared.busy = self
         try:
@@ -163,8 +132,8 @@ class SparseDistBase(Generic[ResultT]):
             result: ResultT = await engine.progress(source)
         except StopAsyncIteration:
             self._ended_source = source  # the engine keeps its statistics until then
-            self._ended(source)
-            self._finished()
+            self._spec.ended(source)
+            self._spec.finished()
             raise
         return result
 
@@ -178,7 +147,7 @@ class SparseDistBase(Generic[ResultT]):
             with self._taking_turn("drain()"):
                 await self._finish_others(engine)
                 results = await engine.drain()
-        self._finished()
+        self._spec.finished()
         return results
 
     async def _finish_others(self, engine: SchedulablePipeline) -> None:
@@ -244,7 +213,7 @@ class SparseDistBase(Generic[ResultT]):
         resume from a checkpoint when the run must stay exact.  In a multi-rank job
         every rank resets together."""
         if self._closed:
-            raise PipelineStateError(f"the {self._what} has been shut down")
+            raise PipelineStateError(f"the {self._spec.what} has been shut down")
         self._teardown()
         self._kept = self._refused = None
 
@@ -253,6 +222,7 @@ class SparseDistBase(Generic[ResultT]):
             return
         self._teardown()
         self._closed = True
+        self._spec.release()
 
     async def __aenter__(self) -> Self:
         return self
@@ -277,15 +247,16 @@ class SparseDistBase(Generic[ResultT]):
         """Build the engine; on a model not traced yet, take the source's first batch,
         rewrite the model on it and seed it.  A failure leaves the model as it was and
         keeps the batch (seeded as it is once another pipeline has traced the model)."""
+        spec = self._spec
         engine = SchedulablePipeline(
-            Schedule.of(self._build_tasks(), stream_slots=STREAMS), self._shared.pool,
-            self._new_executor(), trace=self._tracer, check_batch=self._check_batch,
+            Schedule.of(spec.build_tasks(), stream_slots=STREAMS), self._shared.pool,
+            self._new_executor(), trace=self._tracer, check_batch=spec.check_batch,
             name=self.name,
         )  # fmt: skip
         try:
             seed: dict[str, Any] | None = None
             if not self._shared.installed:
-                seed = self._rewrite_and_seed(await self._first_batch(source))
+                seed = spec.rewrite_and_seed(await self._first_batch(source))
             elif self._kept is not None or self._refused_from(source):
                 # Another pipeline traced the model since this one's bootstrap failed:
                 # the batch it kept (or the one after those it refused) is still next.
@@ -299,21 +270,29 @@ class SparseDistBase(Generic[ResultT]):
             raise
         self._kept = self._refused = None
         self._shared.engines[self] = engine
+        if spec.log is not None:
+            spec.log.info("%s: bootstrap done: the engine is built and the source's first "
+                          "batch seeded", self.name)  # fmt: skip
 
-    def _new_executor(self) -> Any:
-        choice = self._executor_choice
-        if choice is None:
-            return AsyncExecutor(self._thread_map)
-        if not isinstance(choice, str):
-            if self._executor_used:
-                raise PipelineStateError(
-                    f"the executor instance given to the {self._what} served the engine "
-                    f"that detach()/reset() tore down, and an executor serves one pipeline "
-                    f"engine; build a new {type(self).__name__}, or pass thread_map= "
-                    f"instead of an executor instance"
-                )
-            self._executor_used = True
-        return choice
+    def _resolve_executor(self) -> Executor:
+        executor, thread_map = self._executor_options
+        return resolve_executor(executor, thread_map, device=self._shared.device,
+                                default_thread_map=self._spec.default_thread_map)  # fmt: skip
+
+    def _new_executor(self) -> Executor:
+        """The next engine's executor: the one resolved at construction, then a new
+        one per engine."""
+        executor, self._next_executor = self._next_executor, None
+        if executor is not None:
+            return executor
+        if self._given_instance:
+            raise PipelineStateError(
+                f"the executor instance given to the {self._spec.what} served the engine "
+                f"that detach()/reset() tore down, and an executor serves one pipeline "
+                f"engine; build a new {type(self).__name__}, or pass thread_map= "
+                f"instead of an executor instance"
+            )
+        return self._resolve_executor()
 
     async def _first_batch(self, source: Source) -> Any:
         """The source's first batch: the one a failed bootstrap kept, or a new one."""
@@ -329,7 +308,7 @@ class SparseDistBase(Generic[ResultT]):
         if batch is END:
             raise StopAsyncIteration
         try:
-            self._check_batch(batch)
+            self._spec.check_batch(batch)
         except (TypeError, ValueError) as exc:  # nothing in flight yet: nothing else lost
             self._refused = (source, self._refused_from(source) + 1)
             raise BadBatchError(f"the source's first batch was refused: {exc}") from exc

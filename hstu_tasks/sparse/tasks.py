@@ -33,9 +33,11 @@ from typing import Any, Protocol
 
 import torch
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
-from torchrec.distributed.train_pipeline.utils import _start_data_dist
 
 from aiopipe import Task, TaskContext
+from aiopipe.lanes import copies_on_io
+
+from ._torchrec import start_data_dist
 
 __all__ = (
     "SPARSE_DIST_THREAD_MAP",
@@ -54,11 +56,10 @@ ModelForward = Callable[[Any], "tuple[torch.Tensor, Any]"]
 #: The default on a CUDA device: copies on the "io" lane, everything that touches the
 #: model on "compute" (the only writer of the pipelined modules' context is forward,
 #: on that lane).  On a CPU every task defaults to "compute".
-SPARSE_DIST_THREAD_MAP: dict[str, str] = {
-    "h2d": "io",
-    **{name: "compute" for name in ("start_input_dist", "zero_grad", "forward",
-                                    "wait_input_dist", "backward", "optimizer_step")},
-}  # fmt: skip
+SPARSE_DIST_THREAD_MAP: dict[str, str] = copies_on_io(
+    ("h2d",),
+    ("start_input_dist", "zero_grad", "forward", "wait_input_dist", "backward", "optimizer_step"),
+)
 
 
 @dataclass
@@ -158,7 +159,7 @@ def pipelined_step_tasks(state: StepState, layout: StepLayout = StepLayout(), *,
     def start_input_dist(ctx: TaskContext) -> None:
         if "dist_started" not in ctx.slots:  # the bootstrap started the seeded batch's
             batch, context = ctx.slots[batch_slot], ctx.slots["torchrec_ctx"]
-            _start_data_dist(state.pipelined_modules, batch, context)
+            start_data_dist(state.pipelined_modules, batch, context)
         ctx.slots.set("dist_started", True)
 
     def wait_input_dist(ctx: TaskContext) -> None:

@@ -3,7 +3,7 @@
 on aiopipe's engine.
 
 Each pipeline has its own engine, ring and source; the pipelines of one model share
-its torchrec rewrite (``sparse_model.py``).  So training and evaluation interleave
+its torchrec rewrite (``model.py``).  So training and evaluation interleave
 on one model without a drain: an evaluation pass leaves the training batches in
 flight where they are, and training goes on with them afterwards -- every output
 belongs to its own pipeline's batch, and the training is the one a run without the
@@ -19,50 +19,55 @@ again: then the same iterator object is read afresh (a ``DataLoader`` with
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from aiopipe import Task, Tracer
 from aiopipe.lanes import ThreadMap
-from aiopipe.source import Source
 
-from .sparse_base import SparseDistBase
-from .sparse_model import PipelinedModel
-from .sparse_sources import without_last_two
-from .sparse_tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
-from .sparse_tasks import build_sparse_dist_tasks
+from .base import SparseDistBase
+from .model import PipelinedModel
+from .sources import LastTwoDropped
+from .spec import PipelineSpec
+from .tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
+from .tasks import build_sparse_dist_tasks
 
 __all__ = ("SparseDistEvalPipeline", "SparseDistPipeline")
 
 
-class _SparseDist(SparseDistBase[Any]):
+def _on_shared_rewrite(
+    model: torch.nn.Module, optimizer: Any, device: torch.device | str,
+    model_fwd: ModelForward | None, evaluation: bool, pipelined_input_dist: bool | None,
+) -> tuple[PipelinedModel, SparseDistState]:  # fmt: skip
+    """The model's shared rewrite, and the state of a pipeline's tasks on it."""
+    device = torch.device(device)
+    shared = PipelinedModel.of(model, device, pipelined_input_dist)
+    state = SparseDistState(
+        model=model, optimizer=optimizer, device=device, model_fwd=model_fwd,
+        evaluation=evaluation, pipelined_modules=shared.modules,
+    )  # fmt: skip
+    return shared, state
+
+
+def _spec(what: str, shared: PipelinedModel, state: SparseDistState) -> PipelineSpec:
     """The generic step on the model's shared rewrite (a step returns the model's
     ``output``, whatever ``model_fwd`` makes it)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, device: torch.device | str,
-                 model_fwd: ModelForward | None, evaluation: bool, thread_map: ThreadMap,
-                 executor: str | Any, trace: bool | Tracer | None,
-                 pipelined_input_dist: bool | None) -> None:  # fmt: skip
-        device = torch.device(device)
-        shared = PipelinedModel.of(model, device, pipelined_input_dist)
-        state = SparseDistState(
-            model=model, optimizer=optimizer, device=device, model_fwd=model_fwd,
-            evaluation=evaluation, pipelined_modules=shared.modules,
-        )  # fmt: skip
-        super().__init__(shared, state, default_thread_map=SPARSE_DIST_THREAD_MAP,
-                         thread_map=thread_map, executor=executor, trace=trace)  # fmt: skip
+    def build_tasks() -> list[Task]:
+        return build_sparse_dist_tasks(state)
 
-    def _build_tasks(self) -> list[Task]:
-        return build_sparse_dist_tasks(self._state)
-
-    def _rewrite_and_seed(self, peek: Any) -> dict[str, Any]:
-        context = self._state.create_context(0)
-        batch = self._shared.rewrite(peek, context)
+    def rewrite_and_seed(peek: Any) -> dict[str, Any]:
+        context = state.create_context(0)
+        batch = shared.rewrite(peek, context)
         return {"batch_cpu": peek, "batch": batch, "torchrec_ctx": context, "dist_started": True}
 
+    return PipelineSpec(what=what, build_tasks=build_tasks, rewrite_and_seed=rewrite_and_seed,
+                        default_thread_map=SPARSE_DIST_THREAD_MAP)  # fmt: skip
 
-class SparseDistPipeline(_SparseDist):
+
+class SparseDistPipeline(SparseDistBase[Any]):
     """torchrec's ``TrainPipelineSparseDist(model, optimizer, device,
     execute_all_batches=..., custom_model_fwd=...)`` on aiopipe.
 
@@ -72,16 +77,14 @@ class SparseDistPipeline(_SparseDist):
     a step runs forward only, as in torchrec; :meth:`eval_pipeline` evaluates without
     touching the training batches in flight.  ``execute_all_batches=False`` drops the
     last two batches of each source, as torchrec does.  ``thread_map`` defaults to
-    :data:`~hstu_tasks.sparse_tasks.SPARSE_DIST_THREAD_MAP` on a CUDA device and to
+    :data:`~hstu_tasks.sparse.tasks.SPARSE_DIST_THREAD_MAP` on a CUDA device and to
     every task on lane ``"compute"`` on any other; ``executor`` may be
     ``"sequential"`` or an executor instance; ``trace=True`` records task spans.
     ``pipelined_input_dist``: whether torchrec's input distribution runs as tasks a
     batch ahead, on its rewrite of the model; by default yes, except on a CPU with one
-    rank, where it distributes nothing (:func:`~hstu_tasks.sparse_model.input_dist_pipelined`).
+    rank, where it distributes nothing (:func:`~hstu_tasks.sparse.model.input_dist_pipelined`).
     The pipelines on one model share the choice.
     """
-
-    _what = "sparse-dist pipeline"
 
     def __init__(
         self,
@@ -96,12 +99,15 @@ class SparseDistPipeline(_SparseDist):
         trace: bool | Tracer | None = None,
         pipelined_input_dist: bool | None = None,
     ) -> None:
-        super().__init__(model, optimizer, device, custom_model_fwd, False, thread_map,
-                         executor, trace, pipelined_input_dist)  # fmt: skip
-        self._execute_all_batches = execute_all_batches
-        # execute_all_batches=False: each source's wrapper, kept until the source ends
-        # (a wrapper holds the two items it read ahead; drain() may leave one unended)
-        self._held: dict[int, tuple[Source, Source]] = {}
+        shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, False,
+                                           pipelined_input_dist)  # fmt: skip
+        spec = _spec("sparse-dist pipeline", shared, state)
+        # execute_all_batches=False: progress() reads each source through a wrapper
+        self._dropped = None if execute_all_batches else LastTwoDropped()
+        if self._dropped is not None:
+            spec = dataclasses.replace(spec, adapt=self._dropped.adapt, ended=self._dropped.ended)
+        super().__init__(shared, state, spec, thread_map=thread_map, executor=executor,
+                         trace=trace)  # fmt: skip
 
     def eval_pipeline(
         self,
@@ -119,25 +125,13 @@ class SparseDistPipeline(_SparseDist):
             thread_map=thread_map, executor=executor, trace=trace,
         )  # fmt: skip
 
-    def _adapt(self, source: Source) -> Source:
-        if self._execute_all_batches:
-            return source
-        held = self._held.get(id(source))
-        if held is None:
-            held = self._held[id(source)] = (source, without_last_two(source))
-        return held[1]
-
-    def _ended(self, source: Source) -> None:
-        for key, (_, wrapper) in list(self._held.items()):
-            if wrapper is source:
-                del self._held[key]
-
     def reset(self) -> None:
         super().reset()
-        self._held.clear()
+        if self._dropped is not None:
+            self._dropped.clear()
 
 
-class SparseDistEvalPipeline(_SparseDist):
+class SparseDistEvalPipeline(SparseDistBase[Any]):
     """torchrec's ``EvalPipelineSparseDist(model, optimizer, device)`` on aiopipe:
     ``await progress(it)`` returns ``model_fwd(batch)[1]`` computed in eval mode
     (every module's own mode is restored after each forward) and without autograd;
@@ -147,8 +141,6 @@ class SparseDistEvalPipeline(_SparseDist):
     :meth:`~SparseDistPipeline.eval_pipeline`), it shares that pipeline's rewrite of
     the model (and its ``pipelined_input_dist``) and leaves its batches in flight
     alone."""
-
-    _what = "sparse-dist eval pipeline"
 
     def __init__(
         self,
@@ -162,5 +154,7 @@ class SparseDistEvalPipeline(_SparseDist):
         trace: bool | Tracer | None = None,
         pipelined_input_dist: bool | None = None,
     ) -> None:
-        super().__init__(model, optimizer, device, custom_model_fwd, True, thread_map,
-                         executor, trace, pipelined_input_dist)  # fmt: skip
+        shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, True,
+                                           pipelined_input_dist)  # fmt: skip
+        super().__init__(shared, state, _spec("sparse-dist eval pipeline", shared, state),
+                         thread_map=thread_map, executor=executor, trace=trace)  # fmt: skip

@@ -1,0 +1,79 @@
+"""hstu_tasks.sparse: torchrec's sparse-dist train and eval pipelines for any sharded
+model, on aiopipe's engine.
+
+* ``tasks`` -- the tasks of torchrec's ``TrainPipelineSparseDist`` step
+  (``pipelined_step_tasks``, shared with the HSTU step) and their default lanes;
+* ``model`` -- one model's torchrec rewrite, shared by the pipelines on it;
+* ``spec`` -- ``PipelineSpec``: what one kind of pipeline gives the base (its tasks,
+  its rewrite of the model on the first batch, its batch check, ...);
+* ``base`` -- what every pipeline on a rewritten model shares: the progress contract,
+  the bootstrap that traces the model on the first batch, the lifetime;
+* ``pipeline`` -- ``SparseDistPipeline`` and ``SparseDistEvalPipeline``;
+* ``sources`` -- ``execute_all_batches=False`` as a source wrapper, and one pass of a
+  torchrec pipeline;
+* ``dlrm`` -- torchrec's DLRM, sharded, with synthetic data and its runners.
+
+The HSTU pipeline (``hstu_tasks.pipeline``) is composed from the same parts: the base
+with a spec of its own, and ``pipelined_step_tasks`` among its tasks.  The private
+torchrec helpers the pipelines need are imported in ``_torchrec`` only.
+"""
+
+from __future__ import annotations
+
+from .base import SparseDistBase as SparseDistBase
+from .dlrm import DLRM_PIPELINES as DLRM_PIPELINES
+from .dlrm import DLRMConfig as DLRMConfig
+from .dlrm import DLRMRun as DLRMRun
+from .dlrm import SyntheticDLRMData as SyntheticDLRMData
+from .dlrm import build_dlrm_training as build_dlrm_training
+from .dlrm import evaluate_plainly as evaluate_plainly
+from .dlrm import run_dlrm as run_dlrm
+from .model import STREAMS as STREAMS
+from .model import PipelinedModel as PipelinedModel
+from .model import input_dist_pipelined as input_dist_pipelined
+from .model import stream_pool as stream_pool
+from .pipeline import SparseDistEvalPipeline as SparseDistEvalPipeline
+from .pipeline import SparseDistPipeline as SparseDistPipeline
+from .sources import LastTwoDropped as LastTwoDropped
+from .sources import torchrec_results as torchrec_results
+from .sources import without_last_two as without_last_two
+from .spec import SHARED_REWRITE as SHARED_REWRITE
+from .spec import PipelineSpec as PipelineSpec
+from .spec import check_pipelineable as check_pipelineable
+from .tasks import SPARSE_DIST_THREAD_MAP as SPARSE_DIST_THREAD_MAP
+from .tasks import ModelForward as ModelForward
+from .tasks import SparseDistState as SparseDistState
+from .tasks import StepLayout as StepLayout
+from .tasks import build_sparse_dist_tasks as build_sparse_dist_tasks
+from .tasks import finish_input_dist_splits as finish_input_dist_splits
+from .tasks import pipelined_step_tasks as pipelined_step_tasks
+
+__all__ = (
+    "DLRM_PIPELINES",
+    "SHARED_REWRITE",
+    "SPARSE_DIST_THREAD_MAP",
+    "STREAMS",
+    "DLRMConfig",
+    "DLRMRun",
+    "LastTwoDropped",
+    "ModelForward",
+    "PipelineSpec",
+    "PipelinedModel",
+    "SparseDistBase",
+    "SparseDistEvalPipeline",
+    "SparseDistPipeline",
+    "SparseDistState",
+    "StepLayout",
+    "SyntheticDLRMData",
+    "build_dlrm_training",
+    "build_sparse_dist_tasks",
+    "check_pipelineable",
+    "evaluate_plainly",
+    "finish_input_dist_splits",
+    "input_dist_pipelined",
+    "pipelined_step_tasks",
+    "run_dlrm",
+    "stream_pool",
+    "torchrec_results",
+    "without_last_two",
+)

@@ -1,0 +1,80 @@
+"""``PipelineSpec``: what one kind of pipeline on a torchrec-rewritten model gives the
+shared machinery (``base.SparseDistBase``) -- its tasks, its rewrite of the model on
+the first batch, the check a batch must pass, and what it does when a source ends.
+
+The generic sparse-dist pipelines (``pipeline.py``) and the HSTU pipeline
+(``hstu_tasks/pipeline.py``) each build one and pass it to the base's constructor;
+neither overrides the base's internals.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchrec.streamable import Pipelineable
+
+from aiopipe import Task
+from aiopipe.source import Source
+
+__all__ = ("SHARED_REWRITE", "PipelineSpec", "check_pipelineable")
+
+#: Why the pipelines of one model take turns, when they share its rewrite.
+SHARED_REWRITE = " (the pipelines of one model take turns: they share its torchrec rewrite)"
+
+
+def check_pipelineable(batch: object) -> None:
+    """torchrec pipelines ``Pipelineable`` batches (``to``, ``record_stream``,
+    ``pin_memory``) and tensors."""
+    if not isinstance(batch, (Pipelineable, torch.Tensor)):
+        raise TypeError(f"expected a torchrec Pipelineable batch (to, record_stream, "
+                        f"pin_memory) or a tensor, got {type(batch).__name__}")  # fmt: skip
+
+
+def _same_source(source: Source) -> Source:
+    return source
+
+
+def _source_ended(source: Source) -> None:
+    pass
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """One kind of pipeline, as the base runs it.  The callables close over the
+    pipeline's own state; the base calls them, never the other way round."""
+
+    #: Names the pipeline in its error messages ("sparse-dist pipeline").
+    what: str
+    #: The task list, in the declaration order that breaks topological ties (called
+    #: for every engine the pipeline builds).
+    build_tasks: Callable[[], list[Task]]
+    #: Let torchrec rewrite the model on the first batch (``PipelinedModel.rewrite``):
+    #: what the first ring slot is seeded with.
+    rewrite_and_seed: Callable[[Any], dict[str, Any]]
+    #: The lanes on a CUDA device when no ``thread_map`` is given (one "compute" lane
+    #: on any other device).
+    default_thread_map: Mapping[str, str]
+    #: Raises ``TypeError`` or ``ValueError`` for a batch the tasks cannot run.
+    check_batch: Callable[[Any], None] = check_pipelineable
+    #: Why the pipelines of one model take turns, appended to the refusal ("" when
+    #: the pipeline's rewrite is its own).
+    turns: str = SHARED_REWRITE
+    #: The source ``progress`` reads, given the one passed (``execute_all_batches=False``
+    #: wraps it).
+    adapt: Callable[[Source], Source] = _same_source
+    #: ``progress`` reported the end of this (adapted) source.
+    ended: Callable[[Source], None] = _source_ended
+    #: No batch is in flight any more: the source ended, or ``drain()``.
+    finished: Callable[[], None] = _nothing
+    #: What ``shutdown()`` frees besides the engine, once.
+    release: Callable[[], None] = _nothing
+    #: Where the end of each bootstrap is reported (at INFO), if anywhere.
+    log: logging.Logger | None = None
