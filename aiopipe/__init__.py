@@ -11,7 +11,7 @@ Layers, each depending only on the ones below it:
 * conveniences -- ``Pipeline`` (facade.py), the blocking API (blocking.py),
   ``aiopipe.run`` (runner.py) and GPU waits that never block the loop (gpu.py);
 * types for annotations -- ``Source`` (what ``progress`` pulls batches from: a sync
-  or async iterator), ``ThreadMap`` (lanes.py) and ``AsyncPipeline`` (face.py: what
+  or async iterator), ``ThreadMap`` (lanes.py) and ``AsyncPipeline`` (protocols.py: what
   every pipeline offers to async code).
 
 The top level exports what programs use; the engine's own machinery (dependency
@@ -45,7 +45,7 @@ from .errors import TicketAbortedError as TicketAbortedError
 from .executors import AsyncExecutor as AsyncExecutor
 from .executors import Executor as Executor
 from .executors import SequentialExecutor as SequentialExecutor
-from .face import AsyncPipeline as AsyncPipeline
+from .protocols import AsyncPipeline as AsyncPipeline
 from .facade import Pipeline as Pipeline
 from .gpu import copy_to_host as copy_to_host
 from .gpu import wait_for_event as wait_for_event

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._core.loops import LoopRunner
-from .face import AsyncPipeline
+from .protocols import AsyncPipeline
 from .source import iterate
 
 if TYPE_CHECKING:

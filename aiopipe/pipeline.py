@@ -28,7 +28,7 @@ from .context import TaskContext
 from .driver import IterationDriver
 from .errors import PipelineStateError
 from .executors import Executor, resolve_executor
-from .face import results_of
+from .protocols import results_of
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores

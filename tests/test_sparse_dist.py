@@ -353,3 +353,34 @@ def test_on_a_cpu_every_task_defaults_to_the_compute_lane() -> None:
             "io", "compute"}  # fmt: skip
     for gpu in ("cuda", "cuda:1"):
         assert thread_map_for_device(SPARSE_DIST_THREAD_MAP, torch.device(gpu)) is SPARSE_DIST_THREAD_MAP
+
+
+def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch() -> None:
+    """The bootstrap takes the source's first batch (torchrec traces the model on it);
+    a caller cancelled while that pull waits leaves it running, and the next call
+    takes its batch: the epoch keeps all its batches."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 4))
+        expected, _, setup = plain_run_and_an_untrained_twin(batches)
+
+        async def run() -> list[Any]:
+            reached, release = asyncio.Event(), asyncio.Event()
+
+            async def items() -> AsyncIterator[Any]:
+                reached.set()
+                await release.wait()  # a cancellation thrown in here would end the epoch
+                for batch in batches:
+                    yield batch
+
+            source = items()
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
+                first = asyncio.ensure_future(pipe.progress(source))
+                await reached.wait()
+                first.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await first
+                release.set()
+                return await collect(pipe, source)
+
+        results = asyncio.run(run())
+        assert [float(loss.detach()) for loss, _, _ in results] == expected

@@ -22,7 +22,7 @@ import torch
 from aiopipe import AsyncExecutor, BadBatchError, BlockingPipeline, Executor, PipelineStateError
 from aiopipe import Schedule, SchedulablePipeline, Tracer
 from aiopipe.executors import resolve_executor
-from aiopipe.face import results_of
+from aiopipe.protocols import results_of
 from aiopipe.interop import needs_event_loop
 from aiopipe.lanes import ThreadMap, resolve_lane
 from aiopipe.source import END, Feed, Source
@@ -65,6 +65,9 @@ class SparseDistBase(Generic[ResultT]):
         # bootstrap on that source trains it (nothing lost); and the items refused.
         self._kept: tuple[Source, Any] | None = None
         self._refused: tuple[Source, int] | None = None
+        # The bootstrap's pull of a source's first batch: a caller cancelled while it
+        # waits leaves it running, and the next bootstrap on that source takes its batch.
+        self._first_pull: tuple[Source, Feed] | None = None
         self._ended_source: Source | None = None  # the source whose end progress() reported
 
     # -- the progress contract ---------------------------------------------------------
@@ -216,11 +219,13 @@ class SparseDistBase(Generic[ResultT]):
             raise PipelineStateError(f"the {self._spec.what} has been shut down")
         self._teardown()
         self._kept = self._refused = None
+        self._drop_first_pull()
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._teardown()
+        self._drop_first_pull()
         self._closed = True
         self._spec.release()
 
@@ -304,7 +309,12 @@ class SparseDistBase(Generic[ResultT]):
                     "step: pass that source again, or reset() to drop the batch"
                 )
             return batch
-        batch, _ = await Feed(source, read_ahead=False).take()
+        pull = self._first_pull
+        if pull is None or pull[0] is not source:
+            self._drop_first_pull()
+            pull = self._first_pull = (source, Feed(source, read_ahead=False))
+        batch, _ = await pull[1].take()  # pulled in a task: a cancelled caller loses nothing
+        self._first_pull = None
         if batch is END:
             raise StopAsyncIteration
         try:
@@ -314,6 +324,11 @@ class SparseDistBase(Generic[ResultT]):
             raise BadBatchError(f"the source's first batch was refused: {exc}") from exc
         self._kept = (source, batch)
         return batch
+
+    def _drop_first_pull(self) -> None:
+        if self._first_pull is not None:
+            self._first_pull[1].close()
+            self._first_pull = None
 
     def _refused_from(self, source: Source) -> int:
         """First batches of ``source`` refused before the engine existed."""

@@ -1,4 +1,4 @@
-"""The face every pipeline shows: the engine's ``SchedulablePipeline``, the
+"""The protocol every pipeline offers: the engine's ``SchedulablePipeline``, the
 ``Pipeline`` facade and adapters such as ``hstu_tasks``' pipelines.
 
 An adapter builds its pipeline from this public surface -- it drives an engine and
