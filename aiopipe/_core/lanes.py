@@ -30,6 +30,19 @@ LANE_THREAD_PREFIX = "aiopipe-lane-"
 
 _STOP = object()
 
+# Counts the fork()s this process came out of: a pool whose lanes were started under
+# another count has their queues here but not their threads.
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
+
 
 def lane_of_thread(name: str) -> str:
     """The lane a thread (by name) serves: a lane thread's lane, else ``"loop"``."""
@@ -96,20 +109,20 @@ class LanePool:
             raise ConfigurationError(f"max_lanes must be >= 1, got {max_lanes}")
         self.max_lanes = max_lanes
         self._lanes: dict[str, Lane] = {}
-        self._pid = os.getpid()  # a fork()ed child has the lanes' queues, not their threads
+        self._forks = _forks  # when the lanes were started: a fork()ed child has no threads
         self._closed = False
         # A pool dropped without shutdown() still lets its threads end.
         weakref.finalize(self, _post_stop, self._lanes)
 
     def get(self, name: str) -> Lane:
-        if os.getpid() != self._pid and self._lanes:
+        if self._forks != _forks and self._lanes:
             raise PipelineStateError(
-                f"this pipeline's lane threads were started in process {self._pid}, and "
-                f"fork() does not copy threads: work handed to them here would wait "
+                f"this pipeline's lane threads were started before this process was "
+                f"fork()ed, and fork() does not copy threads: work handed to them would wait "
                 f"forever. Build the pipeline in the child process (or fork before the "
                 f"first progress, or use the 'spawn' start method)"
             )
-        self._pid = os.getpid()  # no lane yet: this process starts them
+        self._forks = _forks  # no lane yet: this process starts them
         lane = self._lanes.get(name)
         if lane is None:
             if self._closed:

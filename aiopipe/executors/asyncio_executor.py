@@ -36,7 +36,7 @@ from ..plan import ExecutionPlan
 from .base import Iteration
 from .layout import StageLayout, build_layout
 from .order_check import CollectiveOrderCheck
-from .stage import TAKE_TICKET, WAIT_FOR_TASK, IterationHandle, StageRun, chain_protocol
+from .stage import IterationHandle, StageRun
 
 __all__ = (
     "AsyncExecutor", "ExecutorStatistics", "LOOP_SWITCH_INTERVAL_S", "SLOW_WAIT_S", "IterationHandle",
@@ -232,17 +232,39 @@ class AsyncExecutor:
         if run.error is not None:
             raise run.error
 
+    # The two chain runners below follow one per-task protocol -- wait for the
+    # predecessors on other lanes, stop if the stage failed, take the ticket, run,
+    # then release the ticket and set the task's flag -- written out twice, blocking
+    # and awaited.  Folded into one generator both runners drive, no-op tasks on two
+    # lanes cost 8 % more per task under uvloop (./dev bench versus ... engine_overhead,
+    # docs/performance.md): this is the hot path, so the flat copies stay.
+
     async def _run_loop_chain(self, run: StageRun, chain: tuple[int, ...]) -> None:
-        """The loop's chain: the chain protocol, each wait awaited."""
-        iteration, slow_s = run.iteration, self.slow_wait_s
+        iteration, layout = run.iteration, run.layout
+        is_async = iteration.plan.is_async
+        slow_s = self.slow_wait_s
         slow_ticket = self._slow_ticket_warning(run)
-        for action, i, arg in chain_protocol(run, chain):
+        for i in chain:
+            ticket = layout.tickets.get(i)
+            cross_preds = layout.cross_preds.get(i, ())
+            if iteration.tracing and (cross_preds or ticket is not None):
+                iteration.mark_ready(i)
+            for p in cross_preds:
+                flag = run.flags[p]
+                if slow_s is None or flag.is_set():
+                    await flag.wait()  # set on failure too: never waits forever
+                    continue
+                timer = run.waker.loop.call_later(slow_s, self._warn_slow_wait, run, i, p, slow_s)
+                try:
+                    await flag.wait()
+                finally:
+                    timer.cancel()
+            if run.failed:
+                return
             try:
-                if action is WAIT_FOR_TASK:
-                    await self._await_flag(run, i, arg)
-                elif action is TAKE_TICKET:
-                    await run.tickets.acquire(arg, slow_s, slow_ticket)
-                elif iteration.plan.is_async[i]:
+                if ticket is not None:
+                    await run.tickets.acquire(ticket, slow_s, slow_ticket)
+                if is_async[i]:
                     await iteration.invoke_async(i)
                 else:
                     iteration.invoke(i)
@@ -251,33 +273,31 @@ class AsyncExecutor:
             except Exception as exc:
                 run.fail(exc)
                 return
-
-    async def _await_flag(self, run: StageRun, index: int, pred: int) -> None:
-        flag, slow_s = run.flags[pred], self.slow_wait_s
-        if slow_s is None or flag.is_set():
-            await flag.wait()  # set on failure too: never waits forever
-            return
-        timer = run.waker.loop.call_later(slow_s, self._warn_slow_wait, run, index, pred, slow_s)
-        try:
-            await flag.wait()
-        finally:
-            timer.cancel()
+            run.finish_task(i)
 
     def _run_thread_chain(self, run: StageRun, lane: Lane, chain: tuple[int, ...]) -> None:
-        """Runs on ``lane``'s thread: the chain protocol, each wait blocking."""
-        iteration, slow_s = run.iteration, self.slow_wait_s
+        """Runs on ``lane``'s thread."""
+        iteration, layout = run.iteration, run.layout
+        is_async = iteration.plan.is_async
+        slow_s = self.slow_wait_s
         slow_ticket = self._slow_ticket_warning(run)
         try:
-            for action, i, arg in chain_protocol(run, chain):
+            for i in chain:
+                ticket = layout.tickets.get(i)
+                cross_preds = layout.cross_preds.get(i, ())
+                if iteration.tracing and (cross_preds or ticket is not None):
+                    iteration.mark_ready(i)
+                for p in cross_preds:
+                    # set on failure too; a timeout only reports a long wait
+                    if not run.flags[p].wait_blocking(slow_s):
+                        self._warn_slow_wait(run, i, p, slow_s)
+                        run.flags[p].wait_blocking()
+                if run.failed:
+                    return
                 try:
-                    if action is WAIT_FOR_TASK:
-                        # set on failure too; a timeout only reports a long wait
-                        if not run.flags[arg].wait_blocking(slow_s):
-                            self._warn_slow_wait(run, i, arg, slow_s)
-                            run.flags[arg].wait_blocking()
-                    elif action is TAKE_TICKET:
-                        run.tickets.acquire_blocking(arg, slow_s, slow_ticket)
-                    elif iteration.plan.is_async[i]:
+                    if ticket is not None:
+                        run.tickets.acquire_blocking(ticket, slow_s, slow_ticket)
+                    if is_async[i]:
                         self._hand_to_loop(run, lane, i)
                     else:
                         iteration.invoke(i)
@@ -286,6 +306,7 @@ class AsyncExecutor:
                 except BaseException as exc:
                     run.fail(exc)
                     return
+                run.finish_task(i)
         except BaseException as exc:  # a bug in the executor itself: never hang the loop
             run.fail(exc)
         finally:

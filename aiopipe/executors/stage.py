@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from .._core.flags import OneShotFlag
 from .._core.tickets import TicketLock
@@ -15,14 +15,7 @@ from .._core.waker import LoopWaker, settle_future
 from .base import Iteration
 from .layout import StageLayout
 
-__all__ = (
-    "RUN_TASK", "TAKE_TICKET", "WAIT_FOR_TASK", "IterationHandle", "StageRun", "chain_protocol",
-)  # fmt: skip
-
-#: What :func:`chain_protocol` asks its runner to do next.
-WAIT_FOR_TASK = "wait for task"  # arg: the predecessor on another lane
-TAKE_TICKET = "take ticket"  # arg: the collective ticket
-RUN_TASK = "run task"  # arg: unused
+__all__ = ("IterationHandle", "StageRun")
 
 
 class StageRun:
@@ -118,28 +111,3 @@ class IterationHandle:
             return False
         self._run.waker.wake()  # the iteration's end may be queued, its wake-up not yet written
         return True
-
-
-def chain_protocol(run: StageRun, chain: tuple[int, ...]) -> Iterator[tuple[str, int, int]]:
-    """The per-task protocol of one lane's chain, written once for both runners.
-
-    For each task: wait for its predecessors on other lanes, stop if the stage has
-    failed, take its collective ticket, run it, then release its ticket and set its
-    flag.  Yields ``(action, task, arg)`` for each wait and each run; the thread
-    runner does them blocking, the loop's runner awaits them.  A runner that stops
-    (a failure, an aborted ticket) simply stops iterating: the task is not
-    finished."""
-    layout, iteration = run.layout, run.iteration
-    for i in chain:
-        ticket = layout.tickets.get(i)
-        cross_preds = layout.cross_preds.get(i, ())
-        if iteration.tracing and (cross_preds or ticket is not None):
-            iteration.mark_ready(i)
-        for p in cross_preds:
-            yield WAIT_FOR_TASK, i, p
-        if run.failed:
-            return
-        if ticket is not None:
-            yield TAKE_TICKET, i, ticket
-        yield RUN_TASK, i, 0
-        run.finish_task(i)
