@@ -51,7 +51,7 @@ from .gpu import copy_to_host as copy_to_host
 from .gpu import wait_for_event as wait_for_event
 from .lanes import ThreadMap as ThreadMap
 from .options import PipelineOptions as PipelineOptions
-from .pipeline import PipelineStatistics as PipelineStatistics
+from .source import PipelineStatistics as PipelineStatistics
 from .pipeline import SchedulablePipeline as SchedulablePipeline
 from .presets import BasicPipeline as BasicPipeline
 from .presets import basic as basic

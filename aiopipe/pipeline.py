@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +32,7 @@ from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores
 from .schedule import Schedule
-from .source import Feed, OneBatch, Source
+from .source import Feed, OneBatch, PipelineStatistics, Source, problem_of
 from .streams import StreamPool
 from .trace import Tracer, resolve_tracer
 from .validate import validate_schedule, warn_without_result
@@ -44,28 +43,7 @@ if TYPE_CHECKING:
     from .blocking import BlockingPipeline
     from .options import PipelineOptions
 
-__all__ = ("PipelineStatistics", "SchedulablePipeline")
-
-
-@dataclass(frozen=True)
-class PipelineStatistics:
-    """Where the pipeline stands in its current source.
-
-    ``applied`` counts the batches whose step has run: those ``returned``, and those
-    finished for a caller that was cancelled, whose results the next calls return
-    first.  ``refused`` counts items refused with ``BadBatchError``.  With no
-    iteration running (:attr:`SchedulablePipeline.idle`), ``applied + refused`` items
-    of the source are done with: the position to resume a checkpointed run from."""
-
-    pulled: int
-    returned: int
-    in_flight: int
-    iteration: int
-    exhausted: bool
-    broken: str | None
-    closed: bool
-    refused: int = 0
-    applied: int = 0
+__all__ = ("SchedulablePipeline",)
 
 
 class SchedulablePipeline:
@@ -394,7 +372,7 @@ class SchedulablePipeline:
             feed.close()
         new_feed = Feed(
             source, read_ahead=self._read_ahead,
-            inspect=functools.partial(_problem_of, self._check_batch),  # no cycle via self
+            inspect=functools.partial(problem_of, self._check_batch),  # no cycle via self
             seed=self._seed, refused=self._seed_refused,
         )  # fmt: skip
         self._seed, self._seed_refused = None, 0
@@ -412,14 +390,3 @@ class SchedulablePipeline:
             f"<SchedulablePipeline tasks={len(self._plan)} in_flight={stats.in_flight} "
             f"executor={self._executor!r}>"
         )
-
-
-def _problem_of(check_batch: Callable[[Any], None] | None, batch: Any) -> BaseException | None:
-    """Why ``batch`` must be refused, if it must.  Runs when the batch is read (ahead,
-    while an iteration runs), not on the critical path into the ring."""
-    if check_batch is not None:
-        try:
-            check_batch(batch)
-        except Exception as exc:
-            return exc
-    return None

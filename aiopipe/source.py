@@ -20,6 +20,7 @@ import asyncio
 import collections
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 from ._core.waker import wait_settled
@@ -29,7 +30,9 @@ from .task import BATCH_SLOT
 if TYPE_CHECKING:
     from .ring import SlotStore
 
-__all__ = ("END", "Feed", "OneBatch", "Source", "iterate")
+__all__ = (
+    "END", "Feed", "OneBatch", "PipelineStatistics", "Source", "iterate", "problem_of",
+)  # fmt: skip
 
 #: Returned by :meth:`Feed.take` once the source is exhausted.
 END: Any = object()
@@ -37,6 +40,27 @@ Source = Union[Iterator[Any], AsyncIterator[Any]]
 #: What the pipeline finds wrong with an item (``None``: nothing).
 Inspect = Callable[[Any], Union[BaseException, None]]
 Taken = tuple[Any, Union[BaseException, None]]
+
+
+@dataclass(frozen=True)
+class PipelineStatistics:
+    """Where the pipeline stands in its current source.
+
+    ``applied`` counts the batches whose step has run: those ``returned``, and those
+    finished for a caller that was cancelled, whose results the next calls return
+    first.  ``refused`` counts items refused with ``BadBatchError``.  With no
+    iteration running (:attr:`SchedulablePipeline.idle`), ``applied + refused`` items
+    of the source are done with: the position to resume a checkpointed run from."""
+
+    pulled: int
+    returned: int
+    in_flight: int
+    iteration: int
+    exhausted: bool
+    broken: str | None
+    closed: bool
+    refused: int = 0
+    applied: int = 0
 
 
 def iterate(items: Iterable[Any] | AsyncIterable[Any]) -> Source:
@@ -266,4 +290,15 @@ class Feed:
 
 
 def _nothing_wrong(item: Any) -> None:
+    return None
+
+
+def problem_of(check_batch: Callable[[Any], None] | None, batch: Any) -> BaseException | None:
+    """Why ``batch`` must be refused, if it must.  Runs when the batch is read (ahead,
+    while an iteration runs), not on the critical path into the ring."""
+    if check_batch is not None:
+        try:
+            check_batch(batch)
+        except Exception as exc:
+            return exc
     return None
