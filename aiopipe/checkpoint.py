@@ -36,6 +36,8 @@ __all__ = ("CheckpointError", "CheckpointManager", "materialize_optimizer_state"
 
 _COMPLETE = re.compile(r"^step-(\d{8})$")
 _META = "aiopipe-meta.json"
+#: The suffix of a checkpoint moved aside while a re-save of its step commits.
+_ASIDE = ".replaced"
 
 
 class CheckpointError(PipelineError):
@@ -65,6 +67,8 @@ class CheckpointManager:
         """Steps of the complete checkpoints on disk, oldest first."""
         if not self.directory.is_dir():
             return []
+        if self._rank() == 0:  # rank 0 alone renames
+            self._recover()
         steps = []
         for entry in self.directory.iterdir():
             match = _COMPLETE.match(entry.name)
@@ -81,6 +85,17 @@ class CheckpointManager:
     def path(self, step: int) -> Path:
         return self.directory / f"step-{step:08d}"
 
+    def _recover(self) -> None:
+        """Put back a checkpoint moved aside by a re-save that crashed before its
+        replacement got the name; drop it once the replacement is complete."""
+        for aside in self.directory.glob(f"step-*{_ASIDE}"):
+            final = self.directory / aside.name[: -len(_ASIDE)]
+            if (final / _META).is_file():
+                shutil.rmtree(aside, ignore_errors=True)
+            elif (aside / _META).is_file():
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(aside, final)
+
     # -- writing -----------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], *, meta: dict[str, Any] | None = None) -> Path:
@@ -94,10 +109,16 @@ class CheckpointManager:
             try:
                 json.dumps(meta or {})
             except (TypeError, ValueError) as exc:
-                problem = str(exc)
+                problem = f"meta must be JSON-serialisable: {exc}"
+            newer = [kept for kept in self.complete_steps() if kept > step]
+            if problem is None and len(newer) >= self.keep:
+                problem = (
+                    f"step {step} is older than the {self.keep} checkpoint(s) kept "
+                    f"({', '.join(map(str, newer[-self.keep:]))}): it would be pruned at once"
+                )
         problem = self._from_rank_zero(problem)
         if problem is not None:
-            raise ConfigurationError(f"meta must be JSON-serialisable: {problem}")
+            raise (ConfigurationError if problem.startswith("meta") else CheckpointError)(problem)
         final = self.path(step)
         partial = self.directory / f"{final.name}.partial"
         if self._rank() == 0:
@@ -134,9 +155,15 @@ class CheckpointManager:
             json.dump(body, out)
             out.flush()
             os.fsync(out.fileno())  # the metadata is durable before the name says complete
-        shutil.rmtree(final, ignore_errors=True)
+        # A checkpoint of the same step is moved aside, not deleted, until the new one
+        # has its name: a crash in between leaves it to be put back (_recover).
+        aside = self.directory / f"{final.name}{_ASIDE}"
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(partial, final)  # the commit point
         _fsync_directory(self.directory)
+        shutil.rmtree(aside, ignore_errors=True)
         self._prune()
 
     def _prune(self) -> None:

@@ -3,8 +3,10 @@ optimizer state made ready for loading."""
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -142,3 +144,42 @@ def test_a_checkpoint_that_does_not_fit_the_state_raises_checkpoint_error(tmp_pa
     target = {**state(model, optimizer), "extra": {"w": torch.zeros(2)}}
     with pytest.raises(CheckpointError, match="loading the checkpoint of step 1 failed"):
         manager.load(1, target)
+
+
+def test_a_re_save_that_crashes_before_its_commit_keeps_the_older_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, optimizer = model_and_adam(0)
+    train(model, optimizer, range(2))
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, state(model, optimizer))
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    real_replace = os.replace
+
+    def crash_at_the_commit(source: Any, target: Any) -> None:
+        if str(source).endswith(".partial"):
+            raise OSError("the machine went down")  # the old copy is already aside
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", crash_at_the_commit)
+    with pytest.raises(CheckpointError, match="committing the checkpoint of step 1 failed"):
+        manager.save(1, state(model, optimizer))
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert manager.latest() == 1  # the complete older copy is still there
+    fresh, fresh_optimizer = model_and_adam(1)
+    materialize_optimizer_state(fresh_optimizer)
+    manager.load(1, state(fresh, fresh_optimizer))
+    assert all(torch.equal(a, b) for a, b in zip(saved, fresh.parameters()))
+
+
+def test_saving_a_step_older_than_every_kept_one_is_refused(tmp_path: Path) -> None:
+    model, optimizer = model_and_adam(0)
+    manager = CheckpointManager(tmp_path, keep=2)
+    manager.save(5, state(model, optimizer))
+    manager.save(6, state(model, optimizer))
+    with pytest.raises(CheckpointError, match="older than the 2 checkpoint"):
+        manager.save(3, state(model, optimizer))
+    assert manager.complete_steps() == [5, 6]
