@@ -1,13 +1,17 @@
 """aiopipe: an asyncio-native pipeline engine for PyTorch training and serving.
 
-Layers, each depending only on the ones below it:
+Layers, each depending only on the ones below it (docs/concepts.md maps them):
 
-* engine core -- ``Task`` / ``DataSlot`` (task.py), ``Schedule`` (schedule.py),
+* the private core -- ``aiopipe._core``: loop waker, lane threads, ticket lock, loop
+  running and platform shims, on the standard library alone;
+* engine -- ``Task`` / ``DataSlot`` (task.py), ``Schedule`` (schedule.py),
   dependency analysis and validation (edges.py, validate.py), the batch ring
-  (ring.py), the fire mask (mask.py), ``StreamPool`` (streams.py) and the driver
-  ``SchedulablePipeline`` (pipeline.py);
+  (ring.py), the fire mask (mask.py), ``StreamPool`` (streams.py), taking items
+  from a source (source.py), the life of an iteration (driver.py) and the public
+  contract ``SchedulablePipeline`` (pipeline.py);
 * executors -- ``SequentialExecutor`` and ``AsyncExecutor`` (one event loop plus
-  GPU-submit lane threads, ticket-ordered collectives) in ``aiopipe.executors``;
+  GPU-submit lane threads, ticket-ordered collectives) in ``aiopipe.executors``,
+  which lane runs a task in ``aiopipe.lanes``;
 * conveniences -- ``Pipeline`` (facade.py), the blocking API (blocking.py),
   ``aiopipe.run`` (runner.py) and GPU waits that never block the loop (gpu.py);
 * types for annotations -- ``Source`` (what ``progress`` pulls batches from: a sync
