@@ -104,21 +104,12 @@ class CheckpointManager:
         (rank 0's copy is the one written)."""
         if step < 0:
             raise ConfigurationError(f"step must be >= 0, got {step}")
-        problem = None
-        if self._rank() == 0:  # only rank 0's meta is written: its verdict holds for all
-            try:
-                json.dumps(meta or {})
-            except (TypeError, ValueError) as exc:
-                problem = f"meta must be JSON-serialisable: {exc}"
-            newer = [kept for kept in self.complete_steps() if kept > step]
-            if problem is None and len(newer) >= self.keep:
-                problem = (
-                    f"step {step} is older than the {self.keep} checkpoint(s) kept "
-                    f"({', '.join(map(str, newer[-self.keep:]))}): it would be pruned at once"
-                )
-        problem = self._from_rank_zero(problem)
-        if problem is not None:
-            raise (ConfigurationError if problem.startswith("meta") else CheckpointError)(problem)
+        refusal: PipelineError | None = None
+        if self._rank() == 0:  # rank 0 writes the meta and prunes: its verdict holds for all
+            refusal = self._refusal(step, meta)
+        refusal = self._from_rank_zero(refusal)
+        if refusal is not None:
+            raise refusal
         final = self.path(step)
         partial = self.directory / f"{final.name}.partial"
         if self._rank() == 0:
@@ -148,6 +139,20 @@ class CheckpointManager:
             ) from error
         checkpoint_log.info("checkpoint of step %d saved in %s", step, final)
         return final
+
+    def _refusal(self, step: int, meta: dict[str, Any] | None) -> PipelineError | None:
+        """Why ``save(step, meta=meta)`` must not write anything, if it must not."""
+        try:
+            json.dumps(meta or {})
+        except (TypeError, ValueError) as exc:
+            return ConfigurationError(f"meta must be JSON-serialisable: {exc}")
+        newer = [kept for kept in self.complete_steps() if kept > step]
+        if len(newer) >= self.keep:
+            return CheckpointError(
+                f"step {step} is older than the {self.keep} checkpoint(s) kept "
+                f"({', '.join(map(str, newer[-self.keep:]))}): it would be pruned at once"
+            )
+        return None
 
     def _commit(self, step: int, partial: Path, final: Path, meta: dict[str, Any] | None) -> None:
         body = {"step": step, "world_size": self._world_size(), "meta": meta or {}}

@@ -14,7 +14,6 @@ guard the lanes when a caller leaves, a pending failure) is owned by
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,7 @@ from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores
 from .schedule import Schedule
-from .source import Feed, OneBatch, PipelineStatistics, Source, problem_of
+from .source import Feed, OneBatch, PipelineStatistics, Source
 from .streams import StreamPool
 from .trace import Tracer, resolve_tracer
 from .validate import validate_schedule, warn_without_result
@@ -372,7 +371,7 @@ class SchedulablePipeline:
             feed.close()
         new_feed = Feed(
             source, read_ahead=self._read_ahead,
-            inspect=functools.partial(problem_of, self._check_batch),  # no cycle via self
+            check_batch=self._check_batch,
             seed=self._seed, refused=self._seed_refused,
         )  # fmt: skip
         self._seed, self._seed_refused = None, 0

@@ -31,14 +31,12 @@ if TYPE_CHECKING:
     from .ring import SlotStore
 
 __all__ = (
-    "END", "Feed", "OneBatch", "PipelineStatistics", "Source", "iterate", "problem_of",
+    "END", "Feed", "OneBatch", "PipelineStatistics", "Source", "iterate",
 )  # fmt: skip
 
 #: Returned by :meth:`Feed.take` once the source is exhausted.
 END: Any = object()
 Source = Union[Iterator[Any], AsyncIterator[Any]]
-#: What the pipeline finds wrong with an item (``None``: nothing).
-Inspect = Callable[[Any], Union[BaseException, None]]
 Taken = tuple[Any, Union[BaseException, None]]
 
 
@@ -97,16 +95,17 @@ class Feed:
     """One source (a sync or async iterator) and the progress made through it."""
 
     __slots__ = (
-        "_async", "_inspect", "_pulled_inline", "_seed", "_sync", "ahead", "draining", "exhausted", "iteration", "lost",
+        "_async", "_check_batch", "_pulled_inline", "_seed", "_sync", "ahead", "draining", "exhausted", "iteration", "lost",
         "outbox", "pulled", "read_ahead_allowed", "refused", "returned", "source", "top_pulled",
     )  # fmt: skip
 
     def __init__(
-        self, source: Source, *, read_ahead: bool = True, inspect: Inspect | None = None,
+        self, source: Source, *, read_ahead: bool = True,
+        check_batch: Callable[[Any], None] | None = None,
         seed: Mapping[str, Any] | None = None, refused: int = 0,
     ) -> None:  # fmt: skip
         #: Checks each item when it is read (ahead: off the step's critical path).
-        self._inspect = inspect or _nothing_wrong
+        self._check_batch = check_batch
         self._async: AsyncIterator[Any] | None = None
         self._sync: Iterator[Any] | None = None
         given: object = source  # checked at run time: callers pass anything
@@ -262,7 +261,7 @@ class Feed:
         self.ahead = asyncio.ensure_future(self._pull_async())
 
     def _checked(self, item: Any) -> Taken:
-        return item, (None if item is END else self._inspect(item))
+        return item, (None if item is END else _problem_of(self._check_batch, item))
 
     def close(self) -> None:
         """Stop a pull under way (the pipeline is reset or shut down)."""
@@ -289,11 +288,8 @@ class Feed:
             raise
 
 
-def _nothing_wrong(item: Any) -> None:
-    return None
 
-
-def problem_of(check_batch: Callable[[Any], None] | None, batch: Any) -> BaseException | None:
+def _problem_of(check_batch: Callable[[Any], None] | None, batch: Any) -> BaseException | None:
     """Why ``batch`` must be refused, if it must.  Runs when the batch is read (ahead,
     while an iteration runs), not on the critical path into the ring."""
     if check_batch is not None:

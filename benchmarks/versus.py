@@ -12,6 +12,7 @@ compared: median of the rounds per side, spread, and new / old.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
@@ -35,10 +36,8 @@ def checkout(revision: str, into: Path) -> Path:
         ["git", "-C", str(ROOT), "archive", "--format=tar", revision],
         check=True, capture_output=True,
     ).stdout  # fmt: skip
-    archive_path = into / "tree.tar"
-    archive_path.write_bytes(archive)
     tree = into / "tree"
-    with tarfile.open(archive_path) as tar:
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(tree, filter="data")
     return tree
 

@@ -122,9 +122,10 @@ class LanePool:
                 f"forever. Build the pipeline in the child process (or fork before the "
                 f"first progress, or use the 'spawn' start method)"
             )
-        self._forks = _forks  # no lane yet: this process starts them
         lane = self._lanes.get(name)
         if lane is None:
+            if not self._lanes:
+                self._forks = _forks  # the first lane: this process starts them
             if self._closed:
                 raise PipelineStateError("the executor has been shut down")
             lane = self._lanes[name] = Lane(name)
