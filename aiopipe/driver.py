@@ -87,6 +87,7 @@ class IterationDriver:
                 feed.returned += 1
                 return True, feed.outbox.popleft()
             self.raise_pending_failure()
+            self.raise_if_broken()
             if self.running is None:
                 if not feed.exhausted and not feed.top_pulled:
                     await feed.pull(self._ring.top)
@@ -195,6 +196,8 @@ class IterationDriver:
             if error is None:
                 iteration.finish()
                 self._advance(feed, iteration)
+            else:
+                self._keep_applied_result(feed, iteration)
         except BaseException as exc:
             error = exc
         if error is not None:
@@ -214,10 +217,26 @@ class IterationDriver:
 
     def _advance(self, feed: Feed, iteration: Iteration) -> None:
         feed.top_pulled = False
-        if 0 <= iteration.number - self._plan.max_lookahead < feed.pulled:
+        if self._holds_oldest_batch(feed, iteration):
             feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
         self._retired.add(self._ring.advance())
         feed.iteration += 1
+
+    def _holds_oldest_batch(self, feed: Feed, iteration: Iteration) -> bool:
+        """Whether the iteration's offset 0 holds a batch of ``feed`` (not prefill)."""
+        return 0 <= iteration.number - self._plan.max_lookahead < feed.pulled
+
+    def _keep_applied_result(self, feed: Feed, iteration: Iteration) -> None:
+        """The iteration failed, but the batch at offset 0 had every one of its tasks
+        run (a later batch's task failed): its step was applied, so its result is
+        kept and delivered like any other, before the failure."""
+        if self._holds_oldest_batch(feed, iteration) and iteration.oldest_batch_done():
+            feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
+
+    @property
+    def failure_pending(self) -> bool:
+        """An iteration failed and no call has raised its error yet."""
+        return self._failure is not None
 
     def _wake_waiters(self) -> None:
         """Wake the callers waiting for the iteration that just ended, from the
@@ -285,6 +304,13 @@ class IterationDriver:
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
+
+    def raise_if_broken(self) -> None:
+        if self.broken is not None:
+            raise PipelineStateError(
+                f"{self.broken}; the batches in flight are in an unknown state. "
+                f"Call reset() to discard them and start again."
+            )
 
     def refuse_while_running(self, what: str) -> None:
         if self.running is not None:

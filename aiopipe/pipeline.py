@@ -216,7 +216,10 @@ class SchedulablePipeline:
         (a batch already read ahead included); return their results.  The source is
         then forgotten: passing it again continues with its next batch, passing
         another one starts afresh.  Cancel-safe like ``progress``: results finished
-        by an interrupted ``drain`` are returned by the next call."""
+        by an interrupted ``drain`` are returned by the next call.  If a batch's task
+        fails, ``drain`` raises that error; the results of steps applied before it
+        are returned by the next ``drain`` (or ``progress``), and only then is
+        ``reset()`` asked for."""
         if in_trio():  # as in progress()
             return await self._trio.call(SchedulablePipeline.drain, self)
         self._begin_call()
@@ -229,6 +232,8 @@ class SchedulablePipeline:
                                       feed.in_flight)  # fmt: skip
                 feed.draining = True
                 while True:
+                    if results and self._stopped_by_failure(feed):
+                        return results  # the failure came first; the rest need reset()
                     produced, result = await self._driver.next_result(feed)
                     if not produced:
                         break
@@ -338,12 +343,17 @@ class SchedulablePipeline:
     def _check_usable(self) -> None:
         if self._closed:
             raise PipelineStateError("the pipeline has been shut down")
+        feed = self._feed
+        if feed is not None and feed.outbox:
+            return  # results of applied steps come out first, whatever failed after them
         self._driver.raise_pending_failure()
-        if self._driver.broken is not None:
-            raise PipelineStateError(
-                f"{self._driver.broken}; the batches in flight are in an unknown state. "
-                f"Call reset() to discard them and start again."
-            )
+        self._driver.raise_if_broken()
+
+    def _stopped_by_failure(self, feed: Feed) -> bool:
+        """A failure was raised, and every result finished before it has been taken:
+        the batches left in flight are in an unknown state."""
+        driver = self._driver
+        return driver.broken is not None and not feed.outbox and not driver.failure_pending
 
     def _begin_call(self) -> None:
         self._check_usable()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from aiopipe import BadBatchError, Pipeline, Task, TaskContext
+from aiopipe import BadBatchError, Pipeline, PipelineStateError, Task, TaskContext
 
 
 def echo(ctx: TaskContext) -> None:
@@ -225,3 +225,46 @@ async def test_the_position_counts_steps_finished_for_a_cancelled_caller() -> No
         # a checkpoint here resumes at applied + refused = 3: batch 2 is not applied twice
         assert [r async for r in pipe.results(source)] == [2, 3, 4, 5]  # 2 comes out first
         assert pipe.statistics().applied == len(steps) == 6
+
+
+def failing_at_batch_3(trained: threading.Event) -> list[Task]:
+    """``load`` (one batch ahead, its own lane) fails on batch 3 once ``train`` has
+    applied batch 2's step in the same iteration."""
+
+    def load(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 3:
+            assert trained.wait(10)
+            raise RuntimeError("cannot load batch 3")
+
+    def train(ctx: TaskContext) -> None:
+        echo(ctx)
+        if ctx.slots["batch_cpu"] == 2:
+            trained.set()
+
+    return [Task.from_fn("load", load, lookahead=1, stream="io"), Task.from_fn("train", train)]
+
+
+async def test_a_drain_failing_on_a_later_batch_keeps_the_applied_steps_result() -> None:
+    source = iter(range(6))
+    async with Pipeline(failing_at_batch_3(threading.Event())) as pipe:
+        assert [await pipe.progress(source) for _ in range(2)] == [0, 1]
+        with pytest.raises(RuntimeError, match="cannot load batch 3"):
+            await pipe.drain()  # batch 2's step ran in the failed iteration
+        assert pipe.statistics().applied == 3
+        assert await pipe.drain() == [2]  # the failure first, then what was applied before it
+        assert (pipe.statistics().returned, pipe.statistics().applied) == (3, 3)
+        with pytest.raises(PipelineStateError, match=r"reset\(\)"):
+            await pipe.drain()
+        pipe.reset()
+        assert [r async for r in pipe.results(iter(range(2)))] == [0, 1]
+
+
+async def test_progress_returns_the_applied_step_before_the_later_batchs_failure() -> None:
+    source = iter(range(6))
+    async with Pipeline(failing_at_batch_3(threading.Event())) as pipe:
+        assert [await pipe.progress(source) for _ in range(3)] == [0, 1, 2]
+        assert pipe.statistics().applied == 3
+        with pytest.raises(RuntimeError, match="cannot load batch 3"):
+            await pipe.progress(source)  # the call that would return batch 3
+        with pytest.raises(PipelineStateError, match=r"reset\(\)"):
+            await pipe.progress(source)

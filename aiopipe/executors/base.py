@@ -79,7 +79,7 @@ class Iteration:
 
     __slots__ = (
         "_annotator", "_ctx", "_deferred_syncs", "_lane_names", "_ready_ns", "_ring", "_tracer",
-        "active", "number", "pipeline", "plan", "started",
+        "active", "completed", "number", "pipeline", "plan", "started",
     )  # fmt: skip
 
     def __init__(
@@ -101,6 +101,8 @@ class Iteration:
         self.active = active
         #: Set once any task body has begun: the iteration can no longer be retried.
         self.started = False
+        #: The tasks whose bodies ran to their end (appended from any lane).
+        self.completed: list[int] = []
         self._ring = ring
         self._ctx = ctx
         self._annotator = annotator
@@ -162,6 +164,14 @@ class Iteration:
                 self._deferred_syncs.append((index, producer, slot_offset))
             else:
                 pool.wait_event(stream, event)
+
+    def oldest_batch_done(self) -> bool:
+        """Whether every task this iteration runs on the batch at offset 0 (its
+        lookahead-0 tasks, which write its result) ran to its end: after a failure
+        elsewhere in the iteration, that batch's step was applied all the same."""
+        plan, completed = self.plan, set(self.completed)
+        oldest = [i for i in self.active.all if plan.lookahead[i] == 0]
+        return bool(oldest) and completed.issuperset(oldest)
 
     def finish(self) -> None:
         """Called by the pipeline once every task of the iteration has run: issue the
@@ -254,6 +264,7 @@ class Iteration:
                 )
             if plan.records_event[index]:
                 self._record(index)
+            self.completed.append(index)
         except BaseException as exc:
             self._fail(index, exc)
             raise
@@ -291,6 +302,7 @@ class Iteration:
             await task.run(self._ctx)  # type: ignore[misc]
             if plan.records_event[index]:
                 self._record(index)
+            self.completed.append(index)
         except BaseException as exc:
             self._fail(index, exc)
             raise
