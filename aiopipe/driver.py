@@ -169,7 +169,12 @@ class IterationDriver:
             error = exc
         error = self._end(feed, iteration, error)
         if error is not None and not isinstance(error, Exception):
-            raise error  # the loop shutting down, KeyboardInterrupt: let it through
+            # The loop shutting down, KeyboardInterrupt: let it through, out of the
+            # loop; the end was handled above, nobody needs the task's exception.
+            task = asyncio.current_task()
+            if task is not None:
+                task.add_done_callback(_retrieved)
+            raise error
 
     def _lanes_finished(
         self, feed: Feed, iteration: Iteration, done: asyncio.Future[None],
@@ -324,6 +329,11 @@ class IterationDriver:
         """Forget a pending failure and a broken state (the pipeline is reset)."""
         self._failure = None
         self.broken = None
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _await_lanes(done: asyncio.Future[None], handle: IterationHandle) -> None:

@@ -101,6 +101,10 @@ class LoopRunner:
             if self._interrupts:
                 raise KeyboardInterrupt() from None
             raise
+        except BaseException:
+            if not task.done():  # the loop itself was left (KeyboardInterrupt, SystemExit)
+                _cancel_and_settle(loop, task)
+            raise
         finally:
             self._task = None
             if install:
@@ -150,6 +154,15 @@ def _loop_running_in_this_thread() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _cancel_and_settle(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+    """Cancel a call that a ``KeyboardInterrupt``/``SystemExit`` from a callback or
+    another task left pending, and let it end now: left on the loop, it would run on
+    at the next call and take that call's place (cancelled, a pipeline's caller
+    returns at once; its iteration runs on like any other's)."""
+    task.cancel()
+    loop.run_until_complete(asyncio.wait([task]))
 
 
 def finish_loop(loop: asyncio.AbstractEventLoop) -> None:
