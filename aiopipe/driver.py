@@ -61,6 +61,7 @@ class IterationDriver:
         self.broken: str | None = None
         self._failure: BaseException | None = None  # of an iteration nobody awaited
         self._handle: IterationHandle | None = None  # the running fast-path iteration
+        self._current: tuple[Feed, Iteration] | None = None  # the running iteration
         self._guarded: asyncio.Future[None] | None = None  # the iteration last guarded
         self._guards: set[asyncio.Task[None]] = set()
         self._waiters: list[asyncio.Future[None]] = []  # woken by the iteration's end
@@ -152,11 +153,11 @@ class IterationDriver:
                 iteration, functools.partial(self._lanes_finished, feed, iteration, done)
             )
             if handle is not None:
-                self.running, self._handle = done, handle
+                self.running, self._handle, self._current = done, handle, (feed, iteration)
                 return False
         running = asyncio.ensure_future(self._run_as_task(feed, iteration))
         if not running.done():  # an eager task factory may have run it to the end
-            self.running = running
+            self.running, self._current = running, (feed, iteration)
         return True
 
     async def _run_as_task(self, feed: Feed, iteration: Iteration) -> None:
@@ -165,6 +166,8 @@ class IterationDriver:
         error: BaseException | None = None
         try:
             await self._executor.run_iteration(iteration)
+        except GeneratorExit:  # collected, left on a closed loop: ended elsewhere
+            raise
         except BaseException as exc:
             error = exc
         error = self._end(feed, iteration, error)
@@ -196,7 +199,8 @@ class IterationDriver:
         """Deliver the iteration's result, or record its failure; wake its waiters and
         free what it evicted.  Returns the failure, if any (the device or this
         bookkeeping may fail too)."""
-        self.running = self._handle = None
+        self.running = self._handle = self._current = None
+        iteration.stage = None  # it refers back to the iteration: no cycle left to collect
         try:
             if error is None:
                 iteration.finish()
@@ -214,7 +218,7 @@ class IterationDriver:
                 )
             if isinstance(error, Exception):
                 self._failure = error  # raised by the caller, or by the next call
-        if done is not None:
+        if done is not None and not done.get_loop().is_closed():
             done.set_result(None)
         self._wake_waiters()
         self._retired.free_soon()
@@ -248,7 +252,7 @@ class IterationDriver:
         iteration itself: one loop cycle sooner than a done-callback would."""
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
-            if not waiter.done():  # else its caller was cancelled
+            if not waiter.done() and not waiter.get_loop().is_closed():  # else no caller
                 waiter.set_result(None)
 
     # -- waiting -------------------------------------------------------------------------
@@ -260,6 +264,9 @@ class IterationDriver:
         if running is None or running.done():  # it ended already (it may never suspend)
             return
         if running.get_loop() is not asyncio.get_running_loop():
+            if running.get_loop().is_closed():
+                await self._finish_orphan()
+                return
             raise PipelineStateError(
                 "the iteration under way runs on another event loop (a call there was "
                 "cancelled or timed out, and its iteration runs on); finish it on that "
@@ -272,6 +279,47 @@ class IterationDriver:
         except BaseException:
             self.guard_lanes()
             raise
+
+    async def _finish_orphan(self) -> None:
+        """The loop the iteration under way was started on was closed before its end
+        was handled there (the lanes' report of it was dropped with the loop).  A
+        lanes-only iteration is waited for from this loop and ended here, result and
+        all; a task's iteration died with its loop: the pipeline asks for reset()."""
+        current, fast = self._current, self._handle is not None
+        handle = IterationHandle.of(current[1]) if current is not None else None
+        if current is None or handle is None:
+            self.abandon_orphan()
+            return
+        feed, iteration = current
+        # Bodies on the dead loop, and a task's part of the iteration, can never end.
+        lost = handle.abandon_loop(None if fast else _loop_closed(iteration.number))
+        if not handle.wait(0):
+            await asyncio.get_running_loop().run_in_executor(None, handle.wait)
+        if self._current is not current:
+            return  # another call ended it meanwhile
+        if fast and not lost:
+            self._end(feed, iteration, handle.error)
+        else:
+            self.abandon_orphan()
+
+    def abandon_orphan(self) -> bool:
+        """Forget an iteration left on a closed event loop, unfinished (the pipeline is
+        reset or shut down, or its task died with the loop): ``False`` if none."""
+        running, current = self.running, self._current
+        if running is None or not running.get_loop().is_closed():
+            return False
+        number = -1
+        if current is not None:
+            iteration = current[1]
+            number = iteration.number
+            handle = IterationHandle.of(iteration)
+            if handle is not None:  # let the lanes go on (they are not waited for)
+                handle.abandon_loop(_loop_closed(number))
+            iteration.stage = None
+        self.running = self._handle = self._current = None
+        self.broken = str(_loop_closed(number))
+        pipeline_log.warning("%s: %s", self._pipeline, self.broken)
+        return True
 
     async def wait_idle(self) -> None:
         """Wait until no iteration runs.  Cancelling the caller stops the wait at once
@@ -318,7 +366,7 @@ class IterationDriver:
             )
 
     def refuse_while_running(self, what: str) -> None:
-        if self.running is not None:
+        if self.running is not None and not self.abandon_orphan():
             raise PipelineStateError(
                 f"cannot call {what} while an iteration is still running (the progress() "
                 f"that started it was cancelled); 'await pipe.aclose()', or any call that "
@@ -329,6 +377,12 @@ class IterationDriver:
         """Forget a pending failure and a broken state (the pipeline is reset)."""
         self._failure = None
         self.broken = None
+
+
+def _loop_closed(number: int) -> PipelineStateError:
+    return PipelineStateError(
+        f"iteration {number} was left unfinished on an event loop that was closed"
+    )
 
 
 def _retrieved(task: asyncio.Task[None]) -> None:

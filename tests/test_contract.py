@@ -268,3 +268,105 @@ async def test_progress_returns_the_applied_step_before_the_later_batchs_failure
             await pipe.progress(source)  # the call that would return batch 3
         with pytest.raises(PipelineStateError, match=r"reset\(\)"):
             await pipe.progress(source)
+
+
+def gated_at(batch: int, started: threading.Event, release: threading.Event) -> Task:
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == batch:
+            started.set()
+            assert release.wait(10)
+        echo(ctx)
+
+    return Task.from_fn("train", train)
+
+
+def leave_batch_1_on_a_closed_loop(pipe: Pipeline, source: Any, started: threading.Event) -> None:
+    """Return batch 0, cancel the call running batch 1's step, close the loop by hand."""
+    loop = asyncio.new_event_loop()
+
+    async def first() -> None:
+        assert await pipe.progress(source) == 0
+        call = asyncio.ensure_future(pipe.progress(source))
+        await in_a_thread(started)
+        await cancelled(call)
+
+    try:
+        loop.run_until_complete(first())
+    finally:
+        loop.close()  # the step's end is still to come: the lanes' report of it is dropped
+
+
+async def async_items(count: int) -> AsyncIterator[int]:
+    for n in range(count):
+        yield n
+
+
+@pytest.mark.parametrize("source", [lambda: iter(range(4)), lambda: async_items(4)])
+def test_an_iteration_left_on_a_closed_loop_is_ended_by_the_next_loop(source: Any) -> None:
+    started, release = threading.Event(), threading.Event()
+    pipe, items = Pipeline([gated_at(1, started, release)]), source()
+    leave_batch_1_on_a_closed_loop(pipe, items, started)
+    release.set()
+
+    async def the_rest() -> list[Any]:
+        async with pipe:
+            return [r async for r in pipe.results(items)]
+
+    assert asyncio.run(the_rest()) == [1, 2, 3]  # batch 1's result comes first
+
+
+def test_shutdown_after_the_loop_was_closed_by_hand_stops_the_lanes() -> None:
+    started, release = threading.Event(), threading.Event()
+    pipe = Pipeline([gated_at(1, started, release)])
+    leave_batch_1_on_a_closed_loop(pipe, iter(range(4)), started)
+    release.set()
+    pipe.shutdown()  # not refused: nothing can end that iteration any more
+    assert pipe.statistics().closed  # (the lanes are stopped: conftest checks)
+
+
+def test_reset_after_the_loop_was_closed_by_hand_starts_afresh() -> None:
+    started, release = threading.Event(), threading.Event()
+    pipe = Pipeline([gated_at(1, started, release)])
+    leave_batch_1_on_a_closed_loop(pipe, iter(range(4)), started)
+    release.set()
+    pipe.reset()
+
+    async def again() -> list[Any]:
+        async with pipe:
+            return [r async for r in pipe.results(iter(range(3)))]
+
+    assert asyncio.run(again()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("lane", ["default", "loop"])  # handed to the loop by a lane, or its own
+def test_a_coroutine_iteration_left_on_a_closed_loop_asks_for_reset(lane: str) -> None:
+    stuck = asyncio.Event()  # set on the first loop: batch 1's body waits there
+
+    async def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 1 and not stuck.is_set():
+            stuck.set()
+            await asyncio.Event().wait()  # never set: its loop is closed under it
+        echo(ctx)
+
+    pipe = Pipeline([Task.from_fn("train", train)], thread_map={"train": lane})
+    source, loop = iter(range(4)), asyncio.new_event_loop()
+
+    async def first() -> None:
+        assert await pipe.progress(source) == 0
+        call = asyncio.ensure_future(pipe.progress(source))
+        await stuck.wait()
+        await cancelled(call)
+
+    try:
+        loop.run_until_complete(first())
+    finally:
+        loop.close()
+
+    async def again() -> list[Any]:
+        async with pipe:
+            with pytest.raises(PipelineStateError, match=r"closed.*reset\(\)"):
+                await pipe.progress(source)
+            pipe.reset()
+            return [r async for r in pipe.results(iter(range(3)))]
+
+    assert asyncio.run(again()) == [0, 1, 2]

@@ -196,7 +196,7 @@ class AsyncExecutor:
         waker = LoopWaker(asyncio.get_running_loop())
         lanes = [self._lane_pool.get(name) for name, _ in layout.thread_chains]  # may start threads
         self._tickets.reset(waker)
-        run = StageRun(iteration, layout, waker, self._tickets, on_done)
+        run = iteration.stage = StageRun(iteration, layout, waker, self._tickets, on_done)
         for lane, (_, chain) in zip(lanes, layout.thread_chains):
             lane.submit(functools.partial(self._run_thread_chain, run, lane, chain))
         if self._compute_off_loop:

@@ -79,7 +79,7 @@ class Iteration:
 
     __slots__ = (
         "_annotator", "_ctx", "_deferred_syncs", "_lane_names", "_ready_ns", "_ring", "_tracer",
-        "active", "completed", "number", "pipeline", "plan", "started",
+        "active", "completed", "number", "pipeline", "plan", "stage", "started",
     )  # fmt: skip
 
     def __init__(
@@ -103,6 +103,9 @@ class Iteration:
         self.started = False
         #: The tasks whose bodies ran to their end (appended from any lane).
         self.completed: list[int] = []
+        #: What the lanes share for the stage they run now (an executor's own object,
+        #: e.g. ``AsyncExecutor``'s ``StageRun``); ``None`` when no lane runs it.
+        self.stage: Any = None
         self._ring = ring
         self._ctx = ctx
         self._annotator = annotator
