@@ -40,7 +40,7 @@ class BlockingPipeline:
     def __init__(self, pipeline: AsyncPipeline[Any]) -> None:
         self._pipeline = pipeline
         self._runner = LoopRunner(prefer_uvloop=False)
-        weakref.finalize(self, self._runner.close)  # dropped without shutdown()
+        weakref.finalize(self, _close_dropped, self._runner)  # dropped without shutdown()
 
     @property
     def pipeline(self) -> Any:
@@ -92,3 +92,12 @@ class BlockingPipeline:
 
     def __repr__(self) -> str:
         return f"<BlockingPipeline of {self._pipeline!r}>"
+
+
+def _close_dropped(runner: LoopRunner) -> None:
+    """Close the loop of a pipeline dropped or left at exit.  A Ctrl-C while it waits
+    for a step that does not end stops the wait: what it waits for was printed."""
+    try:
+        runner.close()
+    except KeyboardInterrupt:
+        pass

@@ -26,6 +26,8 @@ from typing import Any
 
 from ._core.log import pipeline_log
 from ._core.nvtx import Annotator
+from ._core.loops import runner_owns
+from ._core.watch import LaneWatch
 from ._core.waker import wait_settled
 from .context import CURRENT, Running, TaskContext
 from .errors import PipelineStateError
@@ -329,25 +331,43 @@ class IterationDriver:
 
     def guard_lanes(self) -> None:
         """A fast-path iteration's caller left early (cancelled): make a loop shutting
-        down wait for the iteration, as it would for a task awaiting ``run_iteration``.
+        down wait for the iteration, as it would for a task awaiting ``run_iteration``
+        -- and say what it waits for, and let a second Ctrl-C abandon the wait.
 
-        Two things, since the caller's own cancellation may come from that shutdown.
-        A task waits for the iteration; cancelled (``asyncio.run`` cancels every task
-        left), it skips the iteration's tasks not yet started.  And a thread of the
-        loop's default executor waits for the lanes: ``asyncio.run`` (like every
-        runner of this package) waits for those threads before it closes the loop, so
-        the iteration's end is still handled on it."""
-        running, handle = self.running, self._handle
-        if handle is None or running is None or self._guarded is running:
+        A task waits for the iteration; cancelled (the loop shutting down cancels every
+        task left), it skips the iteration's tasks not yet started.  A loop of this
+        package's runners cancels again the tasks made while it cancels; for other
+        loops (``asyncio.run`` cancels once: the caller's own cancellation may come
+        from that shutdown) a thread of the loop's default executor waits for the lanes
+        as well, since ``asyncio.run`` waits for those threads before it closes the
+        loop.  That thread stops waiting once the loop is closed (a second Ctrl-C), so
+        interpreter exit, which joins it, never waits on a lane without bound."""
+        running, handle, current = self.running, self._handle, self._current
+        if handle is None or running is None or current is None or self._guarded is running:
             return  # a task's iteration, none, or guarded already (by an earlier caller)
         self._guarded = running
-        guard = asyncio.ensure_future(_await_lanes(running, handle))
+        loop = asyncio.get_running_loop()
+        watch = LaneWatch(handle, functools.partial(self._describe_wait, current[1]))
+        guard = asyncio.ensure_future(watch.until_done(running))
         self._guards.add(guard)  # referenced until done
         guard.add_done_callback(self._guards.discard)
-        try:
-            asyncio.get_running_loop().run_in_executor(None, handle.wait)
-        except RuntimeError:  # the executor is shut down already: the task alone
-            pass
+        if not runner_owns(loop):
+            try:
+                loop.run_in_executor(None, watch.block_until_done, loop)
+            except RuntimeError:  # the executor is shut down already: the task alone
+                pass
+
+    def _describe_wait(self, iteration: Iteration) -> str:
+        plan, completed = self._plan, set(iteration.completed)
+        left = [
+            f"task {plan.order[i].name!r} (batch {iteration.batch_index(i)})"
+            + (f" on lane {self._lane_names[i]!r}" if self._lane_names else "")
+            for i in iteration.active.all if i not in completed
+        ]  # fmt: skip
+        return (
+            f"{self._pipeline}: waiting for iteration {iteration.number} to finish before "
+            f"the event loop closes: {', '.join(left) or 'its last task'} has not returned"
+        )
 
     # -- failures ------------------------------------------------------------------------
 
@@ -388,11 +408,3 @@ def _loop_closed(number: int) -> PipelineStateError:
 def _retrieved(task: asyncio.Task[None]) -> None:
     if not task.cancelled():
         task.exception()
-
-
-async def _await_lanes(done: asyncio.Future[None], handle: IterationHandle) -> None:
-    while not done.done():
-        try:
-            await wait_settled(done)
-        except asyncio.CancelledError:  # the loop is shutting down
-            handle.abort(asyncio.CancelledError())

@@ -4,8 +4,14 @@ returns.  Each runs in a subprocess: an interrupt must not reach the test runner
 
 from __future__ import annotations
 
+import queue
+import signal
 import subprocess
 import sys
+import threading
+from typing import IO
+
+import pytest
 
 LEFT_THE_LOOP = """
 import os, signal, sys
@@ -58,3 +64,74 @@ def test_an_interrupt_that_left_the_loop_leaves_no_call_behind() -> None:
         # batch 1's step is not run again by a call left behind
         assert f"{error} {lane} results [0, 1, 2] steps [0, 1, 0, 1, 2]" in lines
     assert "never retrieved" not in out.stderr
+
+
+STUCK_BODY = """
+import asyncio, sys, threading
+import aiopipe
+from aiopipe import Pipeline, Task, TaskContext
+
+never = threading.Event()
+
+def train(ctx: TaskContext) -> None:
+    if ctx.slots["batch_cpu"] == 1:
+        print("stuck", flush=True)
+        never.wait()  # a body that never returns
+    ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))],
+                thread_map={"train": "compute"})
+
+async def main() -> None:
+    async for _ in pipe.results(range(4)):
+        pass
+
+form = sys.argv[1]
+if form == "blocking":
+    for _ in pipe.blocking().results(range(4)):
+        pass
+elif form == "asyncio.run":
+    asyncio.run(main())
+else:
+    aiopipe.run(main())
+"""
+
+
+def first_line(stream: IO[str], prefix: str, timeout: float = 30) -> str:
+    """The first line of ``stream`` starting with ``prefix``; fails after ``timeout``
+    seconds instead of hanging on a child that says nothing."""
+    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no line starting with {prefix!r} in {timeout} s") from None
+        if line.startswith(prefix):
+            return line
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT")
+@pytest.mark.parametrize("form", ["blocking", "asyncio.run", "aiopipe.run"])
+def test_ctrl_c_twice_leaves_a_body_that_never_returns(form: str) -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", STUCK_BODY, form],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as child:  # fmt: skip
+        assert child.stdout is not None and child.stderr is not None
+        try:
+            ctrl_c_twice(child, child.stdout, child.stderr)
+        finally:
+            child.kill()  # (a no-op once it exited)
+
+
+def ctrl_c_twice(child: subprocess.Popen[str], stdout: IO[str], stderr: IO[str]) -> None:
+    assert stdout.readline() == "stuck\n"
+    child.send_signal(signal.SIGINT)  # the caller returns; the exit waits for the step
+    line = first_line(stderr, "aiopipe:")  # after KeyboardInterrupt's traceback
+    assert "waiting for iteration 1" in line
+    assert "task 'train' (batch 1) on lane 'compute' has not returned" in line
+    assert "Press Ctrl-C again" in line
+    child.send_signal(signal.SIGINT)
+    child.wait(timeout=30)  # no exit hook waits for the lane
+    assert child.returncode != 0
