@@ -64,9 +64,16 @@ class BlockingPipeline:
         source = iterate(source)
         while True:
             try:
-                yield self.progress(source)
+                result = self.progress(source)
             except StopIteration:
                 return
+            try:
+                yield result
+            except GeneratorExit:  # left early: the batches in flight need no training
+                abandon = getattr(self._pipeline, "abandon_source", None)
+                if abandon is not None:
+                    abandon(source)
+                raise
 
     def drain(self) -> list[Any]:
         return self._runner.run(self._pipeline.drain)

@@ -95,8 +95,8 @@ def needs_event_loop(api: Callable[P, R]) -> Callable[P, R]:
     """Make coroutine API ``api`` refuse to be called with no running event loop
     (asyncio or trio), where its coroutine would silently never run."""
     name = api.__name__
-    # an async generator is iterated, not awaited
-    iterated = inspect.isasyncgenfunction(api)
+    # an async iterator (from an async generator or a plain function) is iterated
+    iterated = not inspect.iscoroutinefunction(api)
     awaited = f"async for result in pipe.{name}(...)" if iterated else f"await pipe.{name}(...)"
 
     @functools.wraps(api)

@@ -15,7 +15,7 @@ guard the lanes when a caller leaves, a pending failure) is owned by
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +26,7 @@ from .context import TaskContext
 from .driver import IterationDriver
 from .errors import PipelineStateError
 from .executors import Executor, resolve_executor
-from .protocols import results_of
+from .protocols import Results
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores
@@ -98,6 +98,10 @@ class SchedulablePipeline:
             retired=self._retired,
         )  # fmt: skip
         self._feed: Feed | None = None
+        # The feed last discarded (reset()): its counts, and an item it read ahead,
+        # kept for the next progress() on the same source.
+        self._parked: Feed | None = None
+        self._discarded = 0  # batches dropped untrained, since construction
         # The first batch an adapter seeded, and the items it refused before it.
         self._seed: dict[str, Any] | None = None
         self._seed_refused = 0
@@ -142,7 +146,7 @@ class SchedulablePipeline:
         return self._ring
 
     def statistics(self) -> PipelineStatistics:
-        feed = self._feed
+        feed = self._feed if self._feed is not None else self._parked
         return PipelineStatistics(
             pulled=feed.pulled if feed else 0,
             returned=feed.returned if feed else 0,
@@ -152,7 +156,8 @@ class SchedulablePipeline:
             broken=self._driver.broken,
             closed=self._closed,
             refused=feed.refused if feed else 0,
-            applied=feed.returned + len(feed.outbox) if feed else 0,
+            applied=feed.applied if feed else 0,
+            discarded=self._discarded,
         )
 
     # -- the progress contract -------------------------------------------------------
@@ -202,13 +207,23 @@ class SchedulablePipeline:
         return await self.progress(OneBatch(batch))
 
     @needs_event_loop
-    async def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+    def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> Results[Any]:
         """``async for result in pipe.results(loader)``: one result per batch, like
         ``for batch in loader``.  An iterable (a list, a ``DataLoader``) gets a fresh
         iterator, so each call is a new pass over it; an iterator continues where it
-        stands (every remaining result)."""
-        async for result in results_of(self, source):
-            yield result
+        stands (every remaining result).  Leaving the loop early (``break``) trains
+        nothing more: see :meth:`abandon_source`."""
+        return Results(self, source)
+
+    def abandon_source(self, source: Source) -> None:
+        """The caller is done with ``source`` although batches of it are in flight
+        (``results()`` calls it when its loop is left early).  Those batches have had
+        look-ahead work only, which changes no persistent state: if another source
+        comes next, they are discarded untrained (``statistics().discarded`` counts
+        them) instead of refused; passing ``source`` again continues with them."""
+        feed = self._feed
+        if feed is not None and feed.source is source and feed.in_flight:
+            feed.abandoned = True
 
     @needs_event_loop
     async def drain(self) -> list[Any]:
@@ -296,18 +311,19 @@ class SchedulablePipeline:
 
     def reset(self) -> None:
         """Discard every batch in flight and any interrupted state; the next
-        ``progress`` starts afresh with whatever source it is given."""
+        ``progress`` starts afresh with whatever source it is given.  The batches
+        dropped are counted in ``statistics().discarded`` (results of steps applied
+        but not yet returned are dropped too; ``applied`` still counts them).  An item
+        read ahead that no task touched is kept: the next ``progress`` on the same
+        source takes it first."""
         if self._busy:
             raise PipelineStateError("cannot reset while a progress is running")
         self._driver.refuse_while_running("reset()")
         feed = self._feed
         pipeline_log.info("%s: reset, discarding %d batch(es) in flight", self.name,
                           feed.in_flight if feed is not None else 0)  # fmt: skip
-        if feed is not None:
-            feed.close()
         self._driver.clear()
-        self._retired.add_all(self._ring.reset())
-        self._feed = None
+        self._discard()
         self._seed = None
         self._seed_refused = 0
 
@@ -319,8 +335,9 @@ class SchedulablePipeline:
             raise PipelineStateError("cannot shut down while a progress is running")
         self._driver.refuse_while_running("shutdown()")
         pipeline_log.debug("%s: shut down", self.name)
-        if self._feed is not None:
-            self._feed.close()
+        for feed in (self._feed, self._parked):
+            if feed is not None:
+                feed.close()
         self._closed = True
         self._executor.shutdown()
         self._trio.close()
@@ -366,23 +383,54 @@ class SchedulablePipeline:
     def _on_source_end(self) -> None:
         """Called once the last result of a source has been returned (presets hook)."""
 
+    def _discard(self) -> None:
+        """Drop the batches in flight untrained, counting them; the feed is parked
+        (its counts for statistics(), its read-ahead item for the same source)."""
+        feed = self._feed
+        if feed is not None:
+            self._discarded += feed.discard()
+            if self._parked is not None:
+                self._drop(self._parked)
+            self._parked = feed
+        self._retired.add_all(self._ring.reset())
+        self._feed = None
+
+    def _drop(self, feed: Feed) -> None:
+        """Forget ``feed`` for good: an item it read ahead is discarded too."""
+        if feed.holds_ahead:
+            self._discarded += 1
+        feed.close()
+
     def _adopt(self, source: Source) -> Feed:
         feed = self._feed
         if feed is not None and source is feed.source:
+            feed.abandoned = False  # taken up again: it goes on with its batches
             return feed
         if feed is not None and feed.in_flight:
-            raise PipelineStateError(
-                f"a new iterator was passed while {feed.in_flight} batch(es) of the previous "
-                f"one are in flight; none of its batches was taken. Keep passing the same "
-                f"iterator until progress() reports its end, or call drain() first to "
-                f"finish the batches in flight."
-            )
+            if not (feed.abandoned and self.idle):
+                raise PipelineStateError(
+                    f"a new iterator was passed while {feed.in_flight} batch(es) of the "
+                    f"previous one are in flight; none of its batches was taken. Keep "
+                    f"passing the same iterator until progress() reports its end, or call "
+                    f"drain() first to finish the batches in flight (their steps are "
+                    f"applied), or reset() to discard them untrained."
+                )
+            pipeline_log.info("%s: a results() loop was left early; discarding its %d "
+                              "batch(es) in flight, untrained", self.name, feed.in_flight)  # fmt: skip
+            self._discard()
+            feed = None
+        ahead, parked = None, self._parked
+        if parked is not None:
+            if feed is None and parked.source is source:  # reset() kept what it read ahead
+                ahead, parked.ahead = parked.ahead, None
+            self._drop(parked)
+            self._parked = None
         if feed is not None:
-            feed.close()
+            self._drop(feed)
         new_feed = Feed(
             source, read_ahead=self._read_ahead,
             check_batch=self._check_batch,
-            seed=self._seed, refused=self._seed_refused,
+            seed=self._seed, refused=self._seed_refused, ahead=ahead,
         )  # fmt: skip
         self._seed, self._seed_refused = None, 0
         # step() adopts a one-batch source per call: those only at DEBUG

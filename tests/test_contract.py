@@ -370,3 +370,76 @@ def test_a_coroutine_iteration_left_on_a_closed_loop_asks_for_reset(lane: str) -
             return [r async for r in pipe.results(iter(range(3)))]
 
     assert asyncio.run(again()) == [0, 1, 2]
+
+
+def counting(steps: list[int]) -> list[Task]:
+    """``load`` one batch ahead, ``train`` (which counts its steps) on the oldest."""
+
+    def load(ctx: TaskContext) -> None:
+        ctx.slots.set("x", ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        steps.append(ctx.slots["x"])
+        ctx.slots.set("step_result", ctx.slots["x"])
+
+    return [Task.from_fn("load", load, lookahead=1, stream="io"),
+            Task.from_fn("train", train, writes=("step_result",))]  # fmt: skip
+
+
+async def test_leaving_results_early_trains_nothing_more_and_the_next_pass_starts() -> None:
+    steps: list[int] = []
+    loader = list(range(8))
+    async with Pipeline(counting(steps)) as pipe:
+        async for result in pipe.results(loader):
+            if result == 2:
+                break  # a step limit: three steps mean three steps
+        assert steps == [0, 1, 2]
+        assert [r async for r in pipe.results(loader)] == list(range(8))  # a new pass
+        assert steps == [0, 1, 2, *range(8)]
+        # batch 3 (loaded) and batch 4 (read ahead) were dropped untrained
+        assert pipe.statistics().discarded == 2
+
+
+def test_leaving_the_blocking_results_early_trains_nothing_more() -> None:
+    steps: list[int] = []
+    loader = list(range(8))
+    with Pipeline(counting(steps)).blocking() as pipe:
+        for result in pipe.results(loader):
+            if result == 2:
+                break
+        assert list(pipe.results(loader)) == list(range(8))
+        assert steps == [0, 1, 2, *range(8)]
+
+
+async def test_an_iterator_left_early_and_passed_again_goes_on_with_its_batches() -> None:
+    steps: list[int] = []
+    batches = iter(range(8))
+    async with Pipeline(counting(steps)) as pipe:
+        async for result in pipe.results(batches):
+            if result == 2:
+                break
+        assert [r async for r in pipe.results(batches)] == [3, 4, 5, 6, 7]  # none lost
+        assert (steps, pipe.statistics().discarded) == (list(range(8)), 0)
+
+
+async def test_a_manual_new_source_with_batches_in_flight_names_drain_and_reset() -> None:
+    async with Pipeline(counting([])) as pipe:
+        assert await pipe.progress(iter(range(4))) == 0
+        with pytest.raises(PipelineStateError, match=r"drain\(\).*reset\(\)"):
+            await pipe.progress(iter(range(4)))
+
+
+async def test_reset_after_a_failure_keeps_the_item_read_ahead() -> None:
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 1:
+            raise RuntimeError("bad step")
+        echo(ctx)
+
+    source = iter(range(3))
+    async with Pipeline([Task.from_fn("train", train)]) as pipe:
+        assert await pipe.progress(source) == 0
+        with pytest.raises(RuntimeError, match="bad step"):
+            await pipe.progress(source)  # batch 2 was read ahead meanwhile; no task saw it
+        pipe.reset()
+        assert pipe.statistics().discarded == 1  # batch 1, whose step failed
+        assert [r async for r in pipe.results(source)] == [2]

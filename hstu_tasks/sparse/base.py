@@ -14,7 +14,7 @@ the ring (trained like any other; none is lost).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import Any, Generic, Self, TypeVar
 
 import torch
@@ -22,7 +22,7 @@ import torch
 from aiopipe import AsyncExecutor, BadBatchError, BlockingPipeline, Executor, PipelineStateError
 from aiopipe import Schedule, SchedulablePipeline, Tracer
 from aiopipe.executors import resolve_executor
-from aiopipe.protocols import results_of
+from aiopipe.protocols import Results
 from aiopipe.interop import needs_event_loop
 from aiopipe.lanes import ThreadMap, resolve_lane
 from aiopipe.source import END, Feed, Source
@@ -97,11 +97,10 @@ class SparseDistBase(Generic[ResultT]):
             return await self._progress(self._spec.adapt(source))
 
     @needs_event_loop
-    async def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[ResultT]:
+    def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> Results[ResultT]:
         """``async for result in pipe.results(loader)``: ``progress`` until the end (an
         iterable gets a fresh iterator, an iterator continues where it stands)."""
-        async for result in results_of(self, source):
-            yield result
+        return Results(self, source)
 
     @contextlib.contextmanager
     def _taking_turn(self, call: str) -> Iterator[None]:
