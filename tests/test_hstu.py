@@ -263,7 +263,7 @@ def test_unsharded_tables_train_like_the_plain_loop() -> None:
     spawn(hstu_workers.unsharded_worker)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron DDP unpatched needs a GPU")
+@pytest.mark.cuda  # Megatron DDP unpatched needs a GPU
 def test_megatron_ddp_on_gpu_trains_like_torch_ddp() -> None:
     world = min(2, torch.cuda.device_count())
     spawn(hstu_workers.megatron_gpu_worker, world, nprocs=world)
