@@ -128,6 +128,8 @@ RULES: list[tuple[str, Action | None, str]] = [
     (r"^pip install", SKIP, "installs from the network"),
     (r"^curl ", SKIP, "talks to the server started by the line above"),
     (r"^\./dev test\b", SKIP, "the test suite itself"),
+    (r"^\./dev gpu-prepare\b", SKIP, "downloads wheels (tests/test_gpu_suite.py runs it)"),
+    (r"^\./dev gpu-suite\b", SKIP, "the GPU suite (tests/test_gpu_suite.py rehearses it)"),
     (r"^python -c .*merge_traces", SKIP, "merges the traces of the torchrun line above"),
     (r"(torchrun|torch\.distributed\.run) .*examples/train_(hstu|dlrm)\.py", one_process, ""),
     (r"^(\./dev demo|(\./dev )?python examples/train_(hstu|dlrm)\.py)\b", few_steps, ""),

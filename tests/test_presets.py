@@ -95,7 +95,7 @@ async def test_t2_moves_batches_one_ahead_on_their_own_stream() -> None:
     pipe.shutdown()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 async def test_t2_on_a_gpu_copies_on_a_lane_of_their_own() -> None:
     model, opt = make(0, "sgd")
     pipe = basic(model.cuda(), opt, loss_fn=loss_fn, forward=forward,

@@ -79,7 +79,7 @@ def test_flush_checks_what_is_left_at_the_end_and_discard_forgets_it() -> None:
         LossWatch(max_lag=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_on_a_gpu_the_check_does_not_synchronise_the_host() -> None:
     watch = LossWatch(max_lag=3)
     slow = torch.randn(4096, 4096, device="cuda")
