@@ -34,7 +34,7 @@ from .schedule import Schedule
 from .source import Feed, OneBatch, PipelineStatistics, Source
 from .streams import StreamPool
 from .trace import Tracer, resolve_tracer
-from .validate import validate_schedule, warn_without_result
+from .validate import validate_schedule, warn_serialized_awaits, warn_without_result
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11; only read by type checkers
@@ -77,6 +77,7 @@ class SchedulablePipeline:
         validate_schedule(schedule, stream_pool)
         if options.get("expect_result", True):
             warn_without_result(schedule)
+        warn_serialized_awaits(schedule)
         self._plan = plan = ExecutionPlan(schedule, stream_pool)
         self._schedule = schedule.in_order(plan.order)
         self._executor = resolve_executor(executor)
