@@ -16,7 +16,7 @@ import torch
 from torchrec.datasets.utils import Batch
 
 import sparse_workers
-from aiopipe import BadBatchError, PipelineStateError
+from aiopipe import AsyncExecutor, BadBatchError, PipelineStateError
 from aiopipe.lanes import thread_map_for_device
 from conftest import collect
 from hstu_tasks import DLRMConfig, HSTUPipeline, SparseDistPipeline, SyntheticDLRMData
@@ -353,6 +353,24 @@ def test_on_a_cpu_every_task_defaults_to_the_compute_lane() -> None:
             "io", "compute"}  # fmt: skip
     for gpu in ("cuda", "cuda:1"):
         assert thread_map_for_device(SPARSE_DIST_THREAD_MAP, torch.device(gpu)) is SPARSE_DIST_THREAD_MAP
+
+
+def test_an_executor_given_without_a_thread_map_keeps_the_default_lanes() -> None:
+    """``executor=AsyncExecutor(check_collective_order=1)`` sets the check, not the lanes."""
+    config = DLRMConfig(num_embeddings=200, batch_size=16)
+    with one_rank_group():
+        setup = build_dlrm_training(config, "sgd", seed=3)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                  executor=AsyncExecutor(check_collective_order=1))  # fmt: skip
+
+        async def run() -> tuple[int, set[str]]:
+            async with pipe:
+                results = await collect(pipe, iter(SyntheticDLRMData(config, 3)))
+                assert pipe.engine is not None
+                lanes = {pipe.engine.executor.lane_of(t.name) for t in pipe.engine.schedule.tasks}
+                return len(results), lanes
+
+        assert asyncio.run(run()) == (3, {"compute"})
 
 
 def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch() -> None:

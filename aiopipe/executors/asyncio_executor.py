@@ -73,7 +73,9 @@ class AsyncExecutor:
 
     ``thread_map``: ``None``/``"by_stream"`` (lane = stream), ``"per_task"``, a dict
     ``{task name: lane}`` (unmapped tasks go to lane ``"default"``) or a callable
-    ``task -> lane``; lane ``"loop"`` runs sync bodies inline on the loop.
+    ``task -> lane``; lane ``"loop"`` runs sync bodies inline on the loop.  ``None``
+    given to a pipeline with lanes of its own (``basic()``, the ``hstu_tasks``
+    pipelines) takes those lanes instead (:meth:`take_default_thread_map`).
     ``check_collective_order=N`` compares the collective ticket sequence across
     ranks every N iterations and raises :class:`CollectiveOrderError` on a mismatch.
     ``slow_wait_s``: a task still waiting for a task on another lane or for its
@@ -159,6 +161,13 @@ class AsyncExecutor:
 
     def shutdown(self) -> None:
         self._lane_pool.shutdown()
+
+    def take_default_thread_map(self, thread_map: ThreadMap) -> None:
+        """Use ``thread_map``, a pipeline's default lanes, if this executor was built
+        without a thread map and is not bound yet: passing an executor to set another
+        option (``check_collective_order``) keeps the pipeline's lanes."""
+        if self.thread_map is None and self._plan is None:
+            self.thread_map = thread_map
 
     def lane_of(self, task_name: str) -> str:
         plan = self._require_plan()
