@@ -373,6 +373,28 @@ def test_an_executor_given_without_a_thread_map_keeps_the_default_lanes() -> Non
         assert asyncio.run(run()) == (3, {"compute"})
 
 
+@pytest.mark.parametrize("execute_all_batches", [True, False])
+def test_a_generator_function_passed_uncalled_asks_did_you_mean(execute_all_batches: bool) -> None:
+    config = DLRMConfig(num_embeddings=200, batch_size=16)
+
+    def batches() -> Iterator[Any]:
+        yield from SyntheticDLRMData(config, 2)
+
+    with one_rank_group():
+        setup = build_dlrm_training(config, "sgd", seed=3)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, execute_all_batches)
+
+        async def run() -> int:
+            async with pipe:
+                with pytest.raises(TypeError, match=r"did you mean batches\(\)\?"):
+                    await pipe.progress(batches)  # type: ignore[arg-type]
+                with pytest.raises(TypeError, match=r"did you mean batches\(\)\?"):
+                    [r async for r in pipe.results(batches)]  # type: ignore[arg-type]
+                return len(await collect(pipe, batches()))
+
+        assert asyncio.run(run()) == (2 if execute_all_batches else 0)
+
+
 def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch() -> None:
     """The bootstrap takes the source's first batch (torchrec traces the model on it);
     a caller cancelled while that pull waits leaves it running, and the next call
