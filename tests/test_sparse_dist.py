@@ -145,12 +145,14 @@ def test_a_refused_first_batch_counts_in_the_source_position() -> None:
             async with pipe:
                 with pytest.raises(BadBatchError, match="Pipelineable"):  # before tracing
                     await pipe.progress(source)
+                assert pipe.engine is None and pipe.statistics().refused == 1
                 results = await collect(pipe, source)  # the same source goes on
-                assert pipe.engine is not None
-                stats = pipe.engine.statistics()
+                stats = pipe.statistics()
+                assert pipe.engine is not None and stats == pipe.engine.statistics()
                 return len(results), stats.returned, stats.refused
 
         assert asyncio.run(run()) == (3, 3, 1)  # position: returned + refused items
+        assert pipe.statistics().closed
 
 
 class CopyFailsOnce(Batch):
