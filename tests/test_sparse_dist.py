@@ -397,6 +397,28 @@ def test_a_generator_function_passed_uncalled_asks_did_you_mean(execute_all_batc
         assert asyncio.run(run()) == (2 if execute_all_batches else 0)
 
 
+def test_a_forward_returning_a_bare_loss_is_told_what_the_pipeline_expects() -> None:
+    config = DLRMConfig(num_embeddings=200, batch_size=16)
+    with one_rank_group():
+        setup = build_dlrm_training(config, "sgd", seed=3)
+        model = setup.model
+        pipe = SparseDistPipeline(model, setup.optimizer, setup.device,
+                                  custom_model_fwd=lambda batch: model(batch)[0])  # fmt: skip
+
+        async def run() -> None:
+            async with pipe:
+                with pytest.raises(TypeError) as info:
+                    await collect(pipe, iter(SyntheticDLRMData(config, 3)))
+                pipe.reset()
+            message = str(info.value)
+            assert message.startswith("custom_model_fwd(batch) returned a tensor of shape (); the "
+                                      "sparse-dist pipeline expects (losses, output)")  # fmt: skip
+            assert "custom_model_fwd=lambda batch: (model(batch), None)" in message
+            assert "on batch 0 of the source" in info.value.__notes__[0]
+
+        asyncio.run(run())
+
+
 def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch() -> None:
     """The bootstrap takes the source's first batch (torchrec traces the model on it);
     a caller cancelled while that pull waits leaves it running, and the next call

@@ -82,11 +82,31 @@ class SparseDistState:
 
     def run_model(self, batch: Any) -> tuple[torch.Tensor, Any]:
         forward = self.model_fwd if self.model_fwd is not None else self.model
-        return forward(batch)
+        return _losses_and_output(forward(batch), custom=self.model_fwd is not None)
 
     def create_context(self, index: int) -> TrainPipelineContext:
         """A per-batch torchrec context (version 1: one per batch, never shared)."""
         return TrainPipelineContext(index=index, version=1)
+
+
+def _losses_and_output(returned: Any, *, custom: bool) -> tuple[torch.Tensor, Any]:
+    """``model_fwd``'s ``(losses, output)``, as torchrec unpacks it; anything else
+    raises a ``TypeError`` that says what the pipeline expects and how to adapt."""
+    try:
+        if isinstance(returned, torch.Tensor):  # a bare loss: unpacking would split it
+            raise TypeError
+        losses, output = returned
+    except (TypeError, ValueError):
+        what = "custom_model_fwd(batch)" if custom else "the model's forward(batch)"
+        got = (f"a tensor of shape {tuple(returned.shape)}" if isinstance(returned, torch.Tensor)
+               else type(returned).__name__)  # fmt: skip
+        raise TypeError(
+            f"{what} returned {got}; the sparse-dist pipeline expects (losses, output), "
+            f"as torchrec's does: backward runs on torch.sum(losses, dim=0) and progress() "
+            f"returns output. Return both from the forward, or adapt it with "
+            f"custom_model_fwd, e.g. custom_model_fwd=lambda batch: (model(batch), None)"
+        ) from None
+    return losses, output
 
 
 def finish_input_dist_splits(context: TrainPipelineContext) -> None:
