@@ -76,13 +76,17 @@ def iterate(items: Iterable[Any] | AsyncIterable[Any]) -> Source:
     raise not_a_source("results()", items, "an iterable or async iterable of batches")
 
 
-def not_a_source(call: str, given: object, wanted: str = "a sync or async iterator") -> ConfigurationTypeError:
+def not_a_source(
+    call: str, given: object, wanted: str = "a sync or async iterator"
+) -> ConfigurationTypeError:
     """The error for ``call`` given ``given`` instead of ``wanted``; a generator
     function passed uncalled gets asked "did you mean gen()?"."""
     if inspect.isgeneratorfunction(given) or inspect.isasyncgenfunction(given):
-        kind = "an async generator function" if inspect.isasyncgenfunction(given) else "a generator function"
+        kind = "an async generator" if inspect.isasyncgenfunction(given) else "a generator"
         name = getattr(given, "__name__", "gen")
-        return ConfigurationTypeError(f"{call} takes {wanted}, got {kind}: did you mean {name}()?")
+        return ConfigurationTypeError(
+            f"{call} takes {wanted}, got {kind} function: did you mean {name}()?"
+        )
     return ConfigurationTypeError(f"{call} takes {wanted}, got {given!r}")
 
 

@@ -86,13 +86,14 @@ def test_every_call_the_sparse_dist_guide_names_is_a_member() -> None:
     pipelines (the blocking form's calls on ``blocking()``)."""
     from hstu_tasks import SparseDistEvalPipeline, SparseDistPipeline
 
-    called = {match.group(1) for span in inline_code("sparse-dist.md")
-              if (match := re.match(r"(?:await |async for \w+ in )?(?:pipe\.)?([a-z_]\w*)\(", span))}
+    call = re.compile(r"(?:await |async for \w+ in )?(?:pipe\.)?([a-z_]\w*)\(")
+    spans = inline_code("sparse-dist.md")
+    called = {match.group(1) for span in spans if (match := call.match(span))}
     assert {"statistics", "drain", "detach", "attach", "reset", "aclose", "results"} <= called
     for pipeline in (SparseDistPipeline, SparseDistEvalPipeline):
         missing = {name for name in called - NOT_MEMBERS.keys() if not hasattr(pipeline, name)}
         assert not missing, f"{pipeline.__name__} lacks {sorted(missing)}"
-    assert hasattr(SparseDistPipeline, "__aenter__") and hasattr(SparseDistPipeline, "eval_pipeline")
+    assert all(hasattr(SparseDistPipeline, name) for name in ("__aenter__", "eval_pipeline"))
 
 
 def documented_parameters(page: str, name: str) -> list[list[str]]:

@@ -211,9 +211,11 @@ async def test_a_generator_function_passed_uncalled_asks_did_you_mean(recorder: 
         yield 0
 
     async with three_stage(recorder, "async") as pipe:
-        with pytest.raises(TypeError, match=r"progress\(\) .*generator function: did you mean batches\(\)\?"):
+        with pytest.raises(TypeError, match=r"progress\(\) .* a generator function: did you mean "
+                                            r"batches\(\)\?"):  # fmt: skip
             await pipe.progress(batches)  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match=r"results\(\) .*async generator function: did you mean stream\(\)\?"):
+        with pytest.raises(TypeError, match=r"results\(\) .* an async generator function: did you "
+                                            r"mean stream\(\)\?"):  # fmt: skip
             [r async for r in pipe.results(stream)]  # type: ignore[arg-type]
         assert [r async for r in pipe.results(batches())] == ["result-0", "result-1", "result-2"]
 
