@@ -56,6 +56,10 @@ def test_train_and_eval_interleave_and_share_one_model() -> None:
     spawn(sparse_workers.eval_worker)
 
 
+def test_the_collective_order_check_stops_ranks_with_different_numbers_of_batches() -> None:
+    spawn(sparse_workers.uneven_batches_worker)
+
+
 @pytest.mark.parametrize("items", [0, 1, 2, 3, 5])
 def test_execute_all_batches_false_drops_the_last_two_batches_after_reading_them(items: int) -> None:
     source = iter(range(items))
