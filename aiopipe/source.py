@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .ring import SlotStore
 
 __all__ = (
-    "END", "Feed", "OneBatch", "PipelineStatistics", "Source", "iterate",
+    "END", "Feed", "OneBatch", "PipelineStatistics", "Source", "iterate", "not_a_source",
 )  # fmt: skip
 
 #: Returned by :meth:`Feed.take` once the source is exhausted.
@@ -77,7 +77,21 @@ def iterate(items: Iterable[Any] | AsyncIterable[Any]) -> Source:
         return aiter(given)
     if isinstance(given, Iterable):
         return iter(given)
-    raise ConfigurationTypeError(f"results() takes an iterable or async iterable of batches, got {items!r}")
+    raise not_a_source("results()", items, "an iterable or async iterable of batches")
+
+
+def not_a_source(
+    call: str, given: object, wanted: str = "a sync or async iterator"
+) -> ConfigurationTypeError:
+    """The error for ``call`` given ``given`` instead of ``wanted``; a generator
+    function passed uncalled gets asked "did you mean gen()?"."""
+    if inspect.isgeneratorfunction(given) or inspect.isasyncgenfunction(given):
+        kind = "an async generator" if inspect.isasyncgenfunction(given) else "a generator"
+        name = getattr(given, "__name__", "gen")
+        return ConfigurationTypeError(
+            f"{call} takes {wanted}, got {kind} function: did you mean {name}()?"
+        )
+    return ConfigurationTypeError(f"{call} takes {wanted}, got {given!r}")
 
 
 class OneBatch(Iterator[Any]):
@@ -127,7 +141,7 @@ class Feed:
                 f"loop over results({type(source).__name__}), which does that for you"
             )
         else:
-            raise ConfigurationTypeError(f"progress() takes a sync or async iterator, got {source!r}")
+            raise not_a_source("progress()", source)
         self.source = source
         #: Batches placed in the ring so far (the final count once ``exhausted``).
         self.pulled = 0

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import collect
 
-from aiopipe import PipelineError, SchedulablePipeline, basic, move_to_device
+from aiopipe import AsyncExecutor, PipelineError, SchedulablePipeline, basic, move_to_device
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "migration"
 
@@ -110,6 +110,19 @@ async def test_a_thread_map_given_on_a_cpu_is_used_as_given() -> None:
     pipe = basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
                                      memcpy_stream=True, thread_map={"h2d": "io"})  # fmt: skip
     assert lanes_of(pipe)["h2d"] == "io"
+    pipe.shutdown()
+
+
+async def test_an_executor_given_without_a_thread_map_keeps_the_preset_s_lanes() -> None:
+    """Passing an executor to set another of its options changes no lane; an explicit
+    ``"by_stream"`` is still one lane per stream."""
+    model, opt = make(0, "sgd")
+    options = dict(loss_fn=loss_fn, forward=forward, prefetch=True, memcpy_stream=True)
+    pipe = basic(model, opt, executor=AsyncExecutor(slow_wait_s=None), **options)
+    assert set(lanes_of(pipe).values()) == {"compute"}
+    pipe.shutdown()
+    pipe = basic(model, opt, executor=AsyncExecutor("by_stream"), **options)
+    assert set(lanes_of(pipe).values()) == {"memcpy", "default"}
     pipe.shutdown()
 
 

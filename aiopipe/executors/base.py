@@ -63,7 +63,9 @@ class Executor(Protocol):
 
 def annotate_failure(exc: BaseException, task_name: str, iteration: int, batch: int) -> None:
     """Attach where a task body failed to the original exception (once)."""
-    attach_origin(exc, task_name, f"at iteration {iteration} (batch {batch})", aiopipe_iteration=iteration)
+    where = (f"on batch {batch} of the source (counted from 0), in the pipeline's internal "
+             f"iteration {iteration} (an iteration works on several batches at once)")
+    attach_origin(exc, task_name, where, aiopipe_iteration=iteration)
 
 
 class Iteration:

@@ -20,7 +20,7 @@ from typing import Any, Generic, Self, TypeVar
 import torch
 
 from aiopipe import AsyncExecutor, BadBatchError, BlockingPipeline, Executor, PipelineStateError
-from aiopipe import Schedule, SchedulablePipeline, Tracer
+from aiopipe import PipelineStatistics, Schedule, SchedulablePipeline, Tracer
 from aiopipe.executors import resolve_executor
 from aiopipe.protocols import Results
 from aiopipe.interop import needs_event_loop
@@ -85,6 +85,18 @@ class SparseDistBase(Generic[ResultT]):
     def engine(self) -> SchedulablePipeline | None:
         """The underlying engine, once the first progress has built it."""
         return self._shared.engines.get(self)
+
+    def statistics(self) -> PipelineStatistics:
+        """Where the pipeline stands in its current source: the engine's
+        :meth:`~aiopipe.SchedulablePipeline.statistics`.  Before the first ``progress``
+        has built the engine (and after ``detach()`` or ``reset()``), nothing is in
+        flight; ``refused`` counts the source's first items refused before then."""
+        engine = self.engine
+        if engine is not None:
+            return engine.statistics()
+        refused = self._refused[1] if self._refused is not None else 0
+        return PipelineStatistics(pulled=0, returned=0, in_flight=0, iteration=0, exhausted=False,
+                                  broken=None, closed=self._closed, refused=refused)  # fmt: skip
 
     @needs_event_loop
     async def progress(self, source: Source) -> ResultT:
