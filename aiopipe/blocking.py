@@ -81,6 +81,10 @@ class BlockingPipeline:
     def reset(self) -> None:
         self._pipeline.reset()  # type: ignore[attr-defined]
 
+    def statistics(self) -> Any:
+        """The wrapped pipeline's :meth:`statistics`."""
+        return self._pipeline.statistics()  # type: ignore[attr-defined]
+
     def shutdown(self) -> None:
         """Shut the pipeline down and close the private loop.  Idempotent.  An
         iteration interrupted by Ctrl-C is finished first (see ``aclose``)."""
