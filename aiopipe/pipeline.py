@@ -15,7 +15,7 @@ guard the lanes when a caller leaves, a pending failure) is owned by
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +24,7 @@ from ._core.log import lanes_summary, next_pipeline_name, pipeline_log
 from ._core.nvtx import resolve_annotator
 from .context import TaskContext
 from .driver import IterationDriver
+from .feeds import Feeds
 from .errors import PipelineStateError
 from .executors import Executor, resolve_executor
 from .protocols import Results
@@ -85,8 +86,6 @@ class SchedulablePipeline:
         self._ring = BatchRing(plan.max_lookahead + 1)
         self._ctx = TaskContext(stream_pool)
         self._tracer = resolve_tracer(options.get("trace"))
-        self._check_batch = options.get("check_batch")
-        self._read_ahead = options.get("read_ahead", True)
         lane_of = getattr(self._executor, "lane_of", None)
         lane_names: tuple[str, ...] = (
             tuple(lane_of(task.name) for task in plan.order) if callable(lane_of) else ()
@@ -98,14 +97,10 @@ class SchedulablePipeline:
             tracer=self._tracer, lane_names=lane_names, pipeline=self.name,
             retired=self._retired,
         )  # fmt: skip
-        self._feed: Feed | None = None
-        # The feed last discarded (reset()): its counts, and an item it read ahead,
-        # kept for the next progress() on the same source.
-        self._parked: Feed | None = None
-        self._discarded = 0  # batches dropped untrained, since construction
-        # The first batch an adapter seeded, and the items it refused before it.
-        self._seed: dict[str, Any] | None = None
-        self._seed_refused = 0
+        self._feeds = Feeds(
+            self.name, lambda: self._retired.add_all(self._ring.reset()),
+            read_ahead=options.get("read_ahead", True), check_batch=options.get("check_batch"),
+        )  # fmt: skip
         self._busy = False
         self._closed = False
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
@@ -147,7 +142,7 @@ class SchedulablePipeline:
         return self._ring
 
     def statistics(self) -> PipelineStatistics:
-        feed = self._feed if self._feed is not None else self._parked
+        feed = self._feeds.shown
         return PipelineStatistics(
             pulled=feed.pulled if feed else 0,
             returned=feed.returned if feed else 0,
@@ -158,7 +153,7 @@ class SchedulablePipeline:
             closed=self._closed,
             refused=feed.refused if feed else 0,
             applied=feed.applied if feed else 0,
-            discarded=self._discarded,
+            discarded=self._feeds.discarded,
         )
 
     # -- the progress contract -------------------------------------------------------
@@ -173,7 +168,7 @@ class SchedulablePipeline:
         the iteration under way.  It runs to completion, and its result is returned
         by the next call, in order; no batch is lost or repeated."""
         if in_trio():  # the engine needs asyncio: hand the call to the bridge (interop.py)
-            feed = self._feed
+            feed = self._feeds.current
             source = self._trio.source_for(source, feed.source if feed is not None else None)
             return await self._trio.call(SchedulablePipeline.progress, self, source)
         self._begin_call()
@@ -184,7 +179,7 @@ class SchedulablePipeline:
                 # A drain() that was interrupted (cancelled, or a refused batch) has now
                 # finished the batches in flight: the source itself goes on, as after
                 # a drain() that completed.
-                self._feed = None
+                self._feeds.forget()
                 produced, result = await self._driver.next_result(self._adopt(source))
             if not produced:
                 self._on_source_end()
@@ -202,7 +197,7 @@ class SchedulablePipeline:
         ``progress`` to keep several batches in flight.  A cancelled ``step`` still
         trains its batch; the next call waits for that, drops its result (its caller
         is gone) and then runs its own batch."""
-        feed = self._feed
+        feed = self._feeds.current
         if feed is not None and isinstance(feed.source, OneBatch) and not feed.finished:
             await self.drain()
         return await self.progress(OneBatch(batch))
@@ -222,7 +217,7 @@ class SchedulablePipeline:
         look-ahead work only, which changes no persistent state: if another source
         comes next, they are discarded untrained (``statistics().discarded`` counts
         them) instead of refused; passing ``source`` again continues with them."""
-        feed = self._feed
+        feed = self._feeds.current
         if feed is not None and feed.source is source and feed.in_flight:
             feed.abandoned = True
 
@@ -241,7 +236,7 @@ class SchedulablePipeline:
         self._begin_call()
         try:
             results: list[Any] = []
-            feed = self._feed
+            feed = self._feeds.current
             if feed is not None:
                 if feed.in_flight:  # step() drains an empty feed before each batch: quiet
                     pipeline_log.info("%s: drain, finishing %d batch(es) in flight", self.name,
@@ -254,7 +249,7 @@ class SchedulablePipeline:
                     if not produced:
                         break
                     results.append(result)
-            self._feed = None
+            self._feeds.forget()
             return results
         except BaseException:
             if feed is not None:  # what was collected goes back, in front, for the next call
@@ -297,7 +292,7 @@ class SchedulablePipeline:
         ``refused``: items of that source the adapter refused before it (counted in
         :attr:`PipelineStatistics.refused`, so the source's position stays exact)."""
         self._check_usable()
-        feed = self._feed
+        feed = self._feeds.current
         if feed is not None and feed.in_flight:
             raise PipelineStateError(
                 f"cannot seed a batch while {feed.in_flight} batch(es) are in flight"
@@ -307,8 +302,7 @@ class SchedulablePipeline:
                 "seed_first_batch seeds the first batch of a source: call it before the "
                 "first progress(), after drain(), or once the current source has ended"
             )
-        self._seed = dict(contents)
-        self._seed_refused = refused
+        self._feeds.seed(contents, refused)
 
     def reset(self) -> None:
         """Discard every batch in flight and any interrupted state; the next
@@ -320,13 +314,12 @@ class SchedulablePipeline:
         if self._busy:
             raise PipelineStateError("cannot reset while a progress is running")
         self._driver.refuse_while_running("reset()")
-        feed = self._feed
+        feed = self._feeds.current
         pipeline_log.info("%s: reset, discarding %d batch(es) in flight", self.name,
                           feed.in_flight if feed is not None else 0)  # fmt: skip
         self._driver.clear()
-        self._discard()
-        self._seed = None
-        self._seed_refused = 0
+        self._feeds.discard()
+        self._feeds.seed(None)
 
     def shutdown(self) -> None:
         """Stop the executor's threads.  Idempotent; the pipeline is unusable after."""
@@ -336,9 +329,7 @@ class SchedulablePipeline:
             raise PipelineStateError("cannot shut down while a progress is running")
         self._driver.refuse_while_running("shutdown()")
         pipeline_log.debug("%s: shut down", self.name)
-        for feed in (self._feed, self._parked):
-            if feed is not None:
-                feed.close()
+        self._feeds.close()
         self._closed = True
         self._executor.shutdown()
         self._trio.close()
@@ -361,7 +352,7 @@ class SchedulablePipeline:
     def _check_usable(self) -> None:
         if self._closed:
             raise PipelineStateError("the pipeline has been shut down")
-        feed = self._feed
+        feed = self._feeds.current
         if feed is not None and feed.outbox:
             return  # results of applied steps come out first, whatever failed after them
         self._driver.raise_pending_failure()
@@ -384,63 +375,8 @@ class SchedulablePipeline:
     def _on_source_end(self) -> None:
         """Called once the last result of a source has been returned (presets hook)."""
 
-    def _discard(self) -> None:
-        """Drop the batches in flight untrained, counting them; the feed is parked
-        (its counts for statistics(), its read-ahead item for the same source)."""
-        feed = self._feed
-        if feed is not None:
-            self._discarded += feed.discard()
-            if self._parked is not None:
-                self._drop(self._parked)
-            self._parked = feed
-        self._retired.add_all(self._ring.reset())
-        self._feed = None
-
-    def _drop(self, feed: Feed) -> None:
-        """Forget ``feed`` for good: an item it read ahead is discarded too."""
-        if feed.holds_ahead:
-            self._discarded += 1
-        feed.close()
-
     def _adopt(self, source: Source) -> Feed:
-        feed = self._feed
-        if feed is not None and source is feed.source:
-            feed.abandoned = False  # taken up again: it goes on with its batches
-            return feed
-        if feed is not None and feed.in_flight:
-            if not (feed.abandoned and self.idle):
-                raise PipelineStateError(
-                    f"a new iterator was passed while {feed.in_flight} batch(es) of the "
-                    f"previous one are in flight; none of its batches was taken. Keep "
-                    f"passing the same iterator until progress() reports its end, or call "
-                    f"drain() first to finish the batches in flight (their steps are "
-                    f"applied), or reset() to discard them untrained."
-                )
-            pipeline_log.info("%s: a results() loop was left early; discarding its %d "
-                              "batch(es) in flight, untrained", self.name, feed.in_flight)  # fmt: skip
-            self._discard()
-            feed = None
-        ahead, parked = None, self._parked
-        if parked is not None:
-            if feed is None and parked.source is source:  # reset() kept what it read ahead
-                ahead, parked.ahead = parked.ahead, None
-            self._drop(parked)
-            self._parked = None
-        if feed is not None:
-            self._drop(feed)
-        new_feed = Feed(
-            source, read_ahead=self._read_ahead,
-            check_batch=self._check_batch,
-            seed=self._seed, refused=self._seed_refused, ahead=ahead,
-        )  # fmt: skip
-        self._seed, self._seed_refused = None, 0
-        # step() adopts a one-batch source per call: those only at DEBUG
-        level = logging.DEBUG if isinstance(source, OneBatch) else logging.INFO
-        if pipeline_log.isEnabledFor(level):
-            pipeline_log.log(level, "%s: new source %s", self.name, type(source).__name__)
-        self._retired.add_all(self._ring.reset())
-        self._feed = new_feed
-        return new_feed
+        return self._feeds.adopt(source, idle=self.idle)
 
     def __repr__(self) -> str:
         stats = self.statistics()

@@ -186,7 +186,7 @@ class Feed:
         """Batches taken from the source whose results have not been returned yet
         (the one read ahead included)."""
         taken = self.pulled - self.returned - self.discarded - self.results_dropped
-        return taken + (1 if self._holds_ahead() else 0)
+        return taken + (1 if self.holds_ahead else 0)
 
     @property
     def applied(self) -> int:
@@ -211,9 +211,6 @@ class Feed:
     @property
     def holds_ahead(self) -> bool:
         """An item was read ahead (or is being read), not yet placed in the ring."""
-        return self._holds_ahead()
-
-    def _holds_ahead(self) -> bool:
         ahead = self.ahead
         if ahead is None:
             return False
