@@ -97,8 +97,9 @@ class SchedulablePipeline:
             tracer=self._tracer, lane_names=lane_names, pipeline=self.name,
             retired=self._retired,
         )  # fmt: skip
+        ring, retired = self._ring, self._retired  # not self: no cycle keeps a dropped pipeline
         self._feeds = Feeds(
-            self.name, lambda: self._retired.add_all(self._ring.reset()),
+            self.name, lambda: retired.add_all(ring.reset()),
             read_ahead=options.get("read_ahead", True), check_batch=options.get("check_batch"),
         )  # fmt: skip
         self._busy = False
