@@ -129,7 +129,9 @@ def machine_busy(seconds: float, cpu_seconds: float) -> float:
     """The share of this machine's cores the ranks kept busy over a run: every rank's
     CPU time (all its threads) over wall time x cores.  A schedule that does the same
     work can run at most ``1 / busy`` times faster."""
-    totals = torch.tensor([cpu_seconds, seconds], dtype=torch.float64)
+    # NCCL reduces device tensors only; gloo takes host tensors.
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    totals = torch.tensor([cpu_seconds, seconds], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     mean_wall = float(totals[1]) / dist.get_world_size()
     return float(totals[0]) / (mean_wall * len(os.sched_getaffinity(0)))

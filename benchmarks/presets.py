@@ -68,8 +68,10 @@ def sync(device: torch.device) -> None:
 
 
 def _batches(device: torch.device, width: int, batch: int) -> Iterator[Any]:
-    """Endless batches, 50 distinct ones (pinned for a CUDA device) over and over."""
-    data = [(torch.randn(batch, width), torch.randn(batch, 1)) for _ in range(50)]
+    """Endless batches, up to 50 distinct ones (pinned for a CUDA device) over and
+    over, at most about 1 GiB of them."""
+    distinct = max(4, min(50, 2**30 // (batch * (width + 1) * 4)))
+    data = [(torch.randn(batch, width), torch.randn(batch, 1)) for _ in range(distinct)]
     if device.type == "cuda":
         data = [(x.pin_memory(), y.pin_memory()) for x, y in data]
     return itertools.cycle(data)

@@ -105,6 +105,27 @@ async def test_t2_on_a_gpu_copies_on_a_lane_of_their_own() -> None:
     pipe.shutdown()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("copy_ahead", [False, True], ids=["T1", "T2"])
+async def test_on_a_gpu_a_step_never_makes_the_host_wait_for_the_device(copy_ahead: bool) -> None:
+    """A blocking copy (or any other synchronising call) in the step would make the
+    host wait for the previous step's kernels every step, so it could never run ahead
+    of the GPU; torch's sync debug mode turns such a wait into an error."""
+    model, opt = make(0, "sgd")
+    pipe = basic(model.cuda(), opt, loss_fn=loss_fn, forward=forward,
+                 prefetch=copy_ahead, memcpy_stream=copy_ahead)  # fmt: skip
+    source = iter(batches(8))  # unpinned: the copy pins them first
+    await pipe.progress(source)  # first-step set-up may synchronise
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            await pipe.progress(source)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(await collect(pipe, source)) == 2  # and the rest of the source trains
+    pipe.shutdown()
+
+
 async def test_a_thread_map_given_on_a_cpu_is_used_as_given() -> None:
     model, opt = make(0, "sgd")
     pipe = basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
