@@ -155,6 +155,7 @@ class SchedulablePipeline:
             refused=feed.refused if feed else 0,
             applied=feed.applied if feed else 0,
             discarded=self._feeds.discarded,
+            position=feed.position if feed else 0,
         )
 
     # -- the progress contract -------------------------------------------------------

@@ -17,6 +17,7 @@ so a slow source overlaps compute instead of preceding it.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
@@ -46,9 +47,12 @@ class PipelineStatistics:
 
     ``applied`` counts the batches whose step has run: those ``returned``, and those
     finished for a caller that was cancelled, whose results the next calls return
-    first.  ``refused`` counts items refused with ``BadBatchError``.  With no
-    iteration running (:attr:`SchedulablePipeline.idle`), ``applied + refused`` items
-    of the source are done with: the position to resume a checkpointed run from.
+    first.  ``refused`` counts items refused with ``BadBatchError``.  ``position``
+    counts the source's leading items done with -- applied, or refused with every
+    batch before them applied: with no iteration running
+    (:attr:`SchedulablePipeline.idle`), the position to resume a checkpointed run
+    from.  (``applied + refused`` is that too, except while batches taken before a
+    refused item are still in flight.)
     ``discarded`` counts the batches dropped untrained since the pipeline was built,
     by ``reset()`` or because a ``results()`` loop was left early and another source
     came (not in any position: a resumed run reads them again)."""
@@ -63,6 +67,7 @@ class PipelineStatistics:
     refused: int = 0
     applied: int = 0
     discarded: int = 0
+    position: int = 0
 
 
 def iterate(items: Iterable[Any] | AsyncIterable[Any]) -> Source:
@@ -113,9 +118,10 @@ class Feed:
     """One source (a sync or async iterator) and the progress made through it."""
 
     __slots__ = (
-        "_async", "_check_batch", "_pulled_inline", "_seed", "_sync", "abandoned", "ahead",
-        "discarded", "draining", "exhausted", "iteration", "lost", "outbox", "pulled",
-        "read_ahead_allowed", "refused", "results_dropped", "returned", "source", "top_pulled",
+        "_async", "_check_batch", "_pulled_inline", "_refused_after", "_seed", "_sync",
+        "abandoned", "ahead", "discarded", "draining", "exhausted", "iteration", "lost",
+        "outbox", "pulled", "read_ahead_allowed", "refused", "results_dropped", "returned",
+        "source", "top_pulled",
     )  # fmt: skip
 
     def __init__(
@@ -154,10 +160,12 @@ class Feed:
         self.exhausted = False
         #: ``drain()`` was called: take what was already read, read nothing new.
         self.draining = False
-        #: Items the pipeline refused (``BadBatchError``): the source's position is
-        #: ``returned + refused`` once nothing is in flight.  ``refused`` at
+        #: Items the pipeline refused (``BadBatchError``).  ``refused`` at
         #: construction: those an adapter refused before seeding the first batch.
         self.refused = refused
+        #: For each refused item, how many batches the source gave before it: it is
+        #: done with (in :attr:`position`) once that many steps are applied.
+        self._refused_after = [0] * refused
         #: The first batch's slot contents, fetched by an adapter before the pipeline
         #: existed: taken by the first pull instead of an item of the source.
         self._seed = dict(seed) if seed is not None else None
@@ -192,6 +200,13 @@ class Feed:
     def applied(self) -> int:
         """Batches whose step has run (returned, waiting to be, or dropped by reset)."""
         return self.returned + len(self.outbox) + self.results_dropped
+
+    @property
+    def position(self) -> int:
+        """The source's leading items done with: the applied batches and the refused
+        items with no unapplied batch before them."""
+        applied = self.applied
+        return applied + bisect.bisect_right(self._refused_after, applied)
 
     def discard(self) -> int:
         """Drop the batches in the ring, untrained (the pipeline resets its ring); how
@@ -268,6 +283,7 @@ class Feed:
 
     def _refuse(self, problem: BaseException) -> None:
         self.refused += 1
+        self._refused_after.append(self.pulled)
         raise BadBatchError(
             f"the source's next batch (after {self.pulled} taken) was refused: {problem}. "
             f"It was skipped. "

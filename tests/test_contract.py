@@ -222,9 +222,43 @@ async def test_the_position_counts_steps_finished_for_a_cancelled_caller() -> No
         await pipe.wait_idle()
         stats = pipe.statistics()
         assert (stats.returned, stats.applied) == (2, 3) == (2, len(steps))
-        # a checkpoint here resumes at applied + refused = 3: batch 2 is not applied twice
+        assert stats.position == 3  # a run resumed here does not apply batch 2 twice
         assert [r async for r in pipe.results(source)] == [2, 3, 4, 5]  # 2 comes out first
         assert pipe.statistics().applied == len(steps) == 6
+
+
+async def test_a_refused_item_ahead_of_batches_in_flight_is_not_in_the_position_yet() -> None:
+    """Batches 1 and 2 are in flight (two ahead) when the item after them is refused:
+    the position stays at the first unapplied batch, so a run resumed from it trains
+    batches 1 and 2 (and skips the bad item again) -- nothing lost, nothing repeated."""
+    items: list[Any] = [0, 1, 2, "bad", 3, 4]
+
+    def check(batch: Any) -> None:
+        if batch == "bad":
+            raise ValueError("malformed")
+
+    def tasks() -> list[Task]:
+        return [Task.from_fn("load", lambda ctx: None, lookahead=2), Task.from_fn("train", echo)]
+
+    source = iter(items)
+    async with Pipeline(tasks(), check_batch=check) as pipe:
+        trained = [await pipe.progress(source)]
+        with pytest.raises(BadBatchError):
+            await pipe.progress(source)
+        stats = pipe.statistics()
+        assert (stats.applied, stats.refused, stats.in_flight) == (1, 1, 2)
+        assert stats.position == 1  # not applied + refused: batch 1 was never applied
+    async with Pipeline(tasks(), check_batch=check) as resumed:
+        resumed_source = iter(items[stats.position:])
+        while True:
+            try:
+                trained.append(await resumed.progress(resumed_source))
+            except BadBatchError:
+                continue
+            except StopAsyncIteration:
+                break
+        assert (resumed.statistics().position, resumed.statistics().refused) == (5, 1)
+    assert trained == [0, 1, 2, 3, 4]
 
 
 def failing_at_batch_3(trained: threading.Event) -> list[Task]:

@@ -423,6 +423,45 @@ def test_a_forward_returning_a_bare_loss_is_told_what_the_pipeline_expects() -> 
         asyncio.run(run())
 
 
+def test_reset_and_shutdown_refused_mid_step_leave_every_batch_in_flight() -> None:
+    """``reset()`` or ``shutdown()`` called while a step runs (its caller cancelled)
+    is refused, and the refusal changes nothing: the step's result and the batches in
+    flight behind it all come back, as in the plain loop."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 4))
+        expected, _, setup = plain_run_and_an_untrained_twin(batches)
+        entered, gate = threading.Event(), threading.Event()
+        calls = {"forward": 0}
+
+        def gated(batch: Any) -> tuple[torch.Tensor, Any]:
+            calls["forward"] += 1
+            if calls["forward"] == 2:  # the second step: the test cancels its caller
+                entered.set()
+                gate.wait()
+            return setup.model(batch)  # type: ignore[no-any-return]
+
+        async def run() -> list[Any]:
+            source = iter(batches)
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                          custom_model_fwd=gated) as pipe:  # fmt: skip
+                try:
+                    results = [await pipe.progress(source)]
+                    second = asyncio.ensure_future(pipe.progress(source))
+                    await asyncio.to_thread(entered.wait)
+                    second.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await second
+                    for refused in (pipe.reset, pipe.shutdown):
+                        with pytest.raises(PipelineStateError, match="still running"):
+                            refused()
+                finally:
+                    gate.set()
+                return results + await collect(pipe, source)
+
+        results = asyncio.run(run())
+        assert [float(loss.detach()) for loss, _, _ in results] == expected
+
+
 def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch() -> None:
     """The bootstrap takes the source's first batch (torchrec traces the model on it);
     a caller cancelled while that pull waits leaves it running, and the next call

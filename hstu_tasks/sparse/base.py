@@ -96,7 +96,8 @@ class SparseDistBase(Generic[ResultT]):
             return engine.statistics()
         refused = self._refused[1] if self._refused is not None else 0
         return PipelineStatistics(pulled=0, returned=0, in_flight=0, iteration=0, exhausted=False,
-                                  broken=None, closed=self._closed, refused=refused)  # fmt: skip
+                                  broken=None, closed=self._closed, refused=refused,
+                                  position=refused)  # fmt: skip
 
     @needs_event_loop
     async def progress(self, source: Source) -> ResultT:
@@ -250,10 +251,13 @@ class SparseDistBase(Generic[ResultT]):
         """Shut this pipeline's engine down; the last engine on the model gives the
         model its own forwards back (a failed step may have left torchrec's state
         half-way)."""
-        self._ended_source = None
-        engine = self._shared.engines.pop(self, None)
+        engine = self._shared.engines.get(self)
         if engine is not None:
+            # Refused while a step runs: the engine, its batches in flight and the
+            # model's rewritten forwards are all left as they were.
             engine.shutdown()
+            del self._shared.engines[self]
+        self._ended_source = None
         if not self._shared.engines:
             self._shared.restore()
 
