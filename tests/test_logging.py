@@ -103,7 +103,8 @@ async def test_a_task_failure_is_a_warning_naming_task_iteration_batch_and_lane(
     (record,) = [r for r in caplog.records if r.name.startswith("aiopipe")]
     assert record.name == "aiopipe.executors" and record.levelno == logging.WARNING
     assert record.getMessage() == (
-        "job: task 'train' failed at iteration 2 (batch 1) on lane 'compute': ValueError: bad batch"
+        "job: task 'train' failed on batch 1 of the source (iteration 2) on lane 'compute': "
+        "ValueError: bad batch"
     )
 
 

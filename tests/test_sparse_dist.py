@@ -423,6 +423,42 @@ def test_a_forward_returning_a_bare_loss_is_told_what_the_pipeline_expects() -> 
         asyncio.run(run())
 
 
+@pytest.mark.parametrize("form", ["async", "blocking"])
+def test_leaving_results_early_trains_nothing_more(form: str) -> None:
+    """A ``results()`` loop left at a step limit: the batches in flight are discarded
+    untrained when the next pass starts (counted), not refused, and the training is
+    the plain loop's over the batches whose results came out."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 8))
+        expected, _, setup = plain_run_and_an_untrained_twin(batches[:2] + batches[5:])
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
+        losses: list[float] = []
+        if form == "blocking":
+            blocking = pipe.blocking()
+            for result in blocking.results(iter(batches[:5])):
+                losses.append(float(result[0].detach()))
+                if len(losses) == 2:
+                    break
+            losses += [float(loss.detach()) for loss, _, _ in blocking.results(iter(batches[5:]))]
+            discarded = blocking.statistics().discarded
+            blocking.shutdown()
+        else:
+
+            async def run() -> int:
+                async with pipe:
+                    async for loss, _, _ in pipe.results(iter(batches[:5])):
+                        losses.append(float(loss.detach()))
+                        if len(losses) == 2:
+                            break
+                    async for loss, _, _ in pipe.results(iter(batches[5:])):
+                        losses.append(float(loss.detach()))
+                    return pipe.statistics().discarded
+
+            discarded = asyncio.run(run())
+        assert losses == expected
+        assert discarded == 3  # batches 2 and 3 (copied, input-distributed) and 4 (read ahead)
+
+
 def test_reset_and_shutdown_refused_mid_step_leave_every_batch_in_flight() -> None:
     """``reset()`` or ``shutdown()`` called while a step runs (its caller cancelled)
     is refused, and the refusal changes nothing: the step's result and the batches in

@@ -199,8 +199,8 @@ class Iteration:
         task, batch = self.plan.order[index].name, self.batch_index(index)
         if isinstance(exc, Exception) and executor_log.isEnabledFor(logging.WARNING):
             executor_log.warning(
-                "%s: task %r failed at iteration %d (batch %d) on %s: %s: %s", self.pipeline,
-                task, self.number, batch, self._lane_name(index), type(exc).__name__, exc,
+                "%s: task %r failed on batch %d of the source (iteration %d) on %s: %s: %s",
+                self.pipeline, task, batch, self.number, self._lane_name(index), type(exc).__name__, exc,
             )  # fmt: skip
         annotate_failure(exc, task, self.number, batch)
 

@@ -115,6 +115,15 @@ class SparseDistBase(Generic[ResultT]):
         iterable gets a fresh iterator, an iterator continues where it stands)."""
         return Results(self, source)
 
+    def abandon_source(self, source: Source) -> None:
+        """The caller is done with ``source`` although batches of it are in flight
+        (``results()`` calls it when its loop is left early): if another source comes
+        next, they are discarded untrained (``statistics().discarded``), as the
+        engine's :meth:`~aiopipe.SchedulablePipeline.abandon_source` says."""
+        engine = self.engine
+        if engine is not None:
+            engine.abandon_source(self._spec.adapt(source))
+
     @contextlib.contextmanager
     def _taking_turn(self, call: str) -> Iterator[None]:
         """The pipelines of one model run one call at a time."""
