@@ -518,6 +518,11 @@ class PipelineMachine(RuleBasedStateMachine):
             self.accounted += feed.pending
             feed.returned = feed.applied
         else:
+            if feed.in_flight:  # another source is refused, and nothing taken from it
+                candidate = iter([-1])
+                with pytest.raises(PipelineStateError, match="in flight"):
+                    self.call("progress", candidate)
+                assert next(candidate) == -1
             try:
                 expected = feed.drain()
             except Refused:
@@ -528,18 +533,10 @@ class PipelineMachine(RuleBasedStateMachine):
             self.accounted += expected
             self.next_feed()
 
+    @precondition(lambda self: not self.busy)
     @rule(refused=REFUSED, kind=st.integers(0, 1))
     def switch_source(self, refused: list[bool], kind: int) -> None:
-        """Pass a new source: refused while batches of this one are in flight."""
-        if self.held or self.feed.in_flight or self.failure:
-            candidate = iter([-1])
-            expected = Injected if self.failure == "pending" else PipelineStateError
-            with pytest.raises(expected):
-                self.call("progress", candidate)
-            assert next(candidate) == -1  # nothing taken from it
-            if self.failure == "pending":
-                self.failure = "broken"
-            return
+        """Nothing in flight: the next call passes a new source."""
         if self.shown is None:
             self.shown = self.feed  # shown until a call passes the new source
         self.new_source(refused, self.KINDS[kind % len(self.KINDS)])
@@ -662,18 +659,13 @@ class PipelineMachine(RuleBasedStateMachine):
             feed.returned = applied + 1
 
     @precondition(lambda self: self.busy)
-    @rule(how=st.sampled_from(["reset", "shutdown", "checkpoint"]))
+    @rule(how=st.sampled_from(["reset", "shutdown"]))
     def start_again(self, how: str) -> None:
-        """Reset, shut down and build a new pipeline, or checkpoint and resume."""
+        """Reset, or shut down and go on in a new pipeline."""
         if how == "reset":
             self.reset()
-        elif how == "shutdown":
-            self.shutdown_and_start_again()
-        elif self.failure is None and not self.pulling:
-            self.checkpoint_and_resume()
         else:
-            note("start_again: reset, not a checkpoint (broken, or a pull waits)")
-            self.reset()
+            self.shutdown_and_start_again()
 
     def reset(self) -> None:
         if self.held:
@@ -691,6 +683,8 @@ class PipelineMachine(RuleBasedStateMachine):
         self.failure = None
         self.next_feed()
 
+    @precondition(lambda self: self.busy and self.failure is None and not self.pulling)
+    @rule()
     def checkpoint_and_resume(self) -> None:
         """Save the position at a call boundary (after ``wait_idle``), then resume it
         in a new pipeline on a new source starting there."""
@@ -841,7 +835,9 @@ class NoReadAheadMachine(PipelineMachine):
 
     def after_reset(self) -> None:
         if self.pulling and self.kind == "generator":
-            # The pull under way is cancelled, and the generator with it: drop the source.
+            # The pull under way is cancelled, and the generator with it.  Known bug, not
+            # fixed yet: the next progress() on it then ends the epoch silently (not the
+            # PipelineStateError documented for a closed generator).  Drop the source.
             self.accounted += self.feed.pending
             self.failure = None
             self.adopted()
