@@ -40,6 +40,7 @@ from .errors import ConfigurationTypeError as ConfigurationTypeError
 from .errors import GraphError as GraphError
 from .errors import NoRunningLoopError as NoRunningLoopError
 from .errors import NoStepResultWarning as NoStepResultWarning
+from .errors import SerializedAwaitWarning as SerializedAwaitWarning
 from .errors import PipelineError as PipelineError
 from .errors import PipelineStateError as PipelineStateError
 from .errors import PoisonedError as PoisonedError
@@ -89,6 +90,7 @@ __all__ = (
     "GraphError",
     "NoRunningLoopError",
     "NoStepResultWarning",
+    "SerializedAwaitWarning",
     "Pipeline",
     "PipelineError",
     "PipelineOptions",

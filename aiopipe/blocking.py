@@ -40,7 +40,7 @@ class BlockingPipeline:
     def __init__(self, pipeline: AsyncPipeline[Any]) -> None:
         self._pipeline = pipeline
         self._runner = LoopRunner(prefer_uvloop=False)
-        weakref.finalize(self, self._runner.close)  # dropped without shutdown()
+        weakref.finalize(self, _close_dropped, self._runner)  # dropped without shutdown()
 
     @property
     def pipeline(self) -> Any:
@@ -64,15 +64,26 @@ class BlockingPipeline:
         source = iterate(source)
         while True:
             try:
-                yield self.progress(source)
+                result = self.progress(source)
             except StopIteration:
                 return
+            try:
+                yield result
+            except GeneratorExit:  # left early: the batches in flight need no training
+                abandon = getattr(self._pipeline, "abandon_source", None)
+                if abandon is not None:
+                    abandon(source)
+                raise
 
     def drain(self) -> list[Any]:
         return self._runner.run(self._pipeline.drain)
 
     def reset(self) -> None:
         self._pipeline.reset()  # type: ignore[attr-defined]
+
+    def statistics(self) -> Any:
+        """The wrapped pipeline's :meth:`statistics`."""
+        return self._pipeline.statistics()  # type: ignore[attr-defined]
 
     def shutdown(self) -> None:
         """Shut the pipeline down and close the private loop.  Idempotent.  An
@@ -92,3 +103,12 @@ class BlockingPipeline:
 
     def __repr__(self) -> str:
         return f"<BlockingPipeline of {self._pipeline!r}>"
+
+
+def _close_dropped(runner: LoopRunner) -> None:
+    """Close the loop of a pipeline dropped or left at exit.  A Ctrl-C while it waits
+    for a step that does not end stops the wait: what it waits for was printed."""
+    try:
+        runner.close()
+    except KeyboardInterrupt:
+        pass

@@ -39,7 +39,7 @@ from .pipeline import SchedulablePipeline
 from .runner import run
 from .timeline import write_timeline
 from .trace import Tracer
-from .validate import validate_schedule
+from .validate import serialized_awaits, validate_schedule
 
 __all__ = ("Target", "TargetError", "load_target", "main", "parse_thread_map")
 
@@ -81,6 +81,7 @@ def _report(target: Target, thread_map: ThreadMap) -> dict[str, Any]:
         lanes[row["lane"]] = lanes.get(row["lane"], 0) + 1
     report["lanes"] = lanes
     report["max_lookahead"] = schedule.max_lookahead
+    report["advice"] = serialized_awaits(schedule)
     return report
 
 
@@ -109,6 +110,8 @@ def _print_report(report: dict[str, Any]) -> None:
                       f"at ring offset {offset}")  # fmt: skip
     lanes = ", ".join(f"{lane} ({n})" for lane, n in report["lanes"].items())
     print(f"\nlanes: {lanes}")
+    for advice in report["advice"]:
+        print(f"\nadvice: {advice}")
     violation = report["violation"]
     if violation is None:
         print("\nOK: the schedule satisfies rules 1-8")

@@ -26,6 +26,8 @@ from typing import Any
 
 from ._core.log import pipeline_log
 from ._core.nvtx import Annotator
+from ._core.loops import runner_owns
+from ._core.watch import LaneWatch
 from ._core.waker import wait_settled
 from .context import CURRENT, Running, TaskContext
 from .errors import PipelineStateError
@@ -61,6 +63,7 @@ class IterationDriver:
         self.broken: str | None = None
         self._failure: BaseException | None = None  # of an iteration nobody awaited
         self._handle: IterationHandle | None = None  # the running fast-path iteration
+        self._current: tuple[Feed, Iteration] | None = None  # the running iteration
         self._guarded: asyncio.Future[None] | None = None  # the iteration last guarded
         self._guards: set[asyncio.Task[None]] = set()
         self._waiters: list[asyncio.Future[None]] = []  # woken by the iteration's end
@@ -152,11 +155,11 @@ class IterationDriver:
                 iteration, functools.partial(self._lanes_finished, feed, iteration, done)
             )
             if handle is not None:
-                self.running, self._handle = done, handle
+                self.running, self._handle, self._current = done, handle, (feed, iteration)
                 return False
         running = asyncio.ensure_future(self._run_as_task(feed, iteration))
         if not running.done():  # an eager task factory may have run it to the end
-            self.running = running
+            self.running, self._current = running, (feed, iteration)
         return True
 
     async def _run_as_task(self, feed: Feed, iteration: Iteration) -> None:
@@ -165,11 +168,18 @@ class IterationDriver:
         error: BaseException | None = None
         try:
             await self._executor.run_iteration(iteration)
+        except GeneratorExit:  # collected, left on a closed loop: ended elsewhere
+            raise
         except BaseException as exc:
             error = exc
         error = self._end(feed, iteration, error)
         if error is not None and not isinstance(error, Exception):
-            raise error  # the loop shutting down, KeyboardInterrupt: let it through
+            # The loop shutting down, KeyboardInterrupt: let it through, out of the
+            # loop; the end was handled above, nobody needs the task's exception.
+            task = asyncio.current_task()
+            if task is not None:
+                task.add_done_callback(_retrieved)
+            raise error
 
     def _lanes_finished(
         self, feed: Feed, iteration: Iteration, done: asyncio.Future[None],
@@ -191,7 +201,8 @@ class IterationDriver:
         """Deliver the iteration's result, or record its failure; wake its waiters and
         free what it evicted.  Returns the failure, if any (the device or this
         bookkeeping may fail too)."""
-        self.running = self._handle = None
+        self.running = self._handle = self._current = None
+        iteration.stage = None  # it refers back to the iteration: no cycle left to collect
         try:
             if error is None:
                 iteration.finish()
@@ -209,7 +220,7 @@ class IterationDriver:
                 )
             if isinstance(error, Exception):
                 self._failure = error  # raised by the caller, or by the next call
-        if done is not None:
+        if done is not None and not done.get_loop().is_closed():
             done.set_result(None)
         self._wake_waiters()
         self._retired.free_soon()
@@ -243,7 +254,7 @@ class IterationDriver:
         iteration itself: one loop cycle sooner than a done-callback would."""
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
-            if not waiter.done():  # else its caller was cancelled
+            if not waiter.done() and not waiter.get_loop().is_closed():  # else no caller
                 waiter.set_result(None)
 
     # -- waiting -------------------------------------------------------------------------
@@ -255,6 +266,9 @@ class IterationDriver:
         if running is None or running.done():  # it ended already (it may never suspend)
             return
         if running.get_loop() is not asyncio.get_running_loop():
+            if running.get_loop().is_closed():
+                await self._finish_orphan()
+                return
             raise PipelineStateError(
                 "the iteration under way runs on another event loop (a call there was "
                 "cancelled or timed out, and its iteration runs on); finish it on that "
@@ -268,6 +282,47 @@ class IterationDriver:
             self.guard_lanes()
             raise
 
+    async def _finish_orphan(self) -> None:
+        """The loop the iteration under way was started on was closed before its end
+        was handled there (the lanes' report of it was dropped with the loop).  A
+        lanes-only iteration is waited for from this loop and ended here, result and
+        all; a task's iteration died with its loop: the pipeline asks for reset()."""
+        current, fast = self._current, self._handle is not None
+        handle = IterationHandle.of(current[1]) if current is not None else None
+        if current is None or handle is None:
+            self.abandon_orphan()
+            return
+        feed, iteration = current
+        # Bodies on the dead loop, and a task's part of the iteration, can never end.
+        lost = handle.abandon_loop(None if fast else _loop_closed(iteration.number))
+        if not handle.wait(0):
+            await asyncio.get_running_loop().run_in_executor(None, handle.wait)
+        if self._current is not current:
+            return  # another call ended it meanwhile
+        if fast and not lost:
+            self._end(feed, iteration, handle.error)
+        else:
+            self.abandon_orphan()
+
+    def abandon_orphan(self) -> bool:
+        """Forget an iteration left on a closed event loop, unfinished (the pipeline is
+        reset or shut down, or its task died with the loop): ``False`` if none."""
+        running, current = self.running, self._current
+        if running is None or not running.get_loop().is_closed():
+            return False
+        number = -1
+        if current is not None:
+            iteration = current[1]
+            number = iteration.number
+            handle = IterationHandle.of(iteration)
+            if handle is not None:  # let the lanes go on (they are not waited for)
+                handle.abandon_loop(_loop_closed(number))
+            iteration.stage = None
+        self.running = self._handle = self._current = None
+        self.broken = str(_loop_closed(number))
+        pipeline_log.warning("%s: %s", self._pipeline, self.broken)
+        return True
+
     async def wait_idle(self) -> None:
         """Wait until no iteration runs.  Cancelling the caller stops the wait at once
         (the iteration runs on, its lanes guarded) and raises ``CancelledError``."""
@@ -276,25 +331,43 @@ class IterationDriver:
 
     def guard_lanes(self) -> None:
         """A fast-path iteration's caller left early (cancelled): make a loop shutting
-        down wait for the iteration, as it would for a task awaiting ``run_iteration``.
+        down wait for the iteration, as it would for a task awaiting ``run_iteration``
+        -- and say what it waits for, and let a second Ctrl-C abandon the wait.
 
-        Two things, since the caller's own cancellation may come from that shutdown.
-        A task waits for the iteration; cancelled (``asyncio.run`` cancels every task
-        left), it skips the iteration's tasks not yet started.  And a thread of the
-        loop's default executor waits for the lanes: ``asyncio.run`` (like every
-        runner of this package) waits for those threads before it closes the loop, so
-        the iteration's end is still handled on it."""
-        running, handle = self.running, self._handle
-        if handle is None or running is None or self._guarded is running:
+        A task waits for the iteration; cancelled (the loop shutting down cancels every
+        task left), it skips the iteration's tasks not yet started.  A loop of this
+        package's runners cancels again the tasks made while it cancels; for other
+        loops (``asyncio.run`` cancels once: the caller's own cancellation may come
+        from that shutdown) a thread of the loop's default executor waits for the lanes
+        as well, since ``asyncio.run`` waits for those threads before it closes the
+        loop.  That thread stops waiting once the loop is closed (a second Ctrl-C), so
+        interpreter exit, which joins it, never waits on a lane without bound."""
+        running, handle, current = self.running, self._handle, self._current
+        if handle is None or running is None or current is None or self._guarded is running:
             return  # a task's iteration, none, or guarded already (by an earlier caller)
         self._guarded = running
-        guard = asyncio.ensure_future(_await_lanes(running, handle))
+        loop = asyncio.get_running_loop()
+        watch = LaneWatch(handle, functools.partial(self._describe_wait, current[1]))
+        guard = asyncio.ensure_future(watch.until_done(running))
         self._guards.add(guard)  # referenced until done
         guard.add_done_callback(self._guards.discard)
-        try:
-            asyncio.get_running_loop().run_in_executor(None, handle.wait)
-        except RuntimeError:  # the executor is shut down already: the task alone
-            pass
+        if not runner_owns(loop):
+            try:
+                loop.run_in_executor(None, watch.block_until_done, loop)
+            except RuntimeError:  # the executor is shut down already: the task alone
+                pass
+
+    def _describe_wait(self, iteration: Iteration) -> str:
+        plan, completed = self._plan, set(iteration.completed)
+        left = [
+            f"task {plan.order[i].name!r} (batch {iteration.batch_index(i)})"
+            + (f" on lane {self._lane_names[i]!r}" if self._lane_names else "")
+            for i in iteration.active.all if i not in completed
+        ]  # fmt: skip
+        return (
+            f"{self._pipeline}: waiting for iteration {iteration.number} to finish before "
+            f"the event loop closes: {', '.join(left) or 'its last task'} has not returned"
+        )
 
     # -- failures ------------------------------------------------------------------------
 
@@ -313,7 +386,7 @@ class IterationDriver:
             )
 
     def refuse_while_running(self, what: str) -> None:
-        if self.running is not None:
+        if self.running is not None and not self.abandon_orphan():
             raise PipelineStateError(
                 f"cannot call {what} while an iteration is still running (the progress() "
                 f"that started it was cancelled); 'await pipe.aclose()', or any call that "
@@ -326,9 +399,12 @@ class IterationDriver:
         self.broken = None
 
 
-async def _await_lanes(done: asyncio.Future[None], handle: IterationHandle) -> None:
-    while not done.done():
-        try:
-            await wait_settled(done)
-        except asyncio.CancelledError:  # the loop is shutting down
-            handle.abort(asyncio.CancelledError())
+def _loop_closed(number: int) -> PipelineStateError:
+    return PipelineStateError(
+        f"iteration {number} was left unfinished on an event loop that was closed"
+    )
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()

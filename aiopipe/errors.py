@@ -24,6 +24,7 @@ __all__ = (
     "GraphError",
     "NoRunningLoopError",
     "NoStepResultWarning",
+    "SerializedAwaitWarning",
     "PipelineError",
     "PipelineStateError",
     "PoisonedError",
@@ -117,6 +118,12 @@ class BadBatchError(PipelineError, ValueError):
 class NoStepResultWarning(UserWarning):
     """A pipeline was built whose tasks never write ``step_result``, so ``progress``
     returns ``None`` for every batch; pass ``expect_result=False`` when that is meant."""
+
+
+class SerializedAwaitWarning(UserWarning):
+    """An ``async def`` task shares its stream with a task working on another batch:
+    tasks on one stream run one after the other, so its awaiting overlaps nothing of
+    the other's work.  The message names the fix (a stream of its own)."""
 
 
 def attach_origin(exc: BaseException, task_name: str, where: str, **attributes: object) -> None:

@@ -43,6 +43,7 @@ from typing import Any, ParamSpec, TypeVar
 from .errors import AsyncLibraryError, NoRunningLoopError, PipelineStateError
 from ._core.waker import settle_future
 from ._core.loops import finish_loop, new_event_loop
+from .loopless import last_call_never_ran, record_loopless_call
 from .source import END, Source
 
 __all__ = ("TrioBridge", "current_trio", "in_trio", "needs_event_loop", "running_loop")
@@ -94,21 +95,32 @@ def needs_event_loop(api: Callable[P, R]) -> Callable[P, R]:
     """Make coroutine API ``api`` refuse to be called with no running event loop
     (asyncio or trio), where its coroutine would silently never run."""
     name = api.__name__
-    # an async generator is iterated, not awaited
-    iterated = inspect.isasyncgenfunction(api)
+    # an async iterator (from an async generator or a plain function) is iterated
+    iterated = not inspect.iscoroutinefunction(api)
     awaited = f"async for result in pipe.{name}(...)" if iterated else f"await pipe.{name}(...)"
 
     @functools.wraps(api)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
-        if asyncio._get_running_loop() is None and current_trio() is None:
-            owner = type(args[0]).__name__ if args else "the pipeline"
+        if asyncio._get_running_loop() is not None or current_trio() is not None:
+            return api(*args, **kwargs)
+        owner = args[0] if args else None
+        qualified = f"{type(owner).__name__ if args else 'the pipeline'}.{name}()"
+        fixes = (
+            f"In an ordinary script use the blocking form: 'pipe = pipe.blocking(); "
+            f"pipe.{name}(...)', or run your async code with 'aiopipe.run(main())'; in "
+            f"async code write '{awaited}'."
+        )
+        if iterated or last_call_never_ran(owner):
+            # An async generator cannot be handed to a loop later; a coroutine that
+            # was not run before the next call never will be.
+            why = "" if iterated else ", and the coroutine of the previous call never ran"
             raise NoRunningLoopError(
-                f"{owner}.{name}() is a coroutine function and was called with no event "
-                f"loop running, so it would never run. In an ordinary script use the "
-                f"blocking form: 'pipe = pipe.blocking(); pipe.{name}(...)', or wrap your "
-                f"async code in 'aiopipe.run(main())'; in async code write '{awaited}'."
+                f"{qualified} is a coroutine function and was called with no event loop "
+                f"running{why}. {fixes}"
             )
-        return api(*args, **kwargs)
+        # asyncio.run(pipe.progress(it)) makes the coroutine first, then runs it.
+        hint = f"{qualified} returned a coroutine (no event loop was running). {fixes}"
+        return record_loopless_call(owner, api(*args, **kwargs), hint)  # type: ignore[arg-type, return-value]
 
     return checked
 

@@ -15,7 +15,7 @@ guard the lanes when a caller leaves, a pending failure) is owned by
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,9 +24,10 @@ from ._core.log import lanes_summary, next_pipeline_name, pipeline_log
 from ._core.nvtx import resolve_annotator
 from .context import TaskContext
 from .driver import IterationDriver
+from .feeds import Feeds
 from .errors import PipelineStateError
 from .executors import Executor, resolve_executor
-from .protocols import results_of
+from .protocols import Results
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores
@@ -34,7 +35,7 @@ from .schedule import Schedule
 from .source import Feed, OneBatch, PipelineStatistics, Source
 from .streams import StreamPool
 from .trace import Tracer, resolve_tracer
-from .validate import validate_schedule, warn_without_result
+from .validate import validate_schedule, warn_serialized_awaits, warn_without_result
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11; only read by type checkers
@@ -77,6 +78,7 @@ class SchedulablePipeline:
         validate_schedule(schedule, stream_pool)
         if options.get("expect_result", True):
             warn_without_result(schedule)
+        warn_serialized_awaits(schedule)
         self._plan = plan = ExecutionPlan(schedule, stream_pool)
         self._schedule = schedule.in_order(plan.order)
         self._executor = resolve_executor(executor)
@@ -84,8 +86,6 @@ class SchedulablePipeline:
         self._ring = BatchRing(plan.max_lookahead + 1)
         self._ctx = TaskContext(stream_pool)
         self._tracer = resolve_tracer(options.get("trace"))
-        self._check_batch = options.get("check_batch")
-        self._read_ahead = options.get("read_ahead", True)
         lane_of = getattr(self._executor, "lane_of", None)
         lane_names: tuple[str, ...] = (
             tuple(lane_of(task.name) for task in plan.order) if callable(lane_of) else ()
@@ -97,10 +97,11 @@ class SchedulablePipeline:
             tracer=self._tracer, lane_names=lane_names, pipeline=self.name,
             retired=self._retired,
         )  # fmt: skip
-        self._feed: Feed | None = None
-        # The first batch an adapter seeded, and the items it refused before it.
-        self._seed: dict[str, Any] | None = None
-        self._seed_refused = 0
+        ring, retired = self._ring, self._retired  # not self: no cycle keeps a dropped pipeline
+        self._feeds = Feeds(
+            self.name, lambda: retired.add_all(ring.reset()),
+            read_ahead=options.get("read_ahead", True), check_batch=options.get("check_batch"),
+        )  # fmt: skip
         self._busy = False
         self._closed = False
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
@@ -142,7 +143,7 @@ class SchedulablePipeline:
         return self._ring
 
     def statistics(self) -> PipelineStatistics:
-        feed = self._feed
+        feed = self._feeds.shown
         return PipelineStatistics(
             pulled=feed.pulled if feed else 0,
             returned=feed.returned if feed else 0,
@@ -152,7 +153,8 @@ class SchedulablePipeline:
             broken=self._driver.broken,
             closed=self._closed,
             refused=feed.refused if feed else 0,
-            applied=feed.returned + len(feed.outbox) if feed else 0,
+            applied=feed.applied if feed else 0,
+            discarded=self._feeds.discarded,
         )
 
     # -- the progress contract -------------------------------------------------------
@@ -167,7 +169,7 @@ class SchedulablePipeline:
         the iteration under way.  It runs to completion, and its result is returned
         by the next call, in order; no batch is lost or repeated."""
         if in_trio():  # the engine needs asyncio: hand the call to the bridge (interop.py)
-            feed = self._feed
+            feed = self._feeds.current
             source = self._trio.source_for(source, feed.source if feed is not None else None)
             return await self._trio.call(SchedulablePipeline.progress, self, source)
         self._begin_call()
@@ -178,7 +180,7 @@ class SchedulablePipeline:
                 # A drain() that was interrupted (cancelled, or a refused batch) has now
                 # finished the batches in flight: the source itself goes on, as after
                 # a drain() that completed.
-                self._feed = None
+                self._feeds.forget()
                 produced, result = await self._driver.next_result(self._adopt(source))
             if not produced:
                 self._on_source_end()
@@ -196,19 +198,29 @@ class SchedulablePipeline:
         ``progress`` to keep several batches in flight.  A cancelled ``step`` still
         trains its batch; the next call waits for that, drops its result (its caller
         is gone) and then runs its own batch."""
-        feed = self._feed
+        feed = self._feeds.current
         if feed is not None and isinstance(feed.source, OneBatch) and not feed.finished:
             await self.drain()
         return await self.progress(OneBatch(batch))
 
     @needs_event_loop
-    async def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+    def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> Results[Any]:
         """``async for result in pipe.results(loader)``: one result per batch, like
         ``for batch in loader``.  An iterable (a list, a ``DataLoader``) gets a fresh
         iterator, so each call is a new pass over it; an iterator continues where it
-        stands (every remaining result)."""
-        async for result in results_of(self, source):
-            yield result
+        stands (every remaining result).  Leaving the loop early (``break``) trains
+        nothing more: see :meth:`abandon_source`."""
+        return Results(self, source)
+
+    def abandon_source(self, source: Source) -> None:
+        """The caller is done with ``source`` although batches of it are in flight
+        (``results()`` calls it when its loop is left early).  Those batches have had
+        look-ahead work only, which changes no persistent state: if another source
+        comes next, they are discarded untrained (``statistics().discarded`` counts
+        them) instead of refused; passing ``source`` again continues with them."""
+        feed = self._feeds.current
+        if feed is not None and feed.source is source and feed.in_flight:
+            feed.abandoned = True
 
     @needs_event_loop
     async def drain(self) -> list[Any]:
@@ -225,7 +237,7 @@ class SchedulablePipeline:
         self._begin_call()
         try:
             results: list[Any] = []
-            feed = self._feed
+            feed = self._feeds.current
             if feed is not None:
                 if feed.in_flight:  # step() drains an empty feed before each batch: quiet
                     pipeline_log.info("%s: drain, finishing %d batch(es) in flight", self.name,
@@ -238,7 +250,7 @@ class SchedulablePipeline:
                     if not produced:
                         break
                     results.append(result)
-            self._feed = None
+            self._feeds.forget()
             return results
         except BaseException:
             if feed is not None:  # what was collected goes back, in front, for the next call
@@ -281,7 +293,7 @@ class SchedulablePipeline:
         ``refused``: items of that source the adapter refused before it (counted in
         :attr:`PipelineStatistics.refused`, so the source's position stays exact)."""
         self._check_usable()
-        feed = self._feed
+        feed = self._feeds.current
         if feed is not None and feed.in_flight:
             raise PipelineStateError(
                 f"cannot seed a batch while {feed.in_flight} batch(es) are in flight"
@@ -291,25 +303,24 @@ class SchedulablePipeline:
                 "seed_first_batch seeds the first batch of a source: call it before the "
                 "first progress(), after drain(), or once the current source has ended"
             )
-        self._seed = dict(contents)
-        self._seed_refused = refused
+        self._feeds.seed(contents, refused)
 
     def reset(self) -> None:
         """Discard every batch in flight and any interrupted state; the next
-        ``progress`` starts afresh with whatever source it is given."""
+        ``progress`` starts afresh with whatever source it is given.  The batches
+        dropped are counted in ``statistics().discarded`` (results of steps applied
+        but not yet returned are dropped too; ``applied`` still counts them).  An item
+        read ahead that no task touched is kept: the next ``progress`` on the same
+        source takes it first."""
         if self._busy:
             raise PipelineStateError("cannot reset while a progress is running")
         self._driver.refuse_while_running("reset()")
-        feed = self._feed
+        feed = self._feeds.current
         pipeline_log.info("%s: reset, discarding %d batch(es) in flight", self.name,
                           feed.in_flight if feed is not None else 0)  # fmt: skip
-        if feed is not None:
-            feed.close()
         self._driver.clear()
-        self._retired.add_all(self._ring.reset())
-        self._feed = None
-        self._seed = None
-        self._seed_refused = 0
+        self._feeds.discard()
+        self._feeds.seed(None)
 
     def shutdown(self) -> None:
         """Stop the executor's threads.  Idempotent; the pipeline is unusable after."""
@@ -319,8 +330,7 @@ class SchedulablePipeline:
             raise PipelineStateError("cannot shut down while a progress is running")
         self._driver.refuse_while_running("shutdown()")
         pipeline_log.debug("%s: shut down", self.name)
-        if self._feed is not None:
-            self._feed.close()
+        self._feeds.close()
         self._closed = True
         self._executor.shutdown()
         self._trio.close()
@@ -343,7 +353,7 @@ class SchedulablePipeline:
     def _check_usable(self) -> None:
         if self._closed:
             raise PipelineStateError("the pipeline has been shut down")
-        feed = self._feed
+        feed = self._feeds.current
         if feed is not None and feed.outbox:
             return  # results of applied steps come out first, whatever failed after them
         self._driver.raise_pending_failure()
@@ -367,31 +377,7 @@ class SchedulablePipeline:
         """Called once the last result of a source has been returned (presets hook)."""
 
     def _adopt(self, source: Source) -> Feed:
-        feed = self._feed
-        if feed is not None and source is feed.source:
-            return feed
-        if feed is not None and feed.in_flight:
-            raise PipelineStateError(
-                f"a new iterator was passed while {feed.in_flight} batch(es) of the previous "
-                f"one are in flight; none of its batches was taken. Keep passing the same "
-                f"iterator until progress() reports its end, or call drain() first to "
-                f"finish the batches in flight."
-            )
-        if feed is not None:
-            feed.close()
-        new_feed = Feed(
-            source, read_ahead=self._read_ahead,
-            check_batch=self._check_batch,
-            seed=self._seed, refused=self._seed_refused,
-        )  # fmt: skip
-        self._seed, self._seed_refused = None, 0
-        # step() adopts a one-batch source per call: those only at DEBUG
-        level = logging.DEBUG if isinstance(source, OneBatch) else logging.INFO
-        if pipeline_log.isEnabledFor(level):
-            pipeline_log.log(level, "%s: new source %s", self.name, type(source).__name__)
-        self._retired.add_all(self._ring.reset())
-        self._feed = new_feed
-        return new_feed
+        return self._feeds.adopt(source, idle=self.idle)
 
     def __repr__(self) -> str:
         stats = self.statistics()

@@ -291,7 +291,8 @@ def basic(
             optimizer.zero_grad()
 
     def forward_task(ctx: TaskContext) -> None:
-        batch = ctx.slots["batch_device"] if moves else move_to_device(ctx.slots["batch_cpu"], device)
+        # non_blocking: a blocking copy would make the host wait for the GPU every step.
+        batch = ctx.slots["batch_device"] if moves else move_to_device(ctx.slots["batch_cpu"], device, True)
         ctx.slots.set("loss", compute_loss(batch))
 
     def backward(ctx: TaskContext) -> None:

@@ -3,7 +3,7 @@
 
 An adapter builds its pipeline from this public surface -- it drives an engine and
 offers the same calls -- rather than from the engine's internals: ``AsyncPipeline`` is
-what the blocking form and :func:`results_of` need, and
+what the blocking form and :class:`Results` need, and
 :meth:`SchedulablePipeline.wait_idle` waits for an iteration whose caller was
 cancelled.
 """
@@ -11,11 +11,11 @@ cancelled.
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .source import Source, iterate
 
-__all__ = ("AsyncPipeline", "results_of")
+__all__ = ("AsyncPipeline", "Results")
 
 ResultT = TypeVar("ResultT", covariant=True)
 
@@ -31,17 +31,52 @@ class AsyncPipeline(Protocol[ResultT]):
     def shutdown(self) -> None: ...
 
 
-async def results_of(
-    pipeline: AsyncPipeline[ResultT], source: Iterable[Any] | AsyncIterable[Any]
-) -> AsyncIterator[ResultT]:
-    """``async for result in results_of(pipe, loader)``: one result per batch, like
-    ``for batch in loader``, by calling ``pipeline.progress`` until the end.  An
-    iterable (a list, a ``DataLoader``) gets a fresh iterator, so each call is a new
-    pass over it; an iterator continues where it stands (every remaining result)."""
-    batches = iterate(source)
-    while True:
+class Results(AsyncIterator[ResultT], Generic[ResultT]):
+    """``async for result in Results(pipe, loader)``: one result per batch, like ``for
+    batch in loader``, by calling ``pipeline.progress`` until the end.  An iterable (a
+    list, a ``DataLoader``) gets a fresh iterator, so each call is a new pass over it;
+    an iterator continues where it stands (every remaining result).
+
+    Left early at a result (``break``, ``aclose()``, the iterator dropped), it tells
+    a pipeline that has ``abandon_source`` (the engine's does) that its batches still
+    in flight need not be trained: the next pass discards them instead of being
+    refused.  A plain iterator, not an async generator, so that a ``break`` tells it
+    at once (an async generator is finalized later, by a task of the loop)."""
+
+    def __init__(self, pipeline: AsyncPipeline[ResultT], source: Iterable[Any] | AsyncIterable[Any]) -> None:
+        self._at_result = False  # the last step returned a result: the caller holds it
+        self._done = False
+        self._pipeline = pipeline
+        self._batches = iterate(source)
+
+    def __aiter__(self) -> Results[ResultT]:
+        return self
+
+    async def __anext__(self) -> ResultT:
+        if self._done:
+            raise StopAsyncIteration
+        self._at_result = False
         try:
-            result = await pipeline.progress(batches)
+            result = await self._pipeline.progress(self._batches)
         except StopAsyncIteration:
+            self._done = True
+            raise
+        self._at_result = True
+        return result
+
+    async def aclose(self) -> None:
+        self._leave()
+
+    def __del__(self) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        # Only from a result: an error or a cancellation leaves the pipeline's
+        # contract as it is (the next call goes on with the same source).
+        if self._done or not self._at_result:
             return
-        yield result
+        self._done = True
+        abandon = getattr(self._pipeline, "abandon_source", None)
+        if abandon is not None:
+            abandon(self._batches)
+

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .ring import SlotStore
 
 __all__ = (
-    "END", "Feed", "OneBatch", "PipelineStatistics", "Source", "iterate",
+    "END", "Feed", "OneBatch", "PipelineStatistics", "Source", "iterate", "not_a_source",
 )  # fmt: skip
 
 #: Returned by :meth:`Feed.take` once the source is exhausted.
@@ -48,7 +48,10 @@ class PipelineStatistics:
     finished for a caller that was cancelled, whose results the next calls return
     first.  ``refused`` counts items refused with ``BadBatchError``.  With no
     iteration running (:attr:`SchedulablePipeline.idle`), ``applied + refused`` items
-    of the source are done with: the position to resume a checkpointed run from."""
+    of the source are done with: the position to resume a checkpointed run from.
+    ``discarded`` counts the batches dropped untrained since the pipeline was built,
+    by ``reset()`` or because a ``results()`` loop was left early and another source
+    came (not in any position: a resumed run reads them again)."""
 
     pulled: int
     returned: int
@@ -59,6 +62,7 @@ class PipelineStatistics:
     closed: bool
     refused: int = 0
     applied: int = 0
+    discarded: int = 0
 
 
 def iterate(items: Iterable[Any] | AsyncIterable[Any]) -> Source:
@@ -73,7 +77,21 @@ def iterate(items: Iterable[Any] | AsyncIterable[Any]) -> Source:
         return aiter(given)
     if isinstance(given, Iterable):
         return iter(given)
-    raise ConfigurationTypeError(f"results() takes an iterable or async iterable of batches, got {items!r}")
+    raise not_a_source("results()", items, "an iterable or async iterable of batches")
+
+
+def not_a_source(
+    call: str, given: object, wanted: str = "a sync or async iterator"
+) -> ConfigurationTypeError:
+    """The error for ``call`` given ``given`` instead of ``wanted``; a generator
+    function passed uncalled gets asked "did you mean gen()?"."""
+    if inspect.isgeneratorfunction(given) or inspect.isasyncgenfunction(given):
+        kind = "an async generator" if inspect.isasyncgenfunction(given) else "a generator"
+        name = getattr(given, "__name__", "gen")
+        return ConfigurationTypeError(
+            f"{call} takes {wanted}, got {kind} function: did you mean {name}()?"
+        )
+    return ConfigurationTypeError(f"{call} takes {wanted}, got {given!r}")
 
 
 class OneBatch(Iterator[Any]):
@@ -95,14 +113,16 @@ class Feed:
     """One source (a sync or async iterator) and the progress made through it."""
 
     __slots__ = (
-        "_async", "_check_batch", "_pulled_inline", "_seed", "_sync", "ahead", "draining", "exhausted", "iteration", "lost",
-        "outbox", "pulled", "read_ahead_allowed", "refused", "returned", "source", "top_pulled",
+        "_async", "_check_batch", "_pulled_inline", "_seed", "_sync", "abandoned", "ahead",
+        "discarded", "draining", "exhausted", "iteration", "lost", "outbox", "pulled",
+        "read_ahead_allowed", "refused", "results_dropped", "returned", "source", "top_pulled",
     )  # fmt: skip
 
     def __init__(
         self, source: Source, *, read_ahead: bool = True,
         check_batch: Callable[[Any], None] | None = None,
         seed: Mapping[str, Any] | None = None, refused: int = 0,
+        ahead: asyncio.Future[Any] | None = None,
     ) -> None:  # fmt: skip
         #: Checks each item when it is read (ahead: off the step's critical path).
         self._check_batch = check_batch
@@ -121,7 +141,7 @@ class Feed:
                 f"loop over results({type(source).__name__}), which does that for you"
             )
         else:
-            raise ConfigurationTypeError(f"progress() takes a sync or async iterator, got {source!r}")
+            raise not_a_source("progress()", source)
         self.source = source
         #: Batches placed in the ring so far (the final count once ``exhausted``).
         self.pulled = 0
@@ -146,8 +166,16 @@ class Feed:
         self.top_pulled = False
         #: Why the source can no longer be read, when a cancelled pull closed it.
         self.lost: str | None = None
-        #: The next item, read ahead or being read (a future, done for sync sources).
-        self.ahead: asyncio.Future[Any] | None = None
+        #: The next item, read ahead or being read (a future, done for sync sources);
+        #: given, one a discarded feed of the same source had read.
+        self.ahead: asyncio.Future[Any] | None = ahead
+        #: Batches dropped untrained (:meth:`discard`), and results of applied steps
+        #: dropped with them.
+        self.discarded = 0
+        self.results_dropped = 0
+        #: The ``results()`` loop over this source was left early: another source may
+        #: take its place, the batches in flight then discarded.
+        self.abandoned = False
         # A trio caller's source is pulled by the caller during its own call
         # (interop.py): it cannot be read between calls.
         self._pulled_inline = bool(getattr(source, "pulled_inline", False))
@@ -157,13 +185,32 @@ class Feed:
     def in_flight(self) -> int:
         """Batches taken from the source whose results have not been returned yet
         (the one read ahead included)."""
-        return self.pulled - self.returned + (1 if self._holds_ahead() else 0)
+        taken = self.pulled - self.returned - self.discarded - self.results_dropped
+        return taken + (1 if self.holds_ahead else 0)
+
+    @property
+    def applied(self) -> int:
+        """Batches whose step has run (returned, waiting to be, or dropped by reset)."""
+        return self.returned + len(self.outbox) + self.results_dropped
+
+    def discard(self) -> int:
+        """Drop the batches in the ring, untrained (the pipeline resets its ring); how
+        many.  Results of applied steps not yet delivered go too.  An item read ahead
+        stays in :attr:`ahead`: no task touched it."""
+        dropped = self.pulled - self.returned - len(self.outbox) - self.results_dropped
+        dropped -= self.discarded
+        self.discarded += dropped
+        self.results_dropped += len(self.outbox)
+        self.outbox.clear()
+        return dropped
 
     @property
     def finished(self) -> bool:
         return self.exhausted and self.returned >= self.pulled
 
-    def _holds_ahead(self) -> bool:
+    @property
+    def holds_ahead(self) -> bool:
+        """An item was read ahead (or is being read), not yet placed in the ring."""
         ahead = self.ahead
         if ahead is None:
             return False

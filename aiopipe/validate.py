@@ -25,7 +25,7 @@ from collections import Counter
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from .errors import NoStepResultWarning, ScheduleValidationError
+from .errors import NoStepResultWarning, ScheduleValidationError, SerializedAwaitWarning
 from .edges import dependency_edges, infer_cross_stream_event_deps, topological_sort
 from .schedule import Schedule
 from .task import BATCH_SLOT, RESULT_SLOT, Task
@@ -33,7 +33,7 @@ from .task import BATCH_SLOT, RESULT_SLOT, Task
 if TYPE_CHECKING:
     from .streams import StreamPool
 
-__all__ = ("validate_schedule", "warn_without_result")
+__all__ = ("serialized_awaits", "validate_schedule", "warn_serialized_awaits", "warn_without_result")
 
 
 def _rule_1_unique_names(tasks: tuple[Task, ...]) -> None:
@@ -146,17 +146,54 @@ def warn_without_result(schedule: Schedule) -> None:
     if any(slot.name == RESULT_SLOT for task in schedule.tasks for slot in task.writes):
         return
     names = ", ".join(task.name for task in schedule.tasks)
-    # Point at the user's line: the first frame outside this package.
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame: FrameType | None = sys._getframe()
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
     warnings.warn(
         f"no task writes {RESULT_SLOT!r}, so progress() will return None for every batch "
         f"(tasks: {names}). Declare writes=({RESULT_SLOT!r},) on the task that makes the "
         f"result and call ctx.slots.set({RESULT_SLOT!r}, value) in it, or pass "
         f"expect_result=False if the pipeline runs for its side effects.",
         NoStepResultWarning,
-        stacklevel=level,
+        stacklevel=_user_stacklevel(),
     )
+
+
+def serialized_awaits(schedule: Schedule) -> list[str]:
+    """Advice for each ``async def`` task that shares its stream with a task working on
+    another batch (another lookahead).  Tasks on one stream run one after the other --
+    on a device that is the stream's order, and each stream has one lane -- so the
+    time the coroutine spends awaiting (a fetch, a queue) overlaps nothing of the
+    other's work, silently."""
+    advice = []
+    for task in schedule.tasks:
+        if not task.is_async:
+            continue
+        others = [
+            other.name for other in schedule.tasks
+            if other is not task and other.stream == task.stream and other.lookahead != task.lookahead
+        ]  # fmt: skip
+        if others:
+            advice.append(
+                f"task {task.name!r} is async def (lookahead {task.lookahead}) and shares "
+                f"stream {task.stream!r} with tasks working on other batches "
+                f"({', '.join(map(repr, others))}): tasks on one stream run one after the "
+                f"other, so its awaiting overlaps none of their work (a lane of its own "
+                f"does not change that). Give it a stream of its own, e.g. stream='io' (on "
+                f"a CPU a stream only orders work and costs nothing)"
+            )
+    return advice
+
+
+def warn_serialized_awaits(schedule: Schedule) -> None:
+    """:class:`~aiopipe.errors.SerializedAwaitWarning` for each piece of
+    :func:`serialized_awaits` advice, pointing at the caller's line."""
+    for advice in serialized_awaits(schedule):
+        warnings.warn(advice, SerializedAwaitWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this package (the user's line)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import socket
@@ -156,3 +157,33 @@ def report_and_leave(rank: int, out: str, payload: Any) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(payload))
     leave_and_exit(0)
+
+
+def engine_host_ms(spans: Sequence[Any], skip: int = 5) -> tuple[float, float]:
+    """``(engine ms, step ms)`` per step, from a tracer's spans of one run (the first
+    ``skip`` iterations left out).
+
+    The busiest lane thread (the most body time) runs the step's chain.  Between two
+    of its bodies it was either waiting for another lane or a collective ticket (the
+    later span's ``wait_ns``) or doing the engine's own work: handing the result over,
+    starting the next iteration, waking up.  The engine's host time is the rest of
+    those gaps; a step is the time from one iteration's last body on that thread to
+    the next one's."""
+    first = min(span.iteration for span in spans) + skip
+    by_thread: dict[str, list[Any]] = collections.defaultdict(list)
+    for span in spans:
+        if span.iteration >= first and not span.failed:
+            by_thread[span.thread].append(span)
+    busiest = max(by_thread.values(), key=lambda s: sum(x.duration_ns for x in s), default=[])
+    chain = sorted(busiest, key=lambda span: span.start_ns)
+    ends: dict[int, int] = {}
+    for span in chain:
+        ends[span.iteration] = max(ends.get(span.iteration, 0), span.end_ns)
+    if len(ends) < 2:
+        raise ValueError(f"the spans cover less than two iterations after the first {skip}")
+    steps = max(ends) - min(ends)
+    start, end = ends[min(ends)], ends[max(ends)]
+    gaps = sum(max(0, later.start_ns - later.wait_ns - earlier.end_ns)
+               for earlier, later in zip(chain, chain[1:])
+               if earlier.end_ns >= start and later.end_ns <= end)  # fmt: skip
+    return gaps / steps / 1e6, (end - start) / steps / 1e6

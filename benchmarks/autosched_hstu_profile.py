@@ -8,9 +8,13 @@ the fourteen-task schedule from it -- forward, backward, finalize_model_grads an
 optimizer_step frozen, at most 4 lane threads and 5 batches in flight -- and the plan
 is written next to the profile.  With ``--measure`` the default thread map and the
 pick's thread map are both timed (the HSTU pipeline builds its own schedule, so only
-the lane part of a pick can be applied to it unchanged).
+the lane part of a pick can be applied to it unchanged).  On a GPU, ``--gpu-timing``
+adds each task's device time (``Tracer(gpu_timing=True)``) and ``--replicate-tables``
+leaves the tables unsharded (for machines without fbgemm's CUDA kernels); the dense
+part uses torch DDP either way, as the planned schedule declares.
 
     ./dev bench autosched_hstu_profile [--ranks 2] [--steps 60] [--measure]
+                                       [--gpu-timing] [--replicate-tables] [--output FILE]
 """
 
 from __future__ import annotations
@@ -87,9 +91,10 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
     join_local_group(rank, ranks, port)
     config = DataConfig(batch_size=args["batch_size"], max_history=args["max_history"])
     payload: dict[str, Any] = {}
-    setup = build_training(ModelConfig(), config, OptimizerConfig(), seed=0)
+    setup = build_training(ModelConfig(), config, OptimizerConfig(), seed=0, data_parallel="torch",
+                           shard_embeddings=not args["replicate_tables"])  # fmt: skip
     data = list(SyntheticHSTUData(config, args["steps"], seed=0, rank=rank))
-    tracer = Tracer()
+    tracer = Tracer(gpu_timing=args["gpu_timing"])
     dist.barrier()
     payload["profiled_ms_per_step"] = steady_ms_per_step(setup, data, tracer=tracer)
     profiler = CostProfiler(skip_iterations=SKIP_ITERATIONS)
@@ -100,7 +105,9 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
         times: dict[str, list[float]] = {name: [] for name in maps}
         for repeat in range(args["repeats"] + 1):  # the first round warms up
             for name, thread_map in maps.items():
-                setup = build_training(ModelConfig(), config, OptimizerConfig(), seed=0)
+                setup = build_training(ModelConfig(), config, OptimizerConfig(), seed=0,
+                                       data_parallel="torch",
+                                       shard_embeddings=not args["replicate_tables"])  # fmt: skip
                 dist.barrier()
                 ms = steady_ms_per_step(setup, data, thread_map=thread_map)
                 if repeat:
@@ -119,6 +126,10 @@ def main() -> None:
     parser.add_argument("--costs", help="plan from this profile instead of profiling again")
     parser.add_argument("--measure", action="store_true",
                         help="time the default and the pick's thread map")  # fmt: skip
+    parser.add_argument("--gpu-timing", action="store_true",
+                        help="also each task's device time (Tracer(gpu_timing=True); a GPU)")
+    parser.add_argument("--replicate-tables", action="store_true",
+                        help="no torchrec sharding (for GPUs without fbgemm's CUDA kernels)")
     args = vars(parser.parse_args())
     if args["steps"] <= SKIP_ITERATIONS + 1:
         parser.error(f"--steps must be above {SKIP_ITERATIONS + 1}: the first "
@@ -131,7 +142,9 @@ def main() -> None:
         profiled = spawn_ranks(worker, {**args, "measure": False})
         engine = run(calibrate_engine())
         meta = {"workload": "HSTU ranking step, aiopipe default thread map",
-                "device": "cpu", "ranks": args["ranks"], "steps": args["steps"],
+                "device": "cuda" if torch.cuda.is_available() else "cpu",
+                "gpu_timing": args["gpu_timing"], "replicated_tables": args["replicate_tables"],
+                "ranks": args["ranks"], "steps": args["steps"],
                 "batch_size": args["batch_size"], "max_history": args["max_history"],
                 "skipped_iterations": SKIP_ITERATIONS, "torch": torch.__version__,
                 "measured_ms_per_step": round(profiled["profiled_ms_per_step"], 3)}  # fmt: skip
@@ -145,7 +158,8 @@ def main() -> None:
                           max_threads=4, max_in_flight=5)  # fmt: skip
     print(format_plan(result, costs))
     plan = report(result, costs)
-    plan_path = Path(args["costs"] or args["output"]).with_name("hstu_cpu_plan.json")
+    profile = Path(args["costs"] or args["output"])
+    plan_path = profile.with_name(f"{profile.stem}_plan.json")
     plan_path.write_text(json.dumps(plan, indent=2) + "\n")
     payload: dict[str, Any] = {"plan": plan}
     if args["measure"]:

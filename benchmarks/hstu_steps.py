@@ -11,9 +11,12 @@ takes one GPU (NCCL; ``--ranks`` at most the GPU count) and, when megatron-core 
 installed, a row with Megatron DDP is added.
 ``--replicate-tables`` skips torchrec's sharding (for GPUs without fbgemm's CUDA
 kernels): the model alone on the engine, without the torchrec row.
+``--engine-time`` traces the aiopipe rows and gives the engine's host time per step
+(``_common.engine_host_ms`` says how it is read from the spans) and its share of the
+step; tracing costs a little per task, in those rows' steps/s too.
 
     ./dev bench hstu_steps [--ranks 2] [--steps 60] [--repeats 3] [--replicate-tables]
-                           [--configs none torchrec aiopipe ...]
+                           [--configs none torchrec aiopipe ...] [--engine-time]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _common import (  # noqa: E402
     add_hstu_arguments,
+    engine_host_ms,
     print_json,
     print_table,
     progress,
@@ -39,6 +43,7 @@ from _common import (  # noqa: E402
     spread,
 )
 
+from aiopipe import Tracer  # noqa: E402
 from hstu_tasks import (  # noqa: E402
     HSTU_DEFAULT_THREAD_MAP,
     HSTU_DIST_LANE_THREAD_MAP,
@@ -90,6 +95,7 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
     chosen = {name: CONFIGS[name] for name in args["configs"]}
     samples: dict[str, list[float]] = {name: [] for name in chosen}
     busy: dict[str, list[float]] = {name: [] for name in chosen}
+    engine: dict[str, list[list[float]]] = {}  # name: [engine ms, step ms] per round
     for repeat in range(args["repeats"] + 1):  # the first round warms up
         round_name = f"round {repeat}/{args['repeats']}" + (" (warm-up)" if not repeat else "")
         for name, (mode, thread_map, data_parallel) in chosen.items():
@@ -99,26 +105,33 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
                                    data_parallel=data_parallel,  # type: ignore[arg-type]
                                    shard_embeddings=not args["replicate_tables"])  # fmt: skip
             data = list(SyntheticHSTUData(config, args["steps"], seed=repeat, rank=rank))
+            tracer = Tracer() if args["engine_time"] and mode.startswith("aiopipe") else None
             dist.barrier()
             if thread_map == "kk":  # balance the attention workload across ranks
-                result = run_pipeline(mode, setup, data, shuffler=KarmarkarKarpShuffler())
+                result = run_pipeline(mode, setup, data, shuffler=KarmarkarKarpShuffler(),
+                                      tracer=tracer)  # fmt: skip
             else:
-                result = run_pipeline(mode, setup, data, thread_map=thread_map)  # type: ignore[arg-type]
+                result = run_pipeline(mode, setup, data, thread_map=thread_map,  # type: ignore[arg-type]
+                                      tracer=tracer)  # fmt: skip
             rate = args["steps"] / result.seconds
             cores_busy = machine_busy(result.seconds, result.cpu_seconds)
             if repeat:
                 samples[name].append(rate)
                 busy[name].append(cores_busy)
+                if tracer is not None:
+                    engine.setdefault(name, []).append(list(engine_host_ms(tracer.spans)))
             if rank == 0:
                 progress(f"{round_name}: {name} {rate:.2f} steps/s")
-    report_and_leave(rank, out, {"steps_per_s": samples, "busy": busy})
+    report_and_leave(rank, out, {"steps_per_s": samples, "busy": busy, "engine": engine})
 
 
 def machine_busy(seconds: float, cpu_seconds: float) -> float:
     """The share of this machine's cores the ranks kept busy over a run: every rank's
     CPU time (all its threads) over wall time x cores.  A schedule that does the same
     work can run at most ``1 / busy`` times faster."""
-    totals = torch.tensor([cpu_seconds, seconds], dtype=torch.float64)
+    # NCCL reduces device tensors only; gloo takes host tensors.
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    totals = torch.tensor([cpu_seconds, seconds], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     mean_wall = float(totals[1]) / dist.get_world_size()
     return float(totals[0]) / (mean_wall * len(os.sched_getaffinity(0)))
@@ -132,6 +145,8 @@ def main() -> None:
                         help="no torchrec sharding (and no torchrec row)")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
                         metavar="NAME", help=f"rows to run (default: all of {list(CONFIGS)})")
+    parser.add_argument("--engine-time", action="store_true",
+                        help="trace the aiopipe rows: the engine's host time per step")
     args = vars(parser.parse_args())
     if "none" not in args["configs"]:
         args["configs"].insert(0, "none")  # every ratio is also given against the plain loop
@@ -161,8 +176,26 @@ def main() -> None:
         baseline = "torchrec" if torchrec else "none"
         print(f"the same work can run at most {1 / statistics.median(busy[baseline]):.2f}x "
               f"as fast as {baseline} on these cores")  # fmt: skip
-    print_json("hstu_steps", {"args": args, "steps_per_s": medians, "samples": samples,
-                              "busy": busy})  # fmt: skip
+    payload = {"args": args, "steps_per_s": medians, "samples": samples, "busy": busy}
+    if report["engine"]:
+        payload.update(engine_report(report["engine"]))
+    print_json("hstu_steps", payload)
+
+
+def engine_report(engine: dict[str, list[list[float]]]) -> dict[str, Any]:
+    """Print the engine's host time per step of each traced row; the JSON fields of
+    the row where it is the largest share of the step (the figure held to a target)."""
+    shares = {}
+    for name, rounds in engine.items():
+        host, step = (statistics.median(r[i] for r in rounds) for i in (0, 1))
+        shares[name] = (host / step, host, step)
+        print(f"engine host time per step, {name}: {host:.3f} ms of {step:.3f} ms "
+              f"({host / step:.2%}; tracer, median of {len(rounds)} rounds)")  # fmt: skip
+    worst = max(shares, key=lambda name: shares[name][0])
+    share, host, step = shares[worst]
+    return {"engine_host": {name: list(value) for name, value in shares.items()},
+            "engine_row": worst, "engine_share": share, "engine_host_ms": host,
+            "engine_step_ms": step}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 CPU (default): a model of a few milliseconds per step; the pipeline's overhead is
 the difference from the plain loop.  With ``--device cuda``: batches whose H2D copy
 is a visible share of the step, where T2 (copy one batch ahead on its own stream)
-should beat the plain loop.  Every config runs in a worker process of its own, in
+should beat the plain loop; the copy of one batch is timed too, and its share of the
+plain loop's step printed (the case T2 is for: a share of 30 % or more).  Every
+config runs in a worker process of its own, in
 short alternating chunks, ``--processes`` fresh sets of them
 (``benchmarks/_chunks.py`` says why); each chunk's ratio to the plain loop's chunk
 of the same round is the paired figure.
@@ -66,11 +68,28 @@ def sync(device: torch.device) -> None:
 
 
 def _batches(device: torch.device, width: int, batch: int) -> Iterator[Any]:
-    """Endless batches, 50 distinct ones (pinned for a CUDA device) over and over."""
-    data = [(torch.randn(batch, width), torch.randn(batch, 1)) for _ in range(50)]
+    """Endless batches, up to 50 distinct ones (pinned for a CUDA device) over and
+    over, at most about 1 GiB of them."""
+    distinct = max(4, min(50, 2**30 // (batch * (width + 1) * 4)))
+    data = [(torch.randn(batch, width), torch.randn(batch, 1)) for _ in range(distinct)]
     if device.type == "cuda":
         data = [(x.pin_memory(), y.pin_memory()) for x, y in data]
     return itertools.cycle(data)
+
+
+def copy_ms(width: int, batch: int, repeats: int = 20) -> float:
+    """Median device time of one batch's host-to-device copy from pinned memory."""
+    x, y = torch.randn(batch, width).pin_memory(), torch.randn(batch, 1).pin_memory()
+    times = []
+    for _ in range(repeats + 2):  # the first two warm up
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        x.to("cuda", non_blocking=True)
+        y.to("cuda", non_blocking=True)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times[2:])
 
 
 def _build(config: str, rank: int, *, device: str, width: int,
@@ -144,7 +163,15 @@ def main() -> None:
          "fastest chunk x plain's fastest", "cores busy (cpu/wall)"],
         rows,
     )  # fmt: skip
-    print_json("presets", {"device": args.device, "args": vars(args), "results": payload})
+    extra = {}
+    if torch.device(args.device).type == "cuda":  # after the chunks, not among them
+        copy = copy_ms(args.width, args.batch)
+        share = copy / statistics.median(base)
+        print(f"one batch's host-to-device copy: {copy:.3f} ms, {share:.0%} of the plain "
+              "loop's step")  # fmt: skip
+        extra = {"copy_ms": copy, "copy_share": share}
+    print_json("presets", {"device": args.device, "args": vars(args), "results": payload,
+                           **extra})  # fmt: skip
 
 
 if __name__ == "__main__":

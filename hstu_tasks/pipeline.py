@@ -32,6 +32,7 @@ from .sparse.base import SparseDistBase
 from .sparse.model import PipelinedModel
 from .sparse.spec import PipelineSpec
 from .tasks import PipelineState, build_tasks
+from .watchdog import LossWatch
 
 _log = logging.getLogger("aiopipe.hstu")  # under "aiopipe": one logger shows the engine and this
 
@@ -159,6 +160,13 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
             if unknown:  # a misspelt task would go to "default"
                 raise ValueError(f"thread_map names no HSTU task {unknown}; the tasks are "
                                  f"{sorted(HSTU_DEFAULT_THREAD_MAP)}")  # fmt: skip
+
+    @property
+    def loss_watch(self) -> LossWatch:
+        """The check of every step's loss for finiteness (``watchdog_step``).  On a GPU
+        its ``pending`` counts the losses copied but not checked yet: how many steps
+        the host runs ahead of the device (at most its ``max_lag``)."""
+        return self._state.watch
 
     def attach(self, model: torch.nn.Module | None = None) -> None:
         super().attach(model)

@@ -46,13 +46,33 @@ class RunResult:
     tokens: list[float] = field(default_factory=list)
     seconds: float = 0.0
     cpu_seconds: float = 0.0  # this process's CPU time over the run, every thread counted
+    # Steps whose values are still on the device, in order after those above: reading
+    # one per step would make the host wait for the device every step.
+    unread: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+
+    @property
+    def steps(self) -> int:
+        return len(self.loss_sums) + len(self.unread)
 
     def record(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
-        self.loss_sums.append(float(loss_sum))
-        self.tokens.append(float(tokens))
+        if loss_sum.device.type == "cpu" and not self.unread:
+            self.loss_sums.append(float(loss_sum))
+            self.tokens.append(float(tokens))
+        else:
+            self.unread.append((loss_sum.detach(), tokens.detach()))
+
+    def read(self) -> None:
+        """Bring the values still on the device to the host (one wait for the device)."""
+        if self.unread and torch.cuda.is_available():
+            torch.cuda.synchronize()  # every stream: a lane's, not only the caller's
+        for loss_sum, tokens in self.unread:
+            self.loss_sums.append(float(loss_sum))
+            self.tokens.append(float(tokens))
+        self.unread.clear()
 
     def global_losses(self) -> list[float]:
         """Per-step mean loss over every rank's tokens (one all-reduce, after the run)."""
+        self.read()
         sums = torch.tensor(self.loss_sums, dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
@@ -112,7 +132,7 @@ def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
         async with pipe:
             async for loss_sum, tokens, _ in pipe.results(data):
                 result.record(loss_sum, tokens)
-                on_step(len(result.loss_sums))
+                on_step(result.steps)
 
     run(train())
 
@@ -137,7 +157,7 @@ def _torchrec(setup: TrainingSetup, data: Iterable[HSTUBatch], result: RunResult
     pipe = torchrec_pipeline(setup)
     for loss_sum, tokens, _ in torchrec_results(pipe, data):
         result.record(loss_sum, tokens)
-        on_step(len(result.loss_sums))
+        on_step(result.steps)
 
 
 def run_pipeline(
@@ -173,9 +193,10 @@ def run_pipeline(
         for batch in data:
             loss_sum, tokens, _ = plain_train_step(setup, batch)
             result.record(loss_sum, tokens)
-            on_step(len(result.loss_sums))
+            on_step(result.steps)
     else:
         raise ValueError(f"unknown pipeline {mode!r}; choose from {PIPELINES}")
+    result.read()  # the device's last steps belong to the run's time
     result.seconds = time.perf_counter() - start
     result.cpu_seconds = time.process_time() - cpu_start
     return result

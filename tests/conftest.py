@@ -1,7 +1,8 @@
 """Shared fixtures and helpers.
 
 Every async test runs twice, on plain asyncio and on uvloop (the loop aiopipe's own
-entry points prefer), unless marked ``one_loop``.
+entry points prefer), unless marked ``one_loop``.  A test marked ``cuda`` needs a
+CUDA device and is skipped without one; ``./dev gpu-suite`` runs every such test.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
+import torch
 import uvloop
 
 from aiopipe import SchedulablePipeline, Task, TaskContext
@@ -25,6 +27,14 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "one_loop: run an async test on plain asyncio only")
+    config.addinivalue_line(
+        "markers", "cuda: needs a CUDA device; skipped without one (./dev gpu-suite runs them all)"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 from torchrec.distributed.types import ShardedModule
 
-from aiopipe import BadBatchError, PipelineStateError
+from aiopipe import AsyncExecutor, BadBatchError, CollectiveOrderError, PipelineStateError
 from hstu_tasks import join_local_group, leave_and_exit, quiet_torchrec
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse.dlrm import DLRMConfig, SyntheticDLRMData, build_dlrm_training, run_dlrm
@@ -210,3 +210,23 @@ def check_contract(rank: int) -> None:
         await pipe.aclose()
 
     asyncio.run(scenario())
+
+
+def uneven_batches_worker(rank: int, port: int) -> None:
+    """12 batches on rank 0, 9 on rank 1, with the collective order check on: both
+    ranks raise CollectiveOrderError before the first mismatched collective (at
+    iteration 9, where rank 1 has no new batch), not a gloo failure."""
+    join(rank, port)
+    setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                              executor=AsyncExecutor(check_collective_order=1))  # fmt: skip
+
+    async def train() -> int:
+        async with pipe:
+            return len(await collect(pipe, iter(data(rank, (12, 9)[rank]))))
+
+    expected = (r"at iteration 9:\n  rank 0: batches 7-9, .*\n  rank 1: batches 7-8, .*\n"
+                r"The ranks are on different batches")
+    with pytest.raises(CollectiveOrderError, match=expected):
+        asyncio.run(train())
+    leave_and_exit(0)

@@ -69,3 +69,59 @@ def test_docstring_markup_becomes_markdown(builder: ModuleType) -> None:
         "Title line.\n\nUses `code`, `Tracer` and `aiopipe.run`:\n\n```text\npipe.run()\n```\n\n"
         "```text\n====  =====\na     b\n====  =====\n1     2\n====  =====\n```"
     )
+
+
+def inline_code(page: str) -> list[str]:
+    """The inline code spans of a guide (fenced blocks left out), newlines folded."""
+    text = re.sub(r"^```.*?^```", "", (ROOT / "docs" / page).read_text(), flags=re.S | re.M)
+    return [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", text)]
+
+
+#: Calls docs/sparse-dist.md names that are not members of the pipelines.
+NOT_MEMBERS = {"iter": "the builtin", "model_fwd": "the model or custom_model_fwd"}
+
+
+def test_every_call_the_sparse_dist_guide_names_is_a_member() -> None:
+    """``drain()``, ``statistics()``, ``pipe.results(...)``: each exists on both
+    pipelines (the blocking form's calls on ``blocking()``)."""
+    from hstu_tasks import SparseDistEvalPipeline, SparseDistPipeline
+
+    call = re.compile(r"(?:await |async for \w+ in )?(?:pipe\.)?([a-z_]\w*)\(")
+    spans = inline_code("sparse-dist.md")
+    called = {match.group(1) for span in spans if (match := call.match(span))}
+    assert {"statistics", "drain", "detach", "attach", "reset", "aclose", "results"} <= called
+    for pipeline in (SparseDistPipeline, SparseDistEvalPipeline):
+        missing = {name for name in called - NOT_MEMBERS.keys() if not hasattr(pipeline, name)}
+        assert not missing, f"{pipeline.__name__} lacks {sorted(missing)}"
+    assert all(hasattr(SparseDistPipeline, name) for name in ("__aenter__", "eval_pipeline"))
+
+
+def documented_parameters(page: str, name: str) -> list[list[str]]:
+    """The parameter lists of every ``name(...)`` span of a guide (defaults dropped)."""
+    found = []
+    for span in inline_code(page):
+        if span.startswith(f"{name}(") and span.endswith(")"):
+            found.append([p.split("=")[0].strip() for p in span[len(name) + 1 : -1].split(",")])
+    return found
+
+
+@pytest.mark.parametrize("page, name", [
+    ("sparse-dist.md", "SparseDistPipeline"), ("hstu.md", "SparseDistPipeline"),
+    ("hstu.md", "SparseDistEvalPipeline"), ("hstu.md", "HSTUPipeline"),
+])  # fmt: skip
+def test_the_guides_give_the_adapter_constructors_parameters(page: str, name: str) -> None:
+    import inspect
+
+    import hstu_tasks
+
+    parameters = inspect.signature(getattr(hstu_tasks, name)).parameters.values()
+    actual = [p.name for p in parameters]
+    first_keyword = next(i for i, p in enumerate(parameters) if p.kind is p.KEYWORD_ONLY)
+    actual.insert(first_keyword, "*")
+    documented = documented_parameters(page, name)
+    assert documented, f"{page} gives no {name}(...) call"
+    for listed in documented:
+        if listed[-1] == "...":  # the rest as above
+            assert listed[:-1] == actual[: len(listed) - 1], (page, listed)
+        else:
+            assert listed == actual, (page, listed)

@@ -11,7 +11,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from _common import Table, interleaved_rounds, print_table, spread, with_spread  # noqa: E402
+from _common import (  # noqa: E402
+    Table,
+    engine_host_ms,
+    interleaved_rounds,
+    print_table,
+    spread,
+    with_spread,
+)
+
+from aiopipe import Span  # noqa: E402
 
 
 def test_spread_is_half_the_range_over_the_median() -> None:
@@ -82,3 +91,22 @@ def test_a_paired_ratio_is_the_median_of_the_per_round_ratios() -> None:
     assert paired([1.0, 4.0, 3.0], [2.0, 8.0, 2.0]) == 0.5
     with pytest.raises(ValueError):
         paired([1.0], [1.0, 2.0])  # rows of different lengths are a bug
+
+
+def span(task: str, iteration: int, start_ms: float, end_ms: float, wait_ms: float = 0.0,
+         thread: str = "compute") -> Span:  # fmt: skip
+    return Span(task, iteration, iteration, thread, thread, None, int(start_ms * 1e6),
+                int(end_ms * 1e6), int(wait_ms * 1e6))  # fmt: skip
+
+
+def test_the_engine_host_time_is_the_busiest_lanes_gaps_less_their_waits() -> None:
+    spans = []
+    for i in range(4):  # a 10 ms step: forward 4 ms, 1 ms gap, backward 4 ms, 1 ms boundary
+        t = 10.0 * i
+        spans += [span("forward", i, t, t + 4), span("backward", i, t + 5, t + 9, wait_ms=0.5),
+                  span("h2d", i, t, t + 1, thread="io")]  # fmt: skip
+    host, step = engine_host_ms(spans, skip=1)  # iterations 1-3: two steps between them
+    assert step == pytest.approx(10.0)
+    assert host == pytest.approx(0.5 + 1.0)  # in-step gap less the wait, and the boundary
+    with pytest.raises(ValueError, match="less than two iterations"):
+        engine_host_ms(spans, skip=3)

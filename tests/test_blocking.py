@@ -201,3 +201,9 @@ def test_a_second_blocking_call_from_another_thread_is_refused() -> None:
         blocking.append(pipe)
         assert list(pipe.results(range(2))) == [0, 1]
     assert len(refused) == 2 and "one call at a time" in str(refused[0])
+
+
+def test_the_blocking_form_reports_the_statistics_of_its_pipeline() -> None:
+    with Pipeline([Task.from_fn("t", lambda ctx: None)], expect_result=False).blocking() as pipe:
+        assert list(pipe.results(range(3))) == [None, None, None]
+        assert (pipe.statistics().returned, pipe.statistics().applied) == (3, 3)

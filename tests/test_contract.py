@@ -268,3 +268,178 @@ async def test_progress_returns_the_applied_step_before_the_later_batchs_failure
             await pipe.progress(source)  # the call that would return batch 3
         with pytest.raises(PipelineStateError, match=r"reset\(\)"):
             await pipe.progress(source)
+
+
+def gated_at(batch: int, started: threading.Event, release: threading.Event) -> Task:
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == batch:
+            started.set()
+            assert release.wait(10)
+        echo(ctx)
+
+    return Task.from_fn("train", train)
+
+
+def leave_batch_1_on_a_closed_loop(pipe: Pipeline, source: Any, started: threading.Event) -> None:
+    """Return batch 0, cancel the call running batch 1's step, close the loop by hand."""
+    loop = asyncio.new_event_loop()
+
+    async def first() -> None:
+        assert await pipe.progress(source) == 0
+        call = asyncio.ensure_future(pipe.progress(source))
+        await in_a_thread(started)
+        await cancelled(call)
+
+    try:
+        loop.run_until_complete(first())
+    finally:
+        loop.close()  # the step's end is still to come: the lanes' report of it is dropped
+
+
+async def async_items(count: int) -> AsyncIterator[int]:
+    for n in range(count):
+        yield n
+
+
+@pytest.mark.parametrize("source", [lambda: iter(range(4)), lambda: async_items(4)])
+def test_an_iteration_left_on_a_closed_loop_is_ended_by_the_next_loop(source: Any) -> None:
+    started, release = threading.Event(), threading.Event()
+    pipe, items = Pipeline([gated_at(1, started, release)]), source()
+    leave_batch_1_on_a_closed_loop(pipe, items, started)
+    release.set()
+
+    async def the_rest() -> list[Any]:
+        async with pipe:
+            return [r async for r in pipe.results(items)]
+
+    assert asyncio.run(the_rest()) == [1, 2, 3]  # batch 1's result comes first
+
+
+def test_shutdown_after_the_loop_was_closed_by_hand_stops_the_lanes() -> None:
+    started, release = threading.Event(), threading.Event()
+    pipe = Pipeline([gated_at(1, started, release)])
+    leave_batch_1_on_a_closed_loop(pipe, iter(range(4)), started)
+    release.set()
+    pipe.shutdown()  # not refused: nothing can end that iteration any more
+    assert pipe.statistics().closed  # (the lanes are stopped: conftest checks)
+
+
+def test_reset_after_the_loop_was_closed_by_hand_starts_afresh() -> None:
+    started, release = threading.Event(), threading.Event()
+    pipe = Pipeline([gated_at(1, started, release)])
+    leave_batch_1_on_a_closed_loop(pipe, iter(range(4)), started)
+    release.set()
+    pipe.reset()
+
+    async def again() -> list[Any]:
+        async with pipe:
+            return [r async for r in pipe.results(iter(range(3)))]
+
+    assert asyncio.run(again()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("lane", ["default", "loop"])  # handed to the loop by a lane, or its own
+def test_a_coroutine_iteration_left_on_a_closed_loop_asks_for_reset(lane: str) -> None:
+    stuck = asyncio.Event()  # set on the first loop: batch 1's body waits there
+
+    async def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 1 and not stuck.is_set():
+            stuck.set()
+            await asyncio.Event().wait()  # never set: its loop is closed under it
+        echo(ctx)
+
+    pipe = Pipeline([Task.from_fn("train", train)], thread_map={"train": lane})
+    source, loop = iter(range(4)), asyncio.new_event_loop()
+
+    async def first() -> None:
+        assert await pipe.progress(source) == 0
+        call = asyncio.ensure_future(pipe.progress(source))
+        await stuck.wait()
+        await cancelled(call)
+
+    try:
+        loop.run_until_complete(first())
+    finally:
+        loop.close()
+
+    async def again() -> list[Any]:
+        async with pipe:
+            with pytest.raises(PipelineStateError, match=r"closed.*reset\(\)"):
+                await pipe.progress(source)
+            pipe.reset()
+            return [r async for r in pipe.results(iter(range(3)))]
+
+    assert asyncio.run(again()) == [0, 1, 2]
+
+
+def counting(steps: list[int]) -> list[Task]:
+    """``load`` one batch ahead, ``train`` (which counts its steps) on the oldest."""
+
+    def load(ctx: TaskContext) -> None:
+        ctx.slots.set("x", ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        steps.append(ctx.slots["x"])
+        ctx.slots.set("step_result", ctx.slots["x"])
+
+    return [Task.from_fn("load", load, lookahead=1, stream="io"),
+            Task.from_fn("train", train, writes=("step_result",))]  # fmt: skip
+
+
+async def test_leaving_results_early_trains_nothing_more_and_the_next_pass_starts() -> None:
+    steps: list[int] = []
+    loader = list(range(8))
+    async with Pipeline(counting(steps)) as pipe:
+        async for result in pipe.results(loader):
+            if result == 2:
+                break  # a step limit: three steps mean three steps
+        assert steps == [0, 1, 2]
+        assert [r async for r in pipe.results(loader)] == list(range(8))  # a new pass
+        assert steps == [0, 1, 2, *range(8)]
+        # batch 3 (loaded) and batch 4 (read ahead) were dropped untrained
+        assert pipe.statistics().discarded == 2
+
+
+def test_leaving_the_blocking_results_early_trains_nothing_more() -> None:
+    steps: list[int] = []
+    loader = list(range(8))
+    with Pipeline(counting(steps)).blocking() as pipe:
+        for result in pipe.results(loader):
+            if result == 2:
+                break
+        assert list(pipe.results(loader)) == list(range(8))
+        assert steps == [0, 1, 2, *range(8)]
+
+
+async def test_an_iterator_left_early_and_passed_again_goes_on_with_its_batches() -> None:
+    steps: list[int] = []
+    batches = iter(range(8))
+    async with Pipeline(counting(steps)) as pipe:
+        async for result in pipe.results(batches):
+            if result == 2:
+                break
+        assert [r async for r in pipe.results(batches)] == [3, 4, 5, 6, 7]  # none lost
+        assert (steps, pipe.statistics().discarded) == (list(range(8)), 0)
+
+
+async def test_a_manual_new_source_with_batches_in_flight_names_drain_and_reset() -> None:
+    async with Pipeline(counting([])) as pipe:
+        assert await pipe.progress(iter(range(4))) == 0
+        with pytest.raises(PipelineStateError, match=r"drain\(\).*reset\(\)"):
+            await pipe.progress(iter(range(4)))
+
+
+async def test_reset_after_a_failure_keeps_the_item_read_ahead() -> None:
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 1:
+            raise RuntimeError("bad step")
+        echo(ctx)
+
+    source = iter(range(3))
+    async with Pipeline([Task.from_fn("train", train)]) as pipe:
+        assert await pipe.progress(source) == 0
+        with pytest.raises(RuntimeError, match="bad step"):
+            await pipe.progress(source)  # batch 2 was read ahead meanwhile; no task saw it
+        pipe.reset()
+        assert pipe.statistics().discarded == 1  # batch 1, whose step failed
+        assert [r async for r in pipe.results(source)] == [2]

@@ -15,7 +15,7 @@ from conftest import collect
 
 from aiopipe import Pipeline, StreamPool, Task, TaskContext, copy_to_host, wait_for_event
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda
 
 N = 1 << 20
 

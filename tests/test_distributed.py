@@ -89,8 +89,79 @@ def mismatch_worker(rank: int, port: int) -> None:
         async with pipe:
             await pipe.progress(iter(range(3)))
 
-    with pytest.raises(CollectiveOrderError, match=r"rank 0: \(0, \('a', 'b'\)\)"):
+    with pytest.raises(CollectiveOrderError, match=r"iteration 0:\n  rank 0: batch 0, "
+                       r"collectives \('a', 'b'\)\n  rank 1: batch 0, collectives \('b', 'a'\)\n"
+                       r"Every rank must run the same schedule"):  # fmt: skip
         aiopipe.run(train())
+    leave_and_exit(0)
+
+
+#: Batches per rank: rank 1's source ends three batches earlier.
+UNEVEN = (12, 9)
+
+
+def uneven_worker(rank: int, port: int) -> None:
+    """Same-shaped blocking all-reduces a batch ahead and on the batch itself: once
+    rank 1's source ends, rank 0's extra collective would pair with one of rank 1's."""
+    init(rank, port)
+    sums: dict[str, list[float]] = {}
+
+    def all_reduce(ctx: TaskContext) -> None:
+        value = torch.ones(4)
+        dist.all_reduce(value)  # blocking
+        sums.setdefault(ctx.task.name, []).append(float(value[0]))
+
+    tasks = [Task.from_fn("input_dist", all_reduce, lookahead=1, nccl=True),
+             Task.from_fn("grads", all_reduce, nccl=True)]  # fmt: skip
+    pipe = Pipeline(tasks, executor=AsyncExecutor(check_collective_order=1))
+
+    async def train() -> int:
+        results = 0
+        async with pipe:
+            async for _ in pipe.results(range(UNEVEN[rank])):
+                results += 1
+        return results
+
+    with pytest.raises(CollectiveOrderError) as info:
+        aiopipe.run(train())
+    assert str(info.value).startswith(
+        "ranks are about to issue different collectives at iteration 9:\n"
+        "  rank 0: batches 8-9, collectives ('input_dist', 'grads')\n"
+        "  rank 1: batch 8, collectives ('grads',)\n"
+        "The ranks are on different batches: their sources hold different numbers of batches"
+    ), str(info.value)
+    # nothing mismatched was issued: every collective so far paired with its own
+    assert sums == {"input_dist": [2.0] * 9, "grads": [2.0] * 8}
+    leave_and_exit(0)
+
+
+def uneven_without_lookahead_worker(rank: int, port: int) -> None:
+    """With no lookahead there is no iteration after the last batch: rank 1 ends
+    unchecked, and its next pass meets rank 0, still in the first pass, at the check."""
+    init(rank, port)
+
+    def all_reduce(ctx: TaskContext) -> None:
+        dist.all_reduce(torch.ones(4))
+
+    pipe = Pipeline([Task.from_fn("grads", all_reduce, nccl=True)], expect_result=False,
+                    executor=AsyncExecutor(check_collective_order=1))  # fmt: skip
+
+    async def train() -> list[int]:
+        passes = []
+        async with pipe:
+            for _ in range(2):
+                passes.append(len([r async for r in pipe.results(range(UNEVEN[rank]))]))
+        return passes
+
+    with pytest.raises(CollectiveOrderError) as info:
+        aiopipe.run(train())
+    number = 9 if rank == 0 else 0  # where each rank stands
+    assert str(info.value).startswith(
+        f"ranks are about to issue different collectives at iteration {number}:\n"
+        f"  rank 0: iteration 9, batch 9, collectives ('grads',)\n"
+        f"  rank 1: iteration 0, batch 0, collectives ('grads',)\n"
+        f"The ranks are on different batches"
+    ), str(info.value)
     leave_and_exit(0)
 
 
@@ -105,3 +176,8 @@ def test_collectives_from_several_lanes_keep_one_order_on_every_rank() -> None:
 
 def test_collective_order_check_catches_ranks_that_disagree() -> None:
     spawn(mismatch_worker)
+
+
+def test_collective_order_check_catches_ranks_with_different_numbers_of_batches() -> None:
+    spawn(uneven_worker)
+    spawn(uneven_without_lookahead_worker)

@@ -99,3 +99,11 @@ def test_train_dlrm_demo_refuses_eval_passes_on_torchrecs_pipeline() -> None:
     assert result.returncode == 1
     assert "forward its training batches in flight" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_async_fetch_example_warns_on_the_shared_stream_and_matches_the_plain_loop() -> None:
+    out = run("examples/async_fetch.py", "--steps", "8", "--latency-ms", "1")
+    lines = out.splitlines()
+    assert "warned" not in lines[0] and "warned: SerializedAwaitWarning" in lines[1]
+    assert "warned" not in lines[2]
+    assert lines[-1] == "same losses in all three: True"

@@ -95,6 +95,19 @@ async def test_failure_raises_the_original_error_and_refuses_until_reset(
         pipe.shutdown()
 
 
+async def test_the_note_names_the_source_s_batch_and_explains_the_iteration() -> None:
+    """``forward`` (lookahead 0 of 2) failing at internal iteration 2 works on the
+    source's first batch: the note says so in words a newcomer can follow."""
+    pipe = build("forward", 2, "async", [])
+    async with pipe:
+        with pytest.raises(Boom) as info:
+            await collect(pipe, iter(range(BATCHES)))
+    assert info.value.__notes__ == [
+        "aiopipe: raised by task 'forward' on batch 0 of the source (counted from 0), in the "
+        "pipeline's internal iteration 2 (an iteration works on several batches at once)"
+    ]
+
+
 async def test_a_failure_skips_later_tasks_of_the_same_lane_and_aborts_tickets() -> None:
     log: list[tuple[str, int]] = []
     pipe = build("input_dist", 3, "async", log)

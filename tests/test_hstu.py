@@ -26,6 +26,7 @@ from hstu_tasks.parallel import resolve_data_parallel
 from hstu_tasks.shuffler import IdentityShuffler
 from hstu_tasks.tasks import PipelineState, build_tasks
 from hstu_tasks.model import attention_mask, interleave
+from hstu_tasks.runners import RunResult
 
 pytestmark = pytest.mark.distributed
 
@@ -263,7 +264,7 @@ def test_unsharded_tables_train_like_the_plain_loop() -> None:
     spawn(hstu_workers.unsharded_worker)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron DDP unpatched needs a GPU")
+@pytest.mark.cuda  # Megatron DDP unpatched needs a GPU
 def test_megatron_ddp_on_gpu_trains_like_torch_ddp() -> None:
     world = min(2, torch.cuda.device_count())
     spawn(hstu_workers.megatron_gpu_worker, world, nprocs=world)
@@ -304,3 +305,15 @@ def test_check_batch_names_the_samples_whose_item_lengths_are_wrong() -> None:
     assert broken.features.stride() == size
     with pytest.raises(ValueError, match=r"sample\(s\) \[1\] have item lengths"):
         check_batch(broken)
+
+
+def test_a_run_reads_device_losses_after_its_steps_not_in_each() -> None:
+    """Reading a loss on the host in every step would make the host wait for the
+    device every step; values that are not on the CPU stay as they are until read."""
+    result = RunResult()
+    result.record(torch.tensor(2.0), torch.tensor(4.0))
+    on_device = torch.empty((), device="meta")  # float() of it raises: never read here
+    result.record(on_device, on_device)
+    result.record(torch.tensor(3.0), torch.tensor(6.0))  # kept in order behind it
+    assert result.steps == 3 and result.loss_sums == [2.0] and result.tokens == [4.0]
+    assert len(result.unread) == 2

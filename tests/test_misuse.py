@@ -4,13 +4,15 @@ form called inside one."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from aiopipe import NoRunningLoopError, Pipeline, PipelineStateError, Task
+import aiopipe
+from aiopipe import NoRunningLoopError, Pipeline, PipelineStateError, Task, TaskContext
 from aiopipe.dag import TaskGraph
 from aiopipe.presets import basic
 
@@ -32,49 +34,91 @@ CALLS: dict[str, Callable[[Any], Any]] = {
 }
 
 
+AWAITED = sorted(set(CALLS) - {"results"})
+
+
 @pytest.mark.parametrize("make", [pipeline, preset], ids=["Pipeline", "basic"])
-@pytest.mark.parametrize("api", sorted(CALLS))
-def test_a_coroutine_api_called_without_a_loop_names_the_blocking_form(
+@pytest.mark.parametrize("api", AWAITED)
+def test_a_coroutine_never_run_makes_the_next_loopless_call_name_the_blocking_form(
     make: Callable[[], Any], api: str
 ) -> None:
     pipe = make()
     try:
+        first = CALLS[api](pipe)  # no loop: a coroutine, which asyncio.run() could run
+        with pytest.raises(AttributeError, match=r"returned a coroutine.*\.blocking\(\)"):
+            first.item()  # used as a value: says why it is none
         with pytest.raises(NoRunningLoopError, match=r"\.blocking\(\)") as caught:
-            CALLS[api](pipe)
+            CALLS[api](pipe)  # the previous coroutine never ran: the sync trap
         assert isinstance(caught.value, TypeError)  # a programming error, not a state
         assert f".{api}()" in str(caught.value) and "aiopipe.run" in str(caught.value)
+        assert "never ran" in str(caught.value)
+        first.close()
         # and nothing ran: the pipeline is untouched
         assert pipe.statistics().pulled == 0
     finally:
         pipe.shutdown()
 
 
-def test_the_specification_t1_loop_written_without_await_fails_at_once() -> None:
+@pytest.mark.parametrize("make", [pipeline, preset], ids=["Pipeline", "basic"])
+def test_results_without_a_loop_is_refused_at_once(make: Callable[[], Any]) -> None:
+    pipe = make()
+    try:
+        with pytest.raises(NoRunningLoopError, match=r"async for result in pipe\.results"):
+            pipe.results(iter(range(2)))  # an async generator cannot be run later
+        assert pipe.statistics().pulled == 0
+    finally:
+        pipe.shutdown()
+
+
+def echo(ctx: TaskContext) -> None:
+    ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+
+@pytest.mark.parametrize("run", [asyncio.run, aiopipe.run], ids=["asyncio.run", "aiopipe.run"])
+def test_running_a_coroutine_made_without_a_loop_is_the_standard_idiom(
+    run: Callable[[Any], Any],
+) -> None:
+    pipe, source = Pipeline([Task.from_fn("train", echo)]), iter(range(4))
+    try:
+        assert [run(pipe.progress(source)) for _ in range(3)] == [0, 1, 2]
+        assert run(pipe.drain()) == [3]
+        assert run(pipe.step(7)) == 7
+    finally:
+        pipe.shutdown()
+
+
+def test_the_specification_t1_loop_written_without_await_fails_at_the_second_call() -> None:
     pipe = preset()
     source = iter([torch.ones(4, 2)] * 3)
-    with pytest.raises(NoRunningLoopError):
+    with pytest.raises(NoRunningLoopError), pytest.warns(RuntimeWarning, match="never awaited"):
         for _ in range(3):
             pipe.progress(source)  # the mistake: no await, no blocking()
+        gc.collect()
     with pipe.blocking() as blocking:  # the fix the message names
         assert len(list(blocking.results(source))) == 3
 
 
-def test_task_graph_submit_without_a_loop_is_refused() -> None:
+def test_task_graph_submit_without_a_loop_is_refused_at_the_second_call() -> None:
     graph = TaskGraph()
+    made = graph.submit(lambda: None)  # never run
     with pytest.raises(NoRunningLoopError, match="submit"):
         graph.submit(lambda: None)
+    made.close()  # dropped on purpose: no trap any more
+    graph.submit(lambda: None).close()
 
 
 def test_hstu_pipeline_coroutine_apis_without_a_loop_are_refused() -> None:
     hstu = pytest.importorskip("hstu_tasks")
     model = torch.nn.Linear(2, 1)
     pipe = hstu.HSTUPipeline(model, torch.optim.SGD(model.parameters(), lr=0.1), "cpu")
+    made = pipe.progress(iter([]))  # never run
     with pytest.raises(NoRunningLoopError, match="HSTUPipeline.progress"):
         pipe.progress(iter([]))
     with pytest.raises(NoRunningLoopError, match="HSTUPipeline.drain"):
-        pipe.drain()
+        pipe.drain()  # the previous coroutine, whichever API made it, never ran
     with pytest.raises(NoRunningLoopError, match="async for result in pipe.results"):
         pipe.results(iter([]))
+    made.close()
     pipe.shutdown()
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from conftest import Recorder, collect
@@ -201,6 +201,34 @@ async def test_progress_refuses_an_iterable_and_names_results(recorder: Recorder
     async with three_stage(recorder, "async") as pipe:
         with pytest.raises(TypeError, match="takes an iterator, got the iterable list.*results\\(list\\)"):
             await pipe.progress([1, 2])
+
+
+async def test_a_generator_function_passed_uncalled_asks_did_you_mean(recorder: Recorder) -> None:
+    def batches() -> Iterator[int]:
+        yield from range(3)
+
+    async def stream() -> AsyncIterator[int]:
+        yield 0
+
+    async with three_stage(recorder, "async") as pipe:
+        with pytest.raises(TypeError, match=r"progress\(\) .* a generator function: did you mean "
+                                            r"batches\(\)\?"):  # fmt: skip
+            await pipe.progress(batches)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"results\(\) .* an async generator function: did you "
+                                            r"mean stream\(\)\?"):  # fmt: skip
+            [r async for r in pipe.results(stream)]  # type: ignore[arg-type]
+        assert [r async for r in pipe.results(batches())] == ["result-0", "result-1", "result-2"]
+
+
+def test_the_blocking_form_asks_did_you_mean_too(recorder: Recorder) -> None:
+    def batches() -> Iterator[int]:
+        yield from range(3)
+
+    with three_stage(recorder, "async").blocking() as blocking:
+        with pytest.raises(TypeError, match=r"did you mean batches\(\)\?"):
+            blocking.progress(batches)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"did you mean batches\(\)\?"):
+            list(blocking.results(batches))  # type: ignore[arg-type]
 
 
 async def test_step_result_defaults_to_none(recorder: Recorder) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import collect
 
-from aiopipe import PipelineError, SchedulablePipeline, basic, move_to_device
+from aiopipe import AsyncExecutor, PipelineError, SchedulablePipeline, basic, move_to_device
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "migration"
 
@@ -95,7 +95,7 @@ async def test_t2_moves_batches_one_ahead_on_their_own_stream() -> None:
     pipe.shutdown()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 async def test_t2_on_a_gpu_copies_on_a_lane_of_their_own() -> None:
     model, opt = make(0, "sgd")
     pipe = basic(model.cuda(), opt, loss_fn=loss_fn, forward=forward,
@@ -105,11 +105,45 @@ async def test_t2_on_a_gpu_copies_on_a_lane_of_their_own() -> None:
     pipe.shutdown()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("copy_ahead", [False, True], ids=["T1", "T2"])
+async def test_on_a_gpu_a_step_never_makes_the_host_wait_for_the_device(copy_ahead: bool) -> None:
+    """A blocking copy (or any other synchronising call) in the step would make the
+    host wait for the previous step's kernels every step, so it could never run ahead
+    of the GPU; torch's sync debug mode turns such a wait into an error."""
+    model, opt = make(0, "sgd")
+    pipe = basic(model.cuda(), opt, loss_fn=loss_fn, forward=forward,
+                 prefetch=copy_ahead, memcpy_stream=copy_ahead)  # fmt: skip
+    source = iter(batches(8))  # unpinned: the copy pins them first
+    await pipe.progress(source)  # first-step set-up may synchronise
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            await pipe.progress(source)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(await collect(pipe, source)) == 2  # and the rest of the source trains
+    pipe.shutdown()
+
+
 async def test_a_thread_map_given_on_a_cpu_is_used_as_given() -> None:
     model, opt = make(0, "sgd")
     pipe = basic(model, opt, loss_fn=loss_fn, forward=forward, prefetch=True,
                                      memcpy_stream=True, thread_map={"h2d": "io"})  # fmt: skip
     assert lanes_of(pipe)["h2d"] == "io"
+    pipe.shutdown()
+
+
+async def test_an_executor_given_without_a_thread_map_keeps_the_preset_s_lanes() -> None:
+    """Passing an executor to set another of its options changes no lane; an explicit
+    ``"by_stream"`` is still one lane per stream."""
+    model, opt = make(0, "sgd")
+    options = dict(loss_fn=loss_fn, forward=forward, prefetch=True, memcpy_stream=True)
+    pipe = basic(model, opt, executor=AsyncExecutor(slow_wait_s=None), **options)
+    assert set(lanes_of(pipe).values()) == {"compute"}
+    pipe.shutdown()
+    pipe = basic(model, opt, executor=AsyncExecutor("by_stream"), **options)
+    assert set(lanes_of(pipe).values()) == {"memcpy", "default"}
     pipe.shutdown()
 
 

@@ -16,7 +16,7 @@ import torch
 from torchrec.datasets.utils import Batch
 
 import sparse_workers
-from aiopipe import BadBatchError, PipelineStateError
+from aiopipe import AsyncExecutor, BadBatchError, PipelineStateError
 from aiopipe.lanes import thread_map_for_device
 from conftest import collect
 from hstu_tasks import DLRMConfig, HSTUPipeline, SparseDistPipeline, SyntheticDLRMData
@@ -54,6 +54,10 @@ def test_train_and_eval_interleave_and_share_one_model() -> None:
     the contract of a train and an eval pipeline on one model (refusals, detach and
     attach)."""
     spawn(sparse_workers.eval_worker)
+
+
+def test_the_collective_order_check_stops_ranks_with_different_numbers_of_batches() -> None:
+    spawn(sparse_workers.uneven_batches_worker)
 
 
 @pytest.mark.parametrize("items", [0, 1, 2, 3, 5])
@@ -145,12 +149,14 @@ def test_a_refused_first_batch_counts_in_the_source_position() -> None:
             async with pipe:
                 with pytest.raises(BadBatchError, match="Pipelineable"):  # before tracing
                     await pipe.progress(source)
+                assert pipe.engine is None and pipe.statistics().refused == 1
                 results = await collect(pipe, source)  # the same source goes on
-                assert pipe.engine is not None
-                stats = pipe.engine.statistics()
+                stats = pipe.statistics()
+                assert pipe.engine is not None and stats == pipe.engine.statistics()
                 return len(results), stats.returned, stats.refused
 
         assert asyncio.run(run()) == (3, 3, 1)  # position: returned + refused items
+        assert pipe.statistics().closed
 
 
 class CopyFailsOnce(Batch):
@@ -353,6 +359,68 @@ def test_on_a_cpu_every_task_defaults_to_the_compute_lane() -> None:
             "io", "compute"}  # fmt: skip
     for gpu in ("cuda", "cuda:1"):
         assert thread_map_for_device(SPARSE_DIST_THREAD_MAP, torch.device(gpu)) is SPARSE_DIST_THREAD_MAP
+
+
+def test_an_executor_given_without_a_thread_map_keeps_the_default_lanes() -> None:
+    """``executor=AsyncExecutor(check_collective_order=1)`` sets the check, not the lanes."""
+    config = DLRMConfig(num_embeddings=200, batch_size=16)
+    with one_rank_group():
+        setup = build_dlrm_training(config, "sgd", seed=3)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                  executor=AsyncExecutor(check_collective_order=1))  # fmt: skip
+
+        async def run() -> tuple[int, set[str]]:
+            async with pipe:
+                results = await collect(pipe, iter(SyntheticDLRMData(config, 3)))
+                assert pipe.engine is not None
+                lanes = {pipe.engine.executor.lane_of(t.name) for t in pipe.engine.schedule.tasks}
+                return len(results), lanes
+
+        assert asyncio.run(run()) == (3, {"compute"})
+
+
+@pytest.mark.parametrize("execute_all_batches", [True, False])
+def test_a_generator_function_passed_uncalled_asks_did_you_mean(execute_all_batches: bool) -> None:
+    config = DLRMConfig(num_embeddings=200, batch_size=16)
+
+    def batches() -> Iterator[Any]:
+        yield from SyntheticDLRMData(config, 2)
+
+    with one_rank_group():
+        setup = build_dlrm_training(config, "sgd", seed=3)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, execute_all_batches)
+
+        async def run() -> int:
+            async with pipe:
+                with pytest.raises(TypeError, match=r"did you mean batches\(\)\?"):
+                    await pipe.progress(batches)  # type: ignore[arg-type]
+                with pytest.raises(TypeError, match=r"did you mean batches\(\)\?"):
+                    [r async for r in pipe.results(batches)]  # type: ignore[arg-type]
+                return len(await collect(pipe, batches()))
+
+        assert asyncio.run(run()) == (2 if execute_all_batches else 0)
+
+
+def test_a_forward_returning_a_bare_loss_is_told_what_the_pipeline_expects() -> None:
+    config = DLRMConfig(num_embeddings=200, batch_size=16)
+    with one_rank_group():
+        setup = build_dlrm_training(config, "sgd", seed=3)
+        model = setup.model
+        pipe = SparseDistPipeline(model, setup.optimizer, setup.device,
+                                  custom_model_fwd=lambda batch: model(batch)[0])  # fmt: skip
+
+        async def run() -> None:
+            async with pipe:
+                with pytest.raises(TypeError) as info:
+                    await collect(pipe, iter(SyntheticDLRMData(config, 3)))
+                pipe.reset()
+            message = str(info.value)
+            assert message.startswith("custom_model_fwd(batch) returned a tensor of shape (); the "
+                                      "sparse-dist pipeline expects (losses, output)")  # fmt: skip
+            assert "custom_model_fwd=lambda batch: (model(batch), None)" in message
+            assert "on batch 0 of the source" in info.value.__notes__[0]
+
+        asyncio.run(run())
 
 
 def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch() -> None:

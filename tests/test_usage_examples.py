@@ -103,9 +103,10 @@ def test_custom_executor_sees_every_iteration_and_changes_nothing(examples: Any)
     ]
 
 
-def test_amp_example_matches_the_plain_amp_loop(examples: Any) -> None:
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_amp_example_matches_the_plain_amp_loop(examples: Any, device_type: str) -> None:
     amp = examples("amp")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device_type)
     batches = amp.make_batches(6, seed=1)
     pipelined = amp.train_pipelined(batches, device)
     plain = amp.train_plain(batches, device)

@@ -15,16 +15,28 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from types import FrameType
 from typing import Any, TypeVar
 
 from ..errors import PipelineStateError
 
-__all__ = ("LoopRunner", "finish_loop", "new_event_loop", "uvloop_enabled")
+__all__ = ("LoopRunner", "finish_loop", "new_event_loop", "runner_owns", "uvloop_enabled")
 
 T = TypeVar("T")
+
+#: The loops of LoopRunners: their shutdown (finish_loop) cancels again the tasks
+#: made while it cancels, so nothing else need hold them open.
+_RUNNER_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+def runner_owns(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` belongs to a :class:`LoopRunner` (``aiopipe.run``, the
+    blocking API), which ends with :func:`finish_loop`."""
+    return loop in _RUNNER_LOOPS
 
 
 def uvloop_enabled() -> bool:
@@ -63,6 +75,7 @@ class LoopRunner:
     def loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None or self._loop.is_closed():
             self._loop = new_event_loop(prefer_uvloop=self._prefer_uvloop)
+            _RUNNER_LOOPS.add(self._loop)
             self._closed = False
         return self._loop
 
@@ -100,6 +113,10 @@ class LoopRunner:
         except asyncio.CancelledError:
             if self._interrupts:
                 raise KeyboardInterrupt() from None
+            raise
+        except BaseException:
+            if not task.done():  # the loop itself was left (KeyboardInterrupt, SystemExit)
+                _cancel_and_settle(loop, task)
             raise
         finally:
             self._task = None
@@ -152,18 +169,33 @@ def _loop_running_in_this_thread() -> bool:
     return True
 
 
+def _cancel_and_settle(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+    """Cancel a call that a ``KeyboardInterrupt``/``SystemExit`` from a callback or
+    another task left pending, and let it end now: left on the loop, it would run on
+    at the next call and take that call's place (cancelled, a pipeline's caller
+    returns at once; its iteration runs on like any other's)."""
+    task.cancel()
+    loop.run_until_complete(asyncio.wait([task]))
+
+
 def finish_loop(loop: asyncio.AbstractEventLoop) -> None:
     """Cancel what is left on ``loop`` and shut down its async generators and default
     executor (``asyncio.run``'s ending), before the owner closes it."""
     # A cancelled progress() leaves a task behind that waits for its step on the
     # lanes (IterationDriver.guard_lanes): cancel that one too.  A few rounds,
-    # not forever (a task may start another as it is cancelled).
-    for _ in range(4):
-        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        if not pending:
-            break
-        for task in pending:
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    loop.run_until_complete(loop.shutdown_asyncgens())
-    loop.run_until_complete(loop.shutdown_default_executor())
+    # not forever (a task may start another as it is cancelled).  Ctrl-C here (the
+    # task said what it waits for) stops waiting: the loop is closed without it.
+    try:
+        for _ in range(4):
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    except KeyboardInterrupt:
+        print("aiopipe: stopped waiting; the event loop closes without it", file=sys.stderr)
+        raise
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())

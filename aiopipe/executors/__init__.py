@@ -38,12 +38,15 @@ def resolve_executor(
     ``default_thread_map`` -- the pipeline's own layout, kept on a CUDA ``device``
     and folded onto one ``"compute"`` lane on any other
     (:func:`~aiopipe.lanes.thread_map_for_device`) -- or, without that, one lane per
-    stream."""
+    stream.  So does an :class:`AsyncExecutor` instance built without a thread map
+    (``AsyncExecutor(check_collective_order=1)``): it takes the pipeline's default
+    lanes, as ``executor=None`` would."""
+    default = None
+    if default_thread_map is not None:
+        where = torch.device(device) if device is not None else torch.device("cpu")
+        default = thread_map_for_device(default_thread_map, where)
     if executor is None or executor == "async":
-        if thread_map is None and default_thread_map is not None:
-            where = torch.device(device) if device is not None else torch.device("cpu")
-            thread_map = thread_map_for_device(default_thread_map, where)
-        return AsyncExecutor(thread_map)
+        return AsyncExecutor(thread_map if thread_map is not None else default)
     if thread_map is not None:
         raise ConfigurationError(
             f"thread_map configures the async executor; drop thread_map or executor={executor!r}"
@@ -59,4 +62,6 @@ def resolve_executor(
             f"executor must be 'async', 'sequential' or provide bind/run_iteration/shutdown, "
             f"got {executor!r}"
         )
+    if isinstance(executor, AsyncExecutor) and default is not None:
+        executor.take_default_thread_map(default)
     return executor

@@ -73,9 +73,13 @@ class AsyncExecutor:
 
     ``thread_map``: ``None``/``"by_stream"`` (lane = stream), ``"per_task"``, a dict
     ``{task name: lane}`` (unmapped tasks go to lane ``"default"``) or a callable
-    ``task -> lane``; lane ``"loop"`` runs sync bodies inline on the loop.
-    ``check_collective_order=N`` compares the collective ticket sequence across
-    ranks every N iterations and raises :class:`CollectiveOrderError` on a mismatch.
+    ``task -> lane``; lane ``"loop"`` runs sync bodies inline on the loop.  ``None``
+    given to a pipeline with lanes of its own (``basic()``, the ``hstu_tasks``
+    pipelines) takes those lanes instead (:meth:`take_default_thread_map`).
+    ``check_collective_order=N`` compares the collectives across ranks before every
+    N-th iteration issues its own, and raises :class:`CollectiveOrderError` on a
+    mismatch (with N=1 before any mismatched collective: different schedules, or
+    different numbers of batches; see ``order_check.py``).
     ``slow_wait_s``: a task still waiting for a task on another lane or for its
     collective ticket after this many seconds logs a warning on ``aiopipe.executors``
     (and goes on waiting); ``None`` turns that off.  An attribute, so it can be
@@ -150,15 +154,21 @@ class AsyncExecutor:
         return IterationHandle(self._begin_stage(iteration, stages[0], on_done))
 
     async def run_iteration(self, iteration: Iteration) -> None:
+        if self._order_check is not None:  # before the iteration issues any collective
+            await self._order_check.check_before(iteration)
         for active in iteration.active.stages:
             if active:
                 await self._finish_stage(self._begin_stage(iteration, active))
-        if self._order_check is not None:
-            names = [iteration.plan.order[i].name for i in iteration.active.all if iteration.plan.nccl[i]]
-            await self._order_check.record_and_check(iteration.number, names)
 
     def shutdown(self) -> None:
         self._lane_pool.shutdown()
+
+    def take_default_thread_map(self, thread_map: ThreadMap) -> None:
+        """Use ``thread_map``, a pipeline's default lanes, if this executor was built
+        without a thread map and is not bound yet: passing an executor to set another
+        option (``check_collective_order``) keeps the pipeline's lanes."""
+        if self.thread_map is None and self._plan is None:
+            self.thread_map = thread_map
 
     def lane_of(self, task_name: str) -> str:
         plan = self._require_plan()
@@ -196,7 +206,7 @@ class AsyncExecutor:
         waker = LoopWaker(asyncio.get_running_loop())
         lanes = [self._lane_pool.get(name) for name, _ in layout.thread_chains]  # may start threads
         self._tickets.reset(waker)
-        run = StageRun(iteration, layout, waker, self._tickets, on_done)
+        run = iteration.stage = StageRun(iteration, layout, waker, self._tickets, on_done)
         for lane, (_, chain) in zip(lanes, layout.thread_chains):
             lane.submit(functools.partial(self._run_thread_chain, run, lane, chain))
         if self._compute_off_loop:

@@ -63,7 +63,9 @@ class Executor(Protocol):
 
 def annotate_failure(exc: BaseException, task_name: str, iteration: int, batch: int) -> None:
     """Attach where a task body failed to the original exception (once)."""
-    attach_origin(exc, task_name, f"at iteration {iteration} (batch {batch})", aiopipe_iteration=iteration)
+    where = (f"on batch {batch} of the source (counted from 0), in the pipeline's internal "
+             f"iteration {iteration} (an iteration works on several batches at once)")
+    attach_origin(exc, task_name, where, aiopipe_iteration=iteration)
 
 
 class Iteration:
@@ -79,7 +81,7 @@ class Iteration:
 
     __slots__ = (
         "_annotator", "_ctx", "_deferred_syncs", "_lane_names", "_ready_ns", "_ring", "_tracer",
-        "active", "completed", "number", "pipeline", "plan", "started",
+        "active", "completed", "number", "pipeline", "plan", "stage", "started",
     )  # fmt: skip
 
     def __init__(
@@ -103,6 +105,9 @@ class Iteration:
         self.started = False
         #: The tasks whose bodies ran to their end (appended from any lane).
         self.completed: list[int] = []
+        #: What the lanes share for the stage they run now (an executor's own object,
+        #: e.g. ``AsyncExecutor``'s ``StageRun``); ``None`` when no lane runs it.
+        self.stage: Any = None
         self._ring = ring
         self._ctx = ctx
         self._annotator = annotator

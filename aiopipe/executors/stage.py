@@ -40,6 +40,8 @@ class StageRun:
         self.flags = {i: OneShotFlag(waker, self.lock) for i in layout.flagged}
         self.outstanding = len(layout.thread_chains)
         self.finished = threading.Event()  # every lane is done with this stage
+        if not self.outstanding:
+            self.finished.set()
         # Who hears that the last lane finished: a callback on the loop (start_iteration),
         # else a future awaited by _finish_stage.
         self.on_done = on_done
@@ -82,6 +84,15 @@ class StageRun:
             self.threads_done = self.waker.loop.create_future()
             return self.threads_done
 
+    def close_loop_bodies(self) -> bool:
+        """The loop closed under this stage: nothing will resume its ``async def``
+        bodies.  Close their coroutines, so the lanes waiting for them go on; whether
+        there were any (their tasks did not run to their end)."""
+        tasks = list(self.async_tasks)
+        for task in tasks:
+            task.get_coro().close()
+        return bool(tasks)
+
     def finish_task(self, index: int) -> None:
         ticket = self.layout.tickets.get(index)
         if ticket is not None:
@@ -98,6 +109,25 @@ class IterationHandle:
 
     def __init__(self, run: StageRun) -> None:
         self._run = run
+
+    @classmethod
+    def of(cls, iteration: Iteration) -> IterationHandle | None:
+        """A handle on the stage of ``iteration`` that the lanes run now, if any."""
+        run = iteration.stage
+        return cls(run) if isinstance(run, StageRun) else None
+
+    def abandon_loop(self, exc: BaseException | None) -> bool:
+        """The loop closed under the iteration: close its ``async def`` bodies (they
+        can never end) and, given ``exc``, skip the tasks not yet started (none of
+        the loop's part will run).  Whether any body was closed."""
+        if exc is not None:
+            self._run.fail(exc)
+        return self._run.close_loop_bodies()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The iteration's first failure, once :meth:`wait` has returned ``True``."""
+        return self._run.error
 
     def abort(self, exc: BaseException) -> None:
         """Skip the tasks not yet started (the loop is shutting down); running bodies

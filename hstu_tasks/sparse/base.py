@@ -14,15 +14,15 @@ the ring (trained like any other; none is lost).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import Any, Generic, Self, TypeVar
 
 import torch
 
 from aiopipe import AsyncExecutor, BadBatchError, BlockingPipeline, Executor, PipelineStateError
-from aiopipe import Schedule, SchedulablePipeline, Tracer
+from aiopipe import PipelineStatistics, Schedule, SchedulablePipeline, Tracer
 from aiopipe.executors import resolve_executor
-from aiopipe.protocols import results_of
+from aiopipe.protocols import Results
 from aiopipe.interop import needs_event_loop
 from aiopipe.lanes import ThreadMap, resolve_lane
 from aiopipe.source import END, Feed, Source
@@ -86,6 +86,18 @@ class SparseDistBase(Generic[ResultT]):
         """The underlying engine, once the first progress has built it."""
         return self._shared.engines.get(self)
 
+    def statistics(self) -> PipelineStatistics:
+        """Where the pipeline stands in its current source: the engine's
+        :meth:`~aiopipe.SchedulablePipeline.statistics`.  Before the first ``progress``
+        has built the engine (and after ``detach()`` or ``reset()``), nothing is in
+        flight; ``refused`` counts the source's first items refused before then."""
+        engine = self.engine
+        if engine is not None:
+            return engine.statistics()
+        refused = self._refused[1] if self._refused is not None else 0
+        return PipelineStatistics(pulled=0, returned=0, in_flight=0, iteration=0, exhausted=False,
+                                  broken=None, closed=self._closed, refused=refused)  # fmt: skip
+
     @needs_event_loop
     async def progress(self, source: Source) -> ResultT:
         """One batch's result; ``StopAsyncIteration`` once ``source`` has ended."""
@@ -97,11 +109,10 @@ class SparseDistBase(Generic[ResultT]):
             return await self._progress(self._spec.adapt(source))
 
     @needs_event_loop
-    async def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[ResultT]:
+    def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> Results[ResultT]:
         """``async for result in pipe.results(loader)``: ``progress`` until the end (an
         iterable gets a fresh iterator, an iterator continues where it stands)."""
-        async for result in results_of(self, source):
-            yield result
+        return Results(self, source)
 
     @contextlib.contextmanager
     def _taking_turn(self, call: str) -> Iterator[None]:

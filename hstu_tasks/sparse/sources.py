@@ -8,7 +8,7 @@ import collections
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
-from aiopipe.source import Source
+from aiopipe.source import Source, not_a_source
 
 __all__ = ("LastTwoDropped", "torchrec_results", "without_last_two")
 
@@ -19,7 +19,7 @@ def without_last_two(source: Source) -> Source:
     if isinstance(source, AsyncIterator):
         return _AsyncWithoutLastTwo(source)
     if not isinstance(source, Iterator):
-        raise TypeError(f"progress() takes a sync or async iterator, got {source!r}")
+        raise not_a_source("progress()", source)
     return _WithoutLastTwo(source)
 
 

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 
-from aiopipe import Task, TaskContext
+from aiopipe import ConfigurationTypeError, Task, TaskContext
 from aiopipe.lanes import copies_on_io
 
 from ._torchrec import start_data_dist
@@ -82,11 +82,32 @@ class SparseDistState:
 
     def run_model(self, batch: Any) -> tuple[torch.Tensor, Any]:
         forward = self.model_fwd if self.model_fwd is not None else self.model
-        return forward(batch)
+        return _losses_and_output(forward(batch), custom=self.model_fwd is not None)
 
     def create_context(self, index: int) -> TrainPipelineContext:
         """A per-batch torchrec context (version 1: one per batch, never shared)."""
         return TrainPipelineContext(index=index, version=1)
+
+
+def _losses_and_output(returned: Any, *, custom: bool) -> tuple[torch.Tensor, Any]:
+    """``model_fwd``'s ``(losses, output)``, as torchrec unpacks it; anything else
+    raises a ``TypeError`` that says what the pipeline expects and how to adapt."""
+    if not isinstance(returned, torch.Tensor):  # a bare loss tensor would unpack by rows
+        try:
+            losses, output = returned
+        except (TypeError, ValueError):
+            pass
+        else:
+            return losses, output
+    what = "custom_model_fwd(batch)" if custom else "the model's forward(batch)"
+    got = (f"a tensor of shape {tuple(returned.shape)}" if isinstance(returned, torch.Tensor)
+           else type(returned).__name__)  # fmt: skip
+    raise ConfigurationTypeError(
+        f"{what} returned {got}; the sparse-dist pipeline expects (losses, output), "
+        f"as torchrec's does: backward runs on torch.sum(losses, dim=0) and progress() "
+        f"returns output. Return both from the forward, or adapt it with "
+        f"custom_model_fwd, e.g. custom_model_fwd=lambda batch: (model(batch), None)"
+    )
 
 
 def finish_input_dist_splits(context: TrainPipelineContext) -> None:

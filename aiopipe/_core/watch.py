@@ -1,0 +1,80 @@
+"""``LaneWatch``: an event loop shutting down waits for the lanes of an iteration whose
+caller left early -- and says what it waits for, so a stuck body is not a silent hang.
+
+The wait is abandoned by a second Ctrl-C: under this package's runners it lands in
+:func:`~aiopipe._core.loops.finish_loop`, which stops waiting; under ``asyncio.run`` it
+leaves ``asyncio.run``, which closes the loop, and the thread waiting for the lanes
+sees that and returns, so interpreter exit (which joins that thread) goes on.  Lane
+threads are daemons: a body that never returns does not hold the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .waker import wait_settled
+
+__all__ = ("GRACE_S", "LaneWatch")
+
+#: An iteration that ends this soon after the loop began to shut down is waited for
+#: without a word.
+GRACE_S = 1.0
+#: How often the waiting thread looks whether its loop was closed under it.
+_POLL_S = 0.1
+
+
+class Lanes(Protocol):
+    """What is watched: the lanes running one iteration."""
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def abort(self, exc: BaseException) -> None: ...
+
+
+class LaneWatch:
+    """Waits for one iteration's lanes; ``describe()`` says what they still run."""
+
+    def __init__(self, lanes: Lanes, describe: Callable[[], str]) -> None:
+        self._lanes, self._describe = lanes, describe
+        self._told = False
+        self._lock = threading.Lock()
+
+    def tell(self) -> None:
+        """Say once, on stderr, what the shutdown waits for and how to stop waiting."""
+        with self._lock:
+            if self._told:
+                return
+            self._told = True
+        print(
+            f"aiopipe: {self._describe()}. Press Ctrl-C again to stop waiting (the "
+            f"model's state is then undefined).",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+
+    async def until_done(self, done: asyncio.Future[Any]) -> None:
+        """A task that waits for ``done``.  Cancelled (the loop is shutting down), it
+        skips the iteration's tasks not yet started and waits on, and says what for
+        if the wait lasts over :data:`GRACE_S`."""
+        timer: asyncio.TimerHandle | None = None
+        try:
+            while not done.done():
+                try:
+                    await wait_settled(done)
+                except asyncio.CancelledError:
+                    self._lanes.abort(asyncio.CancelledError())
+                    if timer is None:
+                        timer = asyncio.get_running_loop().call_later(GRACE_S, self.tell)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def block_until_done(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On a thread of ``loop``'s default executor: return once the lanes are done,
+        or once ``loop`` is closed (nothing can handle the iteration's end there)."""
+        while not self._lanes.wait(_POLL_S):
+            if loop.is_closed():
+                return

@@ -1,0 +1,118 @@
+"""``Feeds``: which source a pipeline is fed from, and what becomes of the old one.
+
+A pipeline has at most one current :class:`~aiopipe.source.Feed`.  Passing another
+source replaces it: refused while batches of the old one are in flight, unless its
+``results()`` loop was left early (they are then discarded, untrained).  ``reset()``
+discards the batches in flight and *parks* the feed: its counts stay visible in
+``statistics()`` and an item it read ahead, untouched by any task, goes to the next
+feed of the same source.  Every batch dropped untrained is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ._core.log import pipeline_log
+from .errors import PipelineStateError
+from .source import Feed, OneBatch, Source
+
+__all__ = ("Feeds",)
+
+
+class Feeds:
+    """The current feed of one pipeline, the parked one, a seeded first batch and
+    the count of batches discarded.  ``reset_ring`` empties the pipeline's ring."""
+
+    def __init__(
+        self, name: str, reset_ring: Callable[[], None], *, read_ahead: bool,
+        check_batch: Callable[[Any], None] | None,
+    ) -> None:  # fmt: skip
+        self._name, self._reset_ring = name, reset_ring
+        self._read_ahead, self._check_batch = read_ahead, check_batch
+        self.current: Feed | None = None
+        self._parked: Feed | None = None
+        #: Batches dropped untrained, since the pipeline was built.
+        self.discarded = 0
+        # The first batch an adapter seeded, and the items it refused before it.
+        self._seed: dict[str, Any] | None = None
+        self._seed_refused = 0
+
+    @property
+    def shown(self) -> Feed | None:
+        """The feed ``statistics()`` describes: the current one, else the parked one."""
+        return self.current if self.current is not None else self._parked
+
+    def seed(self, contents: Mapping[str, Any] | None, refused: int = 0) -> None:
+        """The first batch of the next source (``None``: no seed)."""
+        self._seed = dict(contents) if contents is not None else None
+        self._seed_refused = refused
+
+    def adopt(self, source: Source, *, idle: bool) -> Feed:
+        """The feed of ``source``: the current one, or a new one replacing it."""
+        feed = self.current
+        if feed is not None and source is feed.source:
+            feed.abandoned = False  # taken up again: it goes on with its batches
+            return feed
+        if feed is not None and feed.in_flight:
+            if not (feed.abandoned and idle):
+                raise PipelineStateError(
+                    f"a new iterator was passed while {feed.in_flight} batch(es) of the "
+                    f"previous one are in flight; none of its batches was taken. Keep "
+                    f"passing the same iterator until progress() reports its end, or call "
+                    f"drain() first to finish the batches in flight (their steps are "
+                    f"applied), or reset() to discard them untrained."
+                )
+            pipeline_log.info("%s: a results() loop was left early; discarding its %d "
+                              "batch(es) in flight, untrained", self._name, feed.in_flight)  # fmt: skip
+            self.discard()
+            feed = None
+        ahead, parked = None, self._parked
+        if parked is not None:
+            if feed is None and parked.source is source:  # reset() kept what it read ahead
+                ahead, parked.ahead = parked.ahead, None
+            self._drop(parked)
+            self._parked = None
+        if feed is not None:
+            self._drop(feed)
+        new_feed = Feed(
+            source, read_ahead=self._read_ahead, check_batch=self._check_batch,
+            seed=self._seed, refused=self._seed_refused, ahead=ahead,
+        )  # fmt: skip
+        self.seed(None)
+        # step() adopts a one-batch source per call: those only at DEBUG
+        level = logging.DEBUG if isinstance(source, OneBatch) else logging.INFO
+        if pipeline_log.isEnabledFor(level):
+            pipeline_log.log(level, "%s: new source %s", self._name, type(source).__name__)
+        self._reset_ring()
+        self.current = new_feed
+        return new_feed
+
+    def discard(self) -> None:
+        """Drop the batches in flight untrained, counting them; the feed is parked
+        (its counts for statistics(), its read-ahead item for the same source)."""
+        feed = self.current
+        if feed is not None:
+            self.discarded += feed.discard()
+            if self._parked is not None:
+                self._drop(self._parked)
+            self._parked = feed
+        self._reset_ring()
+        self.current = None
+
+    def forget(self) -> None:
+        """The current source is done with (``drain()``): its next use starts afresh."""
+        self.current = None
+
+    def close(self) -> None:
+        """Stop any pull under way (the pipeline shuts down)."""
+        for feed in (self.current, self._parked):
+            if feed is not None:
+                feed.close()
+
+    def _drop(self, feed: Feed) -> None:
+        """Forget ``feed`` for good: an item it read ahead is discarded too."""
+        if feed.holds_ahead:
+            self.discarded += 1
+        feed.close()

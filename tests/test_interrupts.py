@@ -1,0 +1,137 @@
+"""What interrupts that leave the event loop do to the blocking form: a body raising
+``KeyboardInterrupt``/``SystemExit``, Ctrl-C (real signals) and a lane body that never
+returns.  Each runs in a subprocess: an interrupt must not reach the test runner."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from typing import IO
+
+import pytest
+
+LEFT_THE_LOOP = """
+import os, signal, sys
+from aiopipe import Pipeline, Task, TaskContext
+
+def case(error, lane):
+    steps = []
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch_cpu"]
+        steps.append(batch)
+        if batch == 1 and steps.count(1) == 1:
+            if error == "ctrl-c-twice":  # the first cancels the caller, the second lands here
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+            else:
+                raise {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[error]()
+        ctx.slots.set("step_result", batch)
+
+    pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))],
+                    thread_map={"train": lane}).blocking()
+    source = iter(range(5))
+    assert pipe.progress(source) == 0
+    try:
+        pipe.progress(source)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        print(error, lane, "interrupted by", type(exc).__name__)
+    pipe.reset()  # no call of the interrupted one is left to run on
+    print(error, lane, "results", list(pipe.results(iter(range(3)))), "steps", steps)
+    pipe.shutdown()
+
+for error, lane in [("KeyboardInterrupt", "compute"), ("KeyboardInterrupt", "loop"),
+                    ("SystemExit", "compute"), ("SystemExit", "loop"),
+                    ("ctrl-c-twice", "loop")]:
+    case(error, lane)
+"""
+
+
+def test_an_interrupt_that_left_the_loop_leaves_no_call_behind() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", LEFT_THE_LOOP], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for error, lane in [("KeyboardInterrupt", "compute"), ("KeyboardInterrupt", "loop"),
+                        ("SystemExit", "compute"), ("SystemExit", "loop"),
+                        ("ctrl-c-twice", "loop")]:  # fmt: skip
+        raised = "SystemExit" if error == "SystemExit" else "KeyboardInterrupt"
+        assert f"{error} {lane} interrupted by {raised}" in lines
+        # batch 1's step is not run again by a call left behind
+        assert f"{error} {lane} results [0, 1, 2] steps [0, 1, 0, 1, 2]" in lines
+    assert "never retrieved" not in out.stderr
+
+
+STUCK_BODY = """
+import asyncio, sys, threading
+import aiopipe
+from aiopipe import Pipeline, Task, TaskContext
+
+never = threading.Event()
+
+def train(ctx: TaskContext) -> None:
+    if ctx.slots["batch_cpu"] == 1:
+        print("stuck", flush=True)
+        never.wait()  # a body that never returns
+    ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))],
+                thread_map={"train": "compute"})
+
+async def main() -> None:
+    async for _ in pipe.results(range(4)):
+        pass
+
+form = sys.argv[1]
+if form == "blocking":
+    for _ in pipe.blocking().results(range(4)):
+        pass
+elif form == "asyncio.run":
+    asyncio.run(main())
+else:
+    aiopipe.run(main())
+"""
+
+
+def first_line(stream: IO[str], prefix: str, timeout: float = 30) -> str:
+    """The first line of ``stream`` starting with ``prefix``; fails after ``timeout``
+    seconds instead of hanging on a child that says nothing."""
+    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no line starting with {prefix!r} in {timeout} s") from None
+        if line.startswith(prefix):
+            return line
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT")
+@pytest.mark.parametrize("form", ["blocking", "asyncio.run", "aiopipe.run"])
+def test_ctrl_c_twice_leaves_a_body_that_never_returns(form: str) -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", STUCK_BODY, form],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as child:  # fmt: skip
+        assert child.stdout is not None and child.stderr is not None
+        try:
+            ctrl_c_twice(child, child.stdout, child.stderr)
+        finally:
+            child.kill()  # (a no-op once it exited)
+
+
+def ctrl_c_twice(child: subprocess.Popen[str], stdout: IO[str], stderr: IO[str]) -> None:
+    assert stdout.readline() == "stuck\n"
+    child.send_signal(signal.SIGINT)  # the caller returns; the exit waits for the step
+    line = first_line(stderr, "aiopipe:")  # after KeyboardInterrupt's traceback
+    assert "waiting for iteration 1" in line
+    assert "task 'train' (batch 1) on lane 'compute' has not returned" in line
+    assert "Press Ctrl-C again" in line
+    child.send_signal(signal.SIGINT)
+    child.wait(timeout=30)  # no exit hook waits for the lane
+    assert child.returncode != 0
