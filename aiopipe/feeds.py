@@ -56,6 +56,15 @@ class Feeds:
             feed.abandoned = False  # taken up again: it goes on with its batches
             return feed
         if feed is not None and feed.in_flight:
+            if feed.abandoned and idle and feed.outbox:
+                # Only a cancelled drain() leaves applied steps' results waiting under
+                # a results() loop: they are owed to the caller, never dropped unasked.
+                raise PipelineStateError(
+                    f"a new iterator was passed while {len(feed.outbox)} result(s) of steps "
+                    f"already applied wait to be returned (a drain() was cancelled); none "
+                    f"of its batches was taken. drain() returns them (and finishes any "
+                    f"other batch in flight), reset() drops them."
+                )
             if not (feed.abandoned and idle):
                 raise PipelineStateError(
                     f"a new iterator was passed while {feed.in_flight} batch(es) of the "

@@ -261,6 +261,41 @@ async def test_a_refused_item_ahead_of_batches_in_flight_is_not_in_the_position_
     assert trained == [0, 1, 2, 3, 4]
 
 
+async def test_a_results_loop_left_with_applied_results_waiting_keeps_them() -> None:
+    """A drain cancelled during batch 2's step leaves results 1 and 2 waiting; a
+    ``results()`` loop takes 1 and is left.  Result 2's step was applied, so it is
+    owed: another source is refused (nothing taken from it) until ``drain()``
+    returns it."""
+    started, release = threading.Event(), threading.Event()
+    trained: list[int] = []
+
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 2:
+            started.set()
+            release.wait(10)
+        trained.append(ctx.slots["batch_cpu"])
+        echo(ctx)
+
+    source = iter(range(10))
+    async with Pipeline([Task.from_fn("load", lambda ctx: None, lookahead=1),
+                         Task.from_fn("train", train)]) as pipe:  # fmt: skip
+        assert await pipe.progress(source) == 0
+        call = asyncio.ensure_future(pipe.drain())
+        await in_a_thread(started)  # the drain holds result 1; batch 2's step waits
+        await cancelled(call)
+        release.set()
+        await pipe.wait_idle()
+        results = pipe.results(source)
+        assert await anext(results) == 1
+        await results.aclose()  # left at a result: the source is abandoned
+        other = iter([100, 101])
+        with pytest.raises(PipelineStateError, match="1 result.* wait to be returned"):
+            await pipe.progress(other)
+        assert next(other) == 100  # nothing taken from it
+        assert await pipe.drain() == [2]
+        assert trained == [0, 1, 2] and pipe.statistics().discarded == 0
+
+
 def failing_at_batch_3(trained: threading.Event) -> list[Task]:
     """``load`` (one batch ahead, its own lane) fails on batch 3 once ``train`` has
     applied batch 2's step in the same iteration."""

@@ -716,14 +716,15 @@ class PipelineMachine(RuleBasedStateMachine):
                 self.call("progress", candidate)
             assert next(candidate) == -1  # nothing taken from it
             return
-        if self.abandoned and feed.pending:
-            # Known bug, reported, not fixed yet: the results of steps applied (by a
-            # cancelled drain) but not returned are dropped with the abandoned batches,
-            # uncounted, though those are said to have had look-ahead work only and to be
-            # counted in ``discarded``.  Until it is decided, no new source comes here.
-            note("results_loop: left with results waiting; no new source (known bug)")
-            return
         self.wait_until_idle()  # a new source replaces an abandoned one only when idle
+        if self.abandoned and feed.pending:
+            # Results of steps applied (by a cancelled drain) but not returned are owed
+            # to the caller: another source is refused until drain() or reset().
+            candidate = iter([-1])
+            with pytest.raises(PipelineStateError, match="wait to be returned"):
+                self.call("progress", candidate)
+            assert next(candidate) == -1  # nothing taken from it
+            return
         if self.abandoned:
             self.discarded += feed.discard() + int(feed.held_ahead)
         self.shown = self.feed
@@ -825,14 +826,8 @@ class PipelineMachine(RuleBasedStateMachine):
         self.open_gates()
         self.run(self.pipe.wait_idle())
         stats, feed = self.pipe.statistics(), self.shown or self.feed
-        position = stats.applied + stats.refused
+        position = stats.position
         low, high = feed.position_range()
-        if position > high:
-            # Known bug, not fixed yet: an item refused while earlier batches are still in
-            # flight counts in the position before their steps are applied, so a run
-            # resumed from it would skip them.  Until it is fixed, not resumed here.
-            note(f"checkpoint: position {position} skips batches in flight (known bug)")
-            return
         assert low <= position <= high
         if self.shown is not None and not (self.parked and self.source is self.parked_source):
             self.adopted()  # no call has passed the new source: it starts afresh
@@ -901,8 +896,7 @@ class PipelineMachine(RuleBasedStateMachine):
             assert self.trained == self.done_before + feed.good[:stats.applied]
             assert len(self.trained) - len(self.accounted) == len(feed.pending)
             low, high = feed.position_range()
-            position = stats.applied + stats.refused
-            assert low <= position  # (<= high: the known bug, see checkpoint_and_resume)
+            assert low <= stats.position <= high
 
     def teardown(self) -> None:
         self.open_gates()
@@ -1177,12 +1171,12 @@ class SparseDistMachine(RuleBasedStateMachine):
         assert self.counter.given == self.next  # every batch taken came out
         self.forgot_feed()
 
-    # Known bug, not fixed yet: reset() refused while a cancelled step runs drops the
-    # engine anyway, with the batches in flight (the next call starts afresh and they
-    # never come out).  Until it is fixed, reset is only tried with no step held.
-    @precondition(lambda self: not self.held)
     @rule()
     def reset(self) -> None:
+        if self.held:  # refused while a cancelled step runs: nothing changes
+            with pytest.raises(PipelineStateError, match="still running"):
+                self.pipe.reset()
+            return
         self.pipe.reset()
         self.accounted += self.trained[len(self.accounted):]  # discarded with the batches
         if self.pulling:  # the bootstrap's pull is cancelled, and the generator with it
