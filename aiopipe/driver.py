@@ -22,8 +22,9 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+from ._core.lanes import yield_cpu_to_lanes
 from ._core.log import pipeline_log
 from ._core.nvtx import Annotator
 from ._core.loops import runner_owns
@@ -40,7 +41,11 @@ from .trace import Tracer
 
 __all__ = ("IterationDriver",)
 
-StartFast = Callable[[Iteration, Callable[[BaseException | None], None]], "IterationHandle | None"]
+class StartFast(Protocol):
+    def __call__(
+        self, iteration: Iteration, on_done: Callable[[BaseException | None], None],
+        *, yield_cpu: bool = True,
+    ) -> IterationHandle | None: ...  # fmt: skip
 
 
 class IterationDriver:
@@ -96,7 +101,11 @@ class IterationDriver:
                     await feed.pull(self._ring.top)
                 if feed.finished:
                     return False, None
-                in_task = self.start(feed)
+                # An async source's read-ahead starts before the loop yields its CPU to
+                # the lanes: with every core busy, the loop would get it back only
+                # milliseconds later, and the fetch would start that late.
+                pull_first = feed.can_read_ahead and feed.reads_in_a_task
+                in_task = self.start(feed, yield_cpu=not pull_first)
                 if feed.can_read_ahead:
                     # Read the next batch while this iteration runs.  A task first hands
                     # its work to the lanes (tasks start in FIFO order).
@@ -104,9 +113,14 @@ class IterationDriver:
                         if in_task:
                             await asyncio.sleep(0)
                         feed.read_ahead()
+                        if pull_first and not in_task:
+                            await asyncio.sleep(0)  # the pull's first step: the fetch starts
                     except BaseException:  # cancelled, or the source raised KeyboardInterrupt
                         self.guard_lanes()
                         raise
+                    finally:
+                        if pull_first and not in_task:
+                            yield_cpu_to_lanes()
             await self.wait_ended()  # guards the lanes too if the caller leaves
 
     async def _run_inits(self) -> None:
@@ -137,9 +151,10 @@ class IterationDriver:
 
     # -- starting ----------------------------------------------------------------------
 
-    def start(self, feed: Feed) -> bool:
+    def start(self, feed: Feed, *, yield_cpu: bool = True) -> bool:
         """Start the feed's next iteration; whether it runs as a task (which has yet
         to run: the caller yields once before relying on its lanes having started).
+        ``yield_cpu=False``: a fast-path start leaves yielding the CPU to the caller.
 
         The fast path hands the whole iteration to the lanes now, and its end is
         handled in the callback that wakes the loop: no task to create and wake, two
@@ -152,7 +167,8 @@ class IterationDriver:
         if self._start_fast is not None:
             done = asyncio.get_running_loop().create_future()
             handle = self._start_fast(
-                iteration, functools.partial(self._lanes_finished, feed, iteration, done)
+                iteration, functools.partial(self._lanes_finished, feed, iteration, done),
+                yield_cpu=yield_cpu,
             )
             if handle is not None:
                 self.running, self._handle, self._current = done, handle, (feed, iteration)

@@ -234,6 +234,12 @@ class Feed:
         )
 
     @property
+    def reads_in_a_task(self) -> bool:
+        """An async source: :meth:`read_ahead` starts a task, whose first step runs at
+        the loop's next cycle."""
+        return self._async is not None
+
+    @property
     def can_read_ahead(self) -> bool:
         """Whether :meth:`read_ahead` would start reading an item now."""
         return (

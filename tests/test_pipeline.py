@@ -364,3 +364,30 @@ def test_an_executor_instance_serves_one_pipeline() -> None:
     with pytest.raises(ValueError, match="one pipeline"):
         Pipeline(tasks, executor=executor)
     executor.shutdown()
+
+
+async def test_an_async_sources_read_ahead_starts_before_the_loop_yields_its_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every core busy, a loop that yields its CPU to the lanes gets it back
+    milliseconds later: the pull of the next batch (its fetch) must have started
+    before.  Each iteration's yield comes after the first step of its pull."""
+    import aiopipe.driver
+    import aiopipe.executors.asyncio_executor
+
+    events: list[str] = []
+    for module in (aiopipe.driver, aiopipe.executors.asyncio_executor):
+        monkeypatch.setattr(module, "yield_cpu_to_lanes", lambda: events.append("yield"),
+                            raising=False)  # fmt: skip
+
+    async def items() -> AsyncIterator[int]:
+        for n in range(4):
+            events.append(f"pull {n}")  # the pull's first step, before its fetch
+            await asyncio.sleep(0)
+            yield n
+
+    step = Task.from_fn("step", lambda ctx: ctx.slots.set("step_result", ctx.slots["batch_cpu"]))
+    async with Pipeline([step], executor=AsyncExecutor()) as pipe:
+        assert [r async for r in pipe.results(items())] == [0, 1, 2, 3]
+    # pull 0 came before the first iteration; iteration k reads batch k + 1 ahead
+    assert events[:7] == ["pull 0", "pull 1", "yield", "pull 2", "yield", "pull 3", "yield"]

@@ -21,7 +21,7 @@ from .waker import LoopWaker
 
 __all__ = (
     "LANE_THREAD_PREFIX", "LOOP_LANE", "Lane", "LanePool", "call_on_lane", "lane_of_thread",
-    "start_on_lane",
+    "start_on_lane", "yield_cpu_to_lanes",
 )  # fmt: skip
 
 LOOP_LANE = "loop"
@@ -29,6 +29,10 @@ LOOP_LANE = "loop"
 LANE_THREAD_PREFIX = "aiopipe-lane-"
 
 _STOP = object()
+
+#: Give up the CPU (and the GIL) to another runnable thread -- a lane just handed its
+#: work -- where the OS can.
+yield_cpu_to_lanes: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 # Counts the fork()s this process came out of: a pool whose lanes were started under
 # another count has their queues here but not their threads.

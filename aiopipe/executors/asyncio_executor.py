@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._core.lanes import LOOP_LANE, Lane, LanePool, call_on_lane
+from .._core.lanes import LOOP_LANE, Lane, LanePool, call_on_lane, yield_cpu_to_lanes
 from .._core.log import executor_log
 from .._core.malloc import keep_freed_memory
 from .._core.openmp import release_thread_pool
@@ -43,8 +43,6 @@ __all__ = (
     "keep_loop_responsive",
 )  # fmt: skip
 
-#: Give up the CPU (and the GIL) to another runnable thread, where the OS can.
-_yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 #: The interpreter's GIL switch interval while lanes run (its default is 5 ms).
 LOOP_SWITCH_INTERVAL_S = 0.001
 #: How long a task may wait for a task on another lane, or for its collective ticket,
@@ -134,8 +132,9 @@ class AsyncExecutor:
             keep_freed_memory()  # page faults cost lane threads most (_core/malloc.py)
 
     def start_iteration(
-        self, iteration: Iteration, on_done: Callable[[BaseException | None], None]
-    ) -> IterationHandle | None:
+        self, iteration: Iteration, on_done: Callable[[BaseException | None], None],
+        *, yield_cpu: bool = True,
+    ) -> IterationHandle | None:  # fmt: skip
         """Run ``iteration`` without a coroutine, when every task of it runs on lane threads
         (one stage, nothing on the loop's chain, no collective order check): hand its
         chains to their lanes now and return a handle; ``on_done(error)`` is called on
@@ -144,14 +143,16 @@ class AsyncExecutor:
 
         The pipeline's fast path: the lanes start before the caller next yields, and
         the iteration's end is handled in the callback that wakes the loop, two loop cycles
-        sooner than a task awaiting :meth:`run_iteration` would (docs/performance.md)."""
+        sooner than a task awaiting :meth:`run_iteration` would (docs/performance.md).
+        ``yield_cpu=False``: the caller has loop work to start first, and calls
+        :func:`~aiopipe._core.lanes.yield_cpu_to_lanes` itself."""
         stages = [active for active in iteration.active.stages if active]
         if len(stages) != 1 or self._order_check is not None:
             return None
         layout = self._layout(stages[0])
         if layout.loop_chain or not layout.thread_chains:
             return None
-        return IterationHandle(self._begin_stage(iteration, stages[0], on_done))
+        return IterationHandle(self._begin_stage(iteration, stages[0], on_done, yield_cpu))
 
     async def run_iteration(self, iteration: Iteration) -> None:
         if self._order_check is not None:  # before the iteration issues any collective
@@ -197,7 +198,7 @@ class AsyncExecutor:
 
     def _begin_stage(
         self, iteration: Iteration, active: tuple[int, ...],
-        on_done: Callable[[BaseException | None], None] | None = None,
+        on_done: Callable[[BaseException | None], None] | None = None, yield_cpu: bool = True,
     ) -> StageRun:  # fmt: skip
         """Hand the stage's thread chains to their lanes; :meth:`_finish_stage` runs
         the loop's chain and waits for the lanes (or ``on_done`` is called, see
@@ -211,12 +212,12 @@ class AsyncExecutor:
             lane.submit(functools.partial(self._run_thread_chain, run, lane, chain))
         if self._compute_off_loop:
             release_thread_pool()
-        if lanes:
+        if lanes and yield_cpu:
             # Let a lane just woken have this CPU and the GIL before the loop goes on
             # with its own Python.  With no idle core (a lane's OpenMP workers spin
             # between regions) the loop thread would otherwise keep both, and the
             # lane start later: 20-30 us of every iteration boundary (docs/performance.md).
-            _yield_cpu()
+            yield_cpu_to_lanes()
         return run
 
     async def _finish_stage(self, run: StageRun) -> None:

@@ -1,0 +1,181 @@
+"""Online training, source by latency by compute: how much of the fetch is hidden?
+
+The newcomer's shape of docs/performance.md: ``basic(model, opt, loss_fn=...)`` with
+its defaults, fed by a source that waits ``latency`` ms for each batch (a feature
+store, a queue) and then builds a 256 x 384 batch for a three-layer MLP whose width
+is calibrated, once, to the compute times asked for.  The rows of each cell:
+
+* plain loop: fetch, then step (sync source: ``time.sleep``);
+* prefetch thread: the plain loop fed by one background thread fetching ahead;
+* aiopipe sync: ``pipe.progress`` over the sync generator (read ahead inline);
+* aiopipe async: over an async generator awaiting ``asyncio.sleep(latency)``.
+
+Each cell's rows run in worker processes of their own, in alternating chunks
+(``_chunks.py``).  Printed per cell: ms a step (median of the chunks), its spread,
+the ideal ``max(latency, compute)``, each row's share of the ideal rate and its speed
+against the prefetch thread; and the async row against the sync row.
+
+    ./dev bench online_matrix [--latency-ms 0 3 6 12] [--compute-ms 2 7 15]
+                              [--chunk 20] [--rounds 6] [--processes 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from _chunks import nothing_to_report, paired, repeat, time_in_chunks  # noqa: E402
+from _common import print_json, print_table, spread  # noqa: E402
+from online_source import prefetched  # noqa: E402
+
+CONFIGS = ("plain loop", "prefetch thread", "aiopipe sync", "aiopipe async")
+BATCH, FEATURES = 256, 384
+
+
+def model(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+        torch.nn.ReLU(), torch.nn.Linear(width, 1),
+    )  # fmt: skip
+    return net, torch.optim.SGD(net.parameters(), lr=1e-4)
+
+
+def loss_fn(output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, batch[1])
+
+
+def forward(net: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return net(batch[0])
+
+
+def step_ms(width: int, steps: int = 15) -> float:
+    """The plain step's time at ``width``, on this machine, now."""
+    net, opt = model(width)
+    batch = (torch.randn(BATCH, FEATURES), torch.randn(BATCH, 1))
+    times = []
+    for _ in range(steps + 3):
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss_fn(forward(net, batch), batch).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[3:]) * 1e3
+
+
+def calibrate(target_ms: float) -> int:
+    """A width whose step takes about ``target_ms`` (time grows about linearly in the
+    width here: the first layer dominates up to a few thousand)."""
+    width = 512
+    for _ in range(4):
+        width = max(16, round(width * target_ms / step_ms(width) / 16) * 16)
+    return width
+
+
+def _batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(BATCH, FEATURES, generator=generator), torch.randn(BATCH, 1, generator=generator)
+
+
+def sync_source(latency_s: float) -> Iterator[Any]:
+    generator = torch.Generator().manual_seed(1)
+    while True:
+        if latency_s:
+            time.sleep(latency_s)
+        yield _batch(generator)
+
+
+async def async_source(latency_s: float) -> AsyncIterator[Any]:
+    generator = torch.Generator().manual_seed(1)
+    while True:
+        if latency_s:
+            await asyncio.sleep(latency_s)
+        yield _batch(generator)
+
+
+def _build(config: str, rank: int, *, width: int, latency_ms: float) -> tuple[Callable[[int], None], Any]:
+    from aiopipe import basic
+    from aiopipe._core.loops import LoopRunner
+
+    net, opt = model(width)
+    latency_s = latency_ms / 1000
+    if config.startswith("aiopipe"):
+        pipe = basic(net, opt, loss_fn=loss_fn, forward=forward)
+        source: Any = async_source(latency_s) if config == "aiopipe async" else sync_source(latency_s)
+        runner = LoopRunner()  # one loop for every chunk, as one aiopipe.run would be
+
+        async def chunk(n: int) -> None:
+            for _ in range(n):
+                await pipe.progress(source)
+
+        return (lambda n: runner.run(chunk, n)), nothing_to_report
+    batches = sync_source(latency_s)
+    if config == "prefetch thread":
+        batches = prefetched(batches)
+
+    def plain_step() -> None:
+        batch = next(batches)
+        opt.zero_grad()
+        loss_fn(forward(net, batch), batch).backward()
+        opt.step()
+
+    return repeat(plain_step), nothing_to_report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 3.0, 6.0, 12.0])
+    parser.add_argument("--compute-ms", type=float, nargs="+", default=[2.0, 7.0, 15.0])
+    parser.add_argument("--chunk", type=int, default=20, help="steps per timed chunk")
+    parser.add_argument("--rounds", type=int, default=6, help="chunks per row and process")
+    parser.add_argument("--processes", type=int, default=1, help="fresh process sets per cell")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    args = parser.parse_args()
+    widths = {target: calibrate(target) for target in args.compute_ms}
+    rows, cells = [], []
+    for target, latency in itertools.product(args.compute_ms, args.latency_ms):
+        width = widths[target]
+        compute = step_ms(width)
+        build = functools.partial(_build, width=width, latency_ms=latency)
+        chunks = time_in_chunks(build, args.configs, chunk=args.chunk, rounds=args.rounds,
+                                processes=args.processes)  # fmt: skip
+        ideal = max(latency, compute)
+        base = "prefetch thread" if "prefetch thread" in args.configs else args.configs[0]
+        cell: dict[str, Any] = {"compute_ms": compute, "latency_ms": latency, "width": width,
+                                "ideal_ms": ideal, "rows": {}}  # fmt: skip
+        for config in args.configs:
+            ms = chunks.ms[config]
+            step = statistics.median(ms) / args.chunk
+            versus = 1 / paired(ms, chunks.ms[base])
+            cell["rows"][config] = {"ms": step, "of_ideal": ideal / step, "x_base": versus}
+            rows.append([f"{compute:.1f}", f"{latency:g}", config, f"{step:.2f}", spread(ms),
+                         f"{ideal / step:.2f}", f"{versus:.2f}"])  # fmt: skip
+        if {"aiopipe sync", "aiopipe async"} <= set(args.configs):
+            cell["async_x_sync"] = 1 / paired(chunks.ms["aiopipe async"], chunks.ms["aiopipe sync"])
+        cells.append(cell)
+    print_table(
+        f"online training, basic() defaults, batch {BATCH} x {FEATURES}, chunks of {args.chunk} "
+        f"steps, {args.rounds} rounds",
+        ["compute ms", "latency ms", "row", "ms / step", "spread", "x ideal rate",
+         "x prefetch thread"],
+        rows,
+    )  # fmt: skip
+    for cell in cells:
+        if "async_x_sync" in cell:
+            print(f"compute {cell['compute_ms']:.1f} ms, latency {cell['latency_ms']:g} ms: "
+                  f"async source {cell['async_x_sync']:.3f}x the sync one")  # fmt: skip
+    print_json("online_matrix", {"args": vars(args), "cells": cells})
+
+
+if __name__ == "__main__":
+    main()
