@@ -22,17 +22,18 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from ._core.lanes import yield_cpu_to_lanes
 from ._core.log import pipeline_log
 from ._core.nvtx import Annotator
 from ._core.loops import runner_owns
-from ._core.watch import LaneWatch
+from ._core.watch import LaneWatch, describe_wait
 from ._core.waker import wait_settled
 from .context import CURRENT, Running, TaskContext
 from .errors import PipelineStateError
 from .executors import Executor, Iteration, IterationHandle
+from .executors.stage import StartFast
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores
 from .source import Feed
@@ -41,11 +42,6 @@ from .trace import Tracer
 
 __all__ = ("IterationDriver",)
 
-class StartFast(Protocol):
-    def __call__(
-        self, iteration: Iteration, on_done: Callable[[BaseException | None], None],
-        *, yield_cpu: bool = True,
-    ) -> IterationHandle | None: ...  # fmt: skip
 
 
 class IterationDriver:
@@ -363,7 +359,8 @@ class IterationDriver:
             return  # a task's iteration, none, or guarded already (by an earlier caller)
         self._guarded = running
         loop = asyncio.get_running_loop()
-        watch = LaneWatch(handle, functools.partial(self._describe_wait, current[1]))
+        describe = functools.partial(describe_wait, self._pipeline, current[1], self._lane_names)
+        watch = LaneWatch(handle, describe)
         guard = asyncio.ensure_future(watch.until_done(running))
         self._guards.add(guard)  # referenced until done
         guard.add_done_callback(self._guards.discard)
@@ -372,18 +369,6 @@ class IterationDriver:
                 loop.run_in_executor(None, watch.block_until_done, loop)
             except RuntimeError:  # the executor is shut down already: the task alone
                 pass
-
-    def _describe_wait(self, iteration: Iteration) -> str:
-        plan, completed = self._plan, set(iteration.completed)
-        left = [
-            f"task {plan.order[i].name!r} (batch {iteration.batch_index(i)})"
-            + (f" on lane {self._lane_names[i]!r}" if self._lane_names else "")
-            for i in iteration.active.all if i not in completed
-        ]  # fmt: skip
-        return (
-            f"{self._pipeline}: waiting for iteration {iteration.number} to finish before "
-            f"the event loop closes: {', '.join(left) or 'its last task'} has not returned"
-        )
 
     # -- failures ------------------------------------------------------------------------
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .waker import wait_settled
 
-__all__ = ("GRACE_S", "LaneWatch")
+__all__ = ("GRACE_S", "LaneWatch", "describe_wait")
 
 #: An iteration that ends this soon after the loop began to shut down is waited for
 #: without a word.
@@ -78,3 +78,18 @@ class LaneWatch:
         while not self._lanes.wait(_POLL_S):
             if loop.is_closed():
                 return
+
+
+def describe_wait(pipeline: str, iteration: Any, lane_names: Sequence[str]) -> str:
+    """What a loop shutting down waits for: the tasks of ``iteration`` (an executor's
+    ``Iteration``) that have not returned, their batches and lanes."""
+    order, completed = iteration.plan.order, set(iteration.completed)
+    left = [
+        f"task {order[i].name!r} (batch {iteration.batch_index(i)})"
+        + (f" on lane {lane_names[i]!r}" if lane_names else "")
+        for i in iteration.active.all if i not in completed
+    ]  # fmt: skip
+    return (
+        f"{pipeline}: waiting for iteration {iteration.number} to finish before the event "
+        f"loop closes: {', '.join(left) or 'its last task'} has not returned"
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from .._core.flags import OneShotFlag
 from .._core.tickets import TicketLock
@@ -15,7 +16,7 @@ from .._core.waker import LoopWaker, settle_future
 from .base import Iteration
 from .layout import StageLayout
 
-__all__ = ("IterationHandle", "StageRun")
+__all__ = ("IterationHandle", "StageRun", "StartFast")
 
 
 class StageRun:
@@ -141,3 +142,12 @@ class IterationHandle:
             return False
         self._run.waker.wake()  # the iteration's end may be queued, its wake-up not yet written
         return True
+
+
+class StartFast(Protocol):
+    """``AsyncExecutor.start_iteration``, as the pipeline's driver calls it."""
+
+    def __call__(
+        self, iteration: Iteration, on_done: Callable[[BaseException | None], None],
+        *, yield_cpu: bool = True,
+    ) -> IterationHandle | None: ...  # fmt: skip
