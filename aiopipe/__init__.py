@@ -13,7 +13,8 @@ Layers, each depending only on the ones below it (docs/concepts.md maps them):
   GPU-submit lane threads, ticket-ordered collectives) in ``aiopipe.executors``,
   which lane runs a task in ``aiopipe.lanes``;
 * conveniences -- ``Pipeline`` (facade.py), the blocking API (blocking.py),
-  ``aiopipe.run`` (runner.py) and GPU waits that never block the loop (gpu.py);
+  ``aiopipe.run`` (runner.py), GPU waits that never block the loop (gpu.py) and
+  ``fetch_ahead``, a source that keeps several async fetches in flight (keyed.py);
 * types for annotations -- ``Source`` (what ``progress`` pulls batches from: a sync
   or async iterator), ``ThreadMap`` (lanes.py) and ``AsyncPipeline`` (protocols.py: what
   every pipeline offers to async code).
@@ -37,6 +38,7 @@ from .errors import BadBatchError as BadBatchError
 from .errors import CollectiveOrderError as CollectiveOrderError
 from .errors import ConfigurationError as ConfigurationError
 from .errors import ConfigurationTypeError as ConfigurationTypeError
+from .errors import FetchError as FetchError
 from .errors import GraphError as GraphError
 from .errors import NoRunningLoopError as NoRunningLoopError
 from .errors import NoStepResultWarning as NoStepResultWarning
@@ -53,6 +55,9 @@ from .executors import SequentialExecutor as SequentialExecutor
 from .protocols import AsyncPipeline as AsyncPipeline
 from .facade import Pipeline as Pipeline
 from .gpu import copy_to_host as copy_to_host
+from .keyed import FetchAhead as FetchAhead
+from .keyed import FetchStatistics as FetchStatistics
+from .keyed import fetch_ahead as fetch_ahead
 from .gpu import wait_for_event as wait_for_event
 from .lanes import ThreadMap as ThreadMap
 from .options import PipelineOptions as PipelineOptions
@@ -87,6 +92,9 @@ __all__ = (
     "ConfigurationTypeError",
     "DataSlot",
     "Executor",
+    "FetchAhead",
+    "FetchError",
+    "FetchStatistics",
     "GraphError",
     "NoRunningLoopError",
     "NoStepResultWarning",
@@ -113,6 +121,7 @@ __all__ = (
     "Tracer",
     "basic",
     "copy_to_host",
+    "fetch_ahead",
     "move_to_device",
     "run",
     "validate_schedule",

@@ -21,6 +21,7 @@ __all__ = (
     "CollectiveOrderError",
     "ConfigurationError",
     "ConfigurationTypeError",
+    "FetchError",
     "GraphError",
     "NoRunningLoopError",
     "NoStepResultWarning",
@@ -113,6 +114,25 @@ class AsyncLibraryError(PipelineError, RuntimeError):
 class BadBatchError(PipelineError, ValueError):
     """The source yielded a batch the pipeline's ``check_batch`` rejects; the batch
     was not taken and the batches in flight are intact."""
+
+
+class FetchError(PipelineError):
+    """A fetch of :func:`~aiopipe.fetch_ahead` raised (the exception is chained as
+    ``__cause__``).  ``key`` is its key, ``index`` the key's position in the keys,
+    counted from 0.  That key is skipped: the next call goes on with the next one."""
+
+    def __init__(self, key: object, index: int, problem: BaseException) -> None:
+        super().__init__(
+            f"fetch({_short(key)}) failed, the key at position {index} of the keys (counted "
+            f"from 0): {type(problem).__name__}: {problem}. That key is skipped: the next call "
+            f"goes on with the next key"
+        )
+        self.key, self.index = key, index
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 class NoStepResultWarning(UserWarning):

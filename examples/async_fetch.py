@@ -44,7 +44,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple[
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 async def plain_loop(steps: int, latency_s: float) -> list[float]:

@@ -135,7 +135,7 @@ RULES: list[tuple[str, Action | None, str]] = [
     (r"^(\./dev demo|(\./dev )?python examples/train_(hstu|dlrm)\.py)\b", few_steps, ""),
     (r"^(\./dev bench \w+|(\./dev )?python benchmarks/\w+\.py)", with_help, ""),
     (r"^(\./dev )?python examples/serve_(hstu|load)\.py", with_help, ""),
-    (r"^(\./dev )?python examples/(quickstart|dag_in_task|amp|async_fetch)\.py", as_written, ""),
+    (r"^(\./dev )?python examples/(quickstart|dag_in_task|amp|async_fetch|online_fetch)\.py", as_written, ""),
     (r"^(aiopipe|(\./dev )?python -m aiopipe) graph ", graphviz_or_dot, ""),
     (r"^(aiopipe|(\./dev )?python -m aiopipe) (validate|trace|plan) ", as_written, ""),
 ]

@@ -101,6 +101,14 @@ def test_train_dlrm_demo_refuses_eval_passes_on_torchrecs_pipeline() -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_online_fetch_example_keeps_n_fetches_in_flight_and_matches_the_plain_loop() -> None:
+    out = run("examples/online_fetch.py", "--steps", "12", "--latency-ms", "1", "--in-flight", "3")
+    lines = out.splitlines()
+    assert "at most 1 fetch(es) at once" in lines[0] and "at most 1 fetch(es) at once" in lines[1]
+    assert "fetch_ahead(in_flight=3)" in lines[2] and "at most 3 fetch(es) at once" in lines[2]
+    assert lines[-1] == "same losses in all three: True"
+
+
 def test_async_fetch_example_warns_on_the_shared_stream_and_matches_the_plain_loop() -> None:
     out = run("examples/async_fetch.py", "--steps", "8", "--latency-ms", "1")
     lines = out.splitlines()

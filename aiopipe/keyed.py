@@ -1,0 +1,369 @@
+"""``fetch_ahead``: a source made of keys and an ``async def fetch(key)``, with up to
+``in_flight`` fetches running at once.
+
+An async generator runs one ``anext()`` at a time, so the pipeline's read-ahead hides
+at most one fetch behind a step, and a fetch slower than a step sets the pace.
+:class:`FetchAhead` starts the fetches of the next keys as asyncio tasks and hands
+their batches out in key order: with N in flight a step can take as little as
+``max(fetch / N, compute)``.
+
+Invariants, all held by :class:`FetchAhead`:
+
+* A fetch counts against ``in_flight`` from its start until its batch (or error) is
+  handed out; finished fetches wait in the window, in key order.  A slot is given to
+  the next key when a batch leaves, so memory holds at most ``in_flight`` batches
+  plus those the consumer took.
+* ``__anext__`` never cancels a fetch or a key pull, and takes a batch out of the
+  window only on its way out, with no ``await`` in between: a cancelled ``anext()``
+  leaves every fetch running and every fetched batch in place for the next call.
+  (The pipeline pulls async sources in a task of its own anyway; this holds for any
+  caller.)
+* Only :meth:`FetchAhead.aclose` (or garbage collection) cancels fetches; a loop
+  shutting down cancels them too, and the next loop starts them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import inspect
+import weakref
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .errors import (
+    AsyncLibraryError, ConfigurationError, ConfigurationTypeError, FetchError, PipelineStateError,
+)  # fmt: skip
+from .interop import in_trio
+from ._core.waker import wait_settled
+from .source import END, not_a_source
+
+__all__ = ("FetchAhead", "FetchStatistics", "fetch_ahead")
+
+K = TypeVar("K")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class FetchStatistics:
+    """Where a :class:`FetchAhead` stands in its keys.
+
+    ``in_flight`` counts the fetches started whose batch (or error) has not been
+    handed out yet, ``ready`` of them finished; ``delivered`` and ``failed`` count the
+    batches and the :class:`~aiopipe.FetchError` handed out, so ``keys_taken ==
+    in_flight + delivered + failed``."""
+
+    keys_taken: int
+    in_flight: int
+    ready: int
+    delivered: int
+    failed: int
+    exhausted: bool
+    closed: bool
+
+
+class _Entry:
+    """One place in the window: a key's fetch, or (``index`` None) an error of the
+    keys themselves, raised unchanged in its turn."""
+
+    __slots__ = ("future", "index", "key")
+
+    def __init__(self, index: int | None, key: Any, future: asyncio.Future[Any]) -> None:
+        self.index, self.key, self.future = index, key, future
+
+
+class FetchAhead(AsyncIterator[T]):
+    """The batches ``fetch(key)`` returns for each key, in key order, fetched up to
+    ``in_flight`` at a time: an async iterator any pipeline takes as its source.
+    Made by :func:`fetch_ahead`."""
+
+    def __init__(
+        self, keys: Iterable[K] | AsyncIterable[K], fetch: Callable[[K], Awaitable[T]], *,
+        in_flight: int,
+    ) -> None:  # fmt: skip
+        given: object = keys  # checked at run time: callers pass anything
+        self._sync: Iterator[Any] | None = None
+        self._async: AsyncIterator[Any] | None = None
+        if isinstance(given, AsyncIterable):
+            self._async = aiter(given)
+        elif isinstance(given, Iterable):
+            self._sync = iter(given)
+        else:
+            raise not_a_source("fetch_ahead()", keys, "an iterable or async iterable of keys")
+        _check_fetch(fetch)
+        if isinstance(in_flight, bool) or not isinstance(in_flight, int):
+            raise ConfigurationTypeError(f"fetch_ahead(in_flight=...) takes an int, got {in_flight!r}")
+        if in_flight < 1:
+            raise ConfigurationError(
+                f"fetch_ahead(in_flight={in_flight}): at least 1 fetch must be allowed in flight"
+            )
+        self._fetch: Callable[[Any], Awaitable[T]] = fetch
+        self._limit = in_flight
+        #: Fetches started, in key order; the head is handed out next.
+        self._window: collections.deque[_Entry] = collections.deque()
+        #: The next key being pulled from async keys (a task: never cancelled by a caller).
+        self._key_pull: asyncio.Future[Any] | None = None
+        self._taken = self._delivered = 0
+        #: Positions of the failed fetches, ascending (for :meth:`position`).
+        self._failed: list[int] = []
+        self._keys_done = self._keys_failed = self._closed = False
+        self._lost: str | None = None
+
+    async def __anext__(self) -> T:
+        loop = _asyncio_loop()
+        while True:
+            if self._closed:
+                raise StopAsyncIteration
+            if self._lost is not None:
+                raise PipelineStateError(f"{self._lost}: the rest of the keys cannot be read")
+            self._revive(loop)
+            self._refill()
+            if self._window and self._window[0].future.done():
+                entry = self._window.popleft()
+                self._refill()  # its slot goes to the next key at once
+                return self._outcome(entry)
+            if not self._window and self._key_pull is None:
+                raise StopAsyncIteration
+            # The head's batch, or a key when nothing is fetching; a cancelled wait
+            # leaves either running.
+            waiting = self._window[0].future if self._window else self._key_pull
+            assert waiting is not None
+            await wait_settled(waiting)
+
+    def statistics(self) -> FetchStatistics:
+        """The counts of :class:`FetchStatistics`, now."""
+        fetches = [entry for entry in self._window if entry.index is not None]
+        return FetchStatistics(
+            keys_taken=self._taken, in_flight=len(fetches),
+            ready=sum(1 for entry in fetches if entry.future.done()),
+            delivered=self._delivered, failed=len(self._failed),
+            exhausted=self._keys_done and not self._window, closed=self._closed,
+        )  # fmt: skip
+
+    def position(self, items_done: int) -> int:
+        """How many keys are done with once the consumer is done with the first
+        ``items_done`` batches handed out: the keys whose fetch failed before them
+        count as done.  Where a resumed run starts its keys; with a pipeline, once
+        it is idle, ``source.position(stats.applied + stats.refused)``."""
+        keys = items_done
+        for failed in self._failed:  # ascending: each failure before the spot moves it on
+            if failed > keys:
+                break
+            keys += 1
+        return keys
+
+    async def aclose(self) -> None:
+        """Cancel the fetches in flight and wait for them to end; their batches are
+        dropped.  Iterating afterwards ends at once.  Idempotent."""
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        running = []
+        for future in self._pending():
+            if future.done():
+                _retrieve(future)
+            elif future.get_loop() is loop:  # (one of a closed loop never ends)
+                _cancel_quietly(future)
+                running.append(future)
+        self._window.clear()
+        self._key_pull = None
+        if running:
+            await asyncio.wait(running)
+
+    async def __aenter__(self) -> FetchAhead[T]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        # Dropped without aclose(): cancel what still runs, on its loop's thread
+        # (the collector may run anywhere), so no task is destroyed pending and no
+        # error goes unretrieved.
+        if not hasattr(self, "_key_pull"):
+            return  # __init__ refused its arguments
+        for future in self._pending():
+            if future.done():
+                _retrieve(future)
+                continue
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs
+                future.get_loop().call_soon_threadsafe(_cancel_quietly, future)
+
+    def _pending(self) -> list[asyncio.Future[Any]]:
+        """The fetches and the key pull whose outcome nobody has taken."""
+        pull = [self._key_pull] if self._key_pull is not None else []
+        return [entry.future for entry in self._window] + pull
+
+    # -- filling the window --------------------------------------------------------------
+
+    def _refill(self) -> None:
+        """Start the fetches of the next keys while fewer than ``in_flight`` run."""
+        while len(self._window) < self._limit and not (
+            self._keys_done or self._keys_failed or self._closed or self._lost
+        ):
+            if self._async is not None:
+                pull = self._key_pull
+                if pull is None:
+                    self._key_pull = asyncio.ensure_future(_next_key(self._async))
+                    # A weak reference: a pending pull must not keep a dropped self alive.
+                    self._key_pull.add_done_callback(_notify(weakref.ref(self)))
+                    return  # _key_arrived goes on
+                if not pull.done():
+                    return
+                self._key_arrived(pull)  # done, its callback not run yet
+                continue
+            assert self._sync is not None
+            try:
+                key = next(self._sync, END)
+            except Exception as exc:  # the keys' own error: raised in its turn
+                self._fail_keys(exc)
+                return
+            self._take(key)
+
+    def _key_arrived(self, pull: asyncio.Future[Any]) -> None:
+        if pull is not self._key_pull:
+            return  # taken already, closed meanwhile, or a pull of a loop that shut down
+        self._key_pull = None
+        if pull.cancelled():  # a loop shutting down: pulled again on the next one
+            if inspect.isasyncgen(self._async) and self._async.ag_frame is None:
+                self._lost = "a loop shutting down closed the async generator of keys mid-pull"
+            return
+        problem = pull.exception()
+        if problem is not None:
+            self._fail_keys(problem)
+        else:
+            self._take(pull.result())
+
+    def _take(self, key: Any) -> None:
+        if key is END:
+            self._keys_done = True
+            return
+        index = self._taken
+        self._taken += 1
+        self._window.append(_Entry(index, key, self._start(key)))
+
+    def _start(self, key: Any) -> asyncio.Future[Any]:
+        try:
+            fetching: object = self._fetch(key)  # checked: callers pass any callable
+        except Exception as exc:  # a plain function that raised: that fetch failed
+            return _settled(exc)
+        if not inspect.isawaitable(fetching):
+            return _settled(ConfigurationTypeError(
+                f"fetch_ahead(): fetch returned {type(fetching).__name__}, not an awaitable: "
+                f"define fetch with 'async def'"
+            ))  # fmt: skip
+        return asyncio.ensure_future(fetching)
+
+    def _fail_keys(self, problem: BaseException) -> None:
+        self._keys_failed = True  # no key is read past it until it is raised
+        self._window.append(_Entry(None, None, _settled(problem)))
+
+    def _revive(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start again, on ``loop``, the fetches of a loop that shut down before they
+        finished (``asyncio.run`` cancels every task left): none was handed out."""
+        for entry in self._window:
+            future = entry.future
+            if future.get_loop() is not loop and (future.cancelled() or not future.done()):
+                entry.future = self._start(entry.key)
+        pull = self._key_pull
+        if pull is not None and pull.get_loop() is not loop and not pull.done():
+            self._key_pull = None  # its loop closed before the pull ended
+
+    # -- handing out -----------------------------------------------------------------------
+
+    def _outcome(self, entry: _Entry) -> T:
+        future = entry.future
+        problem = None if future.cancelled() else future.exception()
+        if problem is None and not future.cancelled():
+            self._delivered += 1
+            return future.result()  # type: ignore[no-any-return]
+        if problem is None:
+            problem = asyncio.CancelledError("the fetch was cancelled, not by fetch_ahead")
+        if entry.index is None:  # the keys' own error, raised unchanged
+            self._keys_failed = False
+            raise problem
+        self._failed.append(entry.index)
+        raise FetchError(entry.key, entry.index, problem) from problem
+
+
+def fetch_ahead(
+    keys: Iterable[K] | AsyncIterable[K], fetch: Callable[[K], Awaitable[T]], *, in_flight: int
+) -> FetchAhead[T]:
+    """A source of the batches ``await fetch(key)`` returns for each of ``keys``, with
+    up to ``in_flight`` fetches running at once as asyncio tasks.
+
+    * Batches come out in key order, whatever order the fetches finish in.
+    * At most ``in_flight`` fetches are started and not yet handed out: the next
+      key's fetch starts when a batch leaves (memory holds ``in_flight`` batches).
+    * A fetch that raises comes out in its turn as :class:`~aiopipe.FetchError`
+      naming the key and its position in the keys (the exception chained); that key
+      is skipped and the next call goes on with the next one.  An error of ``keys``
+      themselves comes out unchanged, in its turn.
+    * Cancel-safe: a cancelled ``progress()`` (or ``anext()``) cancels no fetch and
+      loses no fetched batch; none is fetched twice.  ``reset()`` of the pipeline
+      keeps the fetches too: the same source goes on where it stands.  (A loop
+      shutting down cancels the fetches running on it; the next loop starts them
+      again.)
+    * ``await source.aclose()`` (or ``async with fetch_ahead(...) as source:``)
+      cancels the fetches in flight and waits for them; dropping the source cancels
+      them too.
+
+    ``keys`` is an iterable (called inline on the loop, like a sync source) or an
+    async iterable (pulled in a task of its own, one key ahead).  asyncio only: under
+    trio, fetch in a nursery and feed the pipeline from a memory channel."""
+    return FetchAhead(keys, fetch, in_flight=in_flight)
+
+
+async def _next_key(keys: AsyncIterator[Any]) -> Any:
+    return await anext(keys, END)
+
+
+def _notify(owner: weakref.ref[FetchAhead[Any]]) -> Callable[[asyncio.Future[Any]], None]:
+    def arrived(pull: asyncio.Future[Any]) -> None:
+        me = owner()
+        if me is not None:
+            me._key_arrived(pull)
+            if not pull.cancelled():  # (a loop shutting down must start no task)
+                me._refill()
+
+    return arrived
+
+
+def _asyncio_loop() -> asyncio.AbstractEventLoop:
+    if asyncio._get_running_loop() is None and in_trio():
+        raise AsyncLibraryError(
+            "fetch_ahead() runs its fetches as asyncio tasks and was iterated from trio: "
+            "under trio, start the fetches in a nursery and feed the pipeline from a "
+            "memory channel (docs/anyio.md)"
+        )
+    return asyncio.get_running_loop()
+
+
+def _check_fetch(fetch: object) -> None:
+    if inspect.isawaitable(fetch):
+        raise ConfigurationTypeError(
+            f"fetch_ahead() takes the fetch function, got {type(fetch).__name__} (the "
+            f"result of calling it): pass fetch, not fetch(key)"
+        )
+    if not callable(fetch) or inspect.isgeneratorfunction(fetch) or inspect.isasyncgenfunction(fetch):
+        raise ConfigurationTypeError(
+            f"fetch_ahead() takes an 'async def fetch(key)' returning one batch, got {fetch!r}"
+        )
+
+
+def _settled(problem: BaseException) -> asyncio.Future[Any]:
+    future = asyncio.get_running_loop().create_future()
+    future.set_exception(problem)
+    return future
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark an outcome nobody will take as seen: no "never retrieved" report."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _cancel_quietly(future: asyncio.Future[Any]) -> None:
+    future.add_done_callback(_retrieve)
+    future.cancel()

@@ -1,0 +1,486 @@
+"""``fetch_ahead``: batches in key order whatever order the fetches finish in, at most
+N fetches started and not handed out, a failing fetch named by key and position,
+nothing lost or fetched twice when a caller is cancelled, nothing left running when
+the source is closed or dropped.  Every interleaving is forced with gates held by the
+fake fetch (or, for the sweep over a call's await points, by counting yields of the
+single-threaded loop), never by waiting for time to pass."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
+from typing import Any
+
+import pytest
+
+from aiopipe import (
+    AsyncLibraryError, ConfigurationError, ConfigurationTypeError, FetchAhead, FetchError,
+    Pipeline, Task, TaskContext, fetch_ahead,
+)  # fmt: skip
+
+#: A test fails within this many seconds instead of hanging on a gate never opened.
+pytestmark = pytest.mark.timeout(30)
+
+
+class GatedFetch:
+    """A fake ``async def fetch(key)``: each key waits for its own gate (open from the
+    start for keys in ``open_keys``), and the fetch records what ran when."""
+
+    def __init__(self, keys: Iterable[int], *, open_keys: Iterable[int] = (), fail: Iterable[int] = ()) -> None:
+        keys = list(keys)
+        self.started = {key: asyncio.Event() for key in keys}
+        self.gate = {key: asyncio.Event() for key in keys}
+        for key in open_keys:
+            self.gate[key].set()
+        self.fail = set(fail)
+        self.calls: list[int] = []  # keys, in the order their fetch started
+        self.finished: list[int] = []  # keys, in the order their fetch returned
+        self.cancelled: list[int] = []
+        self.running = self.most_running = 0
+        self.ended = {key: asyncio.Event() for key in keys}
+
+    async def __call__(self, key: int) -> int:
+        self.calls.append(key)
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        self.started[key].set()
+        try:
+            await self.gate[key].wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(key)
+            raise
+        finally:
+            self.running -= 1
+            self.ended[key].set()
+        if key in self.fail:
+            raise ValueError(f"no batch for key {key}")
+        self.finished.append(key)
+        return 10 * key
+
+    async def release(self, order: Iterable[int]) -> None:
+        """Open the gates in ``order``, each once its fetch has started, the next once
+        that fetch has returned (so a consumer waiting for it would see it first)."""
+        for key in order:
+            await self.started[key].wait()
+            self.gate[key].set()
+            await self.ended[key].wait()
+
+
+def echo(ctx: TaskContext) -> None:
+    ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+
+def echo_pipeline(**options: Any) -> Pipeline:
+    return Pipeline([Task.from_fn("train", echo)], **options)
+
+
+async def cancelled(call: asyncio.Future[Any]) -> None:
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+
+# -- order and the bound ------------------------------------------------------------------
+
+
+async def test_batches_come_out_in_key_order_when_fetches_finish_out_of_order() -> None:
+    fetch = GatedFetch(range(12))
+    source = fetch_ahead(range(12), fetch, in_flight=4)
+    reversed_windows = [k for start in (0, 4, 8) for k in reversed(range(start, start + 4))]
+    async with echo_pipeline() as pipe:
+        releasing = asyncio.ensure_future(fetch.release(reversed_windows))
+        results = [r async for r in pipe.results(source)]
+        await releasing
+    assert fetch.finished == reversed_windows  # they did finish out of order
+    assert results == [10 * k for k in range(12)]
+    assert fetch.calls == list(range(12))  # each key fetched once
+
+
+async def test_never_more_than_n_fetches_started_and_not_handed_out() -> None:
+    in_flight, keys = 3, range(12)
+    started: list[int] = []
+    delivered: list[int] = []
+    too_many: list[tuple[int, int]] = []
+    fetch = GatedFetch(keys)
+
+    def counting(key: int) -> Awaitable[int]:
+        # Called as the fetch starts.  Finished but not handed out still counts: that
+        # batch is in memory.  (Key k + N starts as batch k leaves: N + 1 for a moment.)
+        started.append(key)
+        if len(started) - len(delivered) > in_flight + 1:
+            too_many.append((key, len(started) - len(delivered)))
+        return fetch(key)
+
+    source = fetch_ahead(keys, counting, in_flight=in_flight)
+
+    async def consume() -> None:
+        async for batch in source:
+            delivered.append(batch)
+
+    # Later keys first in each window: the head's batch is the last to arrive, so the
+    # finished ones wait in the window, and a slot is free only once it leaves.
+    order = [k for start in (0, 3, 6, 9) for k in reversed(range(start, start + 3))]
+    await asyncio.gather(consume(), fetch.release(order))
+    assert delivered == [10 * k for k in keys]
+    assert too_many == []
+    assert fetch.most_running == in_flight  # the bound was reached, not just kept
+    assert source.statistics().in_flight == 0
+
+
+async def test_a_pipeline_reading_ahead_keeps_at_most_n_fetches_running() -> None:
+    fetch = GatedFetch(range(10))
+
+    async def open_gates() -> None:  # two at a time, the later one first
+        for first in range(0, 10, 2):
+            await fetch.release([first + 1, first])
+
+    async with echo_pipeline() as pipe:
+        opening = asyncio.ensure_future(open_gates())
+        results = [r async for r in pipe.results(fetch_ahead(range(10), fetch, in_flight=2))]
+        await opening
+    assert results == [10 * k for k in range(10)]
+    assert fetch.most_running == 2
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+async def test_a_failing_fetch_names_its_key_and_position_and_the_next_key_follows() -> None:
+    keys = ["a", "b", "c", "d"]
+
+    async def fetch(key: str) -> str:
+        if key == "c":
+            raise ValueError("the store has no 'c'")
+        return key.upper()
+
+    source = fetch_ahead(keys, fetch, in_flight=2)
+    async with echo_pipeline() as pipe:
+        assert [await pipe.progress(source), await pipe.progress(source)] == ["A", "B"]
+        with pytest.raises(FetchError) as caught:
+            await pipe.progress(source)
+        assert [r async for r in pipe.results(source)] == ["D"]
+    error = caught.value
+    assert (error.key, error.index) == ("c", 2)
+    assert isinstance(error.__cause__, ValueError)
+    assert "fetch('c') failed, the key at position 2 of the keys" in str(error)
+    assert "the store has no 'c'" in str(error)
+    stats = source.statistics()
+    assert (stats.keys_taken, stats.delivered, stats.failed, stats.exhausted) == (4, 3, 1, True)
+
+
+def test_the_position_counts_failed_keys_as_done() -> None:
+    async def main() -> FetchAhead[int]:
+        async def fetch(key: int) -> int:
+            if key in (1, 3):
+                raise KeyError(key)
+            return key
+
+        source = fetch_ahead(range(6), fetch, in_flight=3)
+        taken: list[int] = []
+        while True:
+            try:
+                taken.append(await anext(source))
+            except FetchError:
+                continue
+            except StopAsyncIteration:
+                break
+        assert taken == [0, 2, 4, 5]
+        return source
+
+    source = asyncio.run(main())
+    # items done -> keys done: a resumed run starts at the key after them
+    assert [source.position(items) for items in range(5)] == [0, 2, 4, 5, 6]
+
+
+async def test_an_error_of_the_keys_comes_out_unchanged_in_its_turn() -> None:
+    def keys() -> Iterator[int]:
+        yield 0
+        yield 1
+        raise RuntimeError("the key stream broke")
+
+    async def fetch(key: int) -> int:
+        return key
+
+    source = fetch_ahead(keys(), fetch, in_flight=4)
+    assert [await anext(source), await anext(source)] == [0, 1]
+    with pytest.raises(RuntimeError, match="the key stream broke"):
+        await anext(source)
+    with pytest.raises(StopAsyncIteration):  # a generator that raised is finished
+        await anext(source)
+
+
+async def test_a_fetch_that_is_not_async_is_refused_with_the_fix() -> None:
+    def fetch(key: int) -> int:
+        return key
+
+    with pytest.raises(FetchError) as caught:
+        await anext(fetch_ahead([7], fetch, in_flight=1))  # type: ignore[arg-type]
+    assert isinstance(caught.value.__cause__, ConfigurationTypeError)
+    assert "define fetch with 'async def'" in str(caught.value)
+
+
+async def test_bad_arguments_are_refused_with_what_to_pass() -> None:
+    async def fetch(key: int) -> int:
+        return key
+
+    with pytest.raises(ConfigurationError, match="at least 1"):
+        fetch_ahead([1], fetch, in_flight=0)
+    for wrong in (1.5, True, None):
+        with pytest.raises(ConfigurationTypeError, match="takes an int"):
+            fetch_ahead([1], fetch, in_flight=wrong)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationTypeError, match="iterable or async iterable of keys"):
+        fetch_ahead(5, fetch, in_flight=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationTypeError, match="async def fetch"):
+        fetch_ahead([1], None, in_flight=1)  # type: ignore[arg-type]
+    called = fetch(1)
+    with pytest.raises(ConfigurationTypeError, match="pass fetch, not fetch"):
+        fetch_ahead([1], called, in_flight=1)  # type: ignore[arg-type]
+    called.close()
+
+
+def test_under_trio_it_says_what_to_use_instead() -> None:
+    trio = pytest.importorskip("trio")
+
+    async def fetch(key: int) -> int:
+        return key
+
+    async def main() -> None:
+        with pytest.raises(AsyncLibraryError, match="memory channel"):
+            await anext(fetch_ahead([1], fetch, in_flight=1))
+
+    trio.run(main)
+
+
+# -- cancellation -------------------------------------------------------------------------------
+
+
+async def test_anext_cancelled_while_the_head_fetches_loses_and_repeats_nothing() -> None:
+    fetch = GatedFetch(range(5), open_keys=range(1, 5))
+    source = fetch_ahead(range(5), fetch, in_flight=3)
+    call = asyncio.ensure_future(anext(source))
+    await fetch.started[0].wait()  # the call waits for key 0's batch
+    await cancelled(call)
+    fetch.gate[0].set()
+    assert [b async for b in source] == [0, 10, 20, 30, 40]
+    assert fetch.calls == [0, 1, 2, 3, 4]
+    assert fetch.cancelled == []
+
+
+async def test_anext_cancelled_while_an_async_key_comes_loses_and_repeats_nothing() -> None:
+    asked, given = asyncio.Event(), asyncio.Event()
+
+    async def keys() -> AsyncIterator[int]:
+        yield 0
+        asked.set()
+        await given.wait()  # a cancellation thrown in here would end the keys
+        for key in (1, 2):
+            yield key
+
+    fetch = GatedFetch(range(3), open_keys=range(3))
+    source = fetch_ahead(keys(), fetch, in_flight=2)
+    assert await anext(source) == 0
+    call = asyncio.ensure_future(anext(source))
+    await asked.wait()  # the call waits for key 1
+    await cancelled(call)
+    given.set()
+    assert [b async for b in source] == [10, 20]
+    assert fetch.calls == [0, 1, 2]
+
+
+async def test_a_first_progress_cancelled_while_its_batch_is_fetched_loses_nothing() -> None:
+    fetch = GatedFetch(range(4), open_keys=range(1, 4))
+    source = fetch_ahead(range(4), fetch, in_flight=2)
+    async with echo_pipeline() as pipe:
+        call = asyncio.ensure_future(pipe.progress(source))
+        await fetch.started[0].wait()
+        await cancelled(call)
+        fetch.gate[0].set()
+        assert [r async for r in pipe.results(source)] == [0, 10, 20, 30]
+    assert fetch.calls == [0, 1, 2, 3]
+
+
+async def test_a_progress_cancelled_during_its_step_keeps_the_fetches_in_flight() -> None:
+    stepping, step_gate = asyncio.Event(), asyncio.Event()
+
+    async def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 20:
+            stepping.set()
+            await step_gate.wait()
+        ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+    fetch = GatedFetch(range(8))
+    source = fetch_ahead(range(8), fetch, in_flight=3)
+    async with Pipeline([Task.from_fn("train", train)]) as pipe:
+        fetch.gate[0].set()
+        fetch.gate[1].set()
+        fetch.gate[2].set()
+        assert [await pipe.progress(source), await pipe.progress(source)] == [0, 10]
+        call = asyncio.ensure_future(pipe.progress(source))
+        await stepping.wait()  # batch 2's step runs, keys 3 and 4 are being fetched
+        assert fetch.started[3].is_set() and fetch.started[4].is_set()
+        await cancelled(call)
+        step_gate.set()
+        for key in range(3, 8):
+            fetch.gate[key].set()
+        assert [r async for r in pipe.results(source)] == [20, 30, 40, 50, 60, 70]
+    assert fetch.calls == list(range(8))
+    assert fetch.cancelled == []
+
+
+@pytest.mark.parametrize("async_keys", [False, True], ids=["sync keys", "async keys"])
+@pytest.mark.parametrize("after_yields", range(12))
+async def test_cancelling_progress_at_any_await_loses_and_repeats_nothing(
+    after_yields: int, async_keys: bool
+) -> None:
+    """Each batch's first call is cancelled after ``after_yields`` turns of the loop
+    (the loop runs its tasks in a fixed order, so each count stops the call at the
+    same await every run), then a second call takes the result.  Fetches finish out
+    of order (key k yields 3 - k % 3 times), the step awaits too."""
+    calls: list[int] = []
+
+    async def fetch(key: int) -> int:
+        calls.append(key)
+        for _ in range(3 - key % 3):
+            await asyncio.sleep(0)  # a yield to the loop, not a wait for time
+        return key
+
+    async def train(ctx: TaskContext) -> None:
+        await asyncio.sleep(0)
+        ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+    async def async_range(n: int) -> AsyncIterator[int]:
+        for key in range(n):
+            await asyncio.sleep(0)
+            yield key
+
+    keys: Any = async_range(8) if async_keys else range(8)
+    source = fetch_ahead(keys, fetch, in_flight=3)
+    results: list[int] = []
+    async with Pipeline([Task.from_fn("train", train)]) as pipe:
+        while True:
+            call = asyncio.ensure_future(pipe.progress(source))
+            for _ in range(after_yields):
+                await asyncio.sleep(0)
+            if not call.done():
+                await cancelled(call)
+            elif call.exception() is None:
+                results.append(call.result())
+            try:
+                results.append(await pipe.progress(source))
+            except StopAsyncIteration:
+                break
+    assert results == list(range(8))
+    assert calls == list(range(8))
+
+
+async def test_a_pull_the_pipeline_gives_up_leaves_the_batch_for_the_next_use() -> None:
+    """Leaving a results() loop and passing another source makes the pipeline cancel
+    its pull of this one, mid-fetch: the batch is still handed out next time."""
+    fetch = GatedFetch(range(6), open_keys=(0, 1, 3, 4, 5))
+    source = fetch_ahead(range(6), fetch, in_flight=2)
+    async with echo_pipeline() as pipe:
+        async for result in pipe.results(source):
+            if result == 10:
+                break  # key 2's batch is being read ahead, its gate shut
+        assert [r async for r in pipe.results([100, 101])] == [100, 101]
+        fetch.gate[2].set()
+        assert [b async for b in source] == [20, 30, 40, 50]
+    assert fetch.calls == list(range(6))
+
+
+async def test_reset_keeps_the_fetches_for_the_same_source() -> None:
+    def prepare(ctx: TaskContext) -> None:
+        ctx.slots.set("prepared", ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        ctx.slots.set("step_result", ctx.slots["prepared"])
+
+    tasks = [
+        Task.from_fn("prepare", prepare, lookahead=1, writes=("prepared",)),
+        Task.from_fn("train", train, reads=("prepared",), writes=("step_result",)),
+    ]
+    fetch = GatedFetch(range(8), open_keys=range(8))
+    source = fetch_ahead(range(8), fetch, in_flight=2)
+    async with Pipeline(tasks) as pipe:
+        assert [await pipe.progress(source), await pipe.progress(source)] == [0, 10]
+        await pipe.wait_idle()
+        pipe.reset()  # batch 2 was prepared: dropped; batch 3 was read ahead: kept
+        stats = pipe.statistics()
+        assert stats.discarded == 1
+        assert source.position(stats.applied + stats.refused) == 2  # where to resume
+        assert [r async for r in pipe.results(source)] == [30, 40, 50, 60, 70]
+    assert fetch.calls == list(range(8))
+
+
+# -- closing ---------------------------------------------------------------------------------------
+
+
+async def test_closing_cancels_the_fetches_in_flight_and_waits_for_them(caplog: pytest.LogCaptureFixture) -> None:
+    fetch = GatedFetch(range(10))
+    async with fetch_ahead(range(10), fetch, in_flight=3) as source:
+        call = asyncio.ensure_future(anext(source))
+        for key in range(3):
+            await fetch.started[key].wait()
+    assert sorted(fetch.cancelled) == [0, 1, 2]
+    assert fetch.running == 0  # waited for: each fetch has ended
+    with pytest.raises(StopAsyncIteration):
+        await call  # the call waiting for key 0 ends with the source
+    with pytest.raises(StopAsyncIteration):
+        await anext(source)
+    await source.aclose()  # idempotent
+    assert source.statistics().closed
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("async_keys", [False, True], ids=["sync keys", "async keys"])
+async def test_dropping_the_source_cancels_its_fetches(async_keys: bool, caplog: pytest.LogCaptureFixture) -> None:
+    never = asyncio.Event()
+
+    async def async_keys_then_wait() -> AsyncIterator[int]:
+        for key in range(3):
+            yield key
+        await never.wait()  # the key pull is pending when the source is dropped
+        yield 3
+
+    fetch = GatedFetch(range(4), open_keys=[0])
+    keys: Any = async_keys_then_wait() if async_keys else range(4)
+    source = fetch_ahead(keys, fetch, in_flight=3)
+    assert await anext(source) == 0  # handing it out started the next key's fetch
+    running = [1, 2] if async_keys else [1, 2, 3]  # key 3 is not given yet
+    for key in running:
+        await fetch.started[key].wait()
+    del source, keys
+    gc.collect()
+    for key in running:
+        await fetch.ended[key].wait()
+    assert sorted(fetch.cancelled) == running
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_second_event_loop_fetches_again_what_the_first_cancelled() -> None:
+    calls: list[int] = []
+    first_loop = True
+
+    async def fetch(key: int) -> int:
+        calls.append(key)
+        if first_loop and key > 0:
+            await asyncio.get_running_loop().create_future()  # never done on this loop
+        return key
+
+    source = fetch_ahead(range(5), fetch, in_flight=3)
+
+    async def first() -> int:
+        return await anext(source)
+
+    assert asyncio.run(first()) == 0  # asyncio.run cancels the fetches of keys 1 to 3
+    first_loop = False
+
+    async def rest() -> list[int]:
+        return [batch async for batch in source]
+
+    assert asyncio.run(rest()) == [1, 2, 3, 4]
+    # 1 to 3 started again: none had handed out its batch
+    assert calls == [0, 1, 2, 3, 1, 2, 3, 4]
