@@ -146,7 +146,7 @@ class FetchAhead(AsyncIterator[T]):
         """How many keys are done with once the consumer is done with the first
         ``items_done`` batches handed out: the keys whose fetch failed before them
         count as done.  Where a resumed run starts its keys; with a pipeline, once
-        it is idle, ``source.position(stats.applied + stats.refused)``."""
+        it is idle, ``source.position(pipe.statistics().position)``."""
         keys = items_done
         for failed in self._failed:  # ascending: each failure before the spot moves it on
             if failed > keys:
