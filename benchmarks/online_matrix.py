@@ -8,7 +8,9 @@ is calibrated, once, to the compute times asked for.  The rows of each cell:
 * plain loop: fetch, then step (sync source: ``time.sleep``);
 * prefetch thread: the plain loop fed by one background thread fetching ahead;
 * aiopipe sync: ``pipe.progress`` over the sync generator (read ahead inline);
-* aiopipe async: over an async generator awaiting ``asyncio.sleep(latency)``.
+* aiopipe async: over an async generator awaiting ``asyncio.sleep(latency)``;
+* aiopipe fetch_ahead: over ``fetch_ahead(keys, fetch, in_flight=4)``, each fetch
+  awaiting the latency (its ideal: ``max(latency / 4, compute)``).
 
 Each cell's rows run in worker processes of their own, in alternating chunks
 (``_chunks.py``).  Printed per cell: ms a step (median of the chunks), its spread,
@@ -39,7 +41,8 @@ from _chunks import nothing_to_report, paired, repeat, time_in_chunks  # noqa: E
 from _common import print_json, print_table, spread  # noqa: E402
 from online_source import prefetched  # noqa: E402
 
-CONFIGS = ("plain loop", "prefetch thread", "aiopipe sync", "aiopipe async")
+CONFIGS = ("plain loop", "prefetch thread", "aiopipe sync", "aiopipe async", "aiopipe fetch_ahead")
+IN_FLIGHT = 4  # fetch_ahead's fetches at once
 BATCH, FEATURES = 256, 384
 
 
@@ -103,6 +106,19 @@ async def async_source(latency_s: float) -> AsyncIterator[Any]:
         yield _batch(generator)
 
 
+def keyed_source(latency_s: float) -> Any:
+    from aiopipe import fetch_ahead
+
+    generator = torch.Generator().manual_seed(1)
+
+    async def fetch(key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if latency_s:
+            await asyncio.sleep(latency_s)
+        return _batch(generator)
+
+    return fetch_ahead(itertools.count(), fetch, in_flight=IN_FLIGHT)
+
+
 def _build(config: str, rank: int, *, width: int, latency_ms: float) -> tuple[Callable[[int], None], Any]:
     from aiopipe import basic
     from aiopipe._core.loops import LoopRunner
@@ -111,7 +127,8 @@ def _build(config: str, rank: int, *, width: int, latency_ms: float) -> tuple[Ca
     latency_s = latency_ms / 1000
     if config.startswith("aiopipe"):
         pipe = basic(net, opt, loss_fn=loss_fn, forward=forward)
-        source: Any = async_source(latency_s) if config == "aiopipe async" else sync_source(latency_s)
+        sources = {"aiopipe async": async_source, "aiopipe fetch_ahead": keyed_source}
+        source: Any = sources.get(config, sync_source)(latency_s)
         runner = LoopRunner()  # one loop for every chunk, as one aiopipe.run would be
 
         async def chunk(n: int) -> None:
@@ -157,9 +174,11 @@ def main() -> None:
             ms = chunks.ms[config]
             step = statistics.median(ms) / args.chunk
             versus = 1 / paired(ms, chunks.ms[base])
-            cell["rows"][config] = {"ms": step, "of_ideal": ideal / step, "x_base": versus}
+            fetched = latency / IN_FLIGHT if config == "aiopipe fetch_ahead" else latency
+            row_ideal = max(fetched, compute)
+            cell["rows"][config] = {"ms": step, "of_ideal": row_ideal / step, "x_base": versus}
             rows.append([f"{compute:.1f}", f"{latency:g}", config, f"{step:.2f}", spread(ms),
-                         f"{ideal / step:.2f}", f"{versus:.2f}"])  # fmt: skip
+                         f"{row_ideal / step:.2f}", f"{versus:.2f}"])  # fmt: skip
         if {"aiopipe sync", "aiopipe async"} <= set(args.configs):
             cell["async_x_sync"] = 1 / paired(chunks.ms["aiopipe async"], chunks.ms["aiopipe sync"])
         cells.append(cell)
