@@ -8,7 +8,9 @@ skip this module entirely.
 
 Each :class:`Span` says which task ran, for which iteration and batch, on which lane
 and thread, under which stream, when it started and ended (``time.perf_counter_ns``)
-and how long it was ready but waiting on another lane or a collective ticket.  On a
+and how long it was ready but waiting on another lane or a collective ticket.  For an
+``async def`` body the span also says how long the coroutine sat suspended at its
+``await``s (``await_ns``): only the rest (``host_ns``) is work on the loop's thread.  On a
 GPU, ``Tracer(gpu_timing=True)`` also records a pair of timing events around each
 device task, so the span carries the stream's time for it (``gpu_ms``).
 """
@@ -56,16 +58,25 @@ class Span:
     failed: bool = False
     #: The name of the pipeline that ran it (``SchedulablePipeline.name``).
     pipeline: str = ""
+    #: Of the span, the time an ``async def`` body sat suspended at its awaits
+    #: (0 for synchronous bodies): latency, not work on the thread.
+    await_ns: int = 0
 
     @property
     def duration_ns(self) -> int:
         return self.end_ns - self.start_ns
 
+    @property
+    def host_ns(self) -> int:
+        """The span less the time suspended at ``await``: the body's work on its thread."""
+        return self.end_ns - self.start_ns - self.await_ns
+
 
 #: What Iteration hands over per task run, turned into a Span only when read:
 #: (task, iteration, batch, lane, thread, stream, start_ns, end_ns, wait_ns, failed,
-#:  pipeline, _GpuTiming or None).  Appending a tuple to a deque keeps tracing cheap.
-RawSpan = tuple[str, int, int, str, str, "str | None", int, int, int, bool, str, Any]
+#:  pipeline, _GpuTiming or None, await_ns).  Appending a tuple to a deque keeps
+#: tracing cheap.  ``await_ns`` came last, and tuples without it still read (as 0).
+RawSpan = tuple[str, int, int, str, str, "str | None", int, int, int, bool, str, Any, int]
 
 #: Completed GPU timings are turned into numbers (and their events released) in
 #: batches of this many, so a long traced run does not hold millions of events.
@@ -143,7 +154,7 @@ class Tracer:
     def append_gpu(self, raw: RawSpan, begin: Any, finish: Any) -> None:
         """``append`` for a device task timed by a pair of events."""
         timing = _GpuTiming(begin, finish)
-        self.append((*raw[:-1], timing))
+        self.append((*raw[:11], timing, *raw[12:]))
         with self._lock:
             self._gpu_pending.append(timing)
             compact = len(self._gpu_pending) >= 2 * _GPU_COMPACT_EVERY
@@ -164,6 +175,7 @@ class Tracer:
         self.append((
             span.task, span.iteration, span.batch, span.lane, span.thread, span.stream,
             span.start_ns, span.end_ns, span.wait_ns, span.failed, span.pipeline, None,
+            span.await_ns,
         ))  # fmt: skip
 
     def gpu_event(self) -> Any:
@@ -199,14 +211,16 @@ class Tracer:
             self._gpu_pending.clear()
             self._recorded = 0
 
-    def _span(self, raw: RawSpan) -> Span:
-        task, iteration, batch, lane, thread, stream, start, end, wait, failed, pipeline, gpu = raw
+    def _span(self, raw: tuple[Any, ...]) -> Span:
+        (task, iteration, batch, lane, thread, stream, start, end, wait, failed, pipeline,
+         gpu) = raw[:12]
         gpu_ms = gpu_start = None
         if gpu is not None:
             gpu.resolve(self._gpu_origin)  # waits for the device if still running
             gpu_ms, gpu_start = gpu.ms, gpu.start_ns
+        awaited = raw[12] if len(raw) > 12 else 0
         return Span(task, iteration, batch, lane, thread, stream, start, end, wait,
-                    gpu_ms, gpu_start, failed, pipeline)  # fmt: skip
+                    gpu_ms, gpu_start, failed, pipeline, awaited)  # fmt: skip
 
     # -- export ------------------------------------------------------------------------
 
@@ -238,6 +252,8 @@ class Tracer:
                 "thread": span.thread,
                 "wait_us": span.wait_ns / 1e3,
             }
+            if span.await_ns:
+                args["await_us"] = span.await_ns / 1e3
             if span.failed:
                 args["failed"] = True
             if span.wait_ns:
@@ -272,8 +288,9 @@ class Tracer:
         return target
 
     def summary(self) -> list[dict[str, Any]]:
-        """Per task of each pipeline, in first-seen order: runs, median and mean host
-        ms, mean wait ms, failures."""
+        """Per task of each pipeline, in first-seen order: runs, median and mean ms
+        (the whole span), mean ms suspended at ``await`` (``async def`` bodies), mean
+        wait ms, failures."""
         by_task: dict[tuple[str, str], list[Span]] = {}
         for span in self.spans:
             by_task.setdefault((span.pipeline, span.task), []).append(span)
@@ -288,6 +305,7 @@ class Tracer:
                 "runs": len(spans),
                 "median_ms": durations[len(durations) // 2],
                 "mean_ms": sum(durations) / len(durations),
+                "mean_await_ms": sum(s.await_ns for s in spans) / len(spans) / 1e6,
                 "mean_wait_ms": sum(s.wait_ns for s in spans) / len(spans) / 1e6,
                 "failed": sum(s.failed for s in spans),
             })  # fmt: skip

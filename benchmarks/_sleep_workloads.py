@@ -7,12 +7,13 @@ the one the costs are profiled under.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from _common import run_on, time_progress
+from _common import interleaved_rounds, run_on, time_progress
 from hstu_shape import IO_COMPUTE_THREAD_MAP, hstu_schedule
 
 from aiopipe import (
@@ -24,7 +25,7 @@ from aiopipe import (
     TaskContext,
     ThreadMap,
 )
-from aiopipe.autosched import CostModel, EngineCosts, profile_schedule
+from aiopipe.autosched import CostModel, EngineCosts, profile_schedule, simulate
 from aiopipe._core.loops import new_event_loop
 
 #: Per-task sleep (ms) of the HSTU-shaped workload: input distribution and prefetch
@@ -121,6 +122,21 @@ WORKLOADS: dict[str, Callable[[float], Workload]] = {
     "ticketed": ticketed,
     "two_stages_shared_stream": shared_stream,
 }
+
+
+def predict_and_measure(
+    configs: Mapping[str, tuple[Schedule, ThreadMap]], costs: CostModel, iterations: int,
+    repeats: int,
+) -> tuple[dict[str, float], dict[str, list[float]], dict[str, float]]:
+    """Per named (schedule, thread map): the simulated ms per progress, the measured
+    ones of ``repeats`` interleaved rounds, and their median."""
+    predicted = {name: simulate(s, costs, tm).steady_ms for name, (s, tm) in configs.items()}
+    samples = interleaved_rounds(
+        {name: lambda s=s, tm=tm: measure_ms(s, tm, iterations, 1)[0]  # type: ignore[misc]
+         for name, (s, tm) in configs.items()},
+        repeats, show=lambda ms: f"{ms:.3f} ms",
+    )  # fmt: skip
+    return predicted, samples, {name: statistics.median(v) for name, v in samples.items()}
 
 
 def measure_ms(

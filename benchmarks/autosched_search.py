@@ -13,7 +13,6 @@ interleaved over ``--repeats`` rounds.  Gain = 1 - pick / default latency.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,17 +20,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import (  # noqa: E402
-    interleaved_rounds,
     print_json,
     print_table,
     progress,
     run_on,
     spread,
 )
-from _sleep_workloads import HSTU_FROZEN, hstu, measure_ms, profile  # noqa: E402
+from _sleep_workloads import HSTU_FROZEN, hstu, predict_and_measure, profile  # noqa: E402
 from hstu_shape import IO_COMPUTE_THREAD_MAP  # noqa: E402
 
-from aiopipe.autosched import calibrate_engine, joint_search, simulate  # noqa: E402
+from aiopipe.autosched import calibrate_engine, joint_search  # noqa: E402
 from aiopipe._core.loops import new_event_loop
 
 
@@ -56,14 +54,9 @@ def main() -> None:
         "default (io/compute)": (workload.schedule, IO_COMPUTE_THREAD_MAP),
         "search pick": (result.schedule, result.thread_map),
     }
-    predicted = {name: simulate(s, costs, tm).steady_ms for name, (s, tm) in configs.items()}
     progress(f"search done in {search_s:.1f} s; measuring the default and the pick")
-    samples = interleaved_rounds(
-        {name: lambda s=schedule, tm=thread_map: measure_ms(s, tm, args.iterations, 1)[0]
-         for name, (schedule, thread_map) in configs.items()},
-        args.repeats, show=lambda ms: f"{ms:.3f} ms",
-    )  # fmt: skip
-    measured = {name: statistics.median(values) for name, values in samples.items()}
+    predicted, samples, measured = predict_and_measure(configs, costs, args.iterations,
+                                                       args.repeats)  # fmt: skip
     base, pick = "default (io/compute)", "search pick"
     predicted_gain = 1 - predicted[pick] / predicted[base]
     measured_gain = 1 - measured[pick] / measured[base]

@@ -5,15 +5,18 @@
     aiopipe graph examples/schedules.py:hstu_prefetch -o hstu.svg      # needs Graphviz
     aiopipe trace examples/schedules.py:training --progresses 20 -o trace.json
     aiopipe validate examples/schedules.py:broken                      # exits 1
+    aiopipe plan examples/schedules.py:async_fetch                     # a stream of its own
 
 Each function shows one form a target may take: a ``Schedule`` (``overlap``), a
 pipeline that brings its lanes (``hstu``), a ``(pipeline, batches)`` pair from a
 function that accepts the CLI's tracer (``training``), a schedule that breaks a rule
-(``broken``).
+(``broken``), and an ``async def`` task that awaits (``async_fetch``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,6 +139,29 @@ def hstu(prefetch: bool = False) -> SchedulablePipeline:
 def hstu_prefetch() -> SchedulablePipeline:
     """The HSTU schedule with embedding prefetch: all fourteen tasks."""
     return hstu(prefetch=True)
+
+
+def async_fetch(fetch_ms: float = 5.0, train_ms: float = 5.0) -> Schedule:
+    """An ``async def`` fetch one batch ahead, awaiting ``fetch_ms`` (a network fetch),
+    and a synchronous training step of ``train_ms`` of CPU work, both on the default
+    stream: there they run one after the other (``SerializedAwaitWarning``).  ``aiopipe
+    plan`` on it gives the fetch a stream of its own; its awaits count as latency, not
+    as work on the loop's thread (docs/autosched.md)."""
+
+    async def fetch(ctx: TaskContext) -> None:
+        await asyncio.sleep(fetch_ms / 1e3)
+        ctx.slots.set("batch", ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        deadline = time.perf_counter() + train_ms / 1e3
+        while time.perf_counter() < deadline:  # stands for the step's CPU work
+            pass
+        ctx.slots.set("step_result", ctx.slots["batch"])
+
+    return Schedule.of([
+        Task.from_fn("fetch", fetch, lookahead=1, writes=("batch",)),
+        Task.from_fn("train", train, reads=("batch",), writes=("step_result",)),
+    ])  # fmt: skip
 
 
 def broken() -> Schedule:

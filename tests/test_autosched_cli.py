@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from aiopipe.autosched import CostModel, EngineCosts
+from aiopipe.autosched import CostModel, EngineCosts, TaskCost
 from aiopipe.cli import main
 
 TARGET = '''
@@ -91,3 +91,28 @@ def test_plan_counts_lane_threads_in_words(
     baseline = next(line for line in capsys.readouterr().out.splitlines()
                     if line.startswith("baseline"))  # fmt: skip
     assert baseline.endswith("(1 lane thread)")
+
+
+ASYNC_FETCH = f"{Path(__file__).parents[1] / 'examples' / 'schedules.py'}:async_fetch"
+
+
+def test_plan_gives_an_awaiting_fetch_a_stream_of_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #32: an async fetch (0.1 ms host, 5 ms awaited) one batch ahead of a 5 ms
+    step on the same stream.  The two run one after the other on any lanes, so the
+    pick gives the fetch a stream of its own; moving both onto the loop gains nothing."""
+    model = CostModel({"fetch": TaskCost(0.1, await_ms=5.0), "train": TaskCost(5.0)},
+                      EngineCosts(0.01, 0.002, 0.05))  # fmt: skip
+    costs = model.save(tmp_path / "costs.json")
+    assert main(["plan", ASYNC_FETCH, "--costs", str(costs)]) == 0
+    table, json_line = capsys.readouterr().out.rsplit("\n\n", 1)
+    assert "0.100 (+5.000 await)" in table
+    plan = json.loads(json_line)
+    best = plan["best"]
+    assert plan["baseline"]["latency_ms"] == pytest.approx(10.25, abs=0.1)
+    assert best["stream_map"]["fetch"] not in ("default", best["stream_map"]["train"])
+    assert best["thread_map"]["train"] != best["thread_map"]["fetch"]
+    assert "loop" != best["thread_map"]["train"]  # a sync step on the loop would hold the fetch
+    assert best["latency_ms"] == pytest.approx(5.15, abs=0.1)
+    assert plan["task_await_ms"] == {"fetch": 5.0}

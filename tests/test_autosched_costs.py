@@ -24,6 +24,7 @@ costs = st.builds(
     host_p90_ms=st.one_of(st.none(), st.floats(0, 1e4, allow_nan=False)),
     lane=st.one_of(st.none(), st.sampled_from(["io", "loop"])),
     stream=st.one_of(st.none(), st.just("memcpy")),
+    await_ms=st.floats(0, 1e4, allow_nan=False),
 )
 
 
@@ -44,6 +45,18 @@ def test_save_and_load(tmp_path: Path) -> None:
     assert data["format"] == FORMAT
     assert data["tasks"]["a"] == {"host_ms": 1.5, "samples": 0}  # defaults left out
     assert data["tasks"]["b"]["pcie"] is True
+
+
+def test_awaited_time_round_trips_and_older_files_load_without_it() -> None:
+    model = CostModel.from_host_ms({"fetch": 0.1, "train": 5.0}).with_task("fetch", await_ms=5.0)
+    data = model.to_dict()
+    assert data["tasks"] == {"fetch": {"host_ms": 0.1, "samples": 0, "await_ms": 5.0},
+                             "train": {"host_ms": 5.0, "samples": 0}}  # fmt: skip
+    assert CostModel.from_dict(data) == model
+    older = {"format": FORMAT, "tasks": {"fetch": {"host_ms": 5.1}}}  # written before await_ms
+    assert CostModel.from_dict(older).of("fetch") == TaskCost(5.1, await_ms=0.0)
+    with pytest.raises(CostModelError, match="await_ms"):
+        TaskCost(0.1, await_ms=-1.0)
 
 
 def test_with_task_creates_and_updates() -> None:

@@ -38,6 +38,19 @@ def test_medians_lanes_and_streams_from_spans() -> None:
     assert model.meta == {"run": "unit"}
 
 
+def test_an_async_body_s_awaits_are_its_await_ms_not_its_host_ms() -> None:
+    profiler = CostProfiler(skip_iterations=0)
+    profiler.add_spans(
+        Span("fetch", i, i, "loop", "main", "io", 0, int((0.2 + wait) * 1e6),
+             await_ns=int(wait * 1e6))
+        for i, wait in enumerate((5.0, 4.0, 6.0))
+    )  # fmt: skip
+    profiler.add_spans([span("train", i, 5.0) for i in range(3)])
+    model = profiler.cost_model()
+    assert (model.of("fetch").host_ms, model.of("fetch").await_ms) == (0.2, 5.0)
+    assert (model.of("train").host_ms, model.of("train").await_ms) == (5.0, 0.0)
+
+
 def test_an_empty_profile_is_an_error() -> None:
     with pytest.raises(CostModelError, match="saw no task runs"):
         CostProfiler().cost_model()

@@ -20,6 +20,7 @@ from aiopipe.autosched import (
     AutoschedError,
     CostModel,
     EngineCosts,
+    TaskCost,
     auto_assign_lookaheads,
     fire_order,
     joint_search,
@@ -258,3 +259,26 @@ def test_search_rejects_bad_arguments() -> None:
         joint_search(schedule, model, frozen=("nope",))
     with pytest.raises(AutoschedError, match=">= 1"):
         joint_search(schedule, model, max_threads=0)
+
+
+async def fetch_body(ctx: TaskContext) -> None:
+    return None
+
+
+def test_an_async_task_sharing_its_stream_may_get_one_of_its_own() -> None:
+    """Only a stream of its own lets an async task's awaits overlap the tasks it
+    shares a stream with; a frozen one keeps its stream."""
+    schedule = Schedule.of([
+        Task.from_fn("fetch", fetch_body, lookahead=1, writes=("batch",)),
+        task("train", reads=("batch",)),
+    ])  # fmt: skip
+    model = CostModel({"fetch": TaskCost(0.1, await_ms=5.0), "train": TaskCost(5.0)}, CHEAP)
+    result = joint_search(schedule, model, thread_map="by_stream")
+    streams = dict(result.best.streams)
+    assert streams["train"] == "default" and streams["fetch"] == "fetch"
+    assert result.schedule.task("fetch").stream == "fetch"
+    assert "fetch" in result.schedule.stream_slots
+    validate_schedule(result.schedule, StreamPool({n: None for n in result.schedule.stream_slots}))
+    assert result.best.score < 0.55 * result.baseline.score
+    frozen = joint_search(schedule, model, thread_map="by_stream", frozen=("fetch",))
+    assert dict(frozen.best.streams)["fetch"] == "default"

@@ -221,3 +221,69 @@ def test_a_cpu_only_sync_orders_the_bodies_and_not_the_streams() -> None:
     timing = {t.task: t for t in result.timeline}
     assert timing["b"].start_ms >= timing["a"].end_ms  # the body after a's body
     assert timing["b"].gpu_start_ms < timing["a"].gpu_end_ms  # the stream does not wait
+
+
+# -- awaited time: latency for the consumers and the lane, not work on the loop's thread --
+
+
+async def awaiting(ctx: TaskContext) -> None:
+    return None
+
+
+def async_task(name: str, **fields: Any) -> Task:
+    return Task.from_fn(name, awaiting, **fields)
+
+
+def fetch_and_train(fetch_stream: str) -> Schedule:
+    """The schedule of issue #32: an async fetch one batch ahead and a sync step."""
+    return Schedule.of([
+        async_task("fetch", lookahead=1, stream=fetch_stream, writes=("batch",)),
+        task("train", reads=("batch",)),
+    ])  # fmt: skip
+
+
+FETCH_AND_TRAIN = CostModel(
+    {"fetch": TaskCost(0.1, await_ms=5.0), "train": TaskCost(5.0)}, FREE
+)
+
+
+@pytest.mark.parametrize(("stream", "thread_map", "expected"), [
+    # On the training step's stream the engine runs the two one after the other.
+    ("default", "by_stream", 10.1),
+    ("default", {"fetch": "loop", "train": "loop"}, 10.1),
+    # On a stream of its own the fetch awaits while the step runs on its lane ...
+    ("io", {"fetch": "loop", "train": "compute"}, 5.1),
+    ("io", "by_stream", 5.1),
+    # ... but not on the same lane (a lane runs its chain in order), nor with the step
+    # on the loop: the loop runs a sync body to its end before the fetch can start.
+    ("io", {"fetch": "main", "train": "main"}, 10.1),
+    ("io", {"fetch": "loop", "train": "loop"}, 10.1),
+    ("io", {"fetch": "io", "train": "loop"}, 10.1),
+])  # fmt: skip
+def test_an_async_fetch_overlaps_the_step_only_on_its_own_stream_and_lane(
+    stream: str, thread_map: Any, expected: float
+) -> None:
+    result = simulate(fetch_and_train(stream), FETCH_AND_TRAIN, thread_map)
+    assert result.steady_ms == pytest.approx(expected)
+
+
+def test_awaits_leave_the_loop_s_thread_free_and_host_time_holds_it() -> None:
+    """Two async bodies on two lanes both run on the loop's thread: their awaits
+    overlap, their host parts take turns."""
+    schedule = Schedule.of([async_task("a", stream="s1"), async_task("b", stream="s2")])
+    lanes = {"a": "loop", "b": "io"}
+    waits = CostModel({"a": TaskCost(0.5, await_ms=4.0), "b": TaskCost(0.5, await_ms=4.0)}, FREE)
+    assert simulate(schedule, waits, lanes).steady_ms == pytest.approx(5.0)  # b after a's host
+    work = CostModel({"a": TaskCost(3.0, await_ms=0.5), "b": TaskCost(3.0, await_ms=0.5)}, FREE)
+    assert simulate(schedule, work, lanes).steady_ms == pytest.approx(6.5)  # not 3.5
+    timeline = {t.task: t for t in simulate(schedule, work, lanes).timeline}
+    assert (timeline["b"].start_ms, timeline["b"].wait_ms) == (3.0, 3.0)  # a held the loop
+
+
+def test_consumers_wait_for_the_awaits_of_their_producer() -> None:
+    schedule = Schedule.of([
+        async_task("fetch", stream="io", writes=("batch",)), task("train", reads=("batch",)),
+    ])  # fmt: skip
+    result = simulate(schedule, FETCH_AND_TRAIN, {"fetch": "loop", "train": "compute"})
+    assert result.steady_ms == pytest.approx(10.1)
+    assert result.critical_path == ("fetch", "train")

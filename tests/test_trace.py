@@ -376,3 +376,128 @@ async def test_one_pipeline_keeps_plain_lane_tracks(recorder: Recorder) -> None:
     assert sorted(e["args"]["name"] for e in events if e["name"] == "thread_name") == [
         "lane compute", "lane io"
     ]  # fmt: skip
+
+
+# -- awaited time: an async body's suspensions apart from its host time ------------------
+
+
+class FakeClock:
+    """``time.perf_counter_ns`` that moves only when a test moves it."""
+
+    def __init__(self) -> None:
+        self.now_ns = 0
+
+    def perf_counter_ns(self) -> int:
+        return self.now_ns
+
+    def advance(self, ms: float) -> None:
+        self.now_ns += int(ms * 1_000_000)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    from aiopipe._core import steps
+    from aiopipe.executors import base
+
+    fake = FakeClock()
+    monkeypatch.setattr(steps, "time", fake)
+    monkeypatch.setattr(base, "time", fake)
+    return fake
+
+
+@pytest.mark.parametrize("lane", ["loop", "io"])
+async def test_an_async_body_s_awaits_are_kept_apart_from_its_host_time(
+    clock: FakeClock, lane: str
+) -> None:
+    """The body works 2 ms, awaits an answer (5 ms pass meanwhile, in another
+    coroutine, while it is suspended), then works 1 ms: 3 ms host, 5 ms awaited.
+    Events order the two coroutines; the clock moves only where the test says."""
+    asked, answered = asyncio.Event(), asyncio.Event()
+
+    async def fetch(ctx: TaskContext) -> None:
+        clock.advance(2.0)
+        asked.set()
+        await answered.wait()
+        answered.clear()
+        clock.advance(1.0)
+        ctx.slots.set("step_result", ctx.batch_index)
+
+    async def feature_store() -> None:
+        for _ in range(3):
+            await asked.wait()
+            asked.clear()
+            clock.advance(5.0)
+            answered.set()
+
+    tasks = [Task.from_fn("fetch", fetch, writes=("step_result",))]
+    async with Pipeline(tasks, thread_map={"fetch": lane}, trace=True) as pipe:
+        server = asyncio.ensure_future(feature_store())
+        assert [result async for result in pipe.results(range(3))] == [0, 1, 2]
+        await server
+    assert pipe.tracer is not None
+    spans = pipe.tracer.spans
+    assert [(s.duration_ns, s.host_ns, s.await_ns) for s in spans] == [
+        (8_000_000, 3_000_000, 5_000_000)
+    ] * 3
+    assert all(s.lane == lane for s in spans)
+
+
+def test_awaited_time_in_the_summary_the_chrome_trace_and_old_raw_spans() -> None:
+    tracer = Tracer()
+    tracer.record(Span("fetch", 0, 0, "loop", "main", "io", 0, 6_000_000, await_ns=5_000_000))
+    tracer.record(Span("train", 0, 0, "compute", "t", None, 0, 4_000_000))
+    tracer.append(("old", 1, 1, "io", "t", None, 0, 1_000, 0, False, "p", None))  # 12 fields
+    fetch, train, old = tracer.spans
+    assert (fetch.host_ns, fetch.await_ns) == (1_000_000, 5_000_000)
+    assert (train.host_ns, train.await_ns, old.await_ns) == (4_000_000, 0, 0)
+    rows = {row["task"]: row for row in tracer.summary()}
+    assert (rows["fetch"]["mean_await_ms"], rows["train"]["mean_await_ms"]) == (5.0, 0.0)
+    slices = {e["name"]: e for e in tracer.chrome_trace()["traceEvents"] if e.get("cat") == "task"}
+    assert slices["fetch"]["args"]["await_us"] == 5000.0
+    assert "await_us" not in slices["train"]["args"]  # old readers see what they saw
+
+
+async def test_the_await_clock_passes_results_errors_and_cancellation_through() -> None:
+    from aiopipe._core.steps import AwaitClock
+
+    async def answer() -> int:
+        await asyncio.sleep(0)
+        return 42
+
+    async def broken() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("bad")
+
+    assert await AwaitClock(answer()) == 42
+    with pytest.raises(ValueError, match="bad"):
+        await AwaitClock(broken())
+
+    entered, never = asyncio.Event(), asyncio.Event()
+    seen: list[str] = []
+
+    async def waiting() -> None:
+        entered.set()
+        try:
+            await never.wait()
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        finally:
+            seen.append("finally")
+
+    async def run_clocked() -> None:
+        await AwaitClock(waiting())
+
+    task = asyncio.ensure_future(run_clocked())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == ["cancelled", "finally"]
+
+    seen.clear()
+    entered.clear()
+    outer = run_clocked()
+    outer.send(None)  # runs to the await on `never`
+    outer.close()  # closing the awaiting coroutine closes the body
+    assert seen == ["finally"]

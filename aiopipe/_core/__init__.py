@@ -10,6 +10,7 @@ about tasks, schedules or torch.
 * ``lanes``   -- lane threads and their pool (which task runs where: ``aiopipe.lanes``)
 * ``tickets`` -- ``TicketLock``: one collective order on every rank
 * ``loops``   -- event loops for ordinary code (``aiopipe.run``, the blocking API)
+* ``steps``   -- ``AwaitClock``: a coroutine's time suspended at ``await``s (tracing)
 * ``openmp``, ``malloc``, ``nvtx``, ``log`` -- platform shims and the loggers
 
 Nothing is public: the supported names are re-exported by ``aiopipe`` and its

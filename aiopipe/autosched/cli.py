@@ -99,6 +99,8 @@ def report(result: SearchResult, costs: CostModel) -> dict[str, Any]:
         **result.to_dict(),
         "engine": {k: getattr(costs.engine, k) for k in ("progress_ms", "task_ms", "handoff_ms")},
         "task_host_ms": {name: cost.host_ms for name, cost in costs.tasks.items()},
+        "task_await_ms": {name: cost.await_ms for name, cost in costs.tasks.items()
+                          if cost.await_ms},  # fmt: skip
     }
 
 
@@ -121,7 +123,9 @@ def format_plan(result: SearchResult, costs: CostModel) -> str:
     for name in best.fire_order:
         cost = costs.of(name)
         rows.append([
-            name, f"{cost.host_ms:.3f}" + (f" (+{cost.gpu_ms:.3f} dev)" if cost.gpu_ms else ""),
+            name, f"{cost.host_ms:.3f}"
+            + (f" (+{cost.await_ms:.3f} await)" if cost.await_ms else "")
+            + (f" (+{cost.gpu_ms:.3f} dev)" if cost.gpu_ms else ""),
             change(base_lane[name], best_lane[name]), change(base_stream[name], best_stream[name]),
             change(base_la[name], best_la[name]), str(position[name] + 1),
         ])  # fmt: skip

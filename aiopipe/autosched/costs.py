@@ -1,7 +1,8 @@
 """``CostModel``: what each task costs, and what the engine itself costs, in ms.
 
 A cost model is plain data: per task the host time its body takes on its lane, the
-device time its work takes on its stream, and a few resource facts (does the body
+time an ``async def`` body spends suspended at its awaits, the device time its
+work takes on its stream, and a few resource facts (does the body
 wait for its own device work, does that work cross the host link, which
 communicator do its collectives use); plus three engine overheads the simulator adds
 around the bodies.  It round-trips through JSON so a profile taken on one machine
@@ -23,7 +24,8 @@ from .errors import CostModelError
 
 __all__ = ("FORMAT", "CostModel", "EngineCosts", "TaskCost")
 
-#: The ``format`` tag of the JSON form; bumped when a field changes meaning.
+#: The ``format`` tag of the JSON form; bumped when a field changes meaning.  A field
+#: added with a default (``await_ms``) keeps it: files without it load as before.
 FORMAT = "aiopipe.costs/1"
 
 
@@ -40,9 +42,13 @@ def _non_negative(owner: str, name: str, value: object) -> float:
 class TaskCost:
     """The cost of one run of one task.
 
-    ``host_ms``: wall time of the body on its lane (for a collective on CPU, the wait
-    for the peers included).  ``gpu_ms``: device time of the work it queues on its
-    stream (0 on CPU).  ``sync``: the body blocks until its own device work is done
+    ``host_ms``: time the body works on its thread (for a collective on CPU, the wait
+    for the peers included; for an ``async def`` body, the steps of the coroutine,
+    on the loop's thread).  ``await_ms``: time an ``async def`` body spends suspended
+    at its awaits (a fetch, a sleep): its consumers wait for it, as its lane does
+    (the engine runs a lane's tasks in order), but the loop's thread is free
+    meanwhile.  ``gpu_ms``: device time of the work it queues on its stream (0 on
+    CPU).  ``sync``: the body blocks until its own device work is done
     (a ``.item()``, a D2H copy).  ``pcie``: that work moves data over the host link,
     so it contends with other such work.  ``comm``: the communicator its collectives
     use (tasks marked ``nccl`` default to ``"world"``); one communicator runs one
@@ -59,10 +65,14 @@ class TaskCost:
     host_p90_ms: float | None = None
     lane: str | None = None
     stream: str | None = None
+    #: Last, so positional construction keeps its meaning; 0 in files written before it.
+    await_ms: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "host_ms", _non_negative("TaskCost", "host_ms", self.host_ms))
         object.__setattr__(self, "gpu_ms", _non_negative("TaskCost", "gpu_ms", self.gpu_ms))
+        awaited = _non_negative("TaskCost", "await_ms", self.await_ms)
+        object.__setattr__(self, "await_ms", awaited)
         if self.host_p90_ms is not None:
             p90 = _non_negative("TaskCost", "host_p90_ms", self.host_p90_ms)
             object.__setattr__(self, "host_p90_ms", p90)
@@ -199,8 +209,8 @@ class CostModel:
 
 def _compact(entry: dict[str, Any]) -> dict[str, Any]:
     """Drop fields at their defaults, so shipped profiles stay readable."""
-    defaults = {"gpu_ms": 0.0, "sync": False, "pcie": False, "comm": None, "host_p90_ms": None,
-                "lane": None, "stream": None}  # fmt: skip
+    defaults = {"gpu_ms": 0.0, "await_ms": 0.0, "sync": False, "pcie": False, "comm": None,
+                "host_p90_ms": None, "lane": None, "stream": None}  # fmt: skip
     return {k: v for k, v in entry.items() if k not in defaults or defaults[k] != v}
 
 

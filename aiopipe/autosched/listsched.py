@@ -70,14 +70,15 @@ def _same_progress_edges(schedule: Schedule) -> tuple[dict[str, set[str]], dict[
 
 def task_levels(schedule: Schedule, cost_model: CostModel) -> Levels:
     """Top and bottom levels over the Δ = 0 DAG, a task weighing the longer of its
-    host and device time (plus the engine's per-task cost)."""
+    host time (with its awaits: its consumers wait for those too) and device time
+    (plus the engine's per-task cost)."""
     preds, succs = _same_progress_edges(schedule)
     order = [task.name for task in topological_sort(schedule)]
     engine_ms = cost_model.engine.task_ms
     weight = {}
     for name in order:
         cost = cost_model.of(name)
-        weight[name] = max(cost.host_ms, cost.gpu_ms) + engine_ms
+        weight[name] = max(cost.host_ms + cost.await_ms, cost.gpu_ms) + engine_ms
     top: dict[str, float] = {}
     for name in order:
         top[name] = max((top[p] + weight[p] for p in preds[name]), default=0.0)

@@ -1,7 +1,9 @@
 """``CostProfiler``: a :class:`CostModel` from the spans of real progresses.
 
 Tracing (``SchedulablePipeline(..., trace=True)``) records, per task run, the host
-time of its body on its lane, the lane and stream it ran on, and -- with
+time of its body on its lane (for an ``async def`` body, its span less the time it
+sat suspended at its awaits, which is kept apart as ``await_ms``), the lane and
+stream it ran on, and -- with
 ``Tracer(gpu_timing=True)`` on a GPU -- the device time between timing events on its
 stream.  The profiler keeps robust statistics of those: the median (the
 simulator's input) and the 90th percentile (how noisy the task is).  The first
@@ -53,6 +55,7 @@ class CostProfiler:
         self.sync = frozenset(sync)
         self._host: dict[str, list[float]] = collections.defaultdict(list)
         self._gpu: dict[str, list[float]] = collections.defaultdict(list)
+        self._awaited: dict[str, list[float]] = collections.defaultdict(list)
         self._lanes: dict[str, collections.Counter[str]] = collections.defaultdict(
             collections.Counter
         )
@@ -70,7 +73,8 @@ class CostProfiler:
         for span in spans:
             if span.failed or span.iteration < first + self.skip_iterations:
                 continue
-            self._host[span.task].append(span.duration_ns / 1e6)
+            self._host[span.task].append(span.host_ns / 1e6)
+            self._awaited[span.task].append(span.await_ns / 1e6)
             if span.gpu_ms is not None:
                 self._gpu[span.task].append(span.gpu_ms)
             self._lanes[span.task][span.lane] += 1
@@ -105,6 +109,7 @@ class CostProfiler:
             tasks[name] = TaskCost(
                 host_ms=round(statistics.median(host), 4),
                 gpu_ms=round(statistics.median(gpu), 4) if gpu else 0.0,
+                await_ms=round(statistics.median(self._awaited[name]), 4),
                 sync=name in self.sync,
                 pcie=name in self.pcie,
                 samples=len(host),

@@ -9,7 +9,8 @@ lookaheads depend on all of them -- so they are searched together.  The procedur
 2. each round, mutate every beam candidate: thread map (presets, and moving a
    stream group or a single task to another lane, a new lane or the loop), stream
    map (a movable group to another stream, alone or together with a move onto that
-   stream's lane or a new one), fire order (the list-scheduling policies and swaps of
+   stream's lane or a new one; an async task sharing its stream to a stream of its
+   own, alone or with a lane move), fire order (the list-scheduling policies and swaps of
    adjacent independent tasks);
 3. reject candidates that move a frozen task's stream or lookahead or need more
    than ``max_threads`` lane threads; score the rest by simulation;
@@ -137,6 +138,7 @@ class _Search:
         self.max_threads, self.max_in_flight = max_threads, max_in_flight
         self.anchor_stream = anchor_stream
         self.streams = tuple(schedule.stream_slots)
+        self.async_tasks = tuple(task.name for task in schedule.tasks if task.is_async)
         self.batches = scoring_batches(cost_model, max_in_flight)
         self.scores: dict[tuple[Any, ...], tuple[float, tuple[str, ...]] | None] = {}
         self.normalised: dict[tuple[Any, ...], Candidate | None] = {}
@@ -227,6 +229,27 @@ class _Search:
                     for lane in self._lanes_for_stream(stream, streams, lanes, movable):
                         yield replace(c, streams=_pairs(moved), note=f"{label}, lane {lane}",
                                       thread_map=_pairs({**lanes, **{n: lane for n in movable}}))
+
+    def mutate_own_stream(self, c: Candidate) -> Iterator[Candidate]:
+        """Each async task sharing its stream gets one of its own, alone and together
+        with a lane move (the loop, or a fresh lane): on a shared stream the engine
+        runs it in order with the others, so its awaits overlap none of their work
+        (``aiopipe.validate.serialized_awaits``).  Nothing else may hide an await."""
+        streams, lanes = dict(c.streams), dict(c.thread_map)
+        taken = set(streams.values()) | set(self.streams)
+        for name in self.async_tasks:
+            if name in self.frozen or sum(s == streams[name] for s in streams.values()) < 2:
+                continue
+            own = name
+            while own in taken:
+                own += "_"
+            moved = _pairs({**streams, name: own})
+            label = f"streams: {name} -> a stream of its own, {own!r}"
+            yield replace(c, streams=moved, note=label)
+            for lane in (LOOP_LANE, f"lane_{own}"):
+                if (lane != LOOP_LANE or self.allow_loop) and lanes[name] != lane:
+                    yield replace(c, streams=moved, note=f"{label}, lane {lane}",
+                                  thread_map=_pairs({**lanes, name: lane}))  # fmt: skip
 
     def _lanes_for_stream(self, stream: str, streams: Mapping[str, str],
                           lanes: Mapping[str, str], movable: Sequence[str]) -> list[str]:
@@ -340,6 +363,7 @@ def joint_search(
         expanded: dict[tuple[Any, ...], Candidate] = {}
         for c in beam:
             for mutation in (*search.mutate_thread_map(c), *search.mutate_stream_map(c),
+                             *search.mutate_own_stream(c),
                              *search.mutate_fire_order(c)):  # fmt: skip
                 expanded.setdefault(mutation.key, mutation)
         quick = sorted(

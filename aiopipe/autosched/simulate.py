@@ -25,7 +25,7 @@ iterations in which every task fires (warm-up and drain are reported apart).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .._core.lanes import LOOP_LANE
@@ -117,12 +117,19 @@ class _Compiled:
         self.handoff = engine.handoff_ms
         self.progress_ms = engine.progress_ms
         task_costs = [costs.of(name) for name in self.names]
-        # An async body on a thread lane goes to the loop and back: two hand-offs.
-        self.host = tuple(
-            c.host_ms + engine.task_ms
-            + (2 * engine.handoff_ms if t.is_async and self.lane[i] != LOOP_LANE else 0.0)
-            for i, (t, c) in enumerate(zip(order, task_costs))
+        self.work = tuple(c.host_ms + engine.task_ms for c in task_costs)
+        self.awaited = tuple(c.await_ms for c in task_costs)
+        self.is_async = tuple(t.is_async for t in order)
+        # The loop's thread runs the "loop" lane's bodies and every async body's steps,
+        # one at a time; an async body on a thread lane goes to the loop and back (a
+        # hand-off each way), its lane waiting meanwhile.
+        self.on_loop = tuple(lane == LOOP_LANE or t.is_async for t, lane in zip(order, self.lane))
+        self.relay = tuple(
+            engine.handoff_ms if t.is_async and lane != LOOP_LANE else 0.0
+            for t, lane in zip(order, self.lane)
         )  # fmt: skip
+        # Only an async body on a thread lane takes the loop's thread from another chain.
+        self.loop_shared = any(a and lane != LOOP_LANE for a, lane in zip(self.is_async, self.lane))
         self.gpu = tuple(c.gpu_ms for c in task_costs)
         self.sync = tuple(c.sync for c in task_costs)
         self.resources = tuple(
@@ -139,23 +146,46 @@ class _Compiled:
         self.preds = tuple(tuple(sorted(p)) for p in preds)
         self.gpu_waits = tuple(tuple(w) for w in gpu_waits)
         self.thread_lanes = tuple(sorted(set(self.lane) - {LOOP_LANE}))
-        self._layouts: dict[tuple[int, ...], list[tuple[tuple[int, ...], dict[int, int]]]] = {}
+        self._layouts: dict[tuple[int, ...], list[_StageLayout]] = {}
 
-    def layout(self, active: tuple[int, ...]) -> list[tuple[tuple[int, ...], dict[int, int]]]:
-        """Per stage: its active tasks and, per ticketed collective, the task holding
-        the previous ticket (empty when the stage's collectives share one lane)."""
+    def layout(self, active: tuple[int, ...]) -> list[_StageLayout]:
+        """Per stage: its active tasks, one chain per lane, and what each task waits
+        for besides its lane: its same-progress predecessors, the previous active task
+        on its stream and, when the stage's collectives span several lanes, the task
+        holding the previous ticket."""
         cached = self._layouts.get(active)
         if cached is None:
             cached = []
             for stage in range(self.num_stages):
                 members = tuple(i for i in active if self.stage_of[i] == stage)
+                present = set(members)
                 collectives = [i for i in members if self.nccl[i]]
                 previous: dict[int, int] = {}
                 if len({self.lane[i] for i in collectives}) > 1:
                     previous = dict(zip(collectives[1:], collectives[:-1]))
-                cached.append((members, previous))
+                chains: dict[str, list[int]] = {}
+                last_on_stream: dict[str, int] = {}
+                blockers: dict[int, tuple[int, ...]] = {}
+                for i in members:  # topological order
+                    chains.setdefault(self.lane[i], []).append(i)
+                    waits = {p for p in self.preds[i] if p in present}
+                    if self.stream[i] in last_on_stream:
+                        waits.add(last_on_stream[self.stream[i]])
+                    if i in previous:
+                        waits.add(previous[i])
+                    blockers[i] = tuple(sorted(waits))
+                    last_on_stream[self.stream[i]] = i
+                lanes = {lane: tuple(chain) for lane, chain in chains.items()}
+                cached.append(_StageLayout(members, lanes, blockers))
             self._layouts[active] = cached
         return cached
+
+
+@dataclass(frozen=True)
+class _StageLayout:
+    members: tuple[int, ...]
+    chains: dict[str, tuple[int, ...]]
+    blockers: dict[int, tuple[int, ...]]
 
 
 @dataclass
@@ -210,9 +240,9 @@ def _run(c: _Compiled, batches: int | None) -> SimResult:
         record: list[TaskTiming] | None = [] if iteration == report else None
         because: dict[int, int | None] = {}
         last = -1
-        for members, previous_ticket in c.layout(active):
+        for layout in c.layout(active):
             clock, stage_device_end, stage_last = _run_stage(
-                c, iteration, members, previous_ticket, clock, device, because, record, begin
+                c, iteration, layout, clock, device, because, record, begin
             )
             device_end = max(device_end, stage_device_end)
             last = stage_last if stage_last >= 0 else last
@@ -239,46 +269,72 @@ def _run(c: _Compiled, batches: int | None) -> SimResult:
 def _run_stage(
     c: _Compiled,
     iteration: int,
-    members: tuple[int, ...],
-    previous_ticket: Mapping[int, int],
+    layout: _StageLayout,
     start: float,
     device: _Device,
     because: dict[int, int | None],
     record: list[TaskTiming] | None,
     origin: float,
 ) -> tuple[float, float, int]:
-    """Run one stage from ``start``; return (host end, device end, last task)."""
-    if not members:
+    """Run one stage from ``start``; return (host end, device end, last task).
+
+    Tasks run in the order they start, as on the machine: each round takes, of every
+    lane's next task whose waits are known, the one that starts first.  That order
+    books the loop's thread, which runs one body at a time: the "loop" lane's
+    synchronous bodies whole, an async body only its host part (its awaits leave the
+    thread free).  At equal times the loop lane's chain goes first: it runs its sync
+    bodies back to back and lets other coroutines in only where it awaits.
+    """
+    if not layout.members:
         return start, start, -1
+    heads = {lane: 0 for lane in layout.chains}
     lane_free: dict[str, float] = {}
     lane_last: dict[str, int] = {}
-    last_on_stream: dict[str, int] = {}
     end: dict[int, float] = {}
+    loop_free, loop_last = start, None  # when the loop's thread is free, and who had it
     device_end = start
-    for i in members:
-        lane = c.lane[i]
-        ready = lane_free.get(lane)
-        if ready is None:  # a thread lane wakes when it receives its chain
-            ready = start if lane == LOOP_LANE else start + c.handoff
-        blockers = [p for p in c.preds[i] if p in end]
-        same_stream = last_on_stream.get(c.stream[i])
-        if same_stream is not None:
-            blockers.append(same_stream)
-        ticket_holder = previous_ticket.get(i)
-        if ticket_holder is not None:
-            blockers.append(ticket_holder)
-        blocker = max(blockers, key=end.__getitem__, default=None)
-        if blocker is not None and end[blocker] > ready:
-            begin, because[i] = end[blocker] + c.handoff, blocker
-        else:
-            begin, because[i] = ready, lane_last.get(lane)
-        host_end = begin + c.host[i]
+    timings: list[tuple[int, TaskTiming]] = []
+    taken = 0
+    while heads:
+        pick: tuple[tuple[float, bool, int], str, float, int | None] | None = None
+        candidates: Iterable[tuple[str, int]] = heads.items()
+        if not c.loop_shared:  # the order cannot matter: take the topological one (faster)
+            lane_of_next = c.lane[layout.members[taken]]
+            candidates = ((lane_of_next, heads[lane_of_next]),)
+        taken += 1
+        for lane, head in candidates:
+            i = layout.chains[lane][head]
+            waits = layout.blockers[i]
+            if any(p not in end for p in waits):
+                continue
+            ready = lane_free.get(lane)
+            if ready is None:  # a thread lane wakes when it receives its chain
+                ready = start if lane == LOOP_LANE else start + c.handoff
+            blocker = max(waits, key=end.__getitem__, default=None)
+            cause: int | None
+            if blocker is not None and end[blocker] > ready:
+                begin, cause = end[blocker] + c.handoff, blocker
+            else:
+                begin, cause = ready, lane_last.get(lane)
+            body = begin + c.relay[i]
+            if c.on_loop[i] and loop_free > body:
+                body, cause = loop_free, loop_last
+            key = (body, lane != LOOP_LANE, i)
+            if pick is None or key < pick[0]:
+                pick = (key, lane, ready, cause)
+        assert pick is not None  # the earliest task left in topological order is ready
+        (body, _, i), lane, ready, because[i] = pick
+        heads[lane] += 1
+        if heads[lane] == len(layout.chains[lane]):
+            del heads[lane]
+        host_end = body + c.work[i]
+        body_end = host_end + c.awaited[i]
         for producer, delta in c.gpu_waits[i]:
             if delta == 0 and (producer, iteration) not in device.gpu_end:
                 device.deferred.append((producer, c.stream[i]))
         gpu_span = None
         if c.gpu[i] > 0.0:
-            gpu_begin = max([begin, *(device.free.get(r, 0.0) for r in c.resources[i])])
+            gpu_begin = max([body, *(device.free.get(r, 0.0) for r in c.resources[i])])
             for producer, delta in c.gpu_waits[i]:
                 gpu_begin = max(gpu_begin, device.gpu_end.get((producer, iteration - delta), 0.0))
             gpu_end = max(gpu_begin + c.gpu[i], host_end)
@@ -288,15 +344,19 @@ def _run_stage(
             device_end = max(device_end, gpu_end)
             gpu_span = (gpu_begin - origin, gpu_end - origin)
             if c.sync[i]:
-                host_end = max(host_end, gpu_end)
-        end[i] = lane_free[lane] = host_end
+                body_end = max(body_end, gpu_end)
+        if c.on_loop[i]:  # a sync body holds the loop's thread to its end
+            loop_free, loop_last = (host_end if c.is_async[i] else body_end), i
+        end[i] = lane_free[lane] = body_end + c.relay[i]
         lane_last[lane] = i
-        last_on_stream[c.stream[i]] = i
         if record is not None:
-            record.append(TaskTiming(
-                c.names[i], lane, begin - origin, host_end - origin, begin - ready,
+            started = body - c.relay[i]
+            timings.append((i, TaskTiming(
+                c.names[i], lane, started - origin, end[i] - origin, started - ready,
                 *(gpu_span or (None, None)),
-            ))  # fmt: skip
+            )))  # fmt: skip
+    if record is not None:
+        record.extend(timing for _, timing in sorted(timings, key=lambda item: item[0]))
     # The loop finishes its own chain, then is woken by the last thread lane.
     finish = {i: t + (c.handoff if c.lane[i] != LOOP_LANE else 0.0) for i, t in end.items()}
     last = max(finish, key=finish.__getitem__)

@@ -41,6 +41,7 @@ from ..errors import TaskDefinitionError, attach_origin
 from ..plan import ActiveSet, ExecutionPlan
 from ..ring import BatchRing
 from .._core.lanes import lane_of_thread
+from .._core.steps import AwaitClock
 
 if TYPE_CHECKING:
     from .._core.nvtx import Annotator
@@ -286,12 +287,15 @@ class Iteration:
         if self._tracer is None:
             await self._invoke_async(index, run_on_lane)
             return
+        # Only the coroutine's steps are host work: the clock counts the time it
+        # spends suspended at its awaits apart (the span's await_ns).
         start, failed = time.perf_counter_ns(), True
+        steps = AwaitClock(self._invoke_async(index, run_on_lane))
         try:
-            await self._invoke_async(index, run_on_lane)
+            await steps
             failed = False
         finally:
-            self._trace(index, start, failed, None)
+            self._trace(index, start, failed, None, steps.awaited_ns)
 
     async def _invoke_async(self, index: int, run_on_lane: LaneRunner | None) -> None:
         plan = self.plan
@@ -329,8 +333,9 @@ class Iteration:
         started.append((begin, stream))
 
     def _trace(
-        self, index: int, start: int, failed: bool, gpu_started: tuple[Any, Any] | None
-    ) -> None:
+        self, index: int, start: int, failed: bool, gpu_started: tuple[Any, Any] | None,
+        awaited_ns: int = 0,
+    ) -> None:  # fmt: skip
         tracer, plan = self._tracer, self.plan
         assert tracer is not None  # only called with a tracer
         end = time.perf_counter_ns()
@@ -340,7 +345,7 @@ class Iteration:
             plan.order[index].name, self.number, self.number - plan.lag[index],
             self._lane_names[index] if self._lane_names else lane_of_thread(thread), thread,
             plan.stream[index], start, end, start - ready if ready < start else 0, failed,
-            self.pipeline, None,
+            self.pipeline, None, awaited_ns,
         )  # fmt: skip
         if gpu_started is None:
             tracer.append(raw)
