@@ -362,6 +362,9 @@ class IterationDriver:
         describe = functools.partial(describe_wait, self._pipeline, current[1], self._lane_names)
         watch = LaneWatch(handle, describe)
         guard = asyncio.ensure_future(watch.until_done(running))
+        # A loop closed by hand before the iteration ends leaves the guard pending
+        # for good; it has nothing to report then ("Task was destroyed" would be noise).
+        guard._log_destroy_pending = False  # type: ignore[attr-defined]
         self._guards.add(guard)  # referenced until done
         guard.add_done_callback(self._guards.discard)
         if not runner_owns(loop):

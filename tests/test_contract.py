@@ -5,6 +5,7 @@ events held by the source or a task body."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -391,6 +392,21 @@ def test_shutdown_after_the_loop_was_closed_by_hand_stops_the_lanes() -> None:
     release.set()
     pipe.shutdown()  # not refused: nothing can end that iteration any more
     assert pipe.statistics().closed  # (the lanes are stopped: conftest checks)
+
+
+def test_a_loop_closed_by_hand_leaves_no_pending_task_to_complain_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The guard watching the lanes of the cancelled call stays pending on the closed
+    loop; collected, it must not log "Task was destroyed but it is pending!"."""
+    started, release = threading.Event(), threading.Event()
+    pipe = Pipeline([gated_at(1, started, release)])
+    leave_batch_1_on_a_closed_loop(pipe, iter(range(4)), started)
+    release.set()
+    pipe.shutdown()
+    del pipe
+    gc.collect()
+    assert not [r for r in caplog.records if "Task was destroyed" in r.getMessage()]
 
 
 def test_reset_after_the_loop_was_closed_by_hand_starts_afresh() -> None:
