@@ -211,7 +211,8 @@ class CheckpointManager:
         try:
             from torch.distributed.checkpoint.state_dict_loader import load
 
-            load(state, checkpoint_id=str(path), process_group=self._group)
+            load(state, checkpoint_id=str(path), process_group=self._group,
+                 planner=_resharding_planner())  # fmt: skip
         except (Exception, CheckpointException) as exc:  # torch's is a BaseException
             raise CheckpointError(f"loading the checkpoint of step {step} failed: {exc}") from exc
         checkpoint_log.info("resuming from the checkpoint of step %d in %s", step, path)
@@ -279,7 +280,7 @@ def _shape_mismatch(path: Path, state: dict[str, Any]) -> str | None:
     """The first tensor of ``state`` whose global shape differs from the one saved,
     described; ``None`` when all match.  DCP would reshard silently or fail deep in
     its planner with a message that names no parameter."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
@@ -291,6 +292,32 @@ def _shape_mismatch(path: Path, state: dict[str, Any]) -> str | None:
         if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != shape:
             return f"{key!r} has global shape {tuple(entry.size)} there, {shape} here"
     return None
+
+
+def _resharding_planner() -> Any:
+    """DCP's default load planner without its guess at pre-2.4 checkpoints.
+
+    When a rank's state lacks keys the checkpoint has -- under a table-wise plan each
+    rank holds only its own tables' optimizer state -- the guess takes the
+    checkpoint for an old one, re-flattens the state the old way and then asks for
+    keys (``...param_groups``) that exist in neither.  Keys the checkpoint has and
+    this rank does not are simply not read; keys this rank has and the checkpoint
+    lacks are still refused."""
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        create_default_local_load_plan,
+    )
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    class ReshardingLoadPlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            if self.metadata is None:
+                raise CheckpointError("the checkpoint's metadata was not read")
+            return create_default_local_load_plan(
+                self.state_dict, self.metadata, not self.allow_partial_load
+            )
+
+    return ReshardingLoadPlanner()
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -24,7 +24,7 @@ import sys
 from tqdm import tqdm
 
 from aiopipe import Tracer
-from aiopipe.checkpoint import CheckpointManager
+from aiopipe.checkpoint import CheckpointError, CheckpointManager
 from aiopipe.timeline import write_timeline
 from hstu_tasks import DataConfig, ModelConfig, OptimizerConfig, SyntheticHSTUData
 from hstu_tasks import build_training, init_distributed, leave_and_exit, quiet_torchrec
@@ -62,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sharding", choices=("row_wise", "table_wise"), default="row_wise",
                         help="torchrec's plan for the embedding tables")
     parser.add_argument("--max-history", type=int, default=48)
+    parser.add_argument("--num-items", type=int, default=2000,
+                        help="rows of the item table")
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
     parser.add_argument("--json", metavar="PATH", help="write losses, checksum and speed here")
     parser.add_argument("--trace", metavar="PATH",
@@ -136,7 +138,8 @@ def main() -> None:
     except ValueError as error:  # every rank reads the same checkpoint: all refuse alike
         raise SystemExit(f"train_hstu.py: {error}") from None
     data_config = DataConfig(
-        batch_size=rank_batch, max_history=args.max_history, length_distribution=args.lengths,
+        batch_size=rank_batch, max_history=args.max_history, num_items=args.num_items,
+        length_distribution=args.lengths,
     )  # fmt: skip
     data_parallel = "torch" if needs_sharded_torch_ddp else args.data_parallel
     setup = build_training(ModelConfig(), data_config, OptimizerConfig(kind=args.optimizer),
@@ -144,7 +147,10 @@ def main() -> None:
                            shard_embeddings=not args.replicate_tables,
                            sharding=args.sharding)  # fmt: skip
     # The checkpoint is resharded onto this job's ranks: its data position is global.
-    start, meta = restore_training(setup, manager, any_world_size=True) if manager else (0, {})
+    try:
+        start, meta = restore_training(setup, manager, any_world_size=True) if manager else (0, {})
+    except CheckpointError as error:  # e.g. a table of another size: every rank refuses
+        raise SystemExit(f"train_hstu.py: {error}") from None
     earlier_losses: list[float] = meta.get("losses", [])
     consumed = int(meta.get("samples_consumed", start * global_batch))  # older: same width
     data = SyntheticHSTUData(data_config, max(args.steps - start, 0), seed=args.seed, rank=rank,
