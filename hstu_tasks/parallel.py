@@ -53,6 +53,7 @@ __all__ = (
     "default_device",
     "global_loss",
     "init_distributed",
+    "initialize_tables",
     "plain_train_step",
     "resolve_data_parallel",
     "shard_model",
@@ -249,7 +250,7 @@ def initialize_tables(
             for name, value in state.items():
                 if not name.endswith(f"embeddings.{table}.weight"):
                     continue
-                if not hasattr(value, "local_shards"):  # replicated: the whole table
+                if not hasattr(value, "local_shards"):  # a whole table: one of the plan's
                     value.copy_(full)
                     continue
                 for shard in value.local_shards():
@@ -320,7 +321,6 @@ def _replicated_training(
     torch.manual_seed(seed)
     model: torch.nn.Module = HSTURankingModel(model_config, data_config, embedding_device=device)
     model.to(device)
-    initialize_tables(model, model_config, data_config, seed)  # as the sharded ones
     if kind == "megatron":
         MegatronDataParallelWrapper().wrap_dense_children(model)
         chunks = grad_buffer_chunks(model)

@@ -7,8 +7,9 @@ samples, the initial weights and the math are identical; what changes with the
 world size is the order of the floating-point sums (the loss-sum all-reduce, DDP's
 gradient mean over 2 ranks against one rank's sum over the whole batch, the
 embedding gradients summed by the all-to-all).  float32 rounding of that order
-moves a loss by ~1e-7 relative per step and Adam carries it on; 16 steps measured
-at most 4e-7 relative on this machine.  1e-5 leaves a wide margin while still
+moves a loss by ~1e-7 relative per step and Adam carries it on: over these 12
+steps the largest difference measured on the CPU machine was 2.1e-6 relative (the
+test prints it).  2e-5 leaves a 10x margin for other CPUs' kernels while still
 failing for any real error (a skipped, repeated or reordered sample, or a wrong
 reshard, moves the loss by 1e-3 or more).
 """
@@ -30,7 +31,7 @@ from hstu_tasks.elastic import rank_batch_size
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parent.parent
-LOSS_TOLERANCE = 1e-5
+LOSS_TOLERANCE = 2e-5
 COMMON = ["--optimizer", "adam", "--global-batch-size", "8", "--max-history", "16",
           "--checkpoint-every", "2"]  # fmt: skip
 
