@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -125,3 +126,19 @@ def test_a_checkpoint_of_other_global_shapes_is_refused_by_name(
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "does not fit this model" in done.stderr
     assert "item_table.weight' has global shape (2000, 32) there, (3000, 32) here" in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_keep_rank_batch_changes_the_global_batch_and_goes_on_from_the_same_sample(
+    tmp_path: Path, reference: tuple[dict[str, Any], Path]
+) -> None:
+    _, ckpt = reference
+    shutil.copytree(ckpt, tmp_path / "ckpt")  # the reference's stays as it was
+    out = tmp_path / "run.json"
+    done = train(1, "--steps", "14", "--keep-rank-batch", "--batch-size", "4",
+                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "global batch 4 (4 per rank)" in done.stdout
+    run = report(out)
+    assert run["global_batch_size"] == 4 and len(run["losses"]) == 14
+    assert run["samples"] == samples_digest(12 * 8 + 2 * 4)  # on from sample 96, none lost
