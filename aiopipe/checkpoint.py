@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,33 +180,53 @@ class CheckpointManager:
 
     # -- reading -----------------------------------------------------------------------
 
-    def load(self, step: int, state: dict[str, Any]) -> dict[str, Any]:
+    def load(
+        self, step: int, state: dict[str, Any], *, any_world_size: bool = False
+    ) -> dict[str, Any]:
         """Fill ``state`` in place from checkpoint ``step`` and return its ``meta``.
 
         ``state`` must have the saved structure with tensors allocated (build it from
         the freshly constructed model and optimizers; call
         :func:`materialize_optimizer_state` first for optimizers that create their
-        state lazily)."""
+        state lazily).  A checkpoint written by another number of ranks is refused
+        unless ``any_world_size``: then DCP reshards every tensor onto this job's
+        layout, which is right only when the caller's data position is global (not
+        per rank).  Tensors whose global shapes differ from the saved ones are refused
+        by name, before anything is loaded."""
         path = self.path(step)
         meta_file = path / _META
         if not meta_file.is_file():
             raise CheckpointError(f"no complete checkpoint at {path}")
         body = json.loads(meta_file.read_text())
         saved_world = body.get("world_size")
-        if saved_world is not None and saved_world != self._world_size():
-            # Sharded tensors could reshard on load, but data positions are per rank.
+        if not any_world_size and saved_world is not None and saved_world != self._world_size():
             raise CheckpointError(
                 f"checkpoint {path.name} was written by {saved_world} ranks, this job has "
-                f"{self._world_size()}: each rank's data position would not carry over"
+                f"{self._world_size()}: each rank's data position would not carry over "
+                f"(load(..., any_world_size=True) when the data position is global)"
             )
+        mismatch = _shape_mismatch(path, state)
+        if mismatch is not None:
+            raise CheckpointError(f"checkpoint {path.name} does not fit this model: {mismatch}")
         try:
             from torch.distributed.checkpoint.state_dict_loader import load
 
-            load(state, checkpoint_id=str(path), process_group=self._group)
+            load(state, checkpoint_id=str(path), process_group=self._group,
+                 planner=_resharding_planner())  # fmt: skip
         except (Exception, CheckpointException) as exc:  # torch's is a BaseException
             raise CheckpointError(f"loading the checkpoint of step {step} failed: {exc}") from exc
         checkpoint_log.info("resuming from the checkpoint of step %d in %s", step, path)
         return dict(body.get("meta", {}))
+
+    def describe(self, step: int) -> dict[str, Any]:
+        """Checkpoint ``step``'s record without loading it: ``step``, ``world_size``
+        (the ranks that wrote it) and ``meta`` -- e.g. to size this job's batches
+        before building the state to load into."""
+        meta_file = self.path(step) / _META
+        if not meta_file.is_file():
+            raise CheckpointError(f"no complete checkpoint at {self.path(step)}")
+        body: dict[str, Any] = json.loads(meta_file.read_text())
+        return body
 
     # -- process group -----------------------------------------------------------------
 
@@ -237,6 +258,66 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.directory)!r}, keep={self.keep})"
+
+
+def _global_shapes(state: Any, prefix: str = "") -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(DCP key, global shape) of every tensor in ``state``: keys joined with dots as
+    DCP flattens them; a sharded tensor's ``size()`` is its global shape."""
+    if isinstance(state, dict):
+        items: Iterable[tuple[Any, Any]] = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    elif isinstance(state, torch.Tensor) or hasattr(state, "local_shards"):
+        yield prefix, tuple(state.size())
+        return
+    else:
+        return
+    for key, value in items:
+        yield from _global_shapes(value, f"{prefix}.{key}" if prefix else str(key))
+
+
+def _shape_mismatch(path: Path, state: dict[str, Any]) -> str | None:
+    """The first tensor of ``state`` whose global shape differs from the one saved,
+    described; ``None`` when all match.  DCP would reshard silently or fail deep in
+    its planner with a message that names no parameter."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as exc:  # an unreadable checkpoint: the load reports it with context
+        return f"its metadata cannot be read ({exc})"
+    for key, shape in _global_shapes(state):
+        entry = saved.get(key)
+        if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != shape:
+            return f"{key!r} has global shape {tuple(entry.size)} there, {shape} here"
+    return None
+
+
+def _resharding_planner() -> Any:
+    """DCP's default load planner without its guess at pre-2.4 checkpoints.
+
+    When a rank's state lacks keys the checkpoint has -- under a table-wise plan each
+    rank holds only its own tables' optimizer state -- the guess takes the
+    checkpoint for an old one, re-flattens the state the old way and then asks for
+    keys (``...param_groups``) that exist in neither.  Keys the checkpoint has and
+    this rank does not are simply not read; keys this rank has and the checkpoint
+    lacks are still refused."""
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        create_default_local_load_plan,
+    )
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    class ReshardingLoadPlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            if self.metadata is None:
+                raise CheckpointError("the checkpoint's metadata was not read")
+            return create_default_local_load_plan(
+                self.state_dict, self.metadata, not self.allow_partial_load
+            )
+
+    return ReshardingLoadPlanner()
 
 
 def _fsync_directory(directory: Path) -> None:

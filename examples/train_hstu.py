@@ -8,7 +8,8 @@ their losses and final parameters can be compared (``--json``).
 
 With ``--checkpoint-dir`` the run checkpoints every ``--checkpoint-every`` steps and
 resumes from the newest complete checkpoint when started again, e.g. by
-``torchrun --max-restarts 1`` after a rank died (see docs/fault-tolerance.md).
+``torchrun --max-restarts 1`` after a rank died, or on another number of ranks: the
+data position is global and the global batch is kept (see docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import sys
 from tqdm import tqdm
 
 from aiopipe import Tracer
-from aiopipe.checkpoint import CheckpointManager
+from aiopipe.checkpoint import CheckpointError, CheckpointManager
 from aiopipe.timeline import write_timeline
 from hstu_tasks import DataConfig, ModelConfig, OptimizerConfig, SyntheticHSTUData
 from hstu_tasks import build_training, init_distributed, leave_and_exit, quiet_torchrec
 from hstu_tasks import restore_training, training_state
+from hstu_tasks.elastic import SampleLedger, rank_batch_size
 from hstu_tasks.parallel import default_device, resolve_data_parallel
 from hstu_tasks.runners import PIPELINES, RunResult, parameter_checksum, parameter_digest
 from hstu_tasks.runners import run_pipeline
@@ -35,7 +37,8 @@ from hstu_tasks.runners import run_pipeline
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="batches per rank")
+    parser.add_argument("--steps", type=int, default=40,
+                        help="the job's training steps in all (a resumed run continues to it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pipeline", choices=PIPELINES, default="aiopipe")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
@@ -47,8 +50,20 @@ def parse_args() -> argparse.Namespace:
                         help="no torchrec sharding: tables are ordinary parameters replicated "
                              "on every rank (plain torch operators only, e.g. for a GPU "
                              "without fbgemm's CUDA kernels)")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="samples per rank a step, when --global-batch-size is not given "
+                             "(or with --keep-rank-batch)")
+    parser.add_argument("--global-batch-size", type=int, metavar="G",
+                        help="samples per step over all ranks: each rank trains G / world size "
+                             "(default: --batch-size x world size, or the checkpoint's)")
+    parser.add_argument("--keep-rank-batch", action="store_true",
+                        help="on a resize keep --batch-size per rank instead of the global "
+                             "batch: the global batch changes, and so does the optimisation")
+    parser.add_argument("--sharding", choices=("row_wise", "table_wise"), default="row_wise",
+                        help="torchrec's plan for the embedding tables")
     parser.add_argument("--max-history", type=int, default=48)
+    parser.add_argument("--num-items", type=int, default=2000,
+                        help="rows of the item table")
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
     parser.add_argument("--json", metavar="PATH", help="write losses, checksum and speed here")
     parser.add_argument("--trace", metavar="PATH",
@@ -76,6 +91,23 @@ def kill_hook(spec: str | None, rank: int) -> tuple[int, int] | None:
     return (kill_rank, kill_step) if kill_rank == rank else None
 
 
+def global_batch_size(args: argparse.Namespace, world: int, saved: dict[str, object]) -> int:
+    """The samples per step over all ranks: kept across a resize (the checkpoint's)
+    unless given or ``--keep-rank-batch``."""
+    if args.keep_rank_batch:
+        return int(args.batch_size) * world
+    saved_global = saved.get("global_batch_size")
+    if args.global_batch_size is not None:
+        if saved_global is not None and saved_global != args.global_batch_size:
+            raise ValueError(
+                f"the checkpoint was trained with global batch {saved_global}, not "
+                f"{args.global_batch_size}: pass --global-batch-size {saved_global}, or "
+                f"--keep-rank-batch to change it"
+            )
+        return int(args.global_batch_size)
+    return int(saved_global) if isinstance(saved_global, int) else int(args.batch_size) * world
+
+
 def main() -> None:
     args = parse_args()
     if args.checkpoint_every < 1:
@@ -97,23 +129,41 @@ def main() -> None:
         raise SystemExit(f"train_hstu.py: {error}") from None
     quiet_torchrec()
     rank, world = init_distributed(datetime.timedelta(seconds=args.collective_timeout))
+    manager = CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
+    latest = manager.latest() if manager else None
+    saved = manager.describe(latest)["meta"] if manager and latest is not None else {}
+    try:
+        global_batch = global_batch_size(args, world, saved)
+        rank_batch = rank_batch_size(global_batch, world)
+    except ValueError as error:  # every rank reads the same checkpoint: all refuse alike
+        raise SystemExit(f"train_hstu.py: {error}") from None
     data_config = DataConfig(
-        batch_size=args.batch_size, max_history=args.max_history,
+        batch_size=rank_batch, max_history=args.max_history, num_items=args.num_items,
         length_distribution=args.lengths,
     )  # fmt: skip
     data_parallel = "torch" if needs_sharded_torch_ddp else args.data_parallel
     setup = build_training(ModelConfig(), data_config, OptimizerConfig(kind=args.optimizer),
                            seed=args.seed, data_parallel=data_parallel,
-                           shard_embeddings=not args.replicate_tables)  # fmt: skip
-    manager = CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
-    start, meta = restore_training(setup, manager) if manager else (0, {})
+                           shard_embeddings=not args.replicate_tables,
+                           sharding=args.sharding)  # fmt: skip
+    # The checkpoint is resharded onto this job's ranks: its data position is global.
+    try:
+        start, meta = restore_training(setup, manager, any_world_size=True) if manager else (0, {})
+    except CheckpointError as error:  # e.g. a table of another size: every rank refuses
+        raise SystemExit(f"train_hstu.py: {error}") from None
     earlier_losses: list[float] = meta.get("losses", [])
-    data = SyntheticHSTUData(data_config, args.steps, seed=args.seed, rank=rank)
+    consumed = int(meta.get("samples_consumed", start * global_batch))  # older: same width
+    data = SyntheticHSTUData(data_config, max(args.steps - start, 0), seed=args.seed, rank=rank,
+                             world_size=world, sample_offset=consumed)  # fmt: skip
+    ledger = SampleLedger(data, meta.get("samples_sha256", ""))
     if rank == 0:
         resumed = f", resuming after step {start}" if start else ""
+        if start and meta.get("world_size", world) != world:
+            resumed += f" (written by {meta['world_size']} ranks, resharded)"
         print(f"HSTU ranking: {args.pipeline}, {world} rank(s) on {setup.device}, "
               f"{setup.data_parallel} DDP, tables {'sharded' if setup.sharded else 'replicated'}, "
-              f"{args.steps} steps, {args.optimizer}{resumed}",
+              f"{args.steps} steps, global batch {global_batch} ({rank_batch} per rank), "
+              f"{args.optimizer}{resumed}",
               flush=True)  # fmt: skip
     bar = tqdm(total=args.steps, initial=start, disable=rank != 0, unit="step", file=sys.stdout)
     result = RunResult()
@@ -124,12 +174,16 @@ def main() -> None:
         position = start + step
         if manager is not None and position % args.checkpoint_every == 0:
             losses = earlier_losses + result.global_losses()
-            manager.save(position, training_state(setup), meta={"losses": losses})
+            manager.save(position, training_state(setup), meta={
+                "losses": losses, "world_size": world, "global_batch_size": global_batch,
+                "samples_consumed": consumed + step * global_batch,
+                "samples_sha256": ledger.fold(step),
+            })  # fmt: skip
         if kill is not None and position == kill[1]:
             os.kill(os.getpid(), signal.SIGKILL)
 
     tracer = Tracer() if args.trace or args.timeline else None
-    run_pipeline(args.pipeline, setup, data.from_index(start), on_step=on_step, tracer=tracer,
+    run_pipeline(args.pipeline, setup, ledger.source(), on_step=on_step, tracer=tracer,
                  result=result)  # fmt: skip
     bar.close()
     if tracer is not None and args.trace:
@@ -145,6 +199,7 @@ def main() -> None:
                              f"iterations {middle}-{middle + 2}")  # fmt: skip
         print(f"timeline of iterations {middle}-{middle + 2} drawn in {args.timeline}")
     losses = earlier_losses + result.global_losses()
+    samples = ledger.fold(len(result.loss_sums))
     checksum = parameter_checksum(setup.model)
     digest = parameter_digest(setup.model)
     steps_per_s = len(result.loss_sums) / result.seconds if result.seconds else 0.0
@@ -159,7 +214,8 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as out:
                 json.dump({"pipeline": args.pipeline, "world_size": world, "steps": len(losses),
-                           "resumed_from": start, "losses": losses, "checksum": checksum,
+                           "resumed_from": start, "global_batch_size": global_batch,
+                           "losses": losses, "checksum": checksum, "samples": samples,
                            "parameters_sha256": digest,
                            "steps_per_s": steps_per_s}, out, indent=1)  # fmt: skip
     leave_and_exit(0)  # together with the other ranks; see its docstring for why it exits

@@ -29,15 +29,22 @@ def training_state(setup: TrainingSetup) -> dict[str, Any]:
     }
 
 
-def restore_training(setup: TrainingSetup, manager: CheckpointManager) -> tuple[int, dict[str, Any]]:
+def restore_training(
+    setup: TrainingSetup, manager: CheckpointManager, *, any_world_size: bool = False
+) -> tuple[int, dict[str, Any]]:
     """Load the newest complete checkpoint into a freshly built ``setup``; return its
-    step (0 when there is none: start from scratch) and its meta."""
+    step (0 when there is none: start from scratch) and its meta.
+
+    ``any_world_size`` accepts a checkpoint of another number of ranks: DCP reshards
+    the tables (any plan), their fused optimizer state and the replicated dense
+    state onto this job's plan.  Only for a global data position
+    (``SyntheticHSTUData(..., world_size=...)``)."""
     step = manager.latest()
     if step is None:
         return 0, {}
     materialize_optimizer_state(setup.optimizer)  # Adam creates its moments lazily
     state = training_state(setup)
-    meta = manager.load(step, state)
+    meta = manager.load(step, state, any_world_size=any_world_size)
     setup.model.load_state_dict(state["model"])
     setup.model.fused_optimizer.load_state_dict(state["fused_optimizer"])
     setup.optimizer.load_state_dict(state["dense_optimizer"])

@@ -4,7 +4,9 @@ Each sample is a user history of (item, action) pairs followed by candidate item
 rank.  Features travel as one ``KeyedJaggedTensor`` with keys ``"item"`` (history
 items then candidates, per sample) and ``"action"`` (history actions); each candidate
 carries multi-task labels bit-encoded in one integer.  Batches are deterministic from
-``(seed, rank, index)`` and differ across ranks.
+``(seed, rank, index)`` and differ across ranks -- or, given a ``world_size``, are
+each rank's share of global batches drawn from one global order of samples, the
+same at any world size (what a resized job needs).
 """
 
 from __future__ import annotations
@@ -133,17 +135,41 @@ class DataConfig:
 class SyntheticHSTUData:
     """``num_batches`` batches for one rank; iterating again yields the same batches.
 
-    Batch ``i`` depends only on (seed, rank, i), so :meth:`from_index` resumes a run
-    at any data position.
+    Without ``world_size``, batch ``i`` depends only on (seed, rank, i).  With it,
+    the data is one global sequence of samples, sample ``n`` depending only on
+    (seed, n): global batch ``i`` holds samples ``sample_offset + i * G`` onwards, ``G
+    = config.batch_size * world_size``, and rank ``r`` takes its ``r``-th equal part.
+    So a run at world size 2 and one at world size 1 (with twice the per-rank batch)
+    train the same global batches, and ``sample_offset`` resumes a job at the global
+    position a checkpoint of any world size recorded.  Either way
+    :meth:`from_index` resumes a run at any batch.
     """
 
-    def __init__(self, config: DataConfig, num_batches: int, *, seed: int = 0, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: DataConfig,
+        num_batches: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int | None = None,
+        sample_offset: int = 0,
+    ) -> None:
         if num_batches < 0:
             raise ValueError(f"num_batches must be >= 0, got {num_batches}")
+        if world_size is not None and not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if sample_offset < 0 or (sample_offset and world_size is None):
+            raise ValueError(
+                f"sample_offset must be >= 0 and needs world_size (the global order), got "
+                f"{sample_offset} with world_size={world_size}"
+            )
         self.config = config
         self.num_batches = num_batches
         self.seed = seed
         self.rank = rank
+        self.world_size = world_size
+        self.sample_offset = sample_offset
 
     def __len__(self) -> int:
         return self.num_batches
@@ -158,32 +184,69 @@ class SyntheticHSTUData:
         for index in range(start, self.num_batches):
             yield self.batch(index)
 
+    def sample_ids(self, index: int) -> range:
+        """The global ids of the samples in this rank's batch ``index`` (global order)."""
+        if self.world_size is None:
+            raise ValueError("per-rank data has no global sample ids: pass world_size")
+        size = self.config.batch_size
+        first = self.sample_offset + (index * self.world_size + self.rank) * size
+        return range(first, first + size)
+
     def batch(self, index: int) -> HSTUBatch:
+        if self.world_size is not None:
+            return self._global_batch(index)
         config = self.config
         generator = torch.Generator().manual_seed(
             (self.seed * 1_000_003 + self.rank) * 1_000_033 + index
         )
-        history = self._history_lengths(generator)
+        history = self._history_lengths(generator, config.batch_size)
         candidates = torch.randint(1, config.max_candidates + 1, (config.batch_size,), generator=generator)
         item_lengths = history + candidates
         items = torch.randint(0, config.num_items, (int(item_lengths.sum()),), generator=generator)
         actions = torch.randint(0, config.num_actions, (int(history.sum()),), generator=generator)
         labels = torch.randint(0, 2**config.num_tasks, (int(candidates.sum()),), generator=generator)
-        features = KeyedJaggedTensor.from_lengths_sync(
-            keys=["item", "action"],
-            values=torch.cat([items, actions]),
-            lengths=torch.cat([item_lengths, history]),
-        )
-        return HSTUBatch(features, candidates, labels)
+        return _assemble(items, actions, item_lengths, history, candidates, labels)
 
-    def _history_lengths(self, generator: torch.Generator) -> torch.Tensor:
+    def _global_batch(self, index: int) -> HSTUBatch:
+        """Sample by sample, each from its own generator: a sample's content must not
+        depend on which batch (hence which world size) it falls in."""
         config = self.config
-        size = (config.batch_size,)
+        parts: list[list[torch.Tensor]] = [[] for _ in range(6)]
+        for sample in self.sample_ids(index):
+            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + sample) * 7_919 + 1)
+            history = self._history_lengths(generator, 1)
+            candidates = torch.randint(1, config.max_candidates + 1, (1,), generator=generator)
+            items = torch.randint(0, config.num_items, (int(history + candidates),), generator=generator)
+            actions = torch.randint(0, config.num_actions, (int(history),), generator=generator)
+            labels = torch.randint(0, 2**config.num_tasks, (int(candidates),), generator=generator)
+            for part, tensor in zip(parts, (items, actions, history + candidates, history,
+                                            candidates, labels)):  # fmt: skip
+                part.append(tensor)
+        return _assemble(*(torch.cat(part) for part in parts))
+
+    def _history_lengths(self, generator: torch.Generator, count: int) -> torch.Tensor:
+        config = self.config
+        size = (count,)
         if config.length_distribution == "uniform":
             return torch.randint(config.min_history, config.max_history + 1, size, generator=generator)
         # zipf: most users have short histories, a few very long ones
         span = config.max_history - config.min_history + 1
         ranks = torch.arange(1, span + 1, dtype=torch.float64)
         weights = ranks.pow(-config.zipf_alpha)
-        picks = torch.multinomial(weights, config.batch_size, replacement=True, generator=generator)
+        picks = torch.multinomial(weights, count, replacement=True, generator=generator)
         return picks + config.min_history
+
+
+def _assemble(
+    items: torch.Tensor,
+    actions: torch.Tensor,
+    item_lengths: torch.Tensor,
+    history: torch.Tensor,
+    candidates: torch.Tensor,
+    labels: torch.Tensor,
+) -> HSTUBatch:
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=["item", "action"], values=torch.cat([items, actions]),
+        lengths=torch.cat([item_lengths, history]),
+    )  # fmt: skip
+    return HSTUBatch(features, candidates, labels)

@@ -43,6 +43,7 @@ from .model import HSTURankingModel, ModelConfig
 
 __all__ = (
     "DataParallel",
+    "Sharding",
     "OptimizerConfig",
     "join_local_group",
     "leave_and_exit",
@@ -52,6 +53,7 @@ __all__ = (
     "default_device",
     "global_loss",
     "init_distributed",
+    "initialize_tables",
     "plain_train_step",
     "resolve_data_parallel",
     "shard_model",
@@ -62,6 +64,10 @@ __all__ = (
 #: optimizer (CUDA only); "auto": megatron when the device is CUDA and megatron-core
 #: is installed, torch otherwise.
 DataParallel = Literal["auto", "torch", "megatron"]
+
+#: torchrec's sharding type for both tables: rows split over every rank, or each
+#: table whole on one rank.
+Sharding = Literal["row_wise", "table_wise"]
 
 
 @dataclass(frozen=True)
@@ -193,10 +199,11 @@ def shard_model(
     seed: int,
     device: torch.device,
     data_parallel_wrapper: DataParallelWrapper | None = None,
+    sharding: Sharding = "row_wise",
 ) -> DistributedModelParallel:
-    """The HSTU model with its tables row-wise sharded (their optimizer fused into
-    backward) and its dense part wrapped by ``data_parallel_wrapper`` (torch DDP when
-    ``None``)."""
+    """The HSTU model with its tables sharded by ``sharding`` (their optimizer fused
+    into backward) and its dense part wrapped by ``data_parallel_wrapper`` (torch DDP
+    when ``None``)."""
     torch.manual_seed(seed)
     model = HSTURankingModel(model_config, data_config)
     # fbgemm's CPU kernels fuse SGD and Adagrad but not Adam into the backward.
@@ -208,17 +215,48 @@ def shard_model(
     )
     sharders = [EmbeddingCollectionSharder()]
     constraints = {
-        name: ParameterConstraints(sharding_types=["row_wise"])
+        name: ParameterConstraints(sharding_types=[sharding])
         for name in ("item_table", "action_table")
     }
     topology = Topology(world_size=dist.get_world_size(), compute_device=device.type)
     plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
         model, sharders, dist.GroupMember.WORLD
     )
-    return DistributedModelParallel(
+    sharded = DistributedModelParallel(
         model, device=device, plan=plan, sharders=sharders,
         data_parallel_wrapper=data_parallel_wrapper,
     )  # fmt: skip
+    initialize_tables(sharded, model_config, data_config, seed)
+    return sharded
+
+
+def initialize_tables(
+    model: torch.nn.Module, model_config: ModelConfig, data_config: DataConfig, seed: int
+) -> None:
+    """Give the tables weights that depend on ``seed`` only, not on the plan or the
+    world size: torchrec initialises each shard from the rank's random stream, so
+    a table's rows would differ between a 1-rank and a 2-rank job (and a resized
+    job could not be compared with an uninterrupted one).  Each rank draws the whole
+    table and keeps its shards' rows: fine for these tables, a cost for huge ones."""
+    rows = {"item_table": data_config.num_items, "action_table": data_config.num_actions}
+    state = model.state_dict()
+    with torch.no_grad():
+        for number, (table, count) in enumerate(rows.items()):
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + number)
+            bound = (1.0 / count) ** 0.5  # torchrec's default init range
+            full = torch.empty(count, model_config.embedding_dim).uniform_(
+                -bound, bound, generator=generator
+            )
+            for name, value in state.items():
+                if not name.endswith(f"embeddings.{table}.weight"):
+                    continue
+                if not hasattr(value, "local_shards"):  # a whole table: one of the plan's
+                    value.copy_(full)
+                    continue
+                for shard in value.local_shards():
+                    (row, column), (height, width) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    shard.tensor.copy_(full[row : row + height, column : column + width])
+    model.load_state_dict(state)  # the shards' tensors may be copies, not views
 
 
 def build_training(
@@ -230,6 +268,7 @@ def build_training(
     device: torch.device | str | None = None,
     data_parallel: DataParallel = "auto",
     shard_embeddings: bool = True,
+    sharding: Sharding = "row_wise",
 ) -> TrainingSetup:
     """The model and its dense optimizer, identical on every call with the same
     arguments (so several pipelines can be compared bit for bit).
@@ -238,7 +277,10 @@ def build_training(
     :data:`DataParallel`).  ``shard_embeddings=False`` skips torchrec's sharding: the
     tables are ordinary parameters replicated like the rest and stepped by the dense
     optimizer, at ``dense_lr`` (for machines without fbgemm's GPU kernels; the model
-    then uses only plain torch operators)."""
+    then uses only plain torch operators).  ``sharding`` picks torchrec's plan for
+    the tables (see :data:`Sharding`)."""
+    if sharding not in ("row_wise", "table_wise"):
+        raise ValueError(f"sharding must be 'row_wise' or 'table_wise', got {sharding!r}")
     if not dist.is_initialized():
         raise RuntimeError("call init_distributed() (or run under torchrun) first")
     device = torch.device(device) if device is not None else default_device()
@@ -249,11 +291,13 @@ def build_training(
         return _replicated_training(model_config, data_config, optimizer, seed, device, kind)
     if kind == "megatron":
         model = shard_model(model_config, data_config, optimizer, seed=seed, device=device,
-                            data_parallel_wrapper=MegatronDataParallelWrapper())  # fmt: skip
+                            data_parallel_wrapper=MegatronDataParallelWrapper(),
+                            sharding=sharding)  # fmt: skip
         chunks = grad_buffer_chunks(model)
         return TrainingSetup(model, megatron_optimizer(chunks, optimizer.kind, optimizer.dense_lr),
                              device, "megatron")  # fmt: skip
-    model = shard_model(model_config, data_config, optimizer, seed=seed, device=device)
+    model = shard_model(model_config, data_config, optimizer, seed=seed, device=device,
+                        sharding=sharding)  # fmt: skip
     dense = [p for name, p in model.named_parameters() if "embeddings." not in name]
     return TrainingSetup(model, _torch_optimizer(dense, optimizer), device)
 

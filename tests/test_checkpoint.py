@@ -98,6 +98,29 @@ def test_a_checkpoint_from_another_world_size_is_refused_before_loading(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.state_dict().values()))
 
 
+def test_any_world_size_accepts_a_checkpoint_of_another_world_size(tmp_path: Path) -> None:
+    model, optimizer = model_and_adam(0)
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, state(model, optimizer), meta={"samples_consumed": 64})
+    meta_file = tmp_path / "step-00000001" / "aiopipe-meta.json"
+    meta_file.write_text(meta_file.read_text().replace('"world_size": 1', '"world_size": 4'))
+    assert manager.describe(1)["world_size"] == 4
+    fresh, _ = model_and_adam(1)
+    target = {"model": fresh.state_dict()}
+    assert manager.load(1, target, any_world_size=True) == {"samples_consumed": 64}
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), target["model"].values()))
+
+
+def test_a_checkpoint_of_other_global_shapes_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, {"model": {"table": torch.zeros(4, 3), "bias": torch.zeros(3)}})
+    target = {"model": {"table": torch.ones(5, 3), "bias": torch.ones(3)}}
+    with pytest.raises(CheckpointError, match=r"'model.table' has global shape \(4, 3\) there, "
+                                              r"\(5, 3\) here"):  # fmt: skip
+        manager.load(1, target, any_world_size=True)
+    assert torch.equal(target["model"]["bias"], torch.ones(3))  # refused before loading
+
+
 def test_materialize_optimizer_state_changes_no_parameter() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
