@@ -1,12 +1,15 @@
-"""Steps/s of torchrec's DLRM: SparseDistPipeline vs TrainPipelineSparseDist vs the plain loop.
+"""Steps/s of torchrec's DLRM: SparseDistPipeline vs torchrec's class vs the plain loop.
 
-hstu_tasks.SparseDistPipeline, torchrec's own pipeline and the plain loop side by
-side, on 1 and 2 ranks (gloo on CPU, NCCL with one GPU per rank).
+hstu_tasks.SparseDistPipeline on each ``--schedules`` member (sparse-dist by default;
+lite, base), torchrec's own class for that member and the plain loop side by side, on
+1 and 2 ranks (gloo on CPU, NCCL with one GPU per rank).
 
-The three train the same model on the same data, interleaved over ``--repeats``
-rounds after a warm-up round; the median and the spread of the rounds are reported.
+All train the same model on the same data, interleaved over ``--repeats`` rounds
+after a warm-up round; the median and the spread of the rounds are reported, and
+each aiopipe row is compared with torchrec's class for its schedule.
 
     ./dev bench dlrm_steps [--ranks 1 2] [--steps 100] [--repeats 3] [--batch-size 256]
+                           [--schedules sparse-dist lite base]
 """
 
 from __future__ import annotations
@@ -26,16 +29,26 @@ from _common import print_json, print_table, report_and_leave, spawn_ranks  # no
 from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training  # noqa: E402
 from hstu_tasks import join_local_group, quiet_torchrec  # noqa: E402
 from hstu_tasks.parallel import default_device  # noqa: E402
-from hstu_tasks.sparse.dlrm import DLRM_PIPELINES, run_dlrm  # noqa: E402
+from hstu_tasks.sparse.dlrm import DLRMMode, run_dlrm  # noqa: E402
+from hstu_tasks.sparse.schedules import TRAIN_SCHEDULES  # noqa: E402
+
+
+def modes(schedule: str) -> tuple[DLRMMode, DLRMMode]:
+    """aiopipe's and torchrec's run of ``schedule`` (sparse-dist under today's names)."""
+    if schedule == "sparse-dist":
+        return "aiopipe", "torchrec"
+    return f"aiopipe-{schedule}", f"torchrec-{schedule}"  # type: ignore[return-value]
 
 
 def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> None:
     quiet_torchrec()
     join_local_group(rank, ranks, port)
     config = DLRMConfig(batch_size=args["batch_size"], num_embeddings=args["num_embeddings"])
-    samples: dict[str, list[float]] = {mode: [] for mode in DLRM_PIPELINES}
+    runs: list[DLRMMode] = [mode for name in args["schedules"] for mode in modes(name)]
+    runs.append("none")
+    samples: dict[str, list[float]] = {mode: [] for mode in runs}
     for repeat in range(args["repeats"] + 1):  # the first round warms up
-        for mode in DLRM_PIPELINES:
+        for mode in runs:
             setup = build_dlrm_training(config, "sgd", seed=0, device=default_device())
             data = list(SyntheticDLRMData(config, args["steps"], seed=repeat, rank=rank))
             dist.barrier()
@@ -52,7 +65,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--num-embeddings", type=int, default=10_000)
+    parser.add_argument("--schedules", nargs="+", choices=tuple(TRAIN_SCHEDULES),
+                        default=["sparse-dist"], help="aiopipe's schedules to time, each "
+                        "beside torchrec's class for it")  # fmt: skip
     args = vars(parser.parse_args())
+    # each row's torchrec counterpart: its own schedule's class (the plain loop: the first's)
+    partner = {mode: modes(name)[1] for name in args["schedules"] for mode in modes(name)}
+    partner["none"] = modes(args["schedules"][0])[1]
     rows, report = [], {}
     for ranks in args["ranks"]:
         samples = spawn_ranks(worker, {**args, "ranks": ranks})
@@ -61,7 +80,8 @@ def main() -> None:
         for mode, rate in medians.items():
             spread = 50 * (max(samples[mode]) - min(samples[mode])) / rate
             rows.append([ranks, mode, f"{rate:.1f}", f"+-{spread:.0f}%",
-                         f"{rate / medians['torchrec']:.3f}", f"{rate / medians['none']:.3f}"])  # fmt: skip
+                         f"{rate / medians[partner[mode]]:.3f}",
+                         f"{rate / medians['none']:.3f}"])  # fmt: skip
     backend = "NCCL (GPU)" if torch.cuda.is_available() else "gloo (CPU)"
     print_table(
         f"DLRM step on {backend}, batch {args['batch_size']} per rank, {args['steps']} steps, "

@@ -18,10 +18,14 @@ row, the least disturbed, is printed beside its median.
 costs a little per task).  ``--model dlrm`` times torchrec's DLRM instead
 (``examples/train_dlrm.py``'s model on ``SparseDistPipeline``, a 2-4 ms step).
 ``--ranks 2`` gives every pipeline a gloo group of two worker processes of its own
-(each rank its own data); a chunk's time is the slower rank's.
+(each rank its own data); a chunk's time is the slower rank's.  With ``--model dlrm``
+the configs ``aiopipe-lite``, ``torchrec-lite``, ``aiopipe-base`` and ``torchrec-base``
+time the other members of torchrec's family (``schedule=``) beside torchrec's class for
+each, which their ratio pairs with.
 
     ./dev bench lane_cost [--model hstu|dlrm] [--ranks 1] [--chunk 20|80] [--rounds 15]
                           [--processes 3] [--configs ...] [--tasks]
+    ./dev bench lane_cost --model dlrm --configs aiopipe-lite torchrec-lite aiopipe-base ...
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from _common import print_json, print_table, spread  # noqa: E402
 
 CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-blocking",
            "aiopipe-io-lane", "aiopipe-rewritten", "aiopipe-sequential")  # fmt: skip
+#: torchrec's other train pipelines and their schedules (``--model dlrm`` only).
+FAMILY = ("aiopipe-lite", "torchrec-lite", "aiopipe-base", "torchrec-base")
 WARM_UP = 20  # steps before the first timed chunk (bootstrap, caches, allocator)
 
 
@@ -129,10 +135,9 @@ def _aiopipe_run(config: str, pipe: Any, source: Iterator[Any]) -> Callable[[int
 
 def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], None], Any]:
     """torchrec's DLRM (``examples/train_dlrm.py``'s model) on ``SparseDistPipeline``."""
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
     from aiopipe import Tracer
     from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData, build_dlrm_training
+    from hstu_tasks.sparse.dlrm import TORCHREC_PIPELINES
     from hstu_tasks.sparse.tasks import SPARSE_DIST_THREAD_MAP
 
     config_ = DLRMConfig()
@@ -148,12 +153,14 @@ def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], 
             optimizer.step()
 
         return repeat(plain_step), None
-    if config == "torchrec":
-        sparse_dist = TrainPipelineSparseDist(setup.model, setup.optimizer, setup.device)
-        return repeat(lambda: sparse_dist.progress(source)), None
+    schedule = config.rpartition("-")[2] if config in FAMILY else "sparse-dist"
+    if config.startswith("torchrec"):
+        torchrec = TORCHREC_PIPELINES[schedule](setup.model, setup.optimizer, setup.device)
+        return repeat(lambda: torchrec.progress(source)), None
     tracer = Tracer() if trace else None
-    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, trace=tracer,
-                              **_aiopipe_options(config, SPARSE_DIST_THREAD_MAP))  # fmt: skip
+    options = _aiopipe_options(config, SPARSE_DIST_THREAD_MAP)
+    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, schedule=schedule,
+                              trace=tracer, **options)  # fmt: skip
     return _aiopipe_run(config, pipe, source), tracer
 
 
@@ -168,11 +175,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15, help="chunks per pipeline and process")
     parser.add_argument("--processes", type=int, default=3,
                         help="fresh processes per pipeline, one set after another")  # fmt: skip
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS + FAMILY)
     parser.add_argument("--tasks", action="store_true", help="trace the aiopipe rows")
     args = parser.parse_args()
     if args.chunk is None:  # chunks of about a quarter of a second either way
         args.chunk = 80 if args.model == "dlrm" else 20
+    if args.model == "hstu" and set(args.configs) & set(FAMILY):
+        parser.error(f"{', '.join(FAMILY)} need --model dlrm")
     if min(args.ranks, args.chunk, args.rounds, args.processes) < 1:
         parser.error("--ranks, --chunk, --rounds and --processes must be at least 1")
     chunks = time_in_chunks(
@@ -186,9 +195,11 @@ def main() -> None:
                  for name in {n for s in sets for n in s}}
         for config, sets in per_set.items()
     }  # fmt: skip
-    base = ms.get("torchrec")
     rows = []
     for config, values in ms.items():
+        # torchrec's class for the row's schedule when it was timed, else the sparse-dist one
+        partner = f"torchrec-{config.rpartition('-')[2]}" if config in FAMILY else "torchrec"
+        base = ms.get(partner, ms.get("torchrec"))
         ratio = (
             f"{paired(values, base):.3f}" if base else "--"
         )

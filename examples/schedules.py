@@ -3,6 +3,7 @@
     aiopipe validate examples/schedules.py:overlap
     aiopipe graph examples/schedules.py:overlap --format mermaid
     aiopipe graph examples/schedules.py:hstu_prefetch -o hstu.svg      # needs Graphviz
+    aiopipe graph examples/schedules.py:lite --format mermaid          # torchrec's Lite
     aiopipe trace examples/schedules.py:training --progresses 20 -o trace.json
     aiopipe validate examples/schedules.py:broken                      # exits 1
     aiopipe plan examples/schedules.py:async_fetch                     # a stream of its own
@@ -162,6 +163,32 @@ def async_fetch(fetch_ms: float = 5.0, train_ms: float = 5.0) -> Schedule:
         Task.from_fn("fetch", fetch, lookahead=1, writes=("batch",)),
         Task.from_fn("train", train, reads=("batch",), writes=("step_result",)),
     ])  # fmt: skip
+
+
+def sparse_dist(schedule: str = "sparse-dist") -> SchedulablePipeline:
+    """A member of torchrec's family of train pipelines as ``SparseDistPipeline(...,
+    schedule=...)`` runs it (``hstu_tasks.sparse.schedules``; imports torchrec), on
+    the lanes it gets by default on a GPU.  Validate, draw or plan it; do not trace it
+    (the task bodies need a sharded model)."""
+    from hstu_tasks.sparse import SPARSE_DIST_THREAD_MAP, STREAMS, SparseDistState
+    from hstu_tasks.sparse.schedules import train_schedule
+
+    model = torch.nn.Linear(1, 1)  # the builders only close over the state
+    state = SparseDistState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            device=torch.device("cpu"))  # fmt: skip
+    tasks = train_schedule(schedule).build_tasks(state)
+    return SchedulablePipeline(Schedule.of(tasks, stream_slots=STREAMS),
+                               executor=AsyncExecutor(SPARSE_DIST_THREAD_MAP))  # fmt: skip
+
+
+def lite() -> SchedulablePipeline:
+    """torchrec's ``TrainPipelineSparseDistLite`` as a schedule."""
+    return sparse_dist("lite")
+
+
+def base() -> SchedulablePipeline:
+    """torchrec's ``TrainPipelineBase`` as a schedule."""
+    return sparse_dist("base")
 
 
 def broken() -> Schedule:

@@ -1,12 +1,15 @@
-"""Train torchrec's DLRM with aiopipe (or torchrec's pipeline, or a plain loop).
+"""Train torchrec's DLRM with aiopipe (or torchrec's pipelines, or a plain loop).
 
 Sparse features pooled by a table-wise sharded ``EmbeddingBagCollection``, dense
 features through an MLP, pairwise interaction, an over-arch MLP and BCE.  One CPU
 process by default; ``torchrun --nproc-per-node 2 examples/train_dlrm.py`` for two
 ranks on gloo.  Every pipeline trains the same model on the same data, so their
-losses and final parameters can be compared (``--json``).
+losses and final parameters can be compared (``--json``).  ``--pipeline aiopipe-S``
+runs aiopipe's schedule S (``sparse-dist``, ``lite``, ``base``), ``torchrec-S``
+torchrec's class for it; ``aiopipe`` and ``torchrec`` are sparse-dist.
 
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe --eval-every 10 --json run.json
+    python examples/train_dlrm.py --steps 40 --pipeline aiopipe-lite --json lite.json
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="training batches per rank")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pipeline", choices=DLRM_PIPELINES, default="aiopipe")
+    parser.add_argument("--pipeline", choices=DLRM_PIPELINES, default="aiopipe",
+                        help="aiopipe-S: aiopipe's schedule S; torchrec-S: torchrec's class "
+                             "for it; aiopipe, torchrec: sparse-dist; none: a plain loop")
     parser.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
                         help="for the tables (fused into backward) and the dense part")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -47,9 +52,9 @@ def main() -> None:
     if args.steps < 1 or args.eval_every < 0 or args.eval_batches < 1:
         raise SystemExit("train_dlrm.py: --steps and --eval-batches must be >= 1, "
                          "--eval-every >= 0")  # fmt: skip
-    if args.eval_every and args.pipeline == "torchrec":
-        raise SystemExit("train_dlrm.py: --eval-every needs --pipeline aiopipe or none: "
-                         "torchrec's TrainPipelineSparseDist would forward its training "
+    if args.eval_every and args.pipeline.startswith("torchrec"):
+        raise SystemExit("train_dlrm.py: --eval-every needs an aiopipe pipeline or none: "
+                         "each of torchrec's train pipelines would forward its training "
                          "batches in flight as evaluation batches")  # fmt: skip
     quiet_torchrec()
     rank, world = init_distributed()

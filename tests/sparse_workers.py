@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import os
+import socket
 from typing import Any
 
 import pytest
@@ -19,9 +21,21 @@ from hstu_tasks import join_local_group, leave_and_exit, quiet_torchrec
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse.dlrm import DLRMConfig, SyntheticDLRMData, build_dlrm_training, run_dlrm
 from hstu_tasks.sparse.pipeline import SparseDistEvalPipeline, SparseDistPipeline
+from hstu_tasks.sparse.sources import torchrec_results
 
 CONFIG = DLRMConfig(num_embeddings=200, batch_size=16)
 STEPS = 6
+
+
+def spawn(worker: object, *args: object) -> None:
+    """Run ``worker(rank, port, *args)`` on two ranks (each joins with :func:`join`)."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(worker, args=(port, *args), nprocs=2, join=True)  # type: ignore[arg-type]
 
 
 def join(rank: int, port: int) -> None:
@@ -230,3 +244,43 @@ def uneven_batches_worker(rank: int, port: int) -> None:
     with pytest.raises(CollectiveOrderError, match=expected):
         asyncio.run(train())
     leave_and_exit(0)
+
+
+#: Passes over the data in the family checks.
+EPOCHS = 3
+
+
+def family_worker(rank: int, port: int) -> None:
+    join(rank, port)
+    for schedule in ("base", "lite"):
+        check_family_member(rank, schedule)
+    leave_and_exit(0)
+
+
+def check_family_member(rank: int, schedule: str, batches: int = 3) -> None:
+    """aiopipe's ``schedule``, in its async and its blocking form, trains like torchrec's
+    class for it over three passes over the data: this rank's per-step losses and
+    parameters, bit for bit (Adagrad: its state makes any step out of place show).
+    The blocking form is driven as torchrec's class is (progress until StopIteration,
+    a new iterator per pass)."""
+    epochs = [data(rank, batches)] * EPOCHS
+    outcomes = {}
+    for mode in (f"torchrec-{schedule}", f"aiopipe-{schedule}"):
+        setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
+        run = run_dlrm(mode, setup, epochs)  # type: ignore[arg-type]
+        outcomes[mode] = (run.losses, parameter_digest(setup.model))
+    setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
+    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, schedule=schedule)
+    blocking = pipe.blocking()
+    losses = [float(loss) for epoch in epochs
+              for loss, _, _ in torchrec_results(blocking, epoch)]  # fmt: skip
+    # lite distributes the input on torchrec's rewrite where there is input to
+    # distribute (two ranks); base runs the model's own forward everywhere
+    ranks = torch.distributed.get_world_size()
+    assert runs_rewritten(setup.model) is (schedule == "lite" and ranks > 1)
+    blocking.shutdown()
+    outcomes["blocking"] = (losses, parameter_digest(setup.model))
+    expected = outcomes[f"torchrec-{schedule}"]
+    assert len(expected[0]) == batches * EPOCHS
+    for mode, outcome in outcomes.items():
+        assert outcome == expected, (schedule, mode)

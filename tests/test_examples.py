@@ -91,6 +91,16 @@ def test_train_dlrm_demo_writes_its_report(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
+def test_train_dlrm_demo_runs_a_schedule_of_the_family_by_name(tmp_path: Path) -> None:
+    report = tmp_path / "lite.json"
+    run("examples/train_dlrm.py", "--steps", "4", "--pipeline", "aiopipe-lite", "--json",
+        str(report))  # fmt: skip
+    data = json.loads(report.read_text())
+    assert data["pipeline"] == "aiopipe-lite" and data["steps"] == 4 and len(data["losses"]) == 4
+    assert data["steps_per_s"] > 0 and isinstance(data["checksum"], float)
+
+
+@pytest.mark.distributed
 def test_train_dlrm_demo_refuses_eval_passes_on_torchrecs_pipeline() -> None:
     result = subprocess.run(
         [sys.executable, "examples/train_dlrm.py", "--pipeline", "torchrec", "--eval-every", "2"],

@@ -4,8 +4,6 @@ model (torchrec's DLRM here), on 2 ranks with gloo."""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -16,6 +14,7 @@ import torch
 from torchrec.datasets.utils import Batch
 
 import sparse_workers
+from sparse_workers import spawn
 from aiopipe import AsyncExecutor, BadBatchError, PipelineStateError
 from aiopipe.lanes import thread_map_for_device
 from conftest import collect
@@ -29,16 +28,6 @@ from hstu_tasks.sparse.tasks import SPARSE_DIST_THREAD_MAP
 from one_rank import TINY_DATA, one_rank_group, tiny_training
 
 pytestmark = pytest.mark.distributed
-
-
-def spawn(worker: object, *args: object) -> None:
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(worker, args=(port, *args), nprocs=2, join=True)  # type: ignore[arg-type]
 
 
 def test_trains_like_torchrec_and_the_plain_loop_bit_for_bit() -> None:

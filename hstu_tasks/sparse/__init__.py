@@ -2,7 +2,10 @@
 model, on aiopipe's engine.
 
 * ``tasks`` -- the tasks of torchrec's ``TrainPipelineSparseDist`` step
-  (``pipelined_step_tasks``, shared with the HSTU step) and their default lanes;
+  (``pipelined_step_tasks``, shared with the HSTU step; ``training_tasks``) and
+  their default lanes;
+* ``schedules`` -- torchrec's train pipelines (sparse-dist, Lite, Base) as task
+  lists, one builder each, looked up by ``SparseDistPipeline(..., schedule=NAME)``;
 * ``model`` -- one model's torchrec rewrite, shared by the pipelines on it;
 * ``spec`` -- ``PipelineSpec``: what one kind of pipeline gives the base (its tasks,
   its rewrite of the model on the first batch, its batch check, ...);
@@ -30,10 +33,14 @@ from .dlrm import evaluate_plainly as evaluate_plainly
 from .dlrm import run_dlrm as run_dlrm
 from .model import STREAMS as STREAMS
 from .model import PipelinedModel as PipelinedModel
+from .model import carries_torchrec_rewrite as carries_torchrec_rewrite
 from .model import input_dist_pipelined as input_dist_pipelined
 from .model import stream_pool as stream_pool
 from .pipeline import SparseDistEvalPipeline as SparseDistEvalPipeline
 from .pipeline import SparseDistPipeline as SparseDistPipeline
+from .schedules import TRAIN_SCHEDULES as TRAIN_SCHEDULES
+from .schedules import TrainSchedule as TrainSchedule
+from .schedules import train_schedule as train_schedule
 from .sources import LastTwoDropped as LastTwoDropped
 from .sources import torchrec_results as torchrec_results
 from .sources import without_last_two as without_last_two
@@ -47,12 +54,14 @@ from .tasks import StepLayout as StepLayout
 from .tasks import build_sparse_dist_tasks as build_sparse_dist_tasks
 from .tasks import finish_input_dist_splits as finish_input_dist_splits
 from .tasks import pipelined_step_tasks as pipelined_step_tasks
+from .tasks import training_tasks as training_tasks
 
 __all__ = (
     "DLRM_PIPELINES",
     "SHARED_REWRITE",
     "SPARSE_DIST_THREAD_MAP",
     "STREAMS",
+    "TRAIN_SCHEDULES",
     "DLRMConfig",
     "DLRMRun",
     "LastTwoDropped",
@@ -65,8 +74,10 @@ __all__ = (
     "SparseDistState",
     "StepLayout",
     "SyntheticDLRMData",
+    "TrainSchedule",
     "build_dlrm_training",
     "build_sparse_dist_tasks",
+    "carries_torchrec_rewrite",
     "check_pipelineable",
     "evaluate_plainly",
     "finish_input_dist_splits",
@@ -75,5 +86,7 @@ __all__ = (
     "run_dlrm",
     "stream_pool",
     "torchrec_results",
+    "train_schedule",
+    "training_tasks",
     "without_last_two",
 )

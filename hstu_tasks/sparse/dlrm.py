@@ -1,5 +1,7 @@
 """A DLRM training set-up on torchrec's own model, and its runners: the generic
-sparse-dist pipeline, torchrec's ``TrainPipelineSparseDist`` and the plain loop.
+pipeline on each schedule of :data:`~.schedules.TRAIN_SCHEDULES`, torchrec's class for
+that schedule (``TrainPipelineSparseDist``, ``...Lite``, ``TrainPipelineBase``) and the
+plain loop.
 
 The model is torchrec's ``DLRMTrain(DLRM(...))``: sparse features pooled by an
 ``EmbeddingBagCollection`` (table-wise sharded by ``DistributedModelParallel``, its
@@ -13,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,9 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineBase
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDistLite
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -45,8 +49,21 @@ __all__ = (
 )
 
 Optimizer = Literal["sgd", "adagrad"]
-DLRMMode = Literal["aiopipe", "torchrec", "none"]
-DLRM_PIPELINES: tuple[DLRMMode, ...] = ("aiopipe", "torchrec", "none")
+#: ``aiopipe-S`` / ``torchrec-S``: aiopipe's schedule ``S`` / torchrec's class for it;
+#: ``aiopipe`` and ``torchrec`` are sparse-dist; ``none`` the plain loop.
+DLRMMode = Literal[
+    "aiopipe", "torchrec", "none",
+    "aiopipe-sparse-dist", "torchrec-sparse-dist", "aiopipe-lite", "torchrec-lite",
+    "aiopipe-base", "torchrec-base",
+]  # fmt: skip
+DLRM_PIPELINES: tuple[DLRMMode, ...] = get_args(DLRMMode)
+
+#: torchrec's class for each schedule of TRAIN_SCHEDULES.
+TORCHREC_PIPELINES: dict[str, type[Any]] = {
+    "sparse-dist": TrainPipelineSparseDist,
+    "lite": TrainPipelineSparseDistLite,
+    "base": TrainPipelineBase,
+}
 
 
 @dataclass(frozen=True)
@@ -164,25 +181,28 @@ EvalPlan = Callable[[int], "Iterable[Batch] | None"]
 def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]],
              eval_after: EvalPlan = lambda step: None) -> DLRMRun:  # fmt: skip
     """Train every batch of every epoch with ``mode``; after step ``s`` evaluate the
-    batches ``eval_after(s)`` returns (``torchrec`` refuses eval passes: its pipeline
+    batches ``eval_after(s)`` returns (torchrec's classes refuse eval passes: they
     would forward the training batches in flight as evaluation)."""
+    if mode not in DLRM_PIPELINES:
+        raise ValueError(f"unknown pipeline {mode!r}; choose from {DLRM_PIPELINES}")
+    runner, _, schedule = mode.partition("-")
+    schedule = schedule or "sparse-dist"
     result = DLRMRun()
     start = time.perf_counter()
-    if mode == "aiopipe":
-        run(_aiopipe(setup, epochs, eval_after, result))
-    elif mode == "torchrec":
-        _torchrec(setup, epochs, eval_after, result)
-    elif mode == "none":
-        _plain(setup, epochs, eval_after, result)
+    if runner == "aiopipe":
+        run(_aiopipe(setup, epochs, eval_after, result, schedule))
+    elif runner == "torchrec":
+        _torchrec(setup, epochs, eval_after, result, TORCHREC_PIPELINES[schedule])
     else:
-        raise ValueError(f"unknown pipeline {mode!r}; choose from {DLRM_PIPELINES}")
+        _plain(setup, epochs, eval_after, result)
     result.seconds = time.perf_counter() - start
     return result
 
 
 async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
-                   result: DLRMRun) -> None:  # fmt: skip
-    async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
+                   result: DLRMRun, schedule: str) -> None:  # fmt: skip
+    async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                  schedule=schedule) as pipe:  # fmt: skip
         async with pipe.eval_pipeline() as evaluator:
             for epoch in epochs:
                 async for loss, _, _ in pipe.results(epoch):
@@ -195,17 +215,20 @@ async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_aft
 
 
 def _torchrec(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
-              result: DLRMRun) -> None:  # fmt: skip
-    pipe = TrainPipelineSparseDist(setup.model, setup.optimizer, setup.device)
+              result: DLRMRun, pipeline: type[Any]) -> None:  # fmt: skip
+    pipe = pipeline(setup.model, setup.optimizer, setup.device)
     for epoch in epochs:
         for loss, _, _ in torchrec_results(pipe, epoch):
             result.losses.append(float(loss.detach()))
             if eval_after(len(result.losses)) is not None:
                 raise ValueError(
-                    "torchrec's TrainPipelineSparseDist cannot evaluate between training "
-                    "steps: the next training batches are in flight, and its progress() "
-                    "would forward them as evaluation batches"
+                    f"torchrec's {pipeline.__name__} cannot evaluate between training "
+                    f"steps: the next training batches are in flight, and its progress() "
+                    f"would forward them as evaluation batches"
                 )
+        # TrainPipelineBase remembers the end of a source until reset() (the sparse-dist
+        # classes forget it when handed another iterator): torchrec's way to a new epoch
+        pipe.reset()
 
 
 def _plain(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,

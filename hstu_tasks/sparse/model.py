@@ -32,7 +32,13 @@ from aiopipe import PipelineStateError, SchedulablePipeline, StreamPool
 from ._torchrec import override_input_dist_forwards, pipeline_detach_model, rewrite_model
 from ._torchrec import start_data_dist
 
-__all__ = ("STREAMS", "PipelinedModel", "input_dist_pipelined", "stream_pool")
+__all__ = (
+    "STREAMS",
+    "PipelinedModel",
+    "carries_torchrec_rewrite",
+    "input_dist_pipelined",
+    "stream_pool",
+)
 
 #: torchrec's streams (the prefetch one for the HSTU pipeline's prefetch variant).
 STREAMS = ("default", "memcpy", "data_dist", "prefetch")
@@ -61,6 +67,14 @@ def input_dist_pipelined(requested: bool | None, device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def carries_torchrec_rewrite(model: torch.nn.Module) -> bool:
+    """Whether a sharded module of ``model`` has torchrec's pipelined forward: torchrec's
+    own pipelines leave their rewrite installed, and a model that still carries it can
+    only run rewritten (its own forwards are gone), one CPU rank or not."""
+    return any(isinstance(m, ShardedModule) and isinstance(m.forward, BaseForward)
+               for m in model.modules())  # fmt: skip
 
 
 _SHARED: weakref.WeakValueDictionary[int, PipelinedModel] = weakref.WeakValueDictionary()
@@ -153,10 +167,7 @@ class PipelinedModel:
         modules: list[Any] = []
         self._original_kjt_dist_forwards = []
         sharded = [m for m in self.model.modules() if isinstance(m, ShardedModule)]
-        # torchrec's own pipelines leave their rewrite installed: a model that still
-        # carries it can only run rewritten, one CPU rank or not
-        left_rewritten = any(isinstance(m.forward, BaseForward) for m in sharded)
-        if sharded and (self.pipelines_input_dist or left_rewritten):
+        if sharded and (self.pipelines_input_dist or carries_torchrec_rewrite(self.model)):
             modules, _, self._original_forwards, _, _ = rewrite_model(
                 model=self.model,
                 context=context,

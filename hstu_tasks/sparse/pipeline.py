@@ -1,6 +1,7 @@
 """``SparseDistPipeline`` and ``SparseDistEvalPipeline``: torchrec's
 ``TrainPipelineSparseDist`` and ``EvalPipelineSparseDist`` for any sharded model,
-on aiopipe's engine.
+on aiopipe's engine (and, by ``schedule=``, the other members of torchrec's family,
+``schedules.py``: one pipeline class runs every task list).
 
 Each pipeline has its own engine, ring and source; the pipelines of one model share
 its torchrec rewrite (``model.py``).  So training and evaluation interleave
@@ -20,6 +21,7 @@ again: then the same iterator object is read afresh (a ``DataLoader`` with
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from aiopipe.lanes import ThreadMap
 
 from .base import SparseDistBase
 from .model import PipelinedModel
+from .schedules import train_schedule
 from .sources import LastTwoDropped
 from .spec import PipelineSpec
 from .tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
@@ -51,12 +54,14 @@ def _on_shared_rewrite(
     return shared, state
 
 
-def _spec(what: str, shared: PipelinedModel, state: SparseDistState) -> PipelineSpec:
-    """The generic step on the model's shared rewrite (a step returns the model's
+def _spec(what: str, shared: PipelinedModel, state: SparseDistState,
+          builder: Callable[[SparseDistState], list[Task]] = build_sparse_dist_tasks,
+          ) -> PipelineSpec:  # fmt: skip
+    """``builder``'s step on the model's shared rewrite (a step returns the model's
     ``output``, whatever ``model_fwd`` makes it)."""
 
     def build_tasks() -> list[Task]:
-        return build_sparse_dist_tasks(state)
+        return builder(state)
 
     def rewrite_and_seed(peek: Any) -> dict[str, Any]:
         context = state.create_context(0)
@@ -69,7 +74,9 @@ def _spec(what: str, shared: PipelinedModel, state: SparseDistState) -> Pipeline
 
 class SparseDistPipeline(SparseDistBase[Any]):
     """torchrec's ``TrainPipelineSparseDist(model, optimizer, device,
-    execute_all_batches=..., custom_model_fwd=...)`` on aiopipe.
+    execute_all_batches=..., custom_model_fwd=...)`` on aiopipe; with ``schedule="lite"``
+    its ``TrainPipelineSparseDistLite``, with ``schedule="base"`` its
+    ``TrainPipelineBase`` (:data:`~hstu_tasks.sparse.schedules.TRAIN_SCHEDULES`).
 
     ``await progress(it)`` trains one batch and returns the ``output`` of
     ``model_fwd(batch) -> (losses, output)`` (the model, or ``custom_model_fwd``);
@@ -80,10 +87,12 @@ class SparseDistPipeline(SparseDistBase[Any]):
     :data:`~hstu_tasks.sparse.tasks.SPARSE_DIST_THREAD_MAP` on a CUDA device and to
     every task on lane ``"compute"`` on any other; ``executor`` may be
     ``"sequential"`` or an executor instance; ``trace=True`` records task spans.
-    ``pipelined_input_dist``: whether torchrec's input distribution runs as tasks a
-    batch ahead, on its rewrite of the model; by default yes, except on a CPU with one
+    ``pipelined_input_dist``: whether torchrec's input distribution runs as tasks (a
+    batch ahead on sparse-dist), on its rewrite of the model; by default yes, except on a CPU with one
     rank, where it distributes nothing (:func:`~hstu_tasks.sparse.model.input_dist_pipelined`).
-    The pipelines on one model share the choice.
+    The pipelines on one model share the choice.  The ``"base"`` schedule never
+    pipelines it (the model's own forward distributes its input), and only
+    ``"sparse-dist"`` offers ``execute_all_batches=False``, as in torchrec.
     """
 
     def __init__(
@@ -93,15 +102,27 @@ class SparseDistPipeline(SparseDistBase[Any]):
         device: torch.device | str,
         execute_all_batches: bool = True,
         *,
+        schedule: str = "sparse-dist",
         custom_model_fwd: ModelForward | None = None,
         thread_map: ThreadMap = None,
         executor: str | Any = None,
         trace: bool | Tracer | None = None,
         pipelined_input_dist: bool | None = None,
     ) -> None:
+        chosen = train_schedule(schedule)
+        if not execute_all_batches and not chosen.drops_last_two:
+            raise ValueError(f"execute_all_batches=False is TrainPipelineSparseDist's option; "
+                             f"torchrec's {chosen.torchrec_class} (schedule={schedule!r}) "
+                             f"trains every batch")  # fmt: skip
+        if not chosen.rewrites:
+            if pipelined_input_dist:
+                raise ValueError(f"schedule={schedule!r} runs the model's own forward, which "
+                                 f"distributes its input itself: pipelined_input_dist=True "
+                                 f"needs schedule 'lite' or 'sparse-dist'")  # fmt: skip
+            pipelined_input_dist = False
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, False,
                                            pipelined_input_dist)  # fmt: skip
-        spec = _spec("sparse-dist pipeline", shared, state)
+        spec = _spec(f"{schedule} pipeline", shared, state, chosen.build_tasks)
         # execute_all_batches=False: progress() reads each source through a wrapper
         self._dropped = None if execute_all_batches else LastTwoDropped()
         if self._dropped is not None:

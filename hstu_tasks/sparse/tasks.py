@@ -21,7 +21,9 @@ the next batch's ``wait_input_dist`` is declared after ``forward`` so its tensor
 all-to-all is issued once this batch's forward has issued its own collectives.
 
 ``h2d``, the two input-dist tasks and ``forward`` (:func:`pipelined_step_tasks`)
-are also the HSTU pipeline's, placed among its own tasks (``tasks.py``).
+are also the HSTU pipeline's, placed among its own tasks (``tasks.py``), and, with
+``zero_grad``, ``backward`` and ``optimizer_step`` (:func:`training_tasks`), the
+other members of torchrec's family (``schedules.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = (
     "build_sparse_dist_tasks",
     "finish_input_dist_splits",
     "pipelined_step_tasks",
+    "training_tasks",
 )
 
 #: ``model_fwd(batch) -> (losses, output)``: the model itself, or torchrec's
@@ -158,8 +161,12 @@ class StepLayout:
     #: The slot the input distribution and ``forward`` read (a task in between may
     #: make it from the copy: the HSTU shuffle).
     model_batch: str = "batch"
-    #: What ``forward`` waits for besides the batch (the HSTU prefetch: "prefetched").
-    forward_input: str = "dist_ready"
+    #: What ``forward`` waits for besides the batch (the HSTU prefetch: "prefetched");
+    #: ``None``: the batch alone (no input-dist tasks: the model's own forward
+    #: distributes its input).
+    forward_input: str | None = "dist_ready"
+    #: The stream of the input-dist tasks (torchrec's Lite runs them on the default one).
+    dist_stream: str = "data_dist"
 
 
 def pipelined_step_tasks(state: StepState, layout: StepLayout = StepLayout(), *,
@@ -201,27 +208,28 @@ def pipelined_step_tasks(state: StepState, layout: StepLayout = StepLayout(), *,
         ctx.slots.set("output", output)
 
     io, dist = layout.depth + 1, layout.depth
+    waits_for = () if layout.forward_input is None else (layout.forward_input,)
     return {
         "h2d": Task.from_fn("h2d", h2d, lookahead=io, stream="memcpy", reads=("batch_cpu",),
                             writes=(layout.device_batch, "torchrec_ctx")),
         "start_input_dist": Task.from_fn(
-            "start_input_dist", start_input_dist, lookahead=dist, stream="data_dist", nccl=True,
-            reads=(batch_slot, "torchrec_ctx"), writes=("dist_started",)),
+            "start_input_dist", start_input_dist, lookahead=dist, stream=layout.dist_stream,
+            nccl=True, reads=(batch_slot, "torchrec_ctx"), writes=("dist_started",)),
         "forward": Task.from_fn(
-            "forward", forward, nccl=True, reads=(batch_slot, layout.forward_input),
+            "forward", forward, nccl=True, reads=(batch_slot, *waits_for),
             writes=("step_result",) if evaluation else ("losses", "output"),
             depends_on=() if evaluation else ("zero_grad",)),
         "wait_input_dist": Task.from_fn(
-            "wait_input_dist", wait_input_dist, lookahead=dist, stream="data_dist", nccl=True,
-            reads=("dist_started",), writes=("dist_ready",)),
+            "wait_input_dist", wait_input_dist, lookahead=dist, stream=layout.dist_stream,
+            nccl=True, reads=("dist_started",), writes=("dist_ready",)),
     }  # fmt: skip
 
 
-def build_sparse_dist_tasks(state: SparseDistState) -> list[Task]:
-    """The task list, in the declaration order that breaks topological ties."""
-    step = pipelined_step_tasks(state, evaluation=state.evaluation)
-    if state.evaluation:
-        return [step["h2d"], step["start_input_dist"], step["forward"], step["wait_input_dist"]]
+def training_tasks(state: SparseDistState) -> dict[str, Task]:
+    """``zero_grad``, ``backward`` and ``optimizer_step`` by name: the part of a
+    training step every torchrec train pipeline shares.  Each checks
+    ``model.training`` per step, as torchrec does (a model in eval mode runs forward
+    only); ``optimizer_step`` makes the step's result the model's ``output``."""
 
     def zero_grad(ctx: TaskContext) -> None:
         if state.training:
@@ -236,13 +244,21 @@ def build_sparse_dist_tasks(state: SparseDistState) -> list[Task]:
             state.optimizer.step()
         ctx.slots.set("step_result", ctx.slots["output"])
 
-    return [
-        step["h2d"],
-        step["start_input_dist"],
-        Task.from_fn("zero_grad", zero_grad),
-        step["forward"],
-        step["wait_input_dist"],
-        Task.from_fn("backward", backward, nccl=True, reads=("losses",), depends_on=("forward",)),
-        Task.from_fn("optimizer_step", optimizer_step, reads=("output",), writes=("step_result",),
-                     depends_on=("backward",)),
-    ]  # fmt: skip
+    return {
+        "zero_grad": Task.from_fn("zero_grad", zero_grad),
+        "backward": Task.from_fn("backward", backward, nccl=True, reads=("losses",),
+                                 depends_on=("forward",)),
+        "optimizer_step": Task.from_fn("optimizer_step", optimizer_step, reads=("output",),
+                                       writes=("step_result",), depends_on=("backward",)),
+    }  # fmt: skip
+
+
+def build_sparse_dist_tasks(state: SparseDistState) -> list[Task]:
+    """torchrec's ``TrainPipelineSparseDist`` step (its ``EvalPipelineSparseDist``'s
+    for an evaluation state), in the declaration order that breaks topological ties."""
+    step = pipelined_step_tasks(state, evaluation=state.evaluation)
+    if state.evaluation:
+        return [step["h2d"], step["start_input_dist"], step["forward"], step["wait_input_dist"]]
+    train = training_tasks(state)
+    return [step["h2d"], step["start_input_dist"], train["zero_grad"], step["forward"],
+            step["wait_input_dist"], train["backward"], train["optimizer_step"]]  # fmt: skip

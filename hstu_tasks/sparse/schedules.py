@@ -1,0 +1,93 @@
+"""torchrec's train pipelines as aiopipe schedules: one task-list builder per torchrec
+class, looked up by name (``SparseDistPipeline(..., schedule=NAME)``).
+
+===========  ===============================  =============================================
+name         torchrec class                   one progress
+===========  ===============================  =============================================
+sparse-dist  ``TrainPipelineSparseDist``      copy i+2, input dist i+1, step i
+lite         ``TrainPipelineSparseDistLite``  copy i+1; input dist i and step i
+base         ``TrainPipelineBase``            copy i+1; step i on the model's own forward
+===========  ===============================  =============================================
+
+The members share their tasks (``tasks.py``) and differ in where they place them:
+how far ahead the copy and the input distribution run, on which stream, and whether
+torchrec's rewrite distributes the input at all.  Each list is declared in its torchrec
+class's host order, so the ranks issue their collectives in torchrec's order and the
+step computes what torchrec's does, bit for bit.  torchrec writes one class with its
+own ``progress`` per member; here a member is a builder and a row of
+:data:`TRAIN_SCHEDULES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiopipe import Task
+
+from .model import carries_torchrec_rewrite
+from .tasks import SparseDistState, StepLayout, build_sparse_dist_tasks
+from .tasks import pipelined_step_tasks, training_tasks
+
+__all__ = ("TRAIN_SCHEDULES", "TrainSchedule", "build_base_tasks", "build_lite_tasks",
+           "train_schedule")  # fmt: skip
+
+
+def build_lite_tasks(state: SparseDistState) -> list[Task]:
+    """torchrec's ``TrainPipelineSparseDistLite``: one batch in flight, its copy made a
+    progress ahead (after backward, before the optimizer step, as torchrec enqueues
+    it); the input distribution of the batch being trained starts and finishes on the
+    critical path, on the default stream (Lite has no ``data_dist`` stream)."""
+    step = pipelined_step_tasks(state, StepLayout(depth=0, dist_stream="default"))
+    train = training_tasks(state)
+    return [train["zero_grad"], step["start_input_dist"], step["wait_input_dist"],
+            step["forward"], train["backward"], step["h2d"], train["optimizer_step"]]  # fmt: skip
+
+
+def build_base_tasks(state: SparseDistState) -> list[Task]:
+    """torchrec's ``TrainPipelineBase``: Lite's order without the input-dist tasks --
+    the model's own forward distributes its input.  A model that still carries
+    torchrec's rewrite (torchrec's pipelines leave it installed) has no forward of its
+    own left to run, so it gets Lite's tasks, which compute the same step (torchrec's
+    ``TrainPipelineBase`` fails on such a model: its forwards want a context)."""
+    if carries_torchrec_rewrite(state.model):
+        return build_lite_tasks(state)
+    step = pipelined_step_tasks(state, StepLayout(depth=0, forward_input=None))
+    train = training_tasks(state)
+    return [train["zero_grad"], step["forward"], train["backward"], step["h2d"],
+            train["optimizer_step"]]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TrainSchedule:
+    """One member of the family: its name, the torchrec class it equals, its builder."""
+
+    name: str
+    torchrec_class: str
+    build_tasks: Callable[[SparseDistState], list[Task]]
+    #: Whether the input distribution may run as tasks on torchrec's rewrite of the
+    #: model (``pipelined_input_dist``); ``False``: never, the model's forward does it.
+    rewrites: bool = True
+    #: Whether the torchrec class offers ``execute_all_batches=False``.
+    drops_last_two: bool = False
+
+
+#: The members by name, the default first.
+TRAIN_SCHEDULES: dict[str, TrainSchedule] = {
+    schedule.name: schedule
+    for schedule in (
+        TrainSchedule("sparse-dist", "TrainPipelineSparseDist", build_sparse_dist_tasks,
+                      drops_last_two=True),
+        TrainSchedule("lite", "TrainPipelineSparseDistLite", build_lite_tasks),
+        TrainSchedule("base", "TrainPipelineBase", build_base_tasks, rewrites=False),
+    )
+}  # fmt: skip
+
+
+def train_schedule(name: str) -> TrainSchedule:
+    """The member called ``name``; ``ValueError`` naming the members otherwise."""
+    try:
+        return TRAIN_SCHEDULES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown schedule {name!r}; choose one of "
+                         f"{', '.join(map(repr, TRAIN_SCHEDULES))}") from None  # fmt: skip
