@@ -97,25 +97,25 @@ class IterationDriver:
                     await feed.pull(self._ring.top)
                 if feed.finished:
                     return False, None
-                # An async source's read-ahead starts before the loop yields its CPU to
-                # the lanes: with every core busy, the loop would get it back only
-                # milliseconds later, and the fetch would start that late.
-                pull_first = feed.can_read_ahead and feed.reads_in_a_task
-                in_task = self.start(feed, yield_cpu=not pull_first)
-                if feed.can_read_ahead:
+                # The read-ahead starts before the loop yields its CPU to the lanes:
+                # with every core busy, the loop would get it back only milliseconds
+                # later, and the fetch would start that late.
+                reads_ahead = feed.can_read_ahead
+                in_task = self.start(feed, yield_cpu=not reads_ahead)
+                if reads_ahead:
                     # Read the next batch while this iteration runs.  A task first hands
                     # its work to the lanes (tasks start in FIFO order).
                     try:
                         if in_task:
                             await asyncio.sleep(0)
                         feed.read_ahead()
-                        if pull_first and not in_task:
+                        if feed.reads_in_a_task and not in_task:
                             await asyncio.sleep(0)  # the pull's first step: the fetch starts
                     except BaseException:  # cancelled, or the source raised KeyboardInterrupt
                         self.guard_lanes()
                         raise
                     finally:
-                        if pull_first and not in_task:
+                        if not in_task:
                             yield_cpu_to_lanes()
             await self.wait_ended()  # guards the lanes too if the caller leaves
 

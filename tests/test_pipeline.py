@@ -366,12 +366,14 @@ def test_an_executor_instance_serves_one_pipeline() -> None:
     executor.shutdown()
 
 
-async def test_an_async_sources_read_ahead_starts_before_the_loop_yields_its_cpu(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_the_read_ahead_starts_before_the_loop_yields_its_cpu(
+    monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """With every core busy, a loop that yields its CPU to the lanes gets it back
     milliseconds later: the pull of the next batch (its fetch) must have started
-    before.  Each iteration's yield comes after the first step of its pull."""
+    before.  Each iteration's yield comes after the first step of its pull (a sync
+    source's whole ``next()``)."""
     import aiopipe.driver
     import aiopipe.executors.asyncio_executor
 
@@ -386,8 +388,14 @@ async def test_an_async_sources_read_ahead_starts_before_the_loop_yields_its_cpu
             await asyncio.sleep(0)
             yield n
 
+    def sync_items() -> Iterator[int]:
+        for n in range(4):
+            events.append(f"pull {n}")
+            yield n
+
     step = Task.from_fn("step", lambda ctx: ctx.slots.set("step_result", ctx.slots["batch_cpu"]))
     async with Pipeline([step], executor=AsyncExecutor()) as pipe:
-        assert [r async for r in pipe.results(items())] == [0, 1, 2, 3]
+        source = items() if kind == "async" else sync_items()
+        assert [r async for r in pipe.results(source)] == [0, 1, 2, 3]
     # pull 0 came before the first iteration; iteration k reads batch k + 1 ahead
     assert events[:7] == ["pull 0", "pull 1", "yield", "pull 2", "yield", "pull 3", "yield"]
