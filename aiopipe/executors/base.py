@@ -201,7 +201,8 @@ class Iteration:
         if isinstance(exc, Exception) and executor_log.isEnabledFor(logging.WARNING):
             executor_log.warning(
                 "%s: task %r failed on batch %d of the source (iteration %d) on %s: %s: %s",
-                self.pipeline, task, batch, self.number, self._lane_name(index), type(exc).__name__, exc,
+                self.pipeline, task, batch, self.number, self._lane_name(index),
+                type(exc).__name__, exc,
             )  # fmt: skip
         annotate_failure(exc, task, self.number, batch)
 
