@@ -14,6 +14,7 @@ from typing import IO
 import pytest
 
 LEFT_THE_LOOP = """
+import signal; signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with Ctrl-C ignored
 import os, signal, sys
 from aiopipe import Pipeline, Task, TaskContext
 
@@ -67,6 +68,7 @@ def test_an_interrupt_that_left_the_loop_leaves_no_call_behind() -> None:
 
 
 STUCK_BODY = """
+import signal; signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with Ctrl-C ignored
 import asyncio, sys, threading
 import aiopipe
 from aiopipe import Pipeline, Task, TaskContext
