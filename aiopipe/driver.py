@@ -27,7 +27,7 @@ from typing import Any
 from ._core.lanes import yield_cpu_to_lanes
 from ._core.log import pipeline_log
 from ._core.nvtx import Annotator
-from ._core.loops import runner_owns
+from ._core.loops import runner_owns, task_quiet_if_left
 from ._core.watch import LaneWatch, describe_wait
 from ._core.waker import wait_settled
 from .context import CURRENT, Running, TaskContext
@@ -169,7 +169,7 @@ class IterationDriver:
             if handle is not None:
                 self.running, self._handle, self._current = done, handle, (feed, iteration)
                 return False
-        running = asyncio.ensure_future(self._run_as_task(feed, iteration))
+        running = task_quiet_if_left(self._run_as_task(feed, iteration))
         if not running.done():  # an eager task factory may have run it to the end
             self.running, self._current = running, (feed, iteration)
         return True
@@ -361,10 +361,7 @@ class IterationDriver:
         loop = asyncio.get_running_loop()
         describe = functools.partial(describe_wait, self._pipeline, current[1], self._lane_names)
         watch = LaneWatch(handle, describe)
-        guard = asyncio.ensure_future(watch.until_done(running))
-        # A loop closed by hand before the iteration ends leaves the guard pending
-        # for good; it has nothing to report then ("Task was destroyed" would be noise).
-        guard._log_destroy_pending = False  # type: ignore[attr-defined]
+        guard = task_quiet_if_left(watch.until_done(running))
         self._guards.add(guard)  # referenced until done
         guard.add_done_callback(self._guards.discard)
         if not runner_owns(loop):

@@ -24,7 +24,10 @@ from typing import Any, TypeVar
 
 from ..errors import PipelineStateError
 
-__all__ = ("LoopRunner", "finish_loop", "new_event_loop", "runner_owns", "uvloop_enabled")
+__all__ = (
+    "LoopRunner", "finish_loop", "new_event_loop", "runner_owns", "task_quiet_if_left",
+    "uvloop_enabled",
+)  # fmt: skip
 
 T = TypeVar("T")
 
@@ -199,3 +202,15 @@ def finish_loop(loop: asyncio.AbstractEventLoop) -> None:
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.run_until_complete(loop.shutdown_default_executor())
+
+
+def task_quiet_if_left(
+    coro: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop | None = None
+) -> asyncio.Task[T]:
+    """A task of the engine's own.  A loop closed by hand while it waits leaves it
+    pending for good; the pipeline says so itself ("left unfinished on an event loop
+    that was closed"), so asyncio's "Task was destroyed but it is pending!" when the
+    task is collected would be noise."""
+    task = (loop or asyncio.get_running_loop()).create_task(coro)
+    task._log_destroy_pending = False  # type: ignore[attr-defined]
+    return task

@@ -26,6 +26,7 @@ from typing import Any
 
 from .._core.lanes import LOOP_LANE, Lane, LanePool, call_on_lane, yield_cpu_to_lanes
 from .._core.log import executor_log
+from .._core.loops import task_quiet_if_left
 from .._core.malloc import keep_freed_memory
 from .._core.openmp import release_thread_pool
 from .._core.tickets import TicketLock, TicketStatistics
@@ -368,7 +369,7 @@ class AsyncExecutor:
                 lane.post(done)
 
         def start() -> None:
-            task = run.waker.loop.create_task(body())
+            task = task_quiet_if_left(body(), run.waker.loop)
             run.async_tasks.add(task)
             task.add_done_callback(run.async_tasks.discard)
 
