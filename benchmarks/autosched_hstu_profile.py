@@ -49,6 +49,7 @@ from aiopipe.runner import run
 from hstu_tasks import (  # noqa: E402
     HSTU_DEFAULT_THREAD_MAP,
     HSTU_DIST_LANE_THREAD_MAP,
+    HSTU_IO_LANE_THREAD_MAP,
     DataConfig,
     ModelConfig,
     OptimizerConfig,
@@ -154,7 +155,8 @@ def main() -> None:
         print(f"cost profile written to {args['output']}")
     progress("searching")
     result = joint_search(schedule, costs, thread_map=HSTU_DEFAULT_THREAD_MAP, frozen=FROZEN,
-                          presets={"dist lane": HSTU_DIST_LANE_THREAD_MAP},
+                          presets={"io lane": HSTU_IO_LANE_THREAD_MAP,
+                                   "dist lane": HSTU_DIST_LANE_THREAD_MAP},
                           max_threads=4, max_in_flight=5)  # fmt: skip
     print(format_plan(result, costs))
     plan = report(result, costs)

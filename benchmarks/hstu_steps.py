@@ -45,8 +45,8 @@ from _common import (  # noqa: E402
 
 from aiopipe import Tracer  # noqa: E402
 from hstu_tasks import (  # noqa: E402
-    HSTU_DEFAULT_THREAD_MAP,
     HSTU_DIST_LANE_THREAD_MAP,
+    HSTU_IO_LANE_THREAD_MAP,
     DataConfig,
     KarmarkarKarpShuffler,
     ModelConfig,
@@ -58,11 +58,6 @@ from hstu_tasks import (  # noqa: E402
 )
 from hstu_tasks.megatron import megatron_available  # noqa: E402
 from hstu_tasks.runners import run_pipeline  # noqa: E402
-
-
-def one_lane(task: Any) -> str:
-    """Every task on one lane thread (the default on a CPU, not on a GPU)."""
-    return "compute"
 
 
 def on_the_loop(task: Any) -> str:
@@ -79,8 +74,7 @@ CONFIGS: dict[str, tuple[str, Any, str]] = {
     "aiopipe, dist lane": ("aiopipe", HSTU_DIST_LANE_THREAD_MAP, "torch"),
     "aiopipe-prefetch, dist lane": ("aiopipe-prefetch", HSTU_DIST_LANE_THREAD_MAP, "torch"),
     "aiopipe + KK shuffler": ("aiopipe", "kk", "torch"),
-    "aiopipe, one lane": ("aiopipe", one_lane, "torch"),
-    "aiopipe, io/compute lanes": ("aiopipe", HSTU_DEFAULT_THREAD_MAP, "torch"),
+    "aiopipe, io/compute lanes": ("aiopipe", HSTU_IO_LANE_THREAD_MAP, "torch"),
     "aiopipe, on the loop": ("aiopipe", on_the_loop, "torch"),
 }
 if torch.cuda.is_available() and megatron_available():

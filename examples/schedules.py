@@ -120,10 +120,9 @@ def training(trace: Any = None, steps: int = 64) -> tuple[Pipeline, Iterator[Any
 
 def hstu(prefetch: bool = False) -> SchedulablePipeline:
     """The real HSTU schedule of ``hstu_tasks`` (imports torchrec) on the lanes
-    ``HSTUPipeline`` runs it on by default on a GPU (``HSTU_DEFAULT_THREAD_MAP``: the
-    batch's copy and shuffle on lane ``io``, the rest on ``compute``; on a CPU every
-    task runs on ``compute``).  The task bodies need
-    a sharded model, so validate, draw or plan it; do not trace it."""
+    ``HSTUPipeline`` runs it on by default (``HSTU_DEFAULT_THREAD_MAP``: every task on
+    lane ``compute``).  The task bodies need a sharded model, so validate, draw or
+    plan it; do not trace it."""
     from hstu_tasks import HSTU_DEFAULT_THREAD_MAP
     from hstu_tasks.shuffler import IdentityShuffler
     from hstu_tasks.tasks import PipelineState, build_tasks

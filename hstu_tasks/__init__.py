@@ -40,6 +40,7 @@ from .parallel import quiet_torchrec as quiet_torchrec
 from .parallel import shard_model as shard_model
 from .pipeline import HSTU_DEFAULT_THREAD_MAP as HSTU_DEFAULT_THREAD_MAP
 from .pipeline import HSTU_DIST_LANE_THREAD_MAP as HSTU_DIST_LANE_THREAD_MAP
+from .pipeline import HSTU_IO_LANE_THREAD_MAP as HSTU_IO_LANE_THREAD_MAP
 from .pipeline import HSTUPipeline as HSTUPipeline
 from .shuffler import IdentityShuffler as IdentityShuffler
 from .shuffler import KarmarkarKarpShuffler as KarmarkarKarpShuffler
@@ -54,6 +55,7 @@ from .sparse import build_dlrm_training as build_dlrm_training
 __all__ = (
     "HSTU_DEFAULT_THREAD_MAP",
     "HSTU_DIST_LANE_THREAD_MAP",
+    "HSTU_IO_LANE_THREAD_MAP",
     "SPARSE_DIST_THREAD_MAP",
     "DLRMConfig",
     "DataConfig",

@@ -36,12 +36,18 @@ from .watchdog import LossWatch
 
 _log = logging.getLogger("aiopipe.hstu")  # under "aiopipe": one logger shows the engine and this
 
-__all__ = ("HSTU_DEFAULT_THREAD_MAP", "HSTU_DIST_LANE_THREAD_MAP", "HSTUPipeline")
+__all__ = (
+    "HSTU_DEFAULT_THREAD_MAP", "HSTU_DIST_LANE_THREAD_MAP", "HSTU_IO_LANE_THREAD_MAP",
+    "HSTUPipeline",
+)  # fmt: skip
 
-#: Two lanes, the default on a CUDA device: data movement on "io", everything touching
-#: the model on "compute" (the only writer of the pipelined modules' context is
-#: forward, on that lane).  On a CPU every task defaults to "compute".
-HSTU_DEFAULT_THREAD_MAP: dict[str, str] = copies_on_io(
+#: Two lanes: data movement on "io", everything touching the model on "compute" (the
+#: only writer of the pipelined modules' context is forward, on that lane).  The
+#: default on a CUDA device until the first GPU runs: there the HSTU step is bound by
+#: the host's launches, and a second Python thread slowed every body of the compute
+#: lane by about a third (GIL hand-offs), 0.80-0.90x the plain loop against one lane's
+#: 0.89-1.02x (docs/performance.md).
+HSTU_IO_LANE_THREAD_MAP: dict[str, str] = copies_on_io(
     ("h2d", "start_shuffle", "finish_shuffle"),
     (
         "start_input_dist", "wait_input_dist", "prefetch_embeddings", "zero_grad",
@@ -50,12 +56,16 @@ HSTU_DEFAULT_THREAD_MAP: dict[str, str] = copies_on_io(
     ),
 )  # fmt: skip
 
+#: The default, on every device: every task on one lane, "compute".  The copies and
+#: collectives still overlap on their own CUDA streams; the lane only submits them.
+HSTU_DEFAULT_THREAD_MAP: dict[str, str] = dict.fromkeys(HSTU_IO_LANE_THREAD_MAP, "compute")
+
 #: Three lanes: the input distribution (and prefetch) of the next batch on its own
 #: lane, so its waits for the other ranks can overlap this batch's forward and
 #: backward where a collective task holds its ticket only while it submits (GPU); on
 #: CPU every collective runs inside its task, and the tickets serialise them.
 HSTU_DIST_LANE_THREAD_MAP: dict[str, str] = {
-    **HSTU_DEFAULT_THREAD_MAP,
+    **HSTU_IO_LANE_THREAD_MAP,
     "start_input_dist": "dist",
     "wait_input_dist": "dist",
     "prefetch_embeddings": "dist",
@@ -107,8 +117,9 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
     torch DDP, Megatron's with Megatron DDP (then ``finalize_model_grads`` finishes
     the gradient reduction).  ``prefetch=True`` adds ``prefetch_embeddings`` and
     keeps ``prefetch_depth + 1`` batches ahead.
-    ``thread_map`` defaults to :data:`HSTU_DEFAULT_THREAD_MAP` on a CUDA device and to
-    every task on lane ``"compute"`` on any other; ``executor`` may be
+    ``thread_map`` defaults to :data:`HSTU_DEFAULT_THREAD_MAP`, every task on lane
+    ``"compute"`` (:data:`HSTU_IO_LANE_THREAD_MAP` adds an ``"io"`` lane for the
+    batch's copy and shuffle); ``executor`` may be
     ``"sequential"`` or an executor instance instead.  ``trace=True`` (or a
     :class:`aiopipe.Tracer`) records a span per task run (see ``docs/tracing.md``).
     ``name`` labels its log records and trace tracks (the engines that detach/attach
@@ -156,10 +167,10 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
         super().__init__(shared, state, _hstu_spec(shared, state), thread_map=thread_map,
                          executor=executor, trace=trace, name=name)  # fmt: skip
         if (executor is None or executor == "async") and isinstance(thread_map, Mapping):
-            unknown = sorted(set(thread_map) - set(HSTU_DEFAULT_THREAD_MAP))
+            unknown = sorted(set(thread_map) - set(HSTU_IO_LANE_THREAD_MAP))
             if unknown:  # a misspelt task would go to "default"
                 raise ValueError(f"thread_map names no HSTU task {unknown}; the tasks are "
-                                 f"{sorted(HSTU_DEFAULT_THREAD_MAP)}")  # fmt: skip
+                                 f"{sorted(HSTU_IO_LANE_THREAD_MAP)}")  # fmt: skip
 
     @property
     def loss_watch(self) -> LossWatch:

@@ -350,6 +350,18 @@ def test_on_a_cpu_every_task_defaults_to_the_compute_lane() -> None:
         assert thread_map_for_device(SPARSE_DIST_THREAD_MAP, torch.device(gpu)) is SPARSE_DIST_THREAD_MAP
 
 
+def test_hstu_defaults_to_one_lane_on_a_gpu_too() -> None:
+    """A launch-bound HSTU step ran slower with a second lane on a GPU
+    (docs/performance.md); the io/compute pair is kept under its own name."""
+    from hstu_tasks import HSTU_DEFAULT_THREAD_MAP, HSTU_IO_LANE_THREAD_MAP
+
+    on_gpu = thread_map_for_device(HSTU_DEFAULT_THREAD_MAP, torch.device("cuda"))
+    assert isinstance(on_gpu, dict) and set(on_gpu.values()) == {"compute"}
+    assert set(on_gpu) == set(HSTU_IO_LANE_THREAD_MAP)  # every HSTU task named
+    io = {name for name, lane in HSTU_IO_LANE_THREAD_MAP.items() if lane == "io"}
+    assert io == {"h2d", "start_shuffle", "finish_shuffle"}
+
+
 def test_an_executor_given_without_a_thread_map_keeps_the_default_lanes() -> None:
     """``executor=AsyncExecutor(check_collective_order=1)`` sets the check, not the lanes."""
     config = DLRMConfig(num_embeddings=200, batch_size=16)
