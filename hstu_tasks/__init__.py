@@ -47,6 +47,8 @@ from .shuffler import KarmarkarKarpShuffler as KarmarkarKarpShuffler
 from .shuffler import balanced_partition as balanced_partition
 from .sparse import SPARSE_DIST_THREAD_MAP as SPARSE_DIST_THREAD_MAP
 from .sparse import DLRMConfig as DLRMConfig
+from .sparse import InputDistNotPipelinedError as InputDistNotPipelinedError
+from .sparse import InputDistNotPipelinedWarning as InputDistNotPipelinedWarning
 from .sparse import SparseDistEvalPipeline as SparseDistEvalPipeline
 from .sparse import SparseDistPipeline as SparseDistPipeline
 from .sparse import SyntheticDLRMData as SyntheticDLRMData
@@ -63,6 +65,8 @@ __all__ = (
     "HSTUBatch",
     "HSTUPipeline",
     "HSTUPipelineFactory",
+    "InputDistNotPipelinedError",
+    "InputDistNotPipelinedWarning",
     "HSTURankingModel",
     "IdentityShuffler",
     "KarmarkarKarpShuffler",

@@ -72,7 +72,7 @@ HSTU_DIST_LANE_THREAD_MAP: dict[str, str] = {
 }
 
 
-def _hstu_spec(shared: PipelinedModel, state: PipelineState) -> PipelineSpec:
+def _hstu_spec(shared: PipelinedModel, state: PipelineState, strict: bool) -> PipelineSpec:
     """The HSTU step on a rewrite of the model of its own."""
 
     def build() -> list[Task]:
@@ -86,7 +86,8 @@ def _hstu_spec(shared: PipelinedModel, state: PipelineState) -> PipelineSpec:
         # With a real shuffler the batch must be shuffled before its input dist: the
         # rewrite initialises the input dists on a throwaway context instead.
         warm_up = None if state.shuffler.is_identity else state.create_context(-1)
-        batch = shared.rewrite(peek, context, forward_type=forward_type, warm_up=warm_up)
+        batch = shared.rewrite(peek, context, forward_type=forward_type, warm_up=warm_up,
+                               strict=strict)  # fmt: skip
         seed: dict[str, Any] = {"batch_cpu": peek, "batch_gpu": batch, "torchrec_ctx": context}
         if warm_up is None:  # the seeded batch's input dist has started
             seed.update(shuffled_batch=batch, dist_started=True)
@@ -126,7 +127,9 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
     rebuild all carry it).  ``pipelined_input_dist``: whether torchrec's input
     distribution runs as tasks ahead of ``forward``, on its rewrite of the model; by
     default yes, except on a CPU with one rank, where it distributes nothing
-    (:func:`~hstu_tasks.sparse.model.input_dist_pipelined`).
+    (:func:`~hstu_tasks.sparse.model.input_dist_pipelined`).  A sharded module the
+    rewrite cannot pipeline is warned of at the first ``progress``; ``strict=True``
+    makes it an error (as for :class:`~hstu_tasks.SparseDistPipeline`).
     """
 
     _state: PipelineState
@@ -146,6 +149,7 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
         trace: bool | Tracer | None = None,
         name: str = "hstu",
         pipelined_input_dist: bool | None = None,
+        strict: bool = False,
     ) -> None:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
@@ -164,7 +168,7 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
             prefetch_depth=prefetch_depth, memory_limit_bytes=memory_limit_bytes,
             streams=shared.streams, pipelined_modules=shared.modules,
         )  # fmt: skip
-        super().__init__(shared, state, _hstu_spec(shared, state), thread_map=thread_map,
+        super().__init__(shared, state, _hstu_spec(shared, state, strict), thread_map=thread_map,
                          executor=executor, trace=trace, name=name)  # fmt: skip
         if (executor is None or executor == "async") and isinstance(thread_map, Mapping):
             unknown = sorted(set(thread_map) - set(HSTU_IO_LANE_THREAD_MAP))

@@ -32,6 +32,8 @@ from .dlrm import build_dlrm_training as build_dlrm_training
 from .dlrm import evaluate_plainly as evaluate_plainly
 from .dlrm import run_dlrm as run_dlrm
 from .model import STREAMS as STREAMS
+from .model import InputDistNotPipelinedError as InputDistNotPipelinedError
+from .model import InputDistNotPipelinedWarning as InputDistNotPipelinedWarning
 from .model import PipelinedModel as PipelinedModel
 from .model import carries_torchrec_rewrite as carries_torchrec_rewrite
 from .model import input_dist_pipelined as input_dist_pipelined
@@ -64,6 +66,8 @@ __all__ = (
     "TRAIN_SCHEDULES",
     "DLRMConfig",
     "DLRMRun",
+    "InputDistNotPipelinedError",
+    "InputDistNotPipelinedWarning",
     "LastTwoDropped",
     "ModelForward",
     "PipelineSpec",

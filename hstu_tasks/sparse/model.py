@@ -18,6 +18,7 @@ one rank, and per-batch contexts): there the model keeps its own forwards unless
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -25,15 +26,18 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward, PipelinedForward
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardedModule
 
-from aiopipe import PipelineStateError, SchedulablePipeline, StreamPool
+from aiopipe import ConfigurationError, PipelineStateError, SchedulablePipeline, StreamPool
 
 from ._torchrec import override_input_dist_forwards, pipeline_detach_model, rewrite_model
 from ._torchrec import start_data_dist
 
 __all__ = (
     "STREAMS",
+    "InputDistNotPipelinedError",
+    "InputDistNotPipelinedWarning",
     "PipelinedModel",
     "carries_torchrec_rewrite",
     "input_dist_pipelined",
@@ -42,6 +46,33 @@ __all__ = (
 
 #: torchrec's streams (the prefetch one for the HSTU pipeline's prefetch variant).
 STREAMS = ("default", "memcpy", "data_dist", "prefetch")
+
+
+class InputDistNotPipelinedWarning(UserWarning):
+    """torchrec's rewrite left a sharded module's input distribution inside forward:
+    the step runs, but that module's input distribution is not overlapped."""
+
+
+class InputDistNotPipelinedError(ConfigurationError):
+    """``strict=True``: what :class:`InputDistNotPipelinedWarning` warns of, refused."""
+
+
+#: Why torchrec's rewrite did not pipeline a sharded module.
+_INPUT_COMPUTED = ("its input is computed inside forward, not read from the batch as it is "
+                   "(torchrec can only start the distribution of a batch's own fields early)")
+_NOT_REACHED = ("the torch.fx trace of forward does not call it with the batch's fields (it "
+                "is called with no input, from a module traced as a leaf, or not at all)")
+
+
+def not_pipelined(model: torch.nn.Module, pipelined: list[Any],
+                  input_computed: list[str]) -> dict[str, str]:  # fmt: skip
+    """The sharded modules of ``model`` the rewrite did not pipeline, and why
+    (``input_computed``: the names torchrec reports as having their input modified)."""
+    inner = model.module if isinstance(model, DistributedModelParallel) else model
+    done = {id(module) for module in pipelined}
+    return {name: _INPUT_COMPUTED if name in input_computed else _NOT_REACHED
+            for name, module in inner.named_modules()
+            if isinstance(module, ShardedModule) and id(module) not in done}  # fmt: skip
 
 
 def stream_pool(device: torch.device) -> StreamPool:
@@ -151,6 +182,7 @@ class PipelinedModel:
     def rewrite(
         self, peek: Any, context: TrainPipelineContext, *,
         forward_type: type[Any] = PipelinedForward, warm_up: TrainPipelineContext | None = None,
+        strict: bool = False,
     ) -> Any:  # fmt: skip
         """Copy ``peek`` to the device, let torchrec rewrite the model on it (unless it
         keeps its own forwards: :func:`input_dist_pipelined`) and start its input
@@ -158,17 +190,20 @@ class PipelinedModel:
         With ``warm_up`` (a batch to be transformed, e.g. shuffled, before its own
         input distribution) one complete distribution runs in that throwaway context
         instead: it creates torchrec's input dists and leaves no collective pending.
-        Refused while another pipeline kind is installed on the model."""
+        Refused while another pipeline kind is installed on the model.  A sharded module
+        the rewrite cannot pipeline is warned of (:class:`InputDistNotPipelinedWarning`),
+        or with ``strict`` refused, the model left as it was."""
         self._refuse_a_second_rewrite()
         pool = self.pool
         with pool.use("memcpy"):
             batch = peek.to(self.device, non_blocking=True)
         pool.wait_stream("data_dist", "memcpy")
         modules: list[Any] = []
+        missed: dict[str, str] = {}
         self._original_kjt_dist_forwards = []
         sharded = [m for m in self.model.modules() if isinstance(m, ShardedModule)]
         if sharded and (self.pipelines_input_dist or carries_torchrec_rewrite(self.model)):
-            modules, _, self._original_forwards, _, _ = rewrite_model(
+            modules, _, self._original_forwards, _, input_computed = rewrite_model(
                 model=self.model,
                 context=context,
                 dist_stream=self.streams["data_dist"],
@@ -176,9 +211,11 @@ class PipelinedModel:
                 batch=batch,
                 pipelined_forward=forward_type,
             )
+            missed = not_pipelined(self.model, modules, input_computed)
         # else nothing to distribute, or left to the model's own forward: the
         # input-dist tasks idle
         self.modules[:] = modules
+        self._report_not_pipelined(missed, len(sharded), strict)
         self.installed = True
         _INSTALLED[id(self.model)] = self
         with pool.use("data_dist"):  # creates torchrec's input dists, then fuses their splits
@@ -189,6 +226,23 @@ class PipelinedModel:
                         request.wait()
         self._original_kjt_dist_forwards = override_input_dist_forwards(modules)
         return batch
+
+    def _report_not_pipelined(self, missed: dict[str, str], sharded: int, strict: bool) -> None:
+        if not missed:
+            return
+        listed = "; ".join(f"{name!r}: {why}" for name, why in missed.items())
+        message = (
+            f"{self.owner}: torchrec's rewrite pipelines the input distribution of "
+            f"{sharded - len(missed)} of the model's {sharded} sharded module(s); not of "
+            f"{listed}. Their input distribution runs inside forward, not overlapped with "
+            f"the step before: pass each sharded module a field of the batch as it is to "
+            f"pipeline it"
+        )
+        if strict:
+            self.restore()
+            raise InputDistNotPipelinedError(message + " (strict=True refuses this)")
+        warnings.warn(message + " (strict=True makes this an error)",
+                      InputDistNotPipelinedWarning, stacklevel=2)  # fmt: skip
 
     def restore(self) -> None:
         """Give the model its own forwards back; the next batch traces it again."""

@@ -56,16 +56,17 @@ def _on_shared_rewrite(
 
 def _spec(what: str, shared: PipelinedModel, state: SparseDistState,
           builder: Callable[[SparseDistState], list[Task]] = build_sparse_dist_tasks,
-          ) -> PipelineSpec:  # fmt: skip
+          strict: bool = False) -> PipelineSpec:  # fmt: skip
     """``builder``'s step on the model's shared rewrite (a step returns the model's
-    ``output``, whatever ``model_fwd`` makes it)."""
+    ``output``, whatever ``model_fwd`` makes it); ``strict``: the rewrite refuses a
+    model whose sharded modules it cannot all pipeline."""
 
     def build_tasks() -> list[Task]:
         return builder(state)
 
     def rewrite_and_seed(peek: Any) -> dict[str, Any]:
         context = state.create_context(0)
-        batch = shared.rewrite(peek, context)
+        batch = shared.rewrite(peek, context, strict=strict)
         return {"batch_cpu": peek, "batch": batch, "torchrec_ctx": context, "dist_started": True}
 
     return PipelineSpec(what=what, build_tasks=build_tasks, rewrite_and_seed=rewrite_and_seed,
@@ -93,6 +94,12 @@ class SparseDistPipeline(SparseDistBase[Any]):
     The pipelines on one model share the choice.  The ``"base"`` schedule never
     pipelines it (the model's own forward distributes its input), and only
     ``"sparse-dist"`` offers ``execute_all_batches=False``, as in torchrec.
+
+    A sharded module whose input distribution torchrec's rewrite cannot take out of
+    forward (its input is computed in forward, or the trace never reaches it) is named
+    at the first ``progress`` with an
+    :class:`~hstu_tasks.sparse.InputDistNotPipelinedWarning`; ``strict=True`` raises
+    :class:`~hstu_tasks.sparse.InputDistNotPipelinedError` instead.
     """
 
     def __init__(
@@ -108,6 +115,7 @@ class SparseDistPipeline(SparseDistBase[Any]):
         executor: str | Any = None,
         trace: bool | Tracer | None = None,
         pipelined_input_dist: bool | None = None,
+        strict: bool = False,
     ) -> None:
         chosen = train_schedule(schedule)
         if not execute_all_batches and not chosen.drops_last_two:
@@ -122,7 +130,7 @@ class SparseDistPipeline(SparseDistBase[Any]):
             pipelined_input_dist = False
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, False,
                                            pipelined_input_dist)  # fmt: skip
-        spec = _spec(f"{schedule} pipeline", shared, state, chosen.build_tasks)
+        spec = _spec(f"{schedule} pipeline", shared, state, chosen.build_tasks, strict)
         # execute_all_batches=False: progress() reads each source through a wrapper
         self._dropped = None if execute_all_batches else LastTwoDropped()
         if self._dropped is not None:
@@ -161,7 +169,7 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
     Built on a model that a :class:`SparseDistPipeline` runs (or via its
     :meth:`~SparseDistPipeline.eval_pipeline`), it shares that pipeline's rewrite of
     the model (and its ``pipelined_input_dist``) and leaves its batches in flight
-    alone."""
+    alone.  ``strict`` as for :class:`SparseDistPipeline` (when it traces the model)."""
 
     def __init__(
         self,
@@ -174,8 +182,10 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
         executor: str | Any = None,
         trace: bool | Tracer | None = None,
         pipelined_input_dist: bool | None = None,
+        strict: bool = False,
     ) -> None:
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, True,
                                            pipelined_input_dist)  # fmt: skip
-        super().__init__(shared, state, _spec("sparse-dist eval pipeline", shared, state),
+        spec = _spec("sparse-dist eval pipeline", shared, state, strict=strict)
+        super().__init__(shared, state, spec,
                          thread_map=thread_map, executor=executor, trace=trace)  # fmt: skip

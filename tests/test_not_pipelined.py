@@ -1,0 +1,115 @@
+"""A sharded module whose input distribution torchrec's rewrite cannot pipeline is
+named at the first progress (a warning; an error with ``strict=True``), instead of
+the pipeline quietly running that module's input distribution inside forward."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchrec")
+
+import torch  # noqa: E402
+from one_rank import one_rank_group  # noqa: E402
+from torchrec.datasets.utils import Batch  # noqa: E402
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
+
+from hstu_tasks import DLRMConfig, InputDistNotPipelinedError  # noqa: E402
+from hstu_tasks import InputDistNotPipelinedWarning, SparseDistPipeline  # noqa: E402
+from hstu_tasks import SyntheticDLRMData, build_dlrm_training  # noqa: E402
+from hstu_tasks.sparse import carries_torchrec_rewrite  # noqa: E402
+
+CONFIG = DLRMConfig(num_embeddings=200, batch_size=16)
+
+
+class RemappedIds(torch.nn.Module):
+    """Computes the tables' input inside forward: torchrec cannot distribute it early."""
+
+    def __init__(self, arch: torch.nn.Module) -> None:
+        super().__init__()
+        self.arch = arch
+
+    def forward(self, features: KeyedJaggedTensor) -> Any:
+        remapped = KeyedJaggedTensor(keys=features.keys(), values=features.values() // 2,
+                                     lengths=features.lengths())  # fmt: skip
+        return self.arch(remapped)
+
+
+class CopiedBatch(torch.nn.Module):
+    """Hands the sharded model a batch built inside forward: the trace never reaches
+    the tables with a field of the batch."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, batch: Batch) -> Any:
+        return self.inner(Batch(dense_features=batch.dense_features,
+                                sparse_features=batch.sparse_features, labels=batch.labels))  # fmt: skip
+
+
+def remapped_model() -> tuple[torch.nn.Module, Any]:
+    setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+    dlrm = next(m for m in setup.model.modules() if type(m).__name__ == "DLRM")
+    dlrm.sparse_arch = RemappedIds(dlrm.sparse_arch)
+    return setup.model, setup.optimizer
+
+
+def copied_batch_model() -> tuple[torch.nn.Module, Any]:
+    setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+    return CopiedBatch(setup.model), setup.optimizer
+
+
+def train(pipe: SparseDistPipeline, batches: int = 4) -> list[Any]:
+    async def run() -> list[Any]:
+        async with pipe:
+            return [out async for out in pipe.results(iter(SyntheticDLRMData(CONFIG, batches)))]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("build", "reason"),
+    [
+        (remapped_model, "its input is computed inside forward"),
+        (copied_batch_model, "does not call it with the batch's fields"),
+    ],
+    ids=["input computed in forward", "not reached by the trace"],
+)
+def test_a_module_left_unpipelined_is_named_at_the_first_progress(build: Any, reason: str) -> None:
+    with one_rank_group():
+        model, optimizer = build()
+        pipe = SparseDistPipeline(model, optimizer, "cpu", pipelined_input_dist=True)
+        with pytest.warns(InputDistNotPipelinedWarning) as caught:
+            outputs = train(pipe)
+        assert len(outputs) == 4  # the steps still run, the input dist inside forward
+        message = str(caught[0].message)
+        assert "embedding_bag_collection" in message and reason in message
+        assert "0 of the model's 1 sharded module(s)" in message
+
+
+def test_strict_refuses_it_and_leaves_the_model_as_it_was() -> None:
+    with one_rank_group():
+        model, optimizer = remapped_model()
+        strict = SparseDistPipeline(model, optimizer, "cpu", pipelined_input_dist=True,
+                                    strict=True)  # fmt: skip
+        with pytest.raises(InputDistNotPipelinedError, match="strict=True refuses"):
+            train(strict)
+        strict.shutdown()
+        assert not carries_torchrec_rewrite(model)
+        with pytest.warns(InputDistNotPipelinedWarning):  # the model is usable as it is
+            assert len(train(SparseDistPipeline(model, optimizer, "cpu",
+                                                pipelined_input_dist=True))) == 4  # fmt: skip
+
+
+def test_a_model_pipelined_in_full_is_not_warned_about() -> None:
+    with one_rank_group():
+        setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                  pipelined_input_dist=True, strict=True)  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", InputDistNotPipelinedWarning)
+            assert len(train(pipe)) == 4
