@@ -7,9 +7,11 @@ lite, base), torchrec's own class for that member and the plain loop side by sid
 All train the same model on the same data, interleaved over ``--repeats`` rounds
 after a warm-up round; the median and the spread of the rounds are reported, and
 each aiopipe row is compared with torchrec's class for its schedule.
+``--ends-apart`` adds the sparse-dist row with ``end_together=False``: what the
+per-batch agreement on the end of the epoch costs (on by default with two ranks).
 
     ./dev bench dlrm_steps [--ranks 1 2] [--steps 100] [--repeats 3] [--batch-size 256]
-                           [--schedules sparse-dist lite base]
+                           [--schedules sparse-dist lite base] [--ends-apart]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _common import print_json, print_table, report_and_leave, spawn_ranks  # noqa: E402
 
-from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training  # noqa: E402
+from aiopipe import run  # noqa: E402
+from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData  # noqa: E402
+from hstu_tasks import TrainingSetup, build_dlrm_training  # noqa: E402
 from hstu_tasks import join_local_group, quiet_torchrec  # noqa: E402
 from hstu_tasks.parallel import default_device  # noqa: E402
 from hstu_tasks.sparse.dlrm import DLRMMode, run_dlrm  # noqa: E402
@@ -40,21 +45,44 @@ def modes(schedule: str) -> tuple[DLRMMode, DLRMMode]:
     return f"aiopipe-{schedule}", f"torchrec-{schedule}"  # type: ignore[return-value]
 
 
+#: The sparse-dist row with end_together=False (``--ends-apart``).
+ENDS_APART = "aiopipe, ends apart"
+
+
+def seconds_ending_apart(setup: TrainingSetup, data: list[Any]) -> float:
+    """``run_dlrm("aiopipe", ...)``'s training, without the agreement on the end."""
+
+    async def train() -> None:
+        async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                      end_together=False) as pipe:  # fmt: skip
+            async for loss, _, _ in pipe.results(data):
+                float(loss.detach())
+
+    start = time.perf_counter()
+    run(train())
+    return time.perf_counter() - start
+
+
 def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> None:
     quiet_torchrec()
     join_local_group(rank, ranks, port)
     config = DLRMConfig(batch_size=args["batch_size"], num_embeddings=args["num_embeddings"])
-    runs: list[DLRMMode] = [mode for name in args["schedules"] for mode in modes(name)]
+    runs: list[str] = [mode for name in args["schedules"] for mode in modes(name)]
     runs.append("none")
+    if args["ends_apart"]:
+        runs.append(ENDS_APART)
     samples: dict[str, list[float]] = {mode: [] for mode in runs}
     for repeat in range(args["repeats"] + 1):  # the first round warms up
         for mode in runs:
             setup = build_dlrm_training(config, "sgd", seed=0, device=default_device())
             data = list(SyntheticDLRMData(config, args["steps"], seed=repeat, rank=rank))
             dist.barrier()
-            result = run_dlrm(mode, setup, [data])
+            if mode == ENDS_APART:
+                seconds = seconds_ending_apart(setup, data)
+            else:
+                seconds = run_dlrm(mode, setup, [data]).seconds  # type: ignore[arg-type]
             if repeat:
-                samples[mode].append(args["steps"] / result.seconds)
+                samples[mode].append(args["steps"] / seconds)
     report_and_leave(rank, out, samples)
 
 
@@ -68,10 +96,13 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", choices=tuple(TRAIN_SCHEDULES),
                         default=["sparse-dist"], help="aiopipe's schedules to time, each "
                         "beside torchrec's class for it")  # fmt: skip
+    parser.add_argument("--ends-apart", action="store_true",
+                        help="add the sparse-dist row with end_together=False")
     args = vars(parser.parse_args())
     # each row's torchrec counterpart: its own schedule's class (the plain loop: the first's)
     partner = {mode: modes(name)[1] for name in args["schedules"] for mode in modes(name)}
     partner["none"] = modes(args["schedules"][0])[1]
+    partner[ENDS_APART] = "torchrec"
     rows, report = [], {}
     for ranks in args["ranks"]:
         samples = spawn_ranks(worker, {**args, "ranks": ranks})

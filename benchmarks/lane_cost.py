@@ -4,8 +4,8 @@ alternating chunks.
 
 The rows: the plain loop, torchrec's ``TrainPipelineSparseDist``, aiopipe as the demo
 runs it (async form on uvloop when installed, default lanes: on a CPU every task on
-lane "compute"), the async form on asyncio's loop, the blocking form, the GPU's
-default io/compute lanes (``HSTU_DEFAULT_THREAD_MAP``), torchrec's rewrite of the model
+lane "compute"), the async form on asyncio's loop, the blocking form, the io/compute
+lanes (``HSTU_IO_LANE_THREAD_MAP``), torchrec's rewrite of the model
 for a pipelined input distribution (``pipelined_input_dist=True``: the default on
 more ranks, not on one CPU rank), and every task inline on the calling thread
 (``executor="sequential"``).
@@ -21,7 +21,9 @@ costs a little per task).  ``--model dlrm`` times torchrec's DLRM instead
 (each rank its own data); a chunk's time is the slower rank's.  With ``--model dlrm``
 the configs ``aiopipe-lite``, ``torchrec-lite``, ``aiopipe-base`` and ``torchrec-base``
 time the other members of torchrec's family (``schedule=``) beside torchrec's class for
-each, which their ratio pairs with.
+each, which their ratio pairs with, and ``aiopipe-ends-apart`` runs the sparse-dist
+pipeline with ``end_together=False`` (what the ranks' agreement on the end of the
+epoch costs: on by default with two ranks).
 
     ./dev bench lane_cost [--model hstu|dlrm] [--ranks 1] [--chunk 20|80] [--rounds 15]
                           [--processes 3] [--configs ...] [--tasks]
@@ -47,7 +49,8 @@ from _common import print_json, print_table, spread  # noqa: E402
 CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-blocking",
            "aiopipe-io-lane", "aiopipe-rewritten", "aiopipe-sequential")  # fmt: skip
 #: torchrec's other train pipelines and their schedules (``--model dlrm`` only).
-FAMILY = ("aiopipe-lite", "torchrec-lite", "aiopipe-base", "torchrec-base")
+FAMILY = ("aiopipe-lite", "torchrec-lite", "aiopipe-base", "torchrec-base",
+          "aiopipe-ends-apart")  # fmt: skip
 WARM_UP = 20  # steps before the first timed chunk (bootstrap, caches, allocator)
 
 
@@ -73,7 +76,7 @@ def _stepper(config: str, model: str, trace: bool,
              rank: int) -> tuple[Callable[[int], None], Any]:  # fmt: skip
     """``(run(n), tracer)``: ``run(n)`` trains the next ``n`` batches with ``config``."""
     from hstu_tasks import (
-        HSTU_DEFAULT_THREAD_MAP,
+        HSTU_IO_LANE_THREAD_MAP,
         DataConfig,
         HSTUPipelineFactory,
         ModelConfig,
@@ -99,7 +102,7 @@ def _stepper(config: str, model: str, trace: bool,
         sparse_dist = torchrec_pipeline(setup)
         return repeat(lambda: sparse_dist.progress(source)), None
     tracer = Tracer() if trace else None
-    options = _aiopipe_options(config, HSTU_DEFAULT_THREAD_MAP)
+    options = _aiopipe_options(config, HSTU_IO_LANE_THREAD_MAP)
     pipe = HSTUPipelineFactory.create(
         "hstu_sparse_dist", model=setup.model, optimizer=setup.optimizer,
         device=setup.device, trace=tracer, **options,
@@ -107,13 +110,15 @@ def _stepper(config: str, model: str, trace: bool,
     return _aiopipe_run(config, pipe, source), tracer
 
 
-def _aiopipe_options(config: str, gpu_thread_map: Any) -> dict[str, Any]:
+def _aiopipe_options(config: str, io_thread_map: Any) -> dict[str, Any]:
     if config == "aiopipe-io-lane":
-        return {"thread_map": gpu_thread_map}  # the GPU default: copies on "io"
+        return {"thread_map": io_thread_map}  # copies on "io"
     if config == "aiopipe-rewritten":  # torchrec's pipelined input dist, as on more ranks
         return {"pipelined_input_dist": True}
     if config == "aiopipe-sequential":
         return {"executor": "sequential"}
+    if config == "aiopipe-ends-apart":
+        return {"end_together": False}
     return {}
 
 
@@ -153,7 +158,7 @@ def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], 
             optimizer.step()
 
         return repeat(plain_step), None
-    schedule = config.rpartition("-")[2] if config in FAMILY else "sparse-dist"
+    schedule = config.rpartition("-")[2] if config in FAMILY[:4] else "sparse-dist"
     if config.startswith("torchrec"):
         torchrec = TORCHREC_PIPELINES[schedule](setup.model, setup.optimizer, setup.device)
         return repeat(lambda: torchrec.progress(source)), None

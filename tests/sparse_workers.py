@@ -232,7 +232,7 @@ def uneven_batches_worker(rank: int, port: int) -> None:
     iteration 9, where rank 1 has no new batch), not a gloo failure."""
     join(rank, port)
     setup = build_dlrm_training(CONFIG, "sgd", seed=3)
-    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, end_together=False,
                               executor=AsyncExecutor(check_collective_order=1))  # fmt: skip
 
     async def train() -> int:
@@ -244,6 +244,92 @@ def uneven_batches_worker(rank: int, port: int) -> None:
     with pytest.raises(CollectiveOrderError, match=expected):
         asyncio.run(train())
     leave_and_exit(0)
+
+
+#: Batches on each rank in the uneven-ranks checks: the shorter rank's source ends
+#: the epoch for both.
+UNEVEN = (10, 7)
+
+
+def end_together_worker(rank: int, port: int) -> None:
+    join(rank, port)
+    for schedule in ("sparse-dist", "lite", "base"):
+        check_ending_together(rank, schedule)
+    check_evaluation_ending_together(rank)
+    check_a_source_raising_on_one_rank(rank)
+    leave_and_exit(0)
+
+
+def check_a_source_raising_on_one_rank(rank: int) -> None:
+    """Rank 0's source raises at its fourth batch: rank 0 raises that error and rank 1
+    PipelineStateError, in the same call, and neither waits for the other."""
+
+    def failing(items: Any) -> Any:
+        for index, item in enumerate(items):
+            if index == 3:
+                raise ValueError("the loader failed")
+            yield item
+
+    setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
+    source = iter(data(rank, UNEVEN[0]))
+    source = failing(source) if rank == 0 else source
+    outputs: list[Any] = []
+
+    async def train() -> None:
+        async with pipe:
+            while True:
+                outputs.append(await pipe.progress(source))
+
+    expected = (ValueError, "the loader failed") if rank == 0 else (
+        PipelineStateError, "another rank's source raised")  # fmt: skip
+    with pytest.raises(expected[0], match=expected[1]):
+        asyncio.run(train())
+    assert len(outputs) == 1  # the fourth batch is read two steps ahead, in the second call
+
+
+async def _async_items(items: Any) -> Any:
+    for item in items:
+        yield item
+
+
+def check_ending_together(rank: int, schedule: str) -> None:
+    """Rank 0 has 10 batches, rank 1 has 7: both train 7 steps and end the epoch
+    together (no collective left waiting), async and blocking, sync and async
+    sources, and train exactly as a run with 7 batches on each rank does."""
+    even = build_dlrm_training(CONFIG, "sgd", seed=3)
+    pipe = SparseDistPipeline(even.model, even.optimizer, even.device, schedule=schedule)
+    assert len(asyncio.run(_collect_in(pipe, iter(data(rank, UNEVEN[1]))))) == UNEVEN[1]
+    expected = parameter_digest(even.model)
+    for form in ("async", "blocking", "async source"):
+        setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, schedule=schedule)
+        source = iter(data(rank, UNEVEN[rank]))
+        if form == "blocking":
+            blocking = pipe.blocking()
+            outputs = list(torchrec_results(blocking, source))
+            blocking.shutdown()
+        elif form == "async source":
+            outputs = asyncio.run(_collect_in(pipe, _async_items(source)))
+        else:
+            outputs = asyncio.run(_collect_in(pipe, source))
+        assert len(outputs) == UNEVEN[1], (schedule, form)
+        assert parameter_digest(setup.model) == expected, (schedule, form)
+        # the longer rank read one batch beyond the common end, and no further
+        assert len(list(source)) == UNEVEN[rank] - UNEVEN[1] - (1 if rank == 0 else 0)
+
+
+def check_evaluation_ending_together(rank: int) -> None:
+    setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+    setup.model.eval()
+    pipe = SparseDistEvalPipeline(setup.model, None, setup.device)
+    outputs = asyncio.run(_collect_in(pipe, iter(data(rank, UNEVEN[rank]))))
+    assert len(outputs) == UNEVEN[1]
+
+
+async def _collect_in(pipe: Any, source: Any) -> list[Any]:
+    async with pipe:
+        return await collect(pipe, source)
 
 
 #: Passes over the data in the family checks.

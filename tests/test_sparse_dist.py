@@ -49,6 +49,12 @@ def test_the_collective_order_check_stops_ranks_with_different_numbers_of_batche
     spawn(sparse_workers.uneven_batches_worker)
 
 
+def test_ranks_with_different_numbers_of_batches_end_the_epoch_together() -> None:
+    """torchrec #1014: every schedule, train and eval, ends on the shortest rank's
+    step on every rank, by default (the order check's test above turns it off)."""
+    spawn(sparse_workers.end_together_worker)
+
+
 @pytest.mark.parametrize("items", [0, 1, 2, 3, 5])
 def test_execute_all_batches_false_drops_the_last_two_batches_after_reading_them(items: int) -> None:
     source = iter(range(items))

@@ -43,7 +43,9 @@ from .pipeline import SparseDistPipeline as SparseDistPipeline
 from .schedules import TRAIN_SCHEDULES as TRAIN_SCHEDULES
 from .schedules import TrainSchedule as TrainSchedule
 from .schedules import train_schedule as train_schedule
-from .sources import LastTwoDropped as LastTwoDropped
+from .sources import SourceWrappers as SourceWrappers
+from .sources import agreement_group as agreement_group
+from .sources import ended_together as ended_together
 from .sources import torchrec_results as torchrec_results
 from .sources import without_last_two as without_last_two
 from .spec import SHARED_REWRITE as SHARED_REWRITE
@@ -68,21 +70,23 @@ __all__ = (
     "DLRMRun",
     "InputDistNotPipelinedError",
     "InputDistNotPipelinedWarning",
-    "LastTwoDropped",
     "ModelForward",
     "PipelineSpec",
     "PipelinedModel",
     "SparseDistBase",
     "SparseDistEvalPipeline",
     "SparseDistPipeline",
+    "SourceWrappers",
     "SparseDistState",
     "StepLayout",
     "SyntheticDLRMData",
     "TrainSchedule",
     "build_dlrm_training",
+    "agreement_group",
     "build_sparse_dist_tasks",
     "carries_torchrec_rewrite",
     "check_pipelineable",
+    "ended_together",
     "evaluate_plainly",
     "finish_input_dist_splits",
     "input_dist_pipelined",

@@ -241,6 +241,7 @@ class SparseDistBase(Generic[ResultT]):
         self._teardown()
         self._kept = self._refused = None
         self._drop_first_pull()
+        self._spec.forget_sources()
 
     def shutdown(self) -> None:
         if self._closed:

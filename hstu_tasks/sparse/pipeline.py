@@ -25,14 +25,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from aiopipe import Task, Tracer
+from aiopipe import Source, Task, Tracer
 from aiopipe.lanes import ThreadMap
 
 from .base import SparseDistBase
 from .model import PipelinedModel
 from .schedules import train_schedule
-from .sources import LastTwoDropped
+from .sources import SourceWrappers, agreement_group, ended_together, without_last_two
 from .spec import PipelineSpec
 from .tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
 from .tasks import build_sparse_dist_tasks
@@ -52,6 +53,32 @@ def _on_shared_rewrite(
         evaluation=evaluation, pipelined_modules=shared.modules,
     )  # fmt: skip
     return shared, state
+
+
+def _ends_together(requested: bool | None) -> bool:
+    """Whether every rank's sources end on the same step (by default with more than
+    one rank)."""
+    if requested is not None:
+        return requested
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _source_wrappers(spec: PipelineSpec, end_together: bool | None,
+                     drop_last_two: bool) -> PipelineSpec:  # fmt: skip
+    """``spec`` reading each source through the wrappers the options ask for (the
+    agreement on the end first: every rank then drops the same last two)."""
+    together = _ends_together(end_together)
+    if not (together or drop_last_two):
+        return spec
+
+    def wrap(source: Source) -> Source:
+        if together:
+            source = ended_together(source, agreement_group())
+        return without_last_two(source) if drop_last_two else source
+
+    wrappers = SourceWrappers(wrap)
+    return dataclasses.replace(spec, adapt=wrappers.adapt, ended=wrappers.ended,
+                               forget_sources=wrappers.clear)  # fmt: skip
 
 
 def _spec(what: str, shared: PipelinedModel, state: SparseDistState,
@@ -100,6 +127,11 @@ class SparseDistPipeline(SparseDistBase[Any]):
     at the first ``progress`` with an
     :class:`~hstu_tasks.sparse.InputDistNotPipelinedWarning`; ``strict=True`` raises
     :class:`~hstu_tasks.sparse.InputDistNotPipelinedError` instead.
+
+    ``end_together`` (by default on with more than one rank): every rank's source ends
+    on the same step, the shortest one's, instead of the longer ranks waiting in a
+    collective for a batch the others never have (:func:`~hstu_tasks.sparse.ended_together`:
+    one gloo all-reduce of one number per batch, off the step's critical path).
     """
 
     def __init__(
@@ -116,6 +148,7 @@ class SparseDistPipeline(SparseDistBase[Any]):
         trace: bool | Tracer | None = None,
         pipelined_input_dist: bool | None = None,
         strict: bool = False,
+        end_together: bool | None = None,
     ) -> None:
         chosen = train_schedule(schedule)
         if not execute_all_batches and not chosen.drops_last_two:
@@ -130,11 +163,10 @@ class SparseDistPipeline(SparseDistBase[Any]):
             pipelined_input_dist = False
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, False,
                                            pipelined_input_dist)  # fmt: skip
-        spec = _spec(f"{schedule} pipeline", shared, state, chosen.build_tasks, strict)
-        # execute_all_batches=False: progress() reads each source through a wrapper
-        self._dropped = None if execute_all_batches else LastTwoDropped()
-        if self._dropped is not None:
-            spec = dataclasses.replace(spec, adapt=self._dropped.adapt, ended=self._dropped.ended)
+        spec = _source_wrappers(
+            _spec(f"{schedule} pipeline", shared, state, chosen.build_tasks, strict),
+            end_together, drop_last_two=not execute_all_batches,
+        )  # fmt: skip
         super().__init__(shared, state, spec, thread_map=thread_map, executor=executor,
                          trace=trace)  # fmt: skip
 
@@ -154,11 +186,6 @@ class SparseDistPipeline(SparseDistBase[Any]):
             thread_map=thread_map, executor=executor, trace=trace,
         )  # fmt: skip
 
-    def reset(self) -> None:
-        super().reset()
-        if self._dropped is not None:
-            self._dropped.clear()
-
 
 class SparseDistEvalPipeline(SparseDistBase[Any]):
     """torchrec's ``EvalPipelineSparseDist(model, optimizer, device)`` on aiopipe:
@@ -169,7 +196,8 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
     Built on a model that a :class:`SparseDistPipeline` runs (or via its
     :meth:`~SparseDistPipeline.eval_pipeline`), it shares that pipeline's rewrite of
     the model (and its ``pipelined_input_dist``) and leaves its batches in flight
-    alone.  ``strict`` as for :class:`SparseDistPipeline` (when it traces the model)."""
+    alone.  ``strict`` (when it traces the model) and ``end_together`` as for
+    :class:`SparseDistPipeline`."""
 
     def __init__(
         self,
@@ -183,9 +211,13 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
         trace: bool | Tracer | None = None,
         pipelined_input_dist: bool | None = None,
         strict: bool = False,
+        end_together: bool | None = None,
     ) -> None:
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, True,
                                            pipelined_input_dist)  # fmt: skip
-        spec = _spec("sparse-dist eval pipeline", shared, state, strict=strict)
+        spec = _source_wrappers(
+            _spec("sparse-dist eval pipeline", shared, state, strict=strict), end_together,
+            drop_last_two=False,
+        )  # fmt: skip
         super().__init__(shared, state, spec,
                          thread_map=thread_map, executor=executor, trace=trace)  # fmt: skip

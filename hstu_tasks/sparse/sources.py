@@ -1,16 +1,26 @@
-"""Sources and passes over them: torchrec's ``execute_all_batches=False`` as a source
-wrapper (and the wrappers one pipeline keeps), and one pass of a torchrec pipeline
-over data (the reference the runners compare with)."""
+"""Sources and passes over them: torchrec's ``execute_all_batches=False`` and the end
+every rank agrees on as source wrappers (and the wrappers one pipeline keeps), and one
+pass of a torchrec pipeline over data (the reference the runners compare with)."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from aiopipe import PipelineStateError
 from aiopipe.source import Source, not_a_source
 
-__all__ = ("LastTwoDropped", "torchrec_results", "without_last_two")
+__all__ = (
+    "SourceWrappers", "agreement_group", "ended_together", "torchrec_results",
+    "without_last_two",
+)  # fmt: skip
+
+_END = object()
 
 
 def without_last_two(source: Source) -> Source:
@@ -23,19 +33,48 @@ def without_last_two(source: Source) -> Source:
     return _WithoutLastTwo(source)
 
 
-class LastTwoDropped:
-    """``execute_all_batches=False`` for one pipeline: each source's wrapper, kept
-    until the source ends (a wrapper holds the two items it read ahead, and
-    ``drain()`` may leave one unended)."""
+def ended_together(source: Source, group: Any) -> Source:
+    """``source`` ended on every rank of ``group`` together: an item is handed on only
+    once every rank has one, so a rank whose source is shorter ends the epoch for all
+    of them, on the same step, instead of leaving the others in a collective.  The
+    ranks agree on each item with a gloo all-reduce of one number, started when the
+    item is read, one item ahead, and waited for when it is handed on: by then it is
+    done.  A longer rank reads one item beyond the common end and drops it.  A source
+    that raises on one rank raises ``PipelineStateError`` on the others."""
+    if isinstance(source, AsyncIterator):
+        return _AsyncEndedTogether(source, group)
+    if not isinstance(source, Iterator):
+        raise not_a_source("progress()", source)
+    return _EndedTogether(source, group)
 
-    def __init__(self) -> None:
+
+_GROUP: list[Any] = []  # [the default group it was made in, the agreement group]
+
+
+def agreement_group() -> Any:
+    """A gloo group of every rank, for :func:`ended_together` only: its all-reduces
+    run on the event loop's thread, outside the tickets that order the lanes'
+    collectives, so they must not share a group with them.  Made once per default
+    group; every rank must ask for it at the same point (the first ``progress``)."""
+    world = dist.group.WORLD
+    if not _GROUP or _GROUP[0] is not world:
+        _GROUP[:] = [world, dist.new_group(backend="gloo")]
+    return _GROUP[1]
+
+
+class SourceWrappers:
+    """One pipeline's wrapper of each source (``wrap``), kept until the source ends:
+    a wrapper may hold items it read ahead, and ``drain()`` may leave one unended."""
+
+    def __init__(self, wrap: Callable[[Source], Source]) -> None:
+        self._wrap = wrap
         self._held: dict[int, tuple[Source, Source]] = {}  # id(source): (source, wrapper)
 
     def adapt(self, source: Source) -> Source:
         """The wrapper ``progress`` reads instead of ``source``."""
         held = self._held.get(id(source))
         if held is None:
-            held = self._held[id(source)] = (source, without_last_two(source))
+            held = self._held[id(source)] = (source, self._wrap(source))
         return held[1]
 
     def ended(self, source: Source) -> None:
@@ -47,6 +86,88 @@ class LastTwoDropped:
     def clear(self) -> None:
         """``reset()``: forget every wrapper."""
         self._held.clear()
+
+
+#: What a rank contributes to the agreement on one item (the minimum wins).
+_HAS_ITEM, _ENDED, _RAISED = 1, 0, -1
+_MIN = dist.AllreduceOptions()
+_MIN.reduceOp = dist.ReduceOp.MIN
+
+
+class _Agreement:
+    """One item read (or the source's end, or its error) and the all-reduce, under
+    way, of what every rank has for it."""
+
+    def __init__(self, item: Any, error: Exception | None, group: Any) -> None:
+        self.item, self.error = item, error
+        code = _RAISED if error is not None else _HAS_ITEM if item is not _END else _ENDED
+        self.flag = torch.tensor([code], dtype=torch.int32)
+        # The group's own call: half the time of dist.all_reduce's (about 45 against
+        # 85 us of the loop's thread a batch), which checks what is known here.
+        self.work = group.allreduce([self.flag], _MIN)
+
+    def verdict(self) -> Any:
+        """Once ``work`` is done: the item to hand on, or ``_END``; an error raised."""
+        if self.error is not None:
+            raise self.error
+        agreed = int(self.flag.item())
+        if agreed == _RAISED:
+            raise PipelineStateError("another rank's source raised (that rank raises its "
+                                     "error); every rank ends the epoch with it")  # fmt: skip
+        return self.item if agreed == _HAS_ITEM else _END
+
+
+class _EndedTogether(Iterator[Any]):
+    def __init__(self, source: Iterator[Any], group: Any) -> None:
+        self._source, self._group = source, group
+        self._next: _Agreement | None = None
+        self._over = False
+
+    def _read(self) -> _Agreement:
+        try:
+            return _Agreement(next(self._source, _END), None, self._group)
+        except Exception as exc:  # agreed on, raised when its turn comes
+            return _Agreement(_END, exc, self._group)
+
+    def __next__(self) -> Any:
+        if self._over:
+            raise StopIteration
+        agreement = self._next or self._read()
+        self._next = None
+        agreement.work.wait()  # started one item ago: done (but the first)
+        item = agreement.verdict()
+        if item is _END:
+            self._over = True
+            raise StopIteration
+        self._next = self._read()  # the next item's agreement runs while this one trains
+        return item
+
+
+class _AsyncEndedTogether(AsyncIterator[Any]):
+    def __init__(self, source: AsyncIterator[Any], group: Any) -> None:
+        self._source, self._group = source, group
+        self._next: _Agreement | None = None
+        self._over = False
+
+    async def _read(self) -> _Agreement:
+        try:
+            return _Agreement(await anext(self._source, _END), None, self._group)
+        except Exception as exc:
+            return _Agreement(_END, exc, self._group)
+
+    async def __anext__(self) -> Any:
+        if self._over:
+            raise StopAsyncIteration
+        agreement = self._next or await self._read()
+        self._next = None
+        if not agreement.work.is_completed():  # the first: off the event loop's thread
+            await asyncio.get_running_loop().run_in_executor(None, agreement.work.wait)
+        item = agreement.verdict()
+        if item is _END:
+            self._over = True
+            raise StopAsyncIteration
+        self._next = await self._read()
+        return item
 
 
 class _WithoutLastTwo(Iterator[Any]):

@@ -68,10 +68,12 @@ class PipelineSpec:
     #: the pipeline's rewrite is its own).
     turns: str = SHARED_REWRITE
     #: The source ``progress`` reads, given the one passed (``execute_all_batches=False``
-    #: wraps it).
+    #: and ``end_together`` wrap it).
     adapt: Callable[[Source], Source] = _same_source
     #: ``progress`` reported the end of this (adapted) source.
     ended: Callable[[Source], None] = _source_ended
+    #: ``reset()``: forget the wrapper of every source.
+    forget_sources: Callable[[], None] = _nothing
     #: No batch is in flight any more: the source ended, or ``drain()``.
     finished: Callable[[], None] = _nothing
     #: What ``shutdown()`` frees besides the engine, once.
