@@ -30,7 +30,7 @@ from .megatron import grad_buffer_chunks
 from .shuffler import BatchShuffler, IdentityShuffler
 from .sparse.base import SparseDistBase
 from .sparse.model import PipelinedModel
-from .sparse.spec import PipelineSpec
+from .sparse.spec import PipelineSpec, with_source_wrappers
 from .tasks import PipelineState, build_tasks
 from .watchdog import LossWatch
 
@@ -130,6 +130,8 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
     (:func:`~hstu_tasks.sparse.model.input_dist_pipelined`).  A sharded module the
     rewrite cannot pipeline is warned of at the first ``progress``; ``strict=True``
     makes it an error (as for :class:`~hstu_tasks.SparseDistPipeline`).
+    ``end_together`` (by default on with more than one rank): every rank's source
+    ends on the shortest one's step, as for :class:`~hstu_tasks.SparseDistPipeline`.
     """
 
     _state: PipelineState
@@ -150,6 +152,7 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
         name: str = "hstu",
         pipelined_input_dist: bool | None = None,
         strict: bool = False,
+        end_together: bool | None = None,
     ) -> None:
         if prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
@@ -168,7 +171,8 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
             prefetch_depth=prefetch_depth, memory_limit_bytes=memory_limit_bytes,
             streams=shared.streams, pipelined_modules=shared.modules,
         )  # fmt: skip
-        super().__init__(shared, state, _hstu_spec(shared, state, strict), thread_map=thread_map,
+        spec = with_source_wrappers(_hstu_spec(shared, state, strict), end_together)
+        super().__init__(shared, state, spec, thread_map=thread_map,
                          executor=executor, trace=trace, name=name)  # fmt: skip
         if (executor is None or executor == "async") and isinstance(thread_map, Mapping):
             unknown = sorted(set(thread_map) - set(HSTU_IO_LANE_THREAD_MAP))

@@ -74,6 +74,22 @@ def equality_worker(rank: int, port: int, kind: str) -> None:
     finish()
 
 
+def end_together_worker(rank: int, port: int) -> None:
+    """6 batches on rank 0, 4 on rank 1: both ranks train 4 steps and end the epoch
+    together, exactly as with 4 batches on each (both HSTU variants)."""
+    join(rank, port)
+    even = setup()
+    run_pipeline("aiopipe", even, SyntheticHSTUData(DATA, 4, seed=5, rank=rank))
+    expected = parameter_checksum(even.model)
+    for mode in ("aiopipe", "aiopipe-prefetch"):
+        training = setup()
+        result = run_pipeline(mode, training, SyntheticHSTUData(DATA, (6, 4)[rank], seed=5,
+                                                                rank=rank))  # fmt: skip
+        assert result.steps == 4, mode
+        assert parameter_checksum(training.model) == expected, mode
+    finish()
+
+
 def contract_worker(rank: int, port: int) -> None:
     join(rank, port)
     training = setup()

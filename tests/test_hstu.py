@@ -47,6 +47,10 @@ def test_every_pipeline_matches_the_plain_loop_bit_for_bit(optimizer: str) -> No
     spawn(hstu_workers.equality_worker, optimizer)
 
 
+def test_ranks_with_different_numbers_of_batches_end_the_epoch_together() -> None:
+    spawn(hstu_workers.end_together_worker)
+
+
 def test_progress_contract_iterator_switch_and_detach_attach() -> None:
     spawn(hstu_workers.contract_worker)
 

@@ -20,21 +20,18 @@ again: then the same iterator object is read afresh (a ``DataLoader`` with
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from aiopipe import Source, Task, Tracer
+from aiopipe import Task, Tracer
 from aiopipe.lanes import ThreadMap
 
 from .base import SparseDistBase
 from .model import PipelinedModel
 from .schedules import train_schedule
-from .sources import SourceWrappers, agreement_group, ended_together, without_last_two
-from .spec import PipelineSpec
+from .spec import PipelineSpec, with_source_wrappers
 from .tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
 from .tasks import build_sparse_dist_tasks
 
@@ -53,32 +50,6 @@ def _on_shared_rewrite(
         evaluation=evaluation, pipelined_modules=shared.modules,
     )  # fmt: skip
     return shared, state
-
-
-def _ends_together(requested: bool | None) -> bool:
-    """Whether every rank's sources end on the same step (by default with more than
-    one rank)."""
-    if requested is not None:
-        return requested
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _source_wrappers(spec: PipelineSpec, end_together: bool | None,
-                     drop_last_two: bool) -> PipelineSpec:  # fmt: skip
-    """``spec`` reading each source through the wrappers the options ask for (the
-    agreement on the end first: every rank then drops the same last two)."""
-    together = _ends_together(end_together)
-    if not (together or drop_last_two):
-        return spec
-
-    def wrap(source: Source) -> Source:
-        if together:
-            source = ended_together(source, agreement_group())
-        return without_last_two(source) if drop_last_two else source
-
-    wrappers = SourceWrappers(wrap)
-    return dataclasses.replace(spec, adapt=wrappers.adapt, ended=wrappers.ended,
-                               forget_sources=wrappers.clear)  # fmt: skip
 
 
 def _spec(what: str, shared: PipelinedModel, state: SparseDistState,
@@ -163,7 +134,7 @@ class SparseDistPipeline(SparseDistBase[Any]):
             pipelined_input_dist = False
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, False,
                                            pipelined_input_dist)  # fmt: skip
-        spec = _source_wrappers(
+        spec = with_source_wrappers(
             _spec(f"{schedule} pipeline", shared, state, chosen.build_tasks, strict),
             end_together, drop_last_two=not execute_all_batches,
         )  # fmt: skip
@@ -215,7 +186,7 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
     ) -> None:
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, True,
                                            pipelined_input_dist)  # fmt: skip
-        spec = _source_wrappers(
+        spec = with_source_wrappers(
             _spec("sparse-dist eval pipeline", shared, state, strict=strict), end_together,
             drop_last_two=False,
         )  # fmt: skip

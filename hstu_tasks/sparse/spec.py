@@ -9,18 +9,22 @@ neither overrides the base's internals.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchrec.streamable import Pipelineable
 
 from aiopipe import Task
 from aiopipe.source import Source
 
-__all__ = ("SHARED_REWRITE", "PipelineSpec", "check_pipelineable")
+from .sources import SourceWrappers, agreement_group, ended_together, without_last_two
+
+__all__ = ("SHARED_REWRITE", "PipelineSpec", "check_pipelineable", "with_source_wrappers")
 
 #: Why the pipelines of one model take turns, when they share its rewrite.
 SHARED_REWRITE = " (the pipelines of one model take turns: they share its torchrec rewrite)"
@@ -80,3 +84,29 @@ class PipelineSpec:
     release: Callable[[], None] = _nothing
     #: Where the end of each bootstrap is reported (at INFO), if anywhere.
     log: logging.Logger | None = None
+
+
+def _ends_together(requested: bool | None) -> bool:
+    """Whether every rank's sources end on the same step (by default with more than
+    one rank)."""
+    if requested is not None:
+        return requested
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def with_source_wrappers(spec: PipelineSpec, end_together: bool | None,
+                         drop_last_two: bool = False) -> PipelineSpec:  # fmt: skip
+    """``spec`` reading each source through the wrappers the options ask for (the
+    agreement on the end first: every rank then drops the same last two)."""
+    together = _ends_together(end_together)
+    if not (together or drop_last_two):
+        return spec
+
+    def wrap(source: Source) -> Source:
+        if together:
+            source = ended_together(source, agreement_group())
+        return without_last_two(source) if drop_last_two else source
+
+    wrappers = SourceWrappers(wrap)
+    return dataclasses.replace(spec, adapt=wrappers.adapt, ended=wrappers.ended,
+                               forget_sources=wrappers.clear)  # fmt: skip
