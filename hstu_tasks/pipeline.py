@@ -44,9 +44,9 @@ __all__ = (
 #: Two lanes: data movement on "io", everything touching the model on "compute" (the
 #: only writer of the pipelined modules' context is forward, on that lane).  The
 #: default on a CUDA device until the first GPU runs: there the HSTU step is bound by
-#: the host's launches, and a second Python thread slowed every body of the compute
-#: lane by about a third (GIL hand-offs), 0.80-0.90x the plain loop against one lane's
-#: 0.89-1.02x (docs/performance.md).
+#: the host's launches, and the second Python thread slowed the compute lane's bodies
+#: by 17-36 % (GIL hand-offs); over four runs one lane was never measurably slower
+#: (docs/performance.md, "The second GPU run").
 HSTU_IO_LANE_THREAD_MAP: dict[str, str] = copies_on_io(
     ("h2d", "start_shuffle", "finish_shuffle"),
     (
