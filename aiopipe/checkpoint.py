@@ -194,10 +194,7 @@ class CheckpointManager:
         per rank).  Tensors whose global shapes differ from the saved ones are refused
         by name, before anything is loaded."""
         path = self.path(step)
-        meta_file = path / _META
-        if not meta_file.is_file():
-            raise CheckpointError(f"no complete checkpoint at {path}")
-        body = json.loads(meta_file.read_text())
+        body = self.describe(step)
         saved_world = body.get("world_size")
         if not any_world_size and saved_world is not None and saved_world != self._world_size():
             raise CheckpointError(

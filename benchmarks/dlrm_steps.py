@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _common import print_json, print_table, report_and_leave, spawn_ranks  # noqa: E402
 
-from aiopipe import run  # noqa: E402
-from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData  # noqa: E402
-from hstu_tasks import TrainingSetup, build_dlrm_training  # noqa: E402
+from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training  # noqa: E402
 from hstu_tasks import join_local_group, quiet_torchrec  # noqa: E402
 from hstu_tasks.parallel import default_device  # noqa: E402
 from hstu_tasks.sparse.dlrm import DLRMMode, run_dlrm  # noqa: E402
@@ -49,20 +46,6 @@ def modes(schedule: str) -> tuple[DLRMMode, DLRMMode]:
 ENDS_APART = "aiopipe, ends apart"
 
 
-def seconds_ending_apart(setup: TrainingSetup, data: list[Any]) -> float:
-    """``run_dlrm("aiopipe", ...)``'s training, without the agreement on the end."""
-
-    async def train() -> None:
-        async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
-                                      end_together=False) as pipe:  # fmt: skip
-            async for loss, _, _ in pipe.results(data):
-                float(loss.detach())
-
-    start = time.perf_counter()
-    run(train())
-    return time.perf_counter() - start
-
-
 def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> None:
     quiet_torchrec()
     join_local_group(rank, ranks, port)
@@ -78,7 +61,7 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
             data = list(SyntheticDLRMData(config, args["steps"], seed=repeat, rank=rank))
             dist.barrier()
             if mode == ENDS_APART:
-                seconds = seconds_ending_apart(setup, data)
+                seconds = run_dlrm("aiopipe", setup, [data], end_together=False).seconds
             else:
                 seconds = run_dlrm(mode, setup, [data]).seconds  # type: ignore[arg-type]
             if repeat:

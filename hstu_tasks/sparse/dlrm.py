@@ -179,10 +179,12 @@ EvalPlan = Callable[[int], "Iterable[Batch] | None"]
 
 
 def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]],
-             eval_after: EvalPlan = lambda step: None) -> DLRMRun:  # fmt: skip
+             eval_after: EvalPlan = lambda step: None, *,
+             end_together: bool | None = None) -> DLRMRun:  # fmt: skip
     """Train every batch of every epoch with ``mode``; after step ``s`` evaluate the
     batches ``eval_after(s)`` returns (torchrec's classes refuse eval passes: they
-    would forward the training batches in flight as evaluation)."""
+    would forward the training batches in flight as evaluation).  ``end_together``
+    goes to the aiopipe pipelines."""
     if mode not in DLRM_PIPELINES:
         raise ValueError(f"unknown pipeline {mode!r}; choose from {DLRM_PIPELINES}")
     runner, _, schedule = mode.partition("-")
@@ -190,7 +192,7 @@ def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]]
     result = DLRMRun()
     start = time.perf_counter()
     if runner == "aiopipe":
-        run(_aiopipe(setup, epochs, eval_after, result, schedule))
+        run(_aiopipe(setup, epochs, eval_after, result, schedule, end_together))
     elif runner == "torchrec":
         _torchrec(setup, epochs, eval_after, result, TORCHREC_PIPELINES[schedule])
     else:
@@ -200,9 +202,9 @@ def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]]
 
 
 async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
-                   result: DLRMRun, schedule: str) -> None:  # fmt: skip
+                   result: DLRMRun, schedule: str, end_together: bool | None) -> None:  # fmt: skip
     async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
-                                  schedule=schedule) as pipe:  # fmt: skip
+                                  schedule=schedule, end_together=end_together) as pipe:  # fmt: skip
         async with pipe.eval_pipeline() as evaluator:
             for epoch in epochs:
                 async for loss, _, _ in pipe.results(epoch):
