@@ -190,6 +190,11 @@ def base() -> SchedulablePipeline:
     return sparse_dist("base")
 
 
+def fused() -> SchedulablePipeline:
+    """torchrec's ``TrainPipelineFusedSparseDist`` as a schedule."""
+    return sparse_dist("fused")
+
+
 def broken() -> Schedule:
     """A schedule the validator rejects (rule 7): ``backward`` waits for
     ``step`` in the same progress, and ``step`` reads what ``backward`` writes."""

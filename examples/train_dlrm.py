@@ -5,11 +5,12 @@ features through an MLP, pairwise interaction, an over-arch MLP and BCE.  One CP
 process by default; ``torchrun --nproc-per-node 2 examples/train_dlrm.py`` for two
 ranks on gloo.  Every pipeline trains the same model on the same data, so their
 losses and final parameters can be compared (``--json``).  ``--pipeline aiopipe-S``
-runs aiopipe's schedule S (``sparse-dist``, ``lite``, ``base``), ``torchrec-S``
+runs aiopipe's schedule S (``sparse-dist``, ``lite``, ``base``, ``fused``), ``torchrec-S``
 torchrec's class for it; ``aiopipe`` and ``torchrec`` are sparse-dist.
 
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe --eval-every 10 --json run.json
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-lite --json lite.json
+    python examples/train_dlrm.py --steps 40 --pipeline aiopipe-fused --grad-accumulation 3
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
                         help="for the tables (fused into backward) and the dense part")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
+                        help="the optimizer steps after every K-th batch and the last "
+                             "(torchrec-S: its class in torchrec's GradientAccumulationWrapper)")
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="an evaluation pass of --eval-batches batches after every N "
                              "training steps (0: none)")
@@ -49,9 +53,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     # Refuse what cannot run before joining the group (the other ranks would wait).
-    if args.steps < 1 or args.eval_every < 0 or args.eval_batches < 1:
-        raise SystemExit("train_dlrm.py: --steps and --eval-batches must be >= 1, "
-                         "--eval-every >= 0")  # fmt: skip
+    if min(args.steps, args.eval_batches, args.grad_accumulation) < 1 or args.eval_every < 0:
+        raise SystemExit("train_dlrm.py: --steps, --eval-batches and --grad-accumulation "
+                         "must be >= 1, --eval-every >= 0")  # fmt: skip
     if args.eval_every and args.pipeline.startswith("torchrec"):
         raise SystemExit("train_dlrm.py: --eval-every needs an aiopipe pipeline or none: "
                          "each of torchrec's train pipelines would forward its training "
@@ -63,8 +67,10 @@ def main() -> None:
     data = SyntheticDLRMData(config, args.steps, seed=args.seed, rank=rank)
     bar = tqdm(total=args.steps, disable=rank != 0, unit="step", file=sys.stdout)
     if rank == 0:
+        accumulation = (f", gradients accumulated over {args.grad_accumulation} batches"
+                        if args.grad_accumulation > 1 else "")  # fmt: skip
         print(f"DLRM: {args.pipeline}, {world} rank(s) on {setup.device}, {args.steps} steps, "
-              f"{args.optimizer}", flush=True)  # fmt: skip
+              f"{args.optimizer}{accumulation}", flush=True)  # fmt: skip
 
     def eval_after(step: int) -> Any:
         bar.update(1)
@@ -73,7 +79,8 @@ def main() -> None:
             return SyntheticDLRMData(config, args.eval_batches, seed=seed, rank=rank)
         return None
 
-    result = run_dlrm(args.pipeline, setup, [data], eval_after)
+    result = run_dlrm(args.pipeline, setup, [data], eval_after,
+                      grad_accumulation=args.grad_accumulation)  # fmt: skip
     bar.close()
     losses = result.global_losses()
     checksum = parameter_checksum(setup.model)

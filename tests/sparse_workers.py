@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import collect
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward
 from torchrec.distributed.types import ShardedModule
 
 from aiopipe import AsyncExecutor, BadBatchError, CollectiveOrderError, PipelineStateError
@@ -52,7 +52,7 @@ def runs_rewritten(model: torch.nn.Module) -> bool:
     """Whether torchrec's pipelined forwards are installed on the sharded modules."""
     sharded = [m for m in model.modules() if isinstance(m, ShardedModule)]
     assert sharded
-    return all(isinstance(m.forward, PipelinedForward) for m in sharded)
+    return all(isinstance(m.forward, BaseForward) for m in sharded)
 
 
 def scaled_loss(batch: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
@@ -156,6 +156,7 @@ def check_interleaving(rank: int) -> None:
 
     runs = {}
     for mode, plan in [("none", eval_after), ("aiopipe", eval_after),
+                       ("aiopipe-fused", eval_after),  # evaluation looks embeddings up too
                        ("aiopipe-no-eval", lambda step: None)]:  # fmt: skip
         setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
         run = run_dlrm(mode.removesuffix("-no-eval"), setup, [train_loader] * 3, plan)  # type: ignore[arg-type]
@@ -165,12 +166,12 @@ def check_interleaving(rank: int) -> None:
     assert [len(outputs) for outputs in reference.evaluations] == [3, 2, 3, 3, 3, 4]
     for mode, (run, digest) in runs.items():
         assert (run.losses, digest) == (reference.losses, runs["none"][1]), mode
-    evaluated, _ = runs["aiopipe"]
-    assert len(evaluated.evaluations) == len(reference.evaluations)
-    for got, expected in zip(evaluated.evaluations, reference.evaluations):
-        assert len(got) == len(expected)
-        for got_output, expected_output in zip(got, expected):  # (loss, logits, labels)
-            assert all(torch.equal(a, b) for a, b in zip(got_output, expected_output))
+    for evaluated, _ in (runs["aiopipe"], runs["aiopipe-fused"]):
+        assert len(evaluated.evaluations) == len(reference.evaluations)
+        for got, expected in zip(evaluated.evaluations, reference.evaluations):
+            assert len(got) == len(expected)
+            for got_output, expected_output in zip(got, expected):  # (loss, logits, labels)
+                assert all(torch.equal(a, b) for a, b in zip(got_output, expected_output))
     assert runs["aiopipe-no-eval"][0].evaluations == []
 
 
@@ -253,7 +254,7 @@ UNEVEN = (10, 7)
 
 def end_together_worker(rank: int, port: int) -> None:
     join(rank, port)
-    for schedule in ("sparse-dist", "lite", "base"):
+    for schedule in ("sparse-dist", "lite", "base", "fused"):
         check_ending_together(rank, schedule)
     check_evaluation_ending_together(rank)
     check_a_source_raising_on_one_rank(rank)
@@ -338,7 +339,7 @@ EPOCHS = 3
 
 def family_worker(rank: int, port: int) -> None:
     join(rank, port)
-    for schedule in ("base", "lite"):
+    for schedule in ("base", "lite", "fused"):
         check_family_member(rank, schedule)
     leave_and_exit(0)
 
@@ -363,10 +364,36 @@ def check_family_member(rank: int, schedule: str, batches: int = 3) -> None:
     # lite distributes the input on torchrec's rewrite where there is input to
     # distribute (two ranks); base runs the model's own forward everywhere
     ranks = torch.distributed.get_world_size()
-    assert runs_rewritten(setup.model) is (schedule == "lite" and ranks > 1)
+    assert runs_rewritten(setup.model) is (schedule in ("lite", "fused") and ranks > 1)
     blocking.shutdown()
     outcomes["blocking"] = (losses, parameter_digest(setup.model))
     expected = outcomes[f"torchrec-{schedule}"]
     assert len(expected[0]) == batches * EPOCHS
     for mode, outcome in outcomes.items():
         assert outcome == expected, (schedule, mode)
+
+
+def accumulation_worker(rank: int, port: int) -> None:
+    join(rank, port)
+    for schedule in ("sparse-dist", "lite", "base", "fused"):
+        check_accumulation(rank, schedule)
+    leave_and_exit(0)
+
+
+def check_accumulation(rank: int, schedule: str, k: int = 3) -> None:
+    """``grad_accumulation=k`` trains as the plain accumulation loop does: groups of k
+    batches, a partial group at the end of each pass (7 batches), async and blocking."""
+    epochs = [data(rank, 7)] * 2
+    plain = build_dlrm_training(CONFIG, "adagrad", seed=3)
+    expected = run_dlrm("none", plain, epochs, grad_accumulation=k)
+    expected_digest = parameter_digest(plain.model)
+    setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
+    run = run_dlrm(f"aiopipe-{schedule}", setup, epochs, grad_accumulation=k)  # type: ignore[arg-type]
+    assert (run.losses, parameter_digest(setup.model)) == (expected.losses, expected_digest)
+    setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
+    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, schedule=schedule,
+                              grad_accumulation=k).blocking()  # fmt: skip
+    losses = [float(loss) for epoch in epochs for loss, _, _ in pipe.results(epoch)]
+    pipe.shutdown()
+    assert (losses, parameter_digest(setup.model)) == (expected.losses, expected_digest)
+    assert len(losses) == 14

@@ -1,6 +1,12 @@
 """torchrec's train pipelines as aiopipe schedules (``SparseDistPipeline(...,
-schedule=NAME)``): ``base`` equals torchrec's ``TrainPipelineBase`` and ``lite`` its
-``TrainPipelineSparseDistLite``, bit for bit, on one rank and on two gloo ranks."""
+schedule=NAME)``): ``base`` equals torchrec's ``TrainPipelineBase``, ``lite`` its
+``TrainPipelineSparseDistLite`` and ``fused`` its ``TrainPipelineFusedSparseDist``, bit
+for bit, on one rank and on two gloo ranks.
+
+torchrec's fused class needs CUDA as shipped; its reference runs here go through
+``hstu_tasks.sparse._torchrec.torchrec_classes_on_cpu`` (``run_dlrm`` applies it on a
+CPU): ``Tensor.record_stream`` skips CPU tensors, and its pipelined forwards take the
+CPU as their device instead of assuming CUDA.  aiopipe's own schedule runs unpatched."""
 
 from __future__ import annotations
 
@@ -9,12 +15,17 @@ from typing import Any
 
 import pytest
 import torch
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineFusedSparseDist
 
 import sparse_workers
+from aiopipe import ConfigurationError
 from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData, build_dlrm_training
 from hstu_tasks.runners import parameter_digest
+from hstu_tasks.sparse._torchrec import torchrec_classes_on_cpu
+from hstu_tasks.sparse.accumulation import GradAccumulation
 from hstu_tasks.sparse.dlrm import run_dlrm
-from hstu_tasks.sparse.schedules import TRAIN_SCHEDULES, train_schedule
+from hstu_tasks.sparse.schedules import TRAIN_SCHEDULES, TrainSchedule, fused, train_schedule
+from hstu_tasks.sparse.sources import torchrec_results
 from hstu_tasks.sparse.tasks import SparseDistState
 from one_rank import one_rank_group
 from sparse_workers import spawn
@@ -23,23 +34,24 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_base_and_lite_train_like_torchrec_s_classes_on_two_ranks() -> None:
+def test_base_lite_and_fused_train_like_torchrec_s_classes_on_two_ranks() -> None:
     """Per-step losses and parameters of each rank over three passes, the async and
-    the blocking form against torchrec's TrainPipelineBase / TrainPipelineSparseDistLite."""
+    the blocking form against torchrec's TrainPipelineBase / TrainPipelineSparseDistLite /
+    TrainPipelineFusedSparseDist."""
     spawn(sparse_workers.family_worker)
 
 
-@pytest.mark.parametrize("schedule", ["base", "lite"])
+@pytest.mark.parametrize("schedule", ["base", "lite", "fused"])
 def test_on_one_rank_the_schedule_trains_like_torchrec_s_class(schedule: str) -> None:
     with one_rank_group():
         sparse_workers.check_family_member(0, schedule)
 
 
-def host_order(schedule: str) -> list[tuple[str, int, str | None]]:
+def host_order(schedule: str | TrainSchedule) -> list[tuple[str, int, str | None]]:
     model = torch.nn.Linear(2, 1)  # no sharded module: the builders only look
     state = SparseDistState(model=model, optimizer=None, device=torch.device("cpu"))
     return [(task.name, task.lookahead, task.stream)
-            for task in TRAIN_SCHEDULES[schedule].build_tasks(state)]  # fmt: skip
+            for task in train_schedule(schedule).build_tasks(state)]  # fmt: skip
 
 
 def test_each_schedule_declares_its_torchrec_class_s_host_order() -> None:
@@ -61,6 +73,54 @@ def test_each_schedule_declares_its_torchrec_class_s_host_order() -> None:
     ]  # fmt: skip
 
 
+def test_fused_looks_up_where_torchrec_s_class_does_in_host_order() -> None:
+    """torchrec's fused class looks batch i up first in progress i, before zero_grad;
+    aiopipe's at the end of step i-1 (lookahead 1), the same host order, so that the
+    lookup can wait for step i-1's backward on a GPU.  After the data dist it is a
+    task of step i itself, on the stream the knob names."""
+    assert host_order("fused") == [
+        ("zero_grad", 0, "default"), ("start_input_dist", 1, "data_dist"),
+        ("h2d", 2, "memcpy"), ("forward", 0, "default"), ("wait_input_dist", 1, "data_dist"),
+        ("backward", 0, "default"), ("optimizer_step", 0, "default"),
+        ("embedding_lookup", 1, "data_dist"),
+    ]  # fmt: skip
+    after = fused(embedding_lookup_after_data_dist=True, emb_lookup_stream="new")
+    assert [entry for entry in host_order(after) if entry[0] != "wait_input_dist"][:5] == [
+        ("zero_grad", 0, "default"), ("start_input_dist", 1, "data_dist"),
+        ("h2d", 2, "memcpy"), ("embedding_lookup", 0, "embedding_lookup"),
+        ("forward", 0, "default"),
+    ]  # fmt: skip
+    assert host_order(fused(emb_lookup_stream="current"))[-1] == ("embedding_lookup", 1,
+                                                                  "default")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"embedding_lookup_after_data_dist": True}, {"emb_lookup_stream": "new"}],
+    ids=["after-data-dist", "new-stream"],
+)
+def test_fused_knobs_train_like_torchrec_s_class_with_them(knobs: dict[str, Any]) -> None:
+    """One rank, the model rewritten as torchrec's class always does
+    (``pipelined_input_dist=True``): two passes, per-step losses and parameters."""
+    with one_rank_group():
+        epochs = [list(SyntheticDLRMData(SMALL, 4))] * 2
+        reference = build_dlrm_training(SMALL, "adagrad", seed=3)
+        with torchrec_classes_on_cpu():
+            pipe = TrainPipelineFusedSparseDist(reference.model, reference.optimizer,
+                                                reference.device, **knobs)  # fmt: skip
+            expected = [float(loss) for epoch in epochs
+                        for loss, _, _ in torchrec_results(pipe, epoch)]  # fmt: skip
+        setup = build_dlrm_training(SMALL, "adagrad", seed=3)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                  schedule=fused(**knobs), pipelined_input_dist=True)
+        ours = pipe.blocking()
+        losses = [float(loss) for epoch in epochs for loss, _, _ in ours.results(epoch)]
+        assert sparse_workers.runs_rewritten(setup.model)
+        ours.shutdown()
+        assert losses == expected and len(losses) == 8
+        assert parameter_digest(setup.model) == parameter_digest(reference.model)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -79,10 +139,20 @@ def test_a_schedule_refuses_what_its_torchrec_class_does_not_do(
     assert train_schedule("base").torchrec_class == "TrainPipelineBase"
 
 
+def test_fused_refuses_an_unknown_stream_and_a_model_another_schedule_rewrites() -> None:
+    with pytest.raises(ValueError, match="emb_lookup_stream must be one of data_dist"):
+        fused(emb_lookup_stream="side")  # type: ignore[arg-type]
+    model = torch.nn.Linear(2, 1)
+    first = SparseDistPipeline(model, None, "cpu", schedule="fused")
+    with pytest.raises(ValueError, match="installs torchrec's InSyncEmbeddingPipelinedForward"):
+        SparseDistPipeline(model, None, "cpu")
+    assert first.eval_pipeline() is not None  # evaluation follows whatever is installed
+
+
 SMALL = DLRMConfig(num_embeddings=200, batch_size=16)
 
 
-@pytest.mark.parametrize("schedule", ["base", "lite"])
+@pytest.mark.parametrize("schedule", ["base", "lite", "fused"])
 def test_evaluation_between_steps_and_a_model_torchrec_left_rewritten(schedule: str) -> None:
     """The schedule goes on with a model torchrec's own pipeline left rewritten (base:
     on Lite's tasks, as its own forwards are gone), evaluates between steps without a
@@ -123,7 +193,7 @@ def test_base_calls_custom_model_fwd_which_torchrec_s_base_ignores() -> None:
         pipe.shutdown()
 
 
-@pytest.mark.parametrize("schedule", ["lite", "base"])
+@pytest.mark.parametrize("schedule", ["lite", "base", "fused"])
 def test_the_guide_draws_the_schedule_as_aiopipe_graph_does(
     schedule: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -133,3 +203,84 @@ def test_the_guide_draws_the_schedule_as_aiopipe_graph_does(
     assert main(["graph", target, "--format", "mermaid", "--title", schedule]) == 0
     drawn = capsys.readouterr().out
     assert f"```mermaid\n{drawn}```" in (ROOT / "docs" / "sparse-dist.md").read_text()
+
+
+def test_gradient_accumulation_trains_like_the_plain_loop_on_two_ranks() -> None:
+    """Every schedule with ``grad_accumulation=3`` over passes of 7 batches (a partial
+    group at each end), async and blocking: the plain accumulation loop's per-step
+    losses and parameters, bit for bit."""
+    spawn(sparse_workers.accumulation_worker)
+
+
+def test_gradient_accumulation_equals_torchrec_s_wrapper_around_each_class() -> None:
+    """One rank: each schedule with ``grad_accumulation=3`` against torchrec's class in
+    its ``GradientAccumulationWrapper`` (reset for every pass, as its pipelines are),
+    and the plain loop; 7 batches a pass, so each pass ends inside a group."""
+    with one_rank_group():
+        epochs = [list(SyntheticDLRMData(SMALL, 7))] * 2
+        plain = build_dlrm_training(SMALL, "adagrad", seed=3)
+        expected = run_dlrm("none", plain, epochs, grad_accumulation=3).losses
+        for schedule in TRAIN_SCHEDULES:
+            for runner in ("aiopipe", "torchrec"):
+                setup = build_dlrm_training(SMALL, "adagrad", seed=3)
+                losses = run_dlrm(f"{runner}-{schedule}", setup, epochs,  # type: ignore[arg-type]
+                                  grad_accumulation=3).losses  # fmt: skip
+                assert losses == expected, (runner, schedule)
+                assert parameter_digest(setup.model) == parameter_digest(plain.model)
+        unaccumulated = build_dlrm_training(SMALL, "adagrad", seed=3)
+        assert run_dlrm("none", unaccumulated, epochs).losses != expected
+
+
+def test_drain_is_not_the_end_of_an_accumulation_group() -> None:
+    """drain() mid-group applies the batches in flight; the source passed again goes
+    on in the same group, as one uninterrupted pass does."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 7))
+        plain = build_dlrm_training(SMALL, "adagrad", seed=3)
+        expected = run_dlrm("none", plain, [batches], grad_accumulation=3).losses
+        setup = build_dlrm_training(SMALL, "adagrad", seed=3)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                  grad_accumulation=3).blocking()  # fmt: skip
+        source = iter(batches)
+        losses = [float(pipe.progress(source)[0])]
+        losses += [float(loss) for loss, _, _ in pipe.drain()]
+        losses += [float(loss) for loss, _, _ in pipe.results(source)]
+        pipe.shutdown()
+        assert losses == expected
+        assert parameter_digest(setup.model) == parameter_digest(plain.model)
+
+
+class CountingSGD(torch.optim.SGD):
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.1)
+        self.calls: list[str] = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.calls.append("zero_grad")
+        super().zero_grad(set_to_none)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.calls.append("step")
+        super().step(closure)
+
+
+def test_accumulation_groups_finish_at_the_end_and_restart_after_reset() -> None:
+    optimizer = CountingSGD(torch.nn.Linear(2, 1).parameters())
+    accumulation = GradAccumulation(3)
+    for _ in range(4):
+        accumulation.zero_grad(optimizer)
+        accumulation.step(optimizer)
+    accumulation.finish(optimizer)  # the fourth batch's partial group
+    accumulation.finish(optimizer)  # nothing pending: no step
+    accumulation.zero_grad(optimizer)
+    accumulation.step(optimizer)
+    accumulation.restart()  # reset(): the next batch starts a group
+    accumulation.zero_grad(optimizer)
+    assert optimizer.calls == ["zero_grad", "step", "zero_grad", "step", "zero_grad",
+                               "zero_grad"]  # fmt: skip
+
+
+@pytest.mark.parametrize("steps", [0, -1, 1.5, True, "3"])
+def test_grad_accumulation_must_be_a_positive_int(steps: Any) -> None:
+    with pytest.raises(ConfigurationError, match="grad_accumulation must be an int >= 1"):
+        SparseDistPipeline(torch.nn.Linear(2, 1), None, "cpu", grad_accumulation=steps)

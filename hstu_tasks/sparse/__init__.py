@@ -4,8 +4,9 @@ model, on aiopipe's engine.
 * ``tasks`` -- the tasks of torchrec's ``TrainPipelineSparseDist`` step
   (``pipelined_step_tasks``, shared with the HSTU step; ``training_tasks``) and
   their default lanes;
-* ``schedules`` -- torchrec's train pipelines (sparse-dist, Lite, Base) as task
-  lists, one builder each, looked up by ``SparseDistPipeline(..., schedule=NAME)``;
+* ``schedules`` -- torchrec's train pipelines (sparse-dist, Lite, Base, Fused) as
+  task lists, one builder each, looked up by ``SparseDistPipeline(..., schedule=NAME)``
+  (``schedule=fused(...)`` for the fused one's knobs);
 * ``model`` -- one model's torchrec rewrite, shared by the pipelines on it;
 * ``spec`` -- ``PipelineSpec``: what one kind of pipeline gives the base (its tasks,
   its rewrite of the model on the first batch, its batch check, ...);
@@ -42,6 +43,7 @@ from .pipeline import SparseDistEvalPipeline as SparseDistEvalPipeline
 from .pipeline import SparseDistPipeline as SparseDistPipeline
 from .schedules import TRAIN_SCHEDULES as TRAIN_SCHEDULES
 from .schedules import TrainSchedule as TrainSchedule
+from .schedules import fused as fused
 from .schedules import train_schedule as train_schedule
 from .sources import SourceWrappers as SourceWrappers
 from .sources import agreement_group as agreement_group
@@ -56,6 +58,7 @@ from .tasks import ModelForward as ModelForward
 from .tasks import SparseDistState as SparseDistState
 from .tasks import StepLayout as StepLayout
 from .tasks import build_sparse_dist_tasks as build_sparse_dist_tasks
+from .tasks import embedding_lookup_task as embedding_lookup_task
 from .tasks import finish_input_dist_splits as finish_input_dist_splits
 from .tasks import pipelined_step_tasks as pipelined_step_tasks
 from .tasks import training_tasks as training_tasks
@@ -86,9 +89,11 @@ __all__ = (
     "build_sparse_dist_tasks",
     "carries_torchrec_rewrite",
     "check_pipelineable",
+    "embedding_lookup_task",
     "ended_together",
     "evaluate_plainly",
     "finish_input_dist_splits",
+    "fused",
     "input_dist_pipelined",
     "pipelined_step_tasks",
     "run_dlrm",

@@ -1,7 +1,7 @@
 """A DLRM training set-up on torchrec's own model, and its runners: the generic
 pipeline on each schedule of :data:`~.schedules.TRAIN_SCHEDULES`, torchrec's class for
-that schedule (``TrainPipelineSparseDist``, ``...Lite``, ``TrainPipelineBase``) and the
-plain loop.
+that schedule (``TrainPipelineSparseDist``, ``...Lite``, ``TrainPipelineBase``,
+``TrainPipelineFusedSparseDist``) and the plain loop.
 
 The model is torchrec's ``DLRMTrain(DLRM(...))``: sparse features pooled by an
 ``EmbeddingBagCollection`` (table-wise sharded by ``DistributedModelParallel``, its
@@ -12,6 +12,7 @@ interaction, an over-arch MLP and BCE.  Batches are torchrec's ``Batch``
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -24,7 +25,10 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.train_pipeline.gradient_accumulation import GradientAccumulationConfig
+from torchrec.distributed.train_pipeline.gradient_accumulation import GradientAccumulationWrapper
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineBase
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineFusedSparseDist
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDistLite
 from torchrec.models.dlrm import DLRM, DLRMTrain
@@ -36,6 +40,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from aiopipe import run
 
 from ..parallel import TrainingSetup
+from ._torchrec import torchrec_classes_on_cpu
 from .pipeline import SparseDistPipeline
 from .sources import torchrec_results
 
@@ -54,7 +59,7 @@ Optimizer = Literal["sgd", "adagrad"]
 DLRMMode = Literal[
     "aiopipe", "torchrec", "none",
     "aiopipe-sparse-dist", "torchrec-sparse-dist", "aiopipe-lite", "torchrec-lite",
-    "aiopipe-base", "torchrec-base",
+    "aiopipe-base", "torchrec-base", "aiopipe-fused", "torchrec-fused",
 ]  # fmt: skip
 DLRM_PIPELINES: tuple[DLRMMode, ...] = get_args(DLRMMode)
 
@@ -63,7 +68,11 @@ TORCHREC_PIPELINES: dict[str, type[Any]] = {
     "sparse-dist": TrainPipelineSparseDist,
     "lite": TrainPipelineSparseDistLite,
     "base": TrainPipelineBase,
+    "fused": TrainPipelineFusedSparseDist,
 }
+#: torchrec's classes that need CUDA as shipped: on a CPU, their reference runs go
+#: through ``torchrec_classes_on_cpu``.
+CUDA_ONLY_CLASSES = (TrainPipelineFusedSparseDist,)
 
 
 @dataclass(frozen=True)
@@ -180,11 +189,13 @@ EvalPlan = Callable[[int], "Iterable[Batch] | None"]
 
 def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]],
              eval_after: EvalPlan = lambda step: None, *,
-             end_together: bool | None = None) -> DLRMRun:  # fmt: skip
+             end_together: bool | None = None, grad_accumulation: int = 1) -> DLRMRun:  # fmt: skip
     """Train every batch of every epoch with ``mode``; after step ``s`` evaluate the
     batches ``eval_after(s)`` returns (torchrec's classes refuse eval passes: they
     would forward the training batches in flight as evaluation).  ``end_together``
-    goes to the aiopipe pipelines."""
+    goes to the aiopipe pipelines.  ``grad_accumulation=k``: the optimizer steps
+    after every k-th batch of an epoch and after its last (torchrec's classes in its
+    ``GradientAccumulationWrapper``, reset for every epoch)."""
     if mode not in DLRM_PIPELINES:
         raise ValueError(f"unknown pipeline {mode!r}; choose from {DLRM_PIPELINES}")
     runner, _, schedule = mode.partition("-")
@@ -192,19 +203,23 @@ def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]]
     result = DLRMRun()
     start = time.perf_counter()
     if runner == "aiopipe":
-        run(_aiopipe(setup, epochs, eval_after, result, schedule, end_together))
+        run(_aiopipe(setup, epochs, eval_after, result, schedule, end_together,
+                     grad_accumulation))  # fmt: skip
     elif runner == "torchrec":
-        _torchrec(setup, epochs, eval_after, result, TORCHREC_PIPELINES[schedule])
+        _torchrec(setup, epochs, eval_after, result, TORCHREC_PIPELINES[schedule],
+                  grad_accumulation)  # fmt: skip
     else:
-        _plain(setup, epochs, eval_after, result)
+        _plain(setup, epochs, eval_after, result, grad_accumulation)
     result.seconds = time.perf_counter() - start
     return result
 
 
 async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
-                   result: DLRMRun, schedule: str, end_together: bool | None) -> None:  # fmt: skip
+                   result: DLRMRun, schedule: str, end_together: bool | None,
+                   grad_accumulation: int) -> None:  # fmt: skip
     async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
-                                  schedule=schedule, end_together=end_together) as pipe:  # fmt: skip
+                                  schedule=schedule, end_together=end_together,
+                                  grad_accumulation=grad_accumulation) as pipe:  # fmt: skip
         async with pipe.eval_pipeline() as evaluator:
             for epoch in epochs:
                 async for loss, _, _ in pipe.results(epoch):
@@ -217,8 +232,20 @@ async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_aft
 
 
 def _torchrec(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
-              result: DLRMRun, pipeline: type[Any]) -> None:  # fmt: skip
-    pipe = pipeline(setup.model, setup.optimizer, setup.device)
+              result: DLRMRun, pipeline: type[Any], grad_accumulation: int) -> None:  # fmt: skip
+    on_cpu = setup.device.type == "cpu" and issubclass(pipeline, CUDA_ONLY_CLASSES)
+    with torchrec_classes_on_cpu() if on_cpu else contextlib.nullcontext():
+        pipe = pipeline(setup.model, setup.optimizer, setup.device)
+        if grad_accumulation > 1:
+            pipe = GradientAccumulationWrapper(
+                pipe, setup.optimizer, setup.model,
+                GradientAccumulationConfig(num_steps=grad_accumulation),
+            )  # fmt: skip
+        _torchrec_epochs(pipe, epochs, eval_after, result, pipeline)
+
+
+def _torchrec_epochs(pipe: Any, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
+                     result: DLRMRun, pipeline: type[Any]) -> None:  # fmt: skip
     for epoch in epochs:
         for loss, _, _ in torchrec_results(pipe, epoch):
             result.losses.append(float(loss.detach()))
@@ -230,22 +257,35 @@ def _torchrec(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: E
                 )
         # TrainPipelineBase remembers the end of a source until reset() (the sparse-dist
         # classes forget it when handed another iterator): torchrec's way to a new epoch
+        # (the accumulation wrapper's also starts a group)
         pipe.reset()
 
 
 def _plain(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
-           result: DLRMRun) -> None:  # fmt: skip
+           result: DLRMRun, grad_accumulation: int = 1) -> None:  # fmt: skip
     model, optimizer = setup.model, setup.optimizer
     for epoch in epochs:
-        for batch in epoch:
-            optimizer.zero_grad()
+        for i, (batch, last) in enumerate(_with_last(epoch)):
+            if i % grad_accumulation == 0:
+                optimizer.zero_grad()
             loss, _ = model(batch.to(setup.device))
             loss.backward()
-            optimizer.step()
+            if (i + 1) % grad_accumulation == 0 or last:
+                optimizer.step()
             result.losses.append(float(loss.detach()))
             batches = eval_after(len(result.losses))
             if batches is not None:
                 result.evaluations.append(evaluate_plainly(model, batches, setup.device))
+
+
+def _with_last(items: Iterable[Batch]) -> Iterator[tuple[Batch, bool]]:
+    """Each item, and whether it is the last."""
+    iterator = iter(items)
+    for item in iterator:
+        for following in iterator:
+            yield item, False
+            item = following
+        yield item, True
 
 
 def evaluate_plainly(

@@ -25,14 +25,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
-from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward, PipelinedForward
+from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward
+from torchrec.distributed.train_pipeline.runtime_forwards import EmbeddingPipelinedForward
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardedModule
 
 from aiopipe import ConfigurationError, PipelineStateError, SchedulablePipeline, StreamPool
 
-from ._torchrec import override_input_dist_forwards, pipeline_detach_model, rewrite_model
-from ._torchrec import start_data_dist
+from ._torchrec import override_input_dist_forwards, pipeline_detach_model, place_forwards
+from ._torchrec import rewrite_model, start_data_dist
 
 __all__ = (
     "STREAMS",
@@ -44,8 +46,9 @@ __all__ = (
     "stream_pool",
 )
 
-#: torchrec's streams (the prefetch one for the HSTU pipeline's prefetch variant).
-STREAMS = ("default", "memcpy", "data_dist", "prefetch")
+#: torchrec's streams (the prefetch one for the HSTU pipeline's prefetch variant, the
+#: embedding-lookup one for the fused schedule's ``emb_lookup_stream="new"``).
+STREAMS = ("default", "memcpy", "data_dist", "prefetch", "embedding_lookup")
 
 
 class InputDistNotPipelinedWarning(UserWarning):
@@ -85,6 +88,7 @@ def stream_pool(device: torch.device) -> StreamPool:
         "memcpy": torch.cuda.Stream(device=device, priority=-1),  # type: ignore[no-untyped-call]
         "data_dist": torch.cuda.Stream(device=device, priority=-1),  # type: ignore[no-untyped-call]
         "prefetch": torch.cuda.Stream(device=device),  # type: ignore[no-untyped-call]
+        "embedding_lookup": torch.cuda.Stream(device=device),  # type: ignore[no-untyped-call]
     })  # fmt: skip
 
 
@@ -120,10 +124,14 @@ class PipelinedModel:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *,
                  owner: str = "a sparse-dist pipeline",
-                 pipelined_input_dist: bool | None = None) -> None:  # fmt: skip
+                 pipelined_input_dist: bool | None = None,
+                 forward_type: type[BaseForward[Any]] = PipelinedForward) -> None:  # fmt: skip
         self.model = model
         self.owner = owner
         self.device = device
+        #: The pipelined forward torchrec's rewrite installs (the fused schedule's
+        #: reads an embedding lookup started by a task of its own).
+        self.forward_type = forward_type
         #: Whether the first batch rewrites the model (:func:`input_dist_pipelined`).
         self.pipelines_input_dist = input_dist_pipelined(pipelined_input_dist, device)
         self.pool: StreamPool = stream_pool(device)
@@ -144,13 +152,16 @@ class PipelinedModel:
 
     @classmethod
     def of(cls, model: torch.nn.Module, device: torch.device,
-           pipelined_input_dist: bool | None = None) -> PipelinedModel:  # fmt: skip
-        """The object every pipeline on ``model`` shares; ``pipelined_input_dist``
-        given to a later pipeline must agree with the first one's."""
+           pipelined_input_dist: bool | None = None,
+           forward_type: type[BaseForward[Any]] | None = None) -> PipelinedModel:  # fmt: skip
+        """The object every pipeline on ``model`` shares; ``pipelined_input_dist`` and
+        ``forward_type`` given to a later pipeline must agree with the first one's."""
         shared = _SHARED.get(id(model))
         if shared is None or shared.model is not model:
-            shared = _SHARED[id(model)] = cls(model, device,
-                                              pipelined_input_dist=pipelined_input_dist)  # fmt: skip
+            shared = _SHARED[id(model)] = cls(
+                model, device, pipelined_input_dist=pipelined_input_dist,
+                forward_type=forward_type or PipelinedForward,
+            )  # fmt: skip
         elif shared.device != device:
             raise ValueError(f"the model already runs in a pipeline on {shared.device}; "
                              f"every pipeline on one model must use that device, got {device}")  # fmt: skip
@@ -160,7 +171,20 @@ class PipelinedModel:
                 f"{shared.pipelines_input_dist}; the pipelines on one model share it, got "
                 f"{pipelined_input_dist}"
             )
+        elif forward_type not in (None, shared.forward_type):
+            raise ValueError(
+                f"the model already runs in a pipeline whose schedule installs torchrec's "
+                f"{shared.forward_type.__name__}; the pipelines on one model share its "
+                f"rewrite, and this schedule needs {forward_type.__name__}: give the model "
+                f"to one kind of schedule at a time"
+            )
         return shared
+
+    @property
+    def looks_up_embeddings(self) -> bool:
+        """Whether the installed forwards read an embedding lookup a task started
+        (torchrec's fused schedule) rather than the input distribution."""
+        return issubclass(self.forward_type, EmbeddingPipelinedForward)
 
     def replace_model(self, model: torch.nn.Module) -> None:
         """``attach(model)``: the pipelines go on with another model."""
@@ -181,7 +205,7 @@ class PipelinedModel:
 
     def rewrite(
         self, peek: Any, context: TrainPipelineContext, *,
-        forward_type: type[Any] = PipelinedForward, warm_up: TrainPipelineContext | None = None,
+        forward_type: type[Any] | None = None, warm_up: TrainPipelineContext | None = None,
         strict: bool = False,
     ) -> Any:  # fmt: skip
         """Copy ``peek`` to the device, let torchrec rewrite the model on it (unless it
@@ -209,8 +233,9 @@ class PipelinedModel:
                 dist_stream=self.streams["data_dist"],
                 default_stream=self.streams["default"],
                 batch=batch,
-                pipelined_forward=forward_type,
+                pipelined_forward=forward_type or self.forward_type,
             )
+            place_forwards(modules, self.device)
             missed = not_pipelined(self.model, modules, input_computed)
         # else nothing to distribute, or left to the model's own forward: the
         # input-dist tasks idle

@@ -28,9 +28,10 @@ import torch
 from aiopipe import Task, Tracer
 from aiopipe.lanes import ThreadMap
 
+from .accumulation import GradAccumulation, with_accumulation
 from .base import SparseDistBase
 from .model import PipelinedModel
-from .schedules import train_schedule
+from .schedules import TrainSchedule, train_schedule
 from .spec import PipelineSpec, with_source_wrappers
 from .tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
 from .tasks import build_sparse_dist_tasks
@@ -41,13 +42,16 @@ __all__ = ("SparseDistEvalPipeline", "SparseDistPipeline")
 def _on_shared_rewrite(
     model: torch.nn.Module, optimizer: Any, device: torch.device | str,
     model_fwd: ModelForward | None, evaluation: bool, pipelined_input_dist: bool | None,
+    forward_type: type[Any] | None = None,
 ) -> tuple[PipelinedModel, SparseDistState]:  # fmt: skip
-    """The model's shared rewrite, and the state of a pipeline's tasks on it."""
+    """The model's shared rewrite (installing ``forward_type``, or whatever the model's
+    other pipelines install), and the state of a pipeline's tasks on it."""
     device = torch.device(device)
-    shared = PipelinedModel.of(model, device, pipelined_input_dist)
+    shared = PipelinedModel.of(model, device, pipelined_input_dist, forward_type)
     state = SparseDistState(
         model=model, optimizer=optimizer, device=device, model_fwd=model_fwd,
         evaluation=evaluation, pipelined_modules=shared.modules,
+        default_stream=shared.streams["default"], looks_up_embeddings=shared.looks_up_embeddings,
     )  # fmt: skip
     return shared, state
 
@@ -75,7 +79,10 @@ class SparseDistPipeline(SparseDistBase[Any]):
     """torchrec's ``TrainPipelineSparseDist(model, optimizer, device,
     execute_all_batches=..., custom_model_fwd=...)`` on aiopipe; with ``schedule="lite"``
     its ``TrainPipelineSparseDistLite``, with ``schedule="base"`` its
-    ``TrainPipelineBase`` (:data:`~hstu_tasks.sparse.schedules.TRAIN_SCHEDULES`).
+    ``TrainPipelineBase``, with ``schedule="fused"`` (or
+    :func:`~hstu_tasks.sparse.schedules.fused` and its knobs) its
+    ``TrainPipelineFusedSparseDist``
+    (:data:`~hstu_tasks.sparse.schedules.TRAIN_SCHEDULES`).
 
     ``await progress(it)`` trains one batch and returns the ``output`` of
     ``model_fwd(batch) -> (losses, output)`` (the model, or ``custom_model_fwd``);
@@ -103,6 +110,11 @@ class SparseDistPipeline(SparseDistBase[Any]):
     on the same step, the shortest one's, instead of the longer ranks waiting in a
     collective for a batch the others never have (:func:`~hstu_tasks.sparse.ended_together`:
     one gloo all-reduce of one number per batch, off the step's critical path).
+
+    ``grad_accumulation=k``: the optimizer steps after every k-th batch of a source
+    and after its last one (gradients zeroed at the start of each group), on every
+    schedule, as torchrec's ``GradientAccumulationWrapper`` does for its classes
+    (:mod:`~hstu_tasks.sparse.accumulation`: the loss is not divided by k).
     """
 
     def __init__(
@@ -112,7 +124,7 @@ class SparseDistPipeline(SparseDistBase[Any]):
         device: torch.device | str,
         execute_all_batches: bool = True,
         *,
-        schedule: str = "sparse-dist",
+        schedule: str | TrainSchedule = "sparse-dist",
         custom_model_fwd: ModelForward | None = None,
         thread_map: ThreadMap = None,
         executor: str | Any = None,
@@ -120,24 +132,28 @@ class SparseDistPipeline(SparseDistBase[Any]):
         pipelined_input_dist: bool | None = None,
         strict: bool = False,
         end_together: bool | None = None,
+        grad_accumulation: int = 1,
     ) -> None:
+        accumulation = GradAccumulation(grad_accumulation)
         chosen = train_schedule(schedule)
         if not execute_all_batches and not chosen.drops_last_two:
             raise ValueError(f"execute_all_batches=False is TrainPipelineSparseDist's option; "
-                             f"torchrec's {chosen.torchrec_class} (schedule={schedule!r}) "
+                             f"torchrec's {chosen.torchrec_class} (schedule={chosen.name!r}) "
                              f"trains every batch")  # fmt: skip
         if not chosen.rewrites:
             if pipelined_input_dist:
-                raise ValueError(f"schedule={schedule!r} runs the model's own forward, which "
+                raise ValueError(f"schedule={chosen.name!r} runs the model's own forward, which "
                                  f"distributes its input itself: pipelined_input_dist=True "
-                                 f"needs schedule 'lite' or 'sparse-dist'")  # fmt: skip
+                                 f"needs schedule 'lite', 'sparse-dist' or 'fused'")  # fmt: skip
             pipelined_input_dist = False
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, False,
-                                           pipelined_input_dist)  # fmt: skip
+                                           pipelined_input_dist, chosen.forward_type)  # fmt: skip
+        state.accumulation = accumulation
         spec = with_source_wrappers(
-            _spec(f"{schedule} pipeline", shared, state, chosen.build_tasks, strict),
+            _spec(f"{chosen.name} pipeline", shared, state, chosen.build_tasks, strict),
             end_together, drop_last_two=not execute_all_batches,
         )  # fmt: skip
+        spec = with_accumulation(spec, accumulation, optimizer)
         super().__init__(shared, state, spec, thread_map=thread_map, executor=executor,
                          trace=trace)  # fmt: skip
 

@@ -7,6 +7,8 @@ name         torchrec class                   one progress
 sparse-dist  ``TrainPipelineSparseDist``      copy i+2, input dist i+1, step i
 lite         ``TrainPipelineSparseDistLite``  copy i+1; input dist i and step i
 base         ``TrainPipelineBase``            copy i+1; step i on the model's own forward
+fused        ``TrainPipelineFusedSparseDist``  sparse-dist, the embedding lookup of i first,
+                                              on its own stream (:func:`fused`)
 ===========  ===============================  =============================================
 
 The members share their tasks (``tasks.py``) and differ in where they place them:
@@ -15,21 +17,27 @@ torchrec's rewrite distributes the input at all.  Each list is declared in its t
 class's host order, so the ranks issue their collectives in torchrec's order and the
 step computes what torchrec's does, bit for bit.  torchrec writes one class with its
 own ``progress`` per member; here a member is a builder and a row of
-:data:`TRAIN_SCHEDULES`.
+:data:`TRAIN_SCHEDULES`, and a member with options of its own (torchrec's
+constructor knobs) is made by a function that takes them (:func:`fused`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal
+
+from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward
+from torchrec.distributed.train_pipeline.runtime_forwards import InSyncEmbeddingPipelinedForward
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
 from aiopipe import Task
 
 from .model import carries_torchrec_rewrite
-from .tasks import SparseDistState, StepLayout, build_sparse_dist_tasks
+from .tasks import SparseDistState, StepLayout, build_sparse_dist_tasks, embedding_lookup_task
 from .tasks import pipelined_step_tasks, training_tasks
 
-__all__ = ("TRAIN_SCHEDULES", "TrainSchedule", "build_base_tasks", "build_lite_tasks",
+__all__ = ("TRAIN_SCHEDULES", "TrainSchedule", "build_base_tasks", "build_lite_tasks", "fused",
            "train_schedule")  # fmt: skip
 
 
@@ -70,6 +78,46 @@ class TrainSchedule:
     rewrites: bool = True
     #: Whether the torchrec class offers ``execute_all_batches=False``.
     drops_last_two: bool = False
+    #: The pipelined forward torchrec's rewrite installs for it.
+    forward_type: type[BaseForward[Any]] = PipelinedForward
+
+
+#: ``emb_lookup_stream`` of torchrec's fused class, and aiopipe's stream for each.
+EmbeddingLookupStream = Literal["data_dist", "current", "new"]
+_LOOKUP_STREAMS: dict[str, str] = {"data_dist": "data_dist", "current": "default",
+                                   "new": "embedding_lookup"}  # fmt: skip
+
+
+def fused(*, embedding_lookup_after_data_dist: bool = False,
+          emb_lookup_stream: EmbeddingLookupStream = "data_dist") -> TrainSchedule:  # fmt: skip
+    """torchrec's ``TrainPipelineFusedSparseDist`` with its knobs: sparse-dist, with the
+    embedding lookup (and output distribution) of the batch to train a task of its own
+    on ``emb_lookup_stream`` (the input-dist stream by default, ``"current"``: the
+    forward's, ``"new"``: a stream of its own).  torchrec starts it first in the step,
+    before ``zero_grad``; here it is the last task of the step before, after the
+    optimizer step -- the same host order -- so that on a GPU it waits for the
+    previous ``backward`` (where a fused optimizer updates the tables) and overlaps
+    the optimizer step.  ``embedding_lookup_after_data_dist``: the lookup starts after
+    the next batches' input distribution and copy, in the step itself (on a GPU
+    after its ``zero_grad``).  ``SparseDistPipeline(..., schedule=fused(...))``;
+    ``schedule="fused"`` is the default knobs."""
+    if emb_lookup_stream not in _LOOKUP_STREAMS:
+        raise ValueError(f"emb_lookup_stream must be one of {', '.join(_LOOKUP_STREAMS)}, "
+                         f"got {emb_lookup_stream!r}")  # fmt: skip
+    stream = _LOOKUP_STREAMS[emb_lookup_stream]
+
+    def build(state: SparseDistState) -> list[Task]:
+        step = pipelined_step_tasks(state, StepLayout(forward_input="looked_up"))
+        train = training_tasks(state)
+        ahead = 0 if embedding_lookup_after_data_dist else 1
+        lookup = embedding_lookup_task(state, stream=stream, lookahead=ahead)
+        tasks = [train["zero_grad"], step["start_input_dist"], step["h2d"], step["forward"],
+                 step["wait_input_dist"], train["backward"], train["optimizer_step"]]  # fmt: skip
+        tasks.insert(3 if embedding_lookup_after_data_dist else len(tasks), lookup)
+        return tasks
+
+    return TrainSchedule("fused", "TrainPipelineFusedSparseDist", build, drops_last_two=True,
+                         forward_type=InSyncEmbeddingPipelinedForward)  # fmt: skip
 
 
 #: The members by name, the default first.
@@ -80,12 +128,16 @@ TRAIN_SCHEDULES: dict[str, TrainSchedule] = {
                       drops_last_two=True),
         TrainSchedule("lite", "TrainPipelineSparseDistLite", build_lite_tasks),
         TrainSchedule("base", "TrainPipelineBase", build_base_tasks, rewrites=False),
+        fused(),
     )
 }  # fmt: skip
 
 
-def train_schedule(name: str) -> TrainSchedule:
-    """The member called ``name``; ``ValueError`` naming the members otherwise."""
+def train_schedule(name: str | TrainSchedule) -> TrainSchedule:
+    """The member called ``name`` (a :class:`TrainSchedule` is its own); ``ValueError``
+    naming the members otherwise."""
+    if isinstance(name, TrainSchedule):
+        return name
     try:
         return TRAIN_SCHEDULES[name]
     except (KeyError, TypeError):

@@ -34,12 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 
 from aiopipe import ConfigurationTypeError, Task, TaskContext
 from aiopipe.lanes import copies_on_io
 
-from ._torchrec import start_data_dist
+from ._torchrec import start_data_dist, start_embedding_lookup
+from .accumulation import GradAccumulation
 
 __all__ = (
     "SPARSE_DIST_THREAD_MAP",
@@ -47,6 +49,7 @@ __all__ = (
     "SparseDistState",
     "StepLayout",
     "build_sparse_dist_tasks",
+    "embedding_lookup_task",
     "finish_input_dist_splits",
     "pipelined_step_tasks",
     "training_tasks",
@@ -61,7 +64,8 @@ ModelForward = Callable[[Any], "tuple[torch.Tensor, Any]"]
 #: on that lane).  On a CPU every task defaults to "compute".
 SPARSE_DIST_THREAD_MAP: dict[str, str] = copies_on_io(
     ("h2d",),
-    ("start_input_dist", "zero_grad", "forward", "wait_input_dist", "backward", "optimizer_step"),
+    ("start_input_dist", "zero_grad", "forward", "wait_input_dist", "backward", "optimizer_step",
+     "embedding_lookup"),
 )
 
 
@@ -78,6 +82,14 @@ class SparseDistState:
     evaluation: bool = False
     #: The sharded modules whose forwards torchrec replaced (empty: nothing to distribute).
     pipelined_modules: list[Any] = field(default_factory=list)
+    #: The stream ``forward`` runs on (``None`` on a CPU): an embedding lookup made on
+    #: another stream records its tensors' use there.
+    default_stream: Any = None
+    #: The installed forwards read an embedding lookup a task started (the fused
+    #: schedule's rewrite): every schedule on the model runs that task.
+    looks_up_embeddings: bool = False
+    #: When ``zero_grad`` clears and ``optimizer_step`` steps (every batch by default).
+    accumulation: GradAccumulation = field(default_factory=GradAccumulation)
 
     @property
     def training(self) -> bool:
@@ -88,8 +100,9 @@ class SparseDistState:
         return _losses_and_output(forward(batch), custom=self.model_fwd is not None)
 
     def create_context(self, index: int) -> TrainPipelineContext:
-        """A per-batch torchrec context (version 1: one per batch, never shared)."""
-        return TrainPipelineContext(index=index, version=1)
+        """A per-batch torchrec context (version 1: one per batch, never shared), with
+        room for an embedding lookup (the fused schedule's forwards read it there)."""
+        return EmbeddingTrainPipelineContext(index=index, version=1)
 
 
 def _losses_and_output(returned: Any, *, custom: bool) -> tuple[torch.Tensor, Any]:
@@ -229,11 +242,12 @@ def training_tasks(state: SparseDistState) -> dict[str, Task]:
     """``zero_grad``, ``backward`` and ``optimizer_step`` by name: the part of a
     training step every torchrec train pipeline shares.  Each checks
     ``model.training`` per step, as torchrec does (a model in eval mode runs forward
-    only); ``optimizer_step`` makes the step's result the model's ``output``."""
+    only); ``zero_grad`` and the optimizer's step go through the state's gradient
+    accumulation; ``optimizer_step`` makes the step's result the model's ``output``."""
 
     def zero_grad(ctx: TaskContext) -> None:
         if state.training:
-            state.optimizer.zero_grad()
+            state.accumulation.zero_grad(state.optimizer)
 
     def backward(ctx: TaskContext) -> None:
         if state.training:
@@ -241,7 +255,7 @@ def training_tasks(state: SparseDistState) -> dict[str, Task]:
 
     def optimizer_step(ctx: TaskContext) -> None:
         if state.training:
-            state.optimizer.step()
+            state.accumulation.step(state.optimizer)
         ctx.slots.set("step_result", ctx.slots["output"])
 
     return {
@@ -253,9 +267,49 @@ def training_tasks(state: SparseDistState) -> dict[str, Task]:
     }  # fmt: skip
 
 
+def embedding_lookup_task(state: SparseDistState, *, stream: str = "data_dist",
+                          lookahead: int = 0) -> Task:  # fmt: skip
+    """torchrec's fused ``start_embedding_lookup``: wait for a batch's input
+    distribution, then start each pipelined module's embedding lookup and output
+    distribution into the batch's context, where the fused forwards read them.  With
+    autograd as ``forward`` has it (none when evaluating).
+
+    A training step's lookup must see the tables its predecessor's backward updated
+    (a fused optimizer).  At ``lookahead=1`` it looks batch i+1 up at the end of step
+    i, after step i's ``backward``: on a GPU its ``stream`` overlaps the optimizer
+    step.  At ``lookahead=0`` the previous step is out of reach of a stream wait, so
+    it follows this step's ``zero_grad``."""
+
+    def no_stream(stream: Any) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()  # the input dist is waited for on the task's stream
+
+    def embedding_lookup(ctx: TaskContext) -> None:
+        context = ctx.slots["torchrec_ctx"]
+        with torch.set_grad_enabled(state.training):
+            for module in state.pipelined_modules:
+                start_embedding_lookup(module, context, source_stream=None,
+                                       target_stream=state.default_stream,
+                                       stream_context=no_stream)  # fmt: skip
+        ctx.slots.set("looked_up", True)
+
+    training = not state.evaluation
+    return Task.from_fn(
+        "embedding_lookup", embedding_lookup, stream=stream, lookahead=lookahead, nccl=True,
+        reads=("dist_ready",), writes=("looked_up",),
+        depends_on=("zero_grad",) if training and lookahead == 0 else (),
+        cross_iter_depends_on=(("backward", -1),) if training and lookahead else (),
+    )  # fmt: skip
+
+
 def build_sparse_dist_tasks(state: SparseDistState) -> list[Task]:
     """torchrec's ``TrainPipelineSparseDist`` step (its ``EvalPipelineSparseDist``'s
-    for an evaluation state), in the declaration order that breaks topological ties."""
+    for an evaluation state), in the declaration order that breaks topological ties.
+    On a model the fused schedule rewrote, evaluation looks the embeddings up first."""
+    if state.evaluation and state.looks_up_embeddings:
+        step = pipelined_step_tasks(state, StepLayout(forward_input="looked_up"),
+                                    evaluation=True)  # fmt: skip
+        return [step["h2d"], step["start_input_dist"], embedding_lookup_task(state),
+                step["forward"], step["wait_input_dist"]]  # fmt: skip
     step = pipelined_step_tasks(state, evaluation=state.evaluation)
     if state.evaluation:
         return [step["h2d"], step["start_input_dist"], step["forward"], step["wait_input_dist"]]
