@@ -195,6 +195,11 @@ def fused() -> SchedulablePipeline:
     return sparse_dist("fused")
 
 
+def semi_sync() -> SchedulablePipeline:
+    """torchrec's ``TrainPipelineSemiSync`` as a schedule."""
+    return sparse_dist("semi-sync")
+
+
 def broken() -> Schedule:
     """A schedule the validator rejects (rule 7): ``backward`` waits for
     ``step`` in the same progress, and ``step`` reads what ``backward`` writes."""

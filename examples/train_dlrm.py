@@ -5,12 +5,13 @@ features through an MLP, pairwise interaction, an over-arch MLP and BCE.  One CP
 process by default; ``torchrun --nproc-per-node 2 examples/train_dlrm.py`` for two
 ranks on gloo.  Every pipeline trains the same model on the same data, so their
 losses and final parameters can be compared (``--json``).  ``--pipeline aiopipe-S``
-runs aiopipe's schedule S (``sparse-dist``, ``lite``, ``base``, ``fused``), ``torchrec-S``
-torchrec's class for it; ``aiopipe`` and ``torchrec`` are sparse-dist.
+runs aiopipe's schedule S (``sparse-dist``, ``lite``, ``base``, ``fused``, ``semi-sync``),
+``torchrec-S`` torchrec's class for it; ``aiopipe`` and ``torchrec`` are sparse-dist.
 
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe --eval-every 10 --json run.json
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-lite --json lite.json
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-fused --grad-accumulation 3
+    python examples/train_dlrm.py --steps 40 --pipeline aiopipe-semi-sync --start-batch 10
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
                         help="for the tables (fused into backward) and the dense part")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--start-batch", type=int, metavar="N",
+                        help="semi-sync: the step from which it is semi-synchronous "
+                             "(torchrec's default: 900)")
+    parser.add_argument("--stash-gradients", action="store_true",
+                        help="semi-sync: each step applies the previous batch's dense gradients")
     parser.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
                         help="the optimizer steps after every K-th batch and the last "
                              "(torchrec-S: its class in torchrec's GradientAccumulationWrapper)")
@@ -56,6 +62,14 @@ def main() -> None:
     if min(args.steps, args.eval_batches, args.grad_accumulation) < 1 or args.eval_every < 0:
         raise SystemExit("train_dlrm.py: --steps, --eval-batches and --grad-accumulation "
                          "must be >= 1, --eval-every >= 0")  # fmt: skip
+    knobs: dict[str, Any] = {}
+    if args.start_batch is not None:
+        knobs["start_batch"] = args.start_batch
+    if args.stash_gradients:
+        knobs["stash_gradients"] = True
+    if knobs and not args.pipeline.endswith("semi-sync"):
+        raise SystemExit("train_dlrm.py: --start-batch and --stash-gradients are semi-sync's: "
+                         "use them with --pipeline aiopipe-semi-sync or torchrec-semi-sync")  # fmt: skip
     if args.eval_every and args.pipeline.startswith("torchrec"):
         raise SystemExit("train_dlrm.py: --eval-every needs an aiopipe pipeline or none: "
                          "each of torchrec's train pipelines would forward its training "
@@ -80,7 +94,7 @@ def main() -> None:
         return None
 
     result = run_dlrm(args.pipeline, setup, [data], eval_after,
-                      grad_accumulation=args.grad_accumulation)  # fmt: skip
+                      grad_accumulation=args.grad_accumulation, knobs=knobs)  # fmt: skip
     bar.close()
     losses = result.global_losses()
     checksum = parameter_checksum(setup.model)

@@ -21,6 +21,7 @@ from hstu_tasks import join_local_group, leave_and_exit, quiet_torchrec
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse.dlrm import DLRMConfig, SyntheticDLRMData, build_dlrm_training, run_dlrm
 from hstu_tasks.sparse.pipeline import SparseDistEvalPipeline, SparseDistPipeline
+from hstu_tasks.sparse.schedules import train_schedule
 from hstu_tasks.sparse.sources import torchrec_results
 
 CONFIG = DLRMConfig(num_embeddings=200, batch_size=16)
@@ -157,6 +158,7 @@ def check_interleaving(rank: int) -> None:
     runs = {}
     for mode, plan in [("none", eval_after), ("aiopipe", eval_after),
                        ("aiopipe-fused", eval_after),  # evaluation looks embeddings up too
+                       ("aiopipe-semi-sync", eval_after),  # synchronous before step 900
                        ("aiopipe-no-eval", lambda step: None)]:  # fmt: skip
         setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
         run = run_dlrm(mode.removesuffix("-no-eval"), setup, [train_loader] * 3, plan)  # type: ignore[arg-type]
@@ -166,7 +168,7 @@ def check_interleaving(rank: int) -> None:
     assert [len(outputs) for outputs in reference.evaluations] == [3, 2, 3, 3, 3, 4]
     for mode, (run, digest) in runs.items():
         assert (run.losses, digest) == (reference.losses, runs["none"][1]), mode
-    for evaluated, _ in (runs["aiopipe"], runs["aiopipe-fused"]):
+    for evaluated, _ in (runs["aiopipe"], runs["aiopipe-fused"], runs["aiopipe-semi-sync"]):
         assert len(evaluated.evaluations) == len(reference.evaluations)
         for got, expected in zip(evaluated.evaluations, reference.evaluations):
             assert len(got) == len(expected)
@@ -254,7 +256,7 @@ UNEVEN = (10, 7)
 
 def end_together_worker(rank: int, port: int) -> None:
     join(rank, port)
-    for schedule in ("sparse-dist", "lite", "base", "fused"):
+    for schedule in ("sparse-dist", "lite", "base", "fused", "semi-sync"):
         check_ending_together(rank, schedule)
     check_evaluation_ending_together(rank)
     check_a_source_raising_on_one_rank(rank)
@@ -341,10 +343,13 @@ def family_worker(rank: int, port: int) -> None:
     join(rank, port)
     for schedule in ("base", "lite", "fused"):
         check_family_member(rank, schedule)
+    for stash in (False, True):
+        check_family_member(rank, "semi-sync", knobs={"start_batch": 2, "stash_gradients": stash})
     leave_and_exit(0)
 
 
-def check_family_member(rank: int, schedule: str, batches: int = 3) -> None:
+def check_family_member(rank: int, schedule: str, batches: int = 3,
+                        knobs: dict[str, Any] | None = None) -> None:  # fmt: skip
     """aiopipe's ``schedule``, in its async and its blocking form, trains like torchrec's
     class for it over three passes over the data: this rank's per-step losses and
     parameters, bit for bit (Adagrad: its state makes any step out of place show).
@@ -354,18 +359,23 @@ def check_family_member(rank: int, schedule: str, batches: int = 3) -> None:
     outcomes = {}
     for mode in (f"torchrec-{schedule}", f"aiopipe-{schedule}"):
         setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
-        run = run_dlrm(mode, setup, epochs)  # type: ignore[arg-type]
+        run = run_dlrm(mode, setup, epochs, knobs=knobs)  # type: ignore[arg-type]
         outcomes[mode] = (run.losses, parameter_digest(setup.model))
     setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
-    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, schedule=schedule)
+    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                              schedule=train_schedule(schedule, knobs))  # fmt: skip
     blocking = pipe.blocking()
     losses = [float(loss) for epoch in epochs
               for loss, _, _ in torchrec_results(blocking, epoch)]  # fmt: skip
-    # lite distributes the input on torchrec's rewrite where there is input to
-    # distribute (two ranks); base runs the model's own forward everywhere
+    # lite and fused distribute the input on torchrec's rewrite where there is input to
+    # distribute (two ranks); base runs the model's own forward everywhere; semi-sync's
+    # step is the rewrite's
     ranks = torch.distributed.get_world_size()
-    assert runs_rewritten(setup.model) is (schedule in ("lite", "fused") and ranks > 1)
-    blocking.shutdown()
+    rewritten = schedule == "semi-sync" or (schedule in ("lite", "fused") and ranks > 1)
+    try:
+        assert runs_rewritten(setup.model) is rewritten
+    finally:
+        blocking.shutdown()
     outcomes["blocking"] = (losses, parameter_digest(setup.model))
     expected = outcomes[f"torchrec-{schedule}"]
     assert len(expected[0]) == batches * EPOCHS
@@ -375,7 +385,7 @@ def check_family_member(rank: int, schedule: str, batches: int = 3) -> None:
 
 def accumulation_worker(rank: int, port: int) -> None:
     join(rank, port)
-    for schedule in ("sparse-dist", "lite", "base", "fused"):
+    for schedule in ("sparse-dist", "lite", "base", "fused", "semi-sync"):
         check_accumulation(rank, schedule)
     leave_and_exit(0)
 

@@ -24,9 +24,10 @@ from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse._torchrec import torchrec_classes_on_cpu
 from hstu_tasks.sparse.accumulation import GradAccumulation
 from hstu_tasks.sparse.dlrm import run_dlrm
-from hstu_tasks.sparse.schedules import TRAIN_SCHEDULES, TrainSchedule, fused, train_schedule
+from hstu_tasks.sparse.schedules import TRAIN_SCHEDULES, TrainSchedule, fused, semi_sync
+from hstu_tasks.sparse.schedules import train_schedule
 from hstu_tasks.sparse.sources import torchrec_results
-from hstu_tasks.sparse.tasks import SparseDistState
+from hstu_tasks.sparse.tasks import SPARSE_DIST_THREAD_MAP, SparseDistState
 from one_rank import one_rank_group
 from sparse_workers import spawn
 
@@ -34,17 +35,29 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_base_lite_and_fused_train_like_torchrec_s_classes_on_two_ranks() -> None:
+def test_base_lite_fused_and_semi_sync_train_like_torchrec_s_classes_on_two_ranks() -> None:
     """Per-step losses and parameters of each rank over three passes, the async and
     the blocking form against torchrec's TrainPipelineBase / TrainPipelineSparseDistLite /
-    TrainPipelineFusedSparseDist."""
+    TrainPipelineFusedSparseDist / TrainPipelineSemiSync (semi-synchronous from the
+    third step, with and without stashed gradients)."""
     spawn(sparse_workers.family_worker)
 
 
-@pytest.mark.parametrize("schedule", ["base", "lite", "fused"])
-def test_on_one_rank_the_schedule_trains_like_torchrec_s_class(schedule: str) -> None:
+SEMI_SYNC = [{"start_batch": 2, "stash_gradients": False},
+             {"start_batch": 2, "stash_gradients": True}]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("schedule", "knobs"),
+    [("base", None), ("lite", None), ("fused", None), ("semi-sync", SEMI_SYNC[0]),
+     ("semi-sync", SEMI_SYNC[1])],
+    ids=["base", "lite", "fused", "semi-sync", "semi-sync-stashed"],
+)
+def test_on_one_rank_the_schedule_trains_like_torchrec_s_class(
+    schedule: str, knobs: dict[str, Any] | None
+) -> None:
     with one_rank_group():
-        sparse_workers.check_family_member(0, schedule)
+        sparse_workers.check_family_member(0, schedule, knobs=knobs)
 
 
 def host_order(schedule: str | TrainSchedule) -> list[tuple[str, int, str | None]]:
@@ -94,6 +107,28 @@ def test_fused_looks_up_where_torchrec_s_class_does_in_host_order() -> None:
                                                                   "default")  # fmt: skip
 
 
+def test_semi_sync_declares_torchrec_s_host_order() -> None:
+    """TrainPipelineSemiSync's progress(): the input dist of i+2 starts, i's forward,
+    the copy of i+3, the lookup of i+1 (semi-synchronous: before i's backward), the
+    input dist of i+2 ends, backward, the embeddings' backward, the optimizer step
+    (grad swap, step, zero_grad), the lookup of i+1 (synchronous: after the step)."""
+    assert host_order("semi-sync") == [
+        ("start_input_dist", 2, "data_dist"), ("forward", 0, "default"),
+        ("h2d", 3, "memcpy"), ("embedding_lookup_early", 1, "default"),
+        ("wait_input_dist", 2, "data_dist"), ("backward", 0, "default"),
+        ("embedding_backward", 0, "default"), ("optimizer_step", 0, "default"),
+        ("embedding_lookup", 1, "default"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", sorted(TRAIN_SCHEDULES))
+def test_every_task_of_a_schedule_has_its_lane_on_a_gpu(schedule: str) -> None:
+    """The default thread map names every task: none falls to a lane of its own."""
+    names = {name for name, _, _ in host_order(schedule)}
+    assert names <= set(SPARSE_DIST_THREAD_MAP)
+    assert {SPARSE_DIST_THREAD_MAP[name] for name in names} <= {"io", "compute"}
+
+
 @pytest.mark.parametrize(
     "knobs",
     [{"embedding_lookup_after_data_dist": True}, {"emb_lookup_stream": "new"}],
@@ -124,7 +159,8 @@ def test_fused_knobs_train_like_torchrec_s_class_with_them(knobs: dict[str, Any]
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"schedule": "semi-sync"}, "unknown schedule 'semi-sync'; choose one of 'sparse-dist'"),
+        ({"schedule": "pt2"}, "unknown schedule 'pt2'; choose one of 'sparse-dist'"),
+        ({"schedule": "semi-sync", "pipelined_input_dist": False}, "computes its step on"),
         ({"schedule": "lite", "execute_all_batches": False}, "TrainPipelineSparseDistLite"),
         ({"schedule": "base", "execute_all_batches": False}, "trains every batch"),
         ({"schedule": "base", "pipelined_input_dist": True}, "model's own forward"),
@@ -142,6 +178,12 @@ def test_a_schedule_refuses_what_its_torchrec_class_does_not_do(
 def test_fused_refuses_an_unknown_stream_and_a_model_another_schedule_rewrites() -> None:
     with pytest.raises(ValueError, match="emb_lookup_stream must be one of data_dist"):
         fused(emb_lookup_stream="side")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="start_batch must be an int >= 0, got -1"):
+        semi_sync(start_batch=-1)
+    with pytest.raises(ValueError, match="schedule 'lite' takes no knobs"):
+        train_schedule("lite", {"start_batch": 2})
+    with pytest.raises(ValueError, match="schedule 'semi-sync': .*unexpected keyword"):
+        train_schedule("semi-sync", {"emb_lookup_stream": "new"})
     model = torch.nn.Linear(2, 1)
     first = SparseDistPipeline(model, None, "cpu", schedule="fused")
     with pytest.raises(ValueError, match="installs torchrec's InSyncEmbeddingPipelinedForward"):
@@ -193,14 +235,15 @@ def test_base_calls_custom_model_fwd_which_torchrec_s_base_ignores() -> None:
         pipe.shutdown()
 
 
-@pytest.mark.parametrize("schedule", ["lite", "base", "fused"])
+@pytest.mark.parametrize("schedule", ["lite", "base", "fused", "semi_sync"])
 def test_the_guide_draws_the_schedule_as_aiopipe_graph_does(
     schedule: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from aiopipe.cli import main
 
     target = f"{ROOT / 'examples' / 'schedules.py'}:{schedule}"
-    assert main(["graph", target, "--format", "mermaid", "--title", schedule]) == 0
+    title = schedule.replace("_", "-")
+    assert main(["graph", target, "--format", "mermaid", "--title", title]) == 0
     drawn = capsys.readouterr().out
     assert f"```mermaid\n{drawn}```" in (ROOT / "docs" / "sparse-dist.md").read_text()
 
@@ -215,13 +258,16 @@ def test_gradient_accumulation_trains_like_the_plain_loop_on_two_ranks() -> None
 def test_gradient_accumulation_equals_torchrec_s_wrapper_around_each_class() -> None:
     """One rank: each schedule with ``grad_accumulation=3`` against torchrec's class in
     its ``GradientAccumulationWrapper`` (reset for every pass, as its pipelines are),
-    and the plain loop; 7 batches a pass, so each pass ends inside a group."""
+    and the plain loop; 7 batches a pass, so each pass ends inside a group.  Not
+    torchrec's semi-sync: the wrapper zeroes the gradients at the first ``zero_grad``
+    after it starts, expecting it before a forward, and ``TrainPipelineSemiSync``
+    calls it after its step, so the first batch's gradients are lost."""
     with one_rank_group():
         epochs = [list(SyntheticDLRMData(SMALL, 7))] * 2
         plain = build_dlrm_training(SMALL, "adagrad", seed=3)
         expected = run_dlrm("none", plain, epochs, grad_accumulation=3).losses
         for schedule in TRAIN_SCHEDULES:
-            for runner in ("aiopipe", "torchrec"):
+            for runner in ("aiopipe", "torchrec")[: 1 if schedule == "semi-sync" else 2]:
                 setup = build_dlrm_training(SMALL, "adagrad", seed=3)
                 losses = run_dlrm(f"{runner}-{schedule}", setup, epochs,  # type: ignore[arg-type]
                                   grad_accumulation=3).losses  # fmt: skip
@@ -277,7 +323,7 @@ def test_accumulation_groups_finish_at_the_end_and_restart_after_reset() -> None
     accumulation.restart()  # reset(): the next batch starts a group
     accumulation.zero_grad(optimizer)
     assert optimizer.calls == ["zero_grad", "step", "zero_grad", "step", "zero_grad",
-                               "zero_grad"]  # fmt: skip
+                               "zero_grad", "zero_grad"]  # fmt: skip
 
 
 @pytest.mark.parametrize("steps", [0, -1, 1.5, True, "3"])

@@ -19,15 +19,11 @@ at a source's end steps with gradients every rank agrees on.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from aiopipe import ConfigurationError
-from aiopipe.source import Source
 
-from .spec import PipelineSpec
-
-__all__ = ("GradAccumulation", "with_accumulation")
+__all__ = ("GradAccumulation",)
 
 
 class GradAccumulation:
@@ -53,31 +49,14 @@ class GradAccumulation:
             self.pending = 0
 
     def finish(self, optimizer: Any) -> None:
-        """The source has ended: a partial group still updates."""
+        """The source has ended: a partial group still updates, and leaves no gradient
+        behind (semi-sync zeroes after its step, not before the next batch)."""
         if self.pending:
             optimizer.step()
+            optimizer.zero_grad()
             self.pending = 0
 
     def restart(self) -> None:
         """``reset()``: the next batch starts a group (its ``zero_grad`` clears what the
         dropped batches left)."""
         self.pending = 0
-
-
-def with_accumulation(spec: PipelineSpec, accumulation: GradAccumulation,
-                      optimizer: Any) -> PipelineSpec:  # fmt: skip
-    """``spec`` finishing a partial group when a source ends, and starting afresh on
-    ``reset()`` (after what the spec already does then)."""
-    if accumulation.steps == 1:
-        return spec
-    ended, forget_sources = spec.ended, spec.forget_sources
-
-    def ended_and_finished(source: Source) -> None:
-        ended(source)
-        accumulation.finish(optimizer)
-
-    def forget_and_restart() -> None:
-        forget_sources()
-        accumulation.restart()
-
-    return dataclasses.replace(spec, ended=ended_and_finished, forget_sources=forget_and_restart)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -29,6 +29,7 @@ from torchrec.distributed.train_pipeline.gradient_accumulation import GradientAc
 from torchrec.distributed.train_pipeline.gradient_accumulation import GradientAccumulationWrapper
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineBase
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineFusedSparseDist
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDistLite
 from torchrec.models.dlrm import DLRM, DLRMTrain
@@ -42,6 +43,7 @@ from aiopipe import run
 from ..parallel import TrainingSetup
 from ._torchrec import torchrec_classes_on_cpu
 from .pipeline import SparseDistPipeline
+from .schedules import TrainSchedule, train_schedule
 from .sources import torchrec_results
 
 __all__ = (
@@ -60,6 +62,7 @@ DLRMMode = Literal[
     "aiopipe", "torchrec", "none",
     "aiopipe-sparse-dist", "torchrec-sparse-dist", "aiopipe-lite", "torchrec-lite",
     "aiopipe-base", "torchrec-base", "aiopipe-fused", "torchrec-fused",
+    "aiopipe-semi-sync", "torchrec-semi-sync",
 ]  # fmt: skip
 DLRM_PIPELINES: tuple[DLRMMode, ...] = get_args(DLRMMode)
 
@@ -69,10 +72,11 @@ TORCHREC_PIPELINES: dict[str, type[Any]] = {
     "lite": TrainPipelineSparseDistLite,
     "base": TrainPipelineBase,
     "fused": TrainPipelineFusedSparseDist,
+    "semi-sync": TrainPipelineSemiSync,
 }
 #: torchrec's classes that need CUDA as shipped: on a CPU, their reference runs go
 #: through ``torchrec_classes_on_cpu``.
-CUDA_ONLY_CLASSES = (TrainPipelineFusedSparseDist,)
+CUDA_ONLY_CLASSES = (TrainPipelineFusedSparseDist, TrainPipelineSemiSync)
 
 
 @dataclass(frozen=True)
@@ -189,25 +193,28 @@ EvalPlan = Callable[[int], "Iterable[Batch] | None"]
 
 def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]],
              eval_after: EvalPlan = lambda step: None, *,
-             end_together: bool | None = None, grad_accumulation: int = 1) -> DLRMRun:  # fmt: skip
+             end_together: bool | None = None, grad_accumulation: int = 1,
+             knobs: Mapping[str, Any] | None = None) -> DLRMRun:  # fmt: skip
     """Train every batch of every epoch with ``mode``; after step ``s`` evaluate the
     batches ``eval_after(s)`` returns (torchrec's classes refuse eval passes: they
     would forward the training batches in flight as evaluation).  ``end_together``
     goes to the aiopipe pipelines.  ``grad_accumulation=k``: the optimizer steps
     after every k-th batch of an epoch and after its last (torchrec's classes in its
-    ``GradientAccumulationWrapper``, reset for every epoch)."""
+    ``GradientAccumulationWrapper``, reset for every epoch).  ``knobs``: torchrec's
+    constructor arguments of the schedule's class (``{"start_batch": 2}`` for
+    semi-sync), to both its class and aiopipe's schedule."""
     if mode not in DLRM_PIPELINES:
         raise ValueError(f"unknown pipeline {mode!r}; choose from {DLRM_PIPELINES}")
-    runner, _, schedule = mode.partition("-")
-    schedule = schedule or "sparse-dist"
+    runner, _, name = mode.partition("-")
+    schedule = train_schedule(name or "sparse-dist", knobs)  # refuses knobs it lacks
     result = DLRMRun()
     start = time.perf_counter()
     if runner == "aiopipe":
         run(_aiopipe(setup, epochs, eval_after, result, schedule, end_together,
                      grad_accumulation))  # fmt: skip
     elif runner == "torchrec":
-        _torchrec(setup, epochs, eval_after, result, TORCHREC_PIPELINES[schedule],
-                  grad_accumulation)  # fmt: skip
+        _torchrec(setup, epochs, eval_after, result, TORCHREC_PIPELINES[schedule.name],
+                  grad_accumulation, knobs or {})  # fmt: skip
     else:
         _plain(setup, epochs, eval_after, result, grad_accumulation)
     result.seconds = time.perf_counter() - start
@@ -215,7 +222,7 @@ def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]]
 
 
 async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
-                   result: DLRMRun, schedule: str, end_together: bool | None,
+                   result: DLRMRun, schedule: TrainSchedule, end_together: bool | None,
                    grad_accumulation: int) -> None:  # fmt: skip
     async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
                                   schedule=schedule, end_together=end_together,
@@ -232,10 +239,11 @@ async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_aft
 
 
 def _torchrec(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
-              result: DLRMRun, pipeline: type[Any], grad_accumulation: int) -> None:  # fmt: skip
+              result: DLRMRun, pipeline: type[Any], grad_accumulation: int,
+              knobs: Mapping[str, Any]) -> None:  # fmt: skip
     on_cpu = setup.device.type == "cpu" and issubclass(pipeline, CUDA_ONLY_CLASSES)
     with torchrec_classes_on_cpu() if on_cpu else contextlib.nullcontext():
-        pipe = pipeline(setup.model, setup.optimizer, setup.device)
+        pipe = pipeline(setup.model, setup.optimizer, setup.device, **knobs)
         if grad_accumulation > 1:
             pipe = GradientAccumulationWrapper(
                 pipe, setup.optimizer, setup.model,
@@ -255,10 +263,19 @@ def _torchrec_epochs(pipe: Any, epochs: list[Iterable[Batch]], eval_after: EvalP
                     f"steps: the next training batches are in flight, and its progress() "
                     f"would forward them as evaluation batches"
                 )
-        # TrainPipelineBase remembers the end of a source until reset() (the sparse-dist
-        # classes forget it when handed another iterator): torchrec's way to a new epoch
-        # (the accumulation wrapper's also starts a group)
+        _next_epoch(pipe, pipeline)
+
+
+def _next_epoch(pipe: Any, pipeline: type[Any]) -> None:
+    """torchrec's way to a new epoch: ``reset()``.  TrainPipelineBase remembers the end
+    of a source until then (the sparse-dist classes forget it when handed another
+    iterator), and the accumulation wrapper starts a group.  Semi-sync's would also
+    count its steps towards ``start_batch`` from 0 again, which aiopipe's does not on a
+    new source: only the wrapper's group starts anew."""
+    if not issubclass(pipeline, TrainPipelineSemiSync):
         pipe.reset()
+    elif isinstance(pipe, GradientAccumulationWrapper):
+        pipe.optimizer_wrapper.reset()
 
 
 def _plain(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,

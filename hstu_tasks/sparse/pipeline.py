@@ -20,6 +20,7 @@ again: then the same iterator object is read afresh (a ``DataLoader`` with
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +28,9 @@ import torch
 
 from aiopipe import Task, Tracer
 from aiopipe.lanes import ThreadMap
+from aiopipe.source import Source
 
-from .accumulation import GradAccumulation, with_accumulation
+from .accumulation import GradAccumulation
 from .base import SparseDistBase
 from .model import PipelinedModel
 from .schedules import TrainSchedule, train_schedule
@@ -75,13 +77,30 @@ def _spec(what: str, shared: PipelinedModel, state: SparseDistState,
                         default_thread_map=SPARSE_DIST_THREAD_MAP)  # fmt: skip
 
 
+def _with_training_hooks(spec: PipelineSpec, state: SparseDistState) -> PipelineSpec:
+    """``spec`` stepping a partial accumulation group when a source ends, and counting
+    steps and groups afresh on ``reset()`` (after what the spec already does then)."""
+    ended, forget_sources = spec.ended, spec.forget_sources
+
+    def ended_and_stepped(source: Source) -> None:
+        ended(source)
+        state.accumulation.finish(state.optimizer)
+
+    def forget_and_restart() -> None:
+        forget_sources()
+        state.restart()
+
+    return dataclasses.replace(spec, ended=ended_and_stepped, forget_sources=forget_and_restart)
+
+
 class SparseDistPipeline(SparseDistBase[Any]):
     """torchrec's ``TrainPipelineSparseDist(model, optimizer, device,
     execute_all_batches=..., custom_model_fwd=...)`` on aiopipe; with ``schedule="lite"``
     its ``TrainPipelineSparseDistLite``, with ``schedule="base"`` its
     ``TrainPipelineBase``, with ``schedule="fused"`` (or
     :func:`~hstu_tasks.sparse.schedules.fused` and its knobs) its
-    ``TrainPipelineFusedSparseDist``
+    ``TrainPipelineFusedSparseDist``, with ``schedule="semi-sync"`` (or
+    :func:`~hstu_tasks.sparse.schedules.semi_sync`) its ``TrainPipelineSemiSync``
     (:data:`~hstu_tasks.sparse.schedules.TRAIN_SCHEDULES`).
 
     ``await progress(it)`` trains one batch and returns the ``output`` of
@@ -97,8 +116,9 @@ class SparseDistPipeline(SparseDistBase[Any]):
     batch ahead on sparse-dist), on its rewrite of the model; by default yes, except on a CPU with one
     rank, where it distributes nothing (:func:`~hstu_tasks.sparse.model.input_dist_pipelined`).
     The pipelines on one model share the choice.  The ``"base"`` schedule never
-    pipelines it (the model's own forward distributes its input), and only
-    ``"sparse-dist"`` offers ``execute_all_batches=False``, as in torchrec.
+    pipelines it (the model's own forward distributes its input), ``"semi-sync"``
+    always does (its step is computed on the rewrite), and ``"lite"`` and ``"base"``
+    refuse ``execute_all_batches=False``, as torchrec's classes have no such option.
 
     A sharded module whose input distribution torchrec's rewrite cannot take out of
     forward (its input is computed in forward, or the trace never reaches it) is named
@@ -140,7 +160,13 @@ class SparseDistPipeline(SparseDistBase[Any]):
             raise ValueError(f"execute_all_batches=False is TrainPipelineSparseDist's option; "
                              f"torchrec's {chosen.torchrec_class} (schedule={chosen.name!r}) "
                              f"trains every batch")  # fmt: skip
-        if not chosen.rewrites:
+        if chosen.rewrites == "always":
+            if pipelined_input_dist is False:
+                raise ValueError(f"schedule={chosen.name!r} computes its step on torchrec's "
+                                 f"rewrite of the model (its embeddings come from a lookup "
+                                 f"of their own): pipelined_input_dist=False cannot run it")  # fmt: skip
+            pipelined_input_dist = True
+        elif not chosen.rewrites:
             if pipelined_input_dist:
                 raise ValueError(f"schedule={chosen.name!r} runs the model's own forward, which "
                                  f"distributes its input itself: pipelined_input_dist=True "
@@ -153,7 +179,7 @@ class SparseDistPipeline(SparseDistBase[Any]):
             _spec(f"{chosen.name} pipeline", shared, state, chosen.build_tasks, strict),
             end_together, drop_last_two=not execute_all_batches,
         )  # fmt: skip
-        spec = with_accumulation(spec, accumulation, optimizer)
+        spec = _with_training_hooks(spec, state)
         super().__init__(shared, state, spec, thread_map=thread_map, executor=executor,
                          trace=trace)  # fmt: skip
 

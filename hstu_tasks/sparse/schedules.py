@@ -9,6 +9,8 @@ lite         ``TrainPipelineSparseDistLite``  copy i+1; input dist i and step i
 base         ``TrainPipelineBase``            copy i+1; step i on the model's own forward
 fused        ``TrainPipelineFusedSparseDist``  sparse-dist, the embedding lookup of i first,
                                               on its own stream (:func:`fused`)
+semi-sync    ``TrainPipelineSemiSync``        copy i+3, input dist i+2, lookup i+1 before
+                                              step i's update (:func:`semi_sync`)
 ===========  ===============================  =============================================
 
 The members share their tasks (``tasks.py``) and differ in where they place them:
@@ -18,12 +20,13 @@ class's host order, so the ranks issue their collectives in torchrec's order and
 step computes what torchrec's does, bit for bit.  torchrec writes one class with its
 own ``progress`` per member; here a member is a builder and a row of
 :data:`TRAIN_SCHEDULES`, and a member with options of its own (torchrec's
-constructor knobs) is made by a function that takes them (:func:`fused`).
+constructor knobs) is made by a function that takes them (:func:`fused`,
+:func:`semi_sync`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,11 +37,12 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForwar
 from aiopipe import Task
 
 from .model import carries_torchrec_rewrite
+from .semi_sync import DetachedEmbeddingForward, build_semi_sync_tasks
 from .tasks import SparseDistState, StepLayout, build_sparse_dist_tasks, embedding_lookup_task
 from .tasks import pipelined_step_tasks, training_tasks
 
 __all__ = ("TRAIN_SCHEDULES", "TrainSchedule", "build_base_tasks", "build_lite_tasks", "fused",
-           "train_schedule")  # fmt: skip
+           "SCHEDULE_KNOBS", "semi_sync", "train_schedule")  # fmt: skip
 
 
 def build_lite_tasks(state: SparseDistState) -> list[Task]:
@@ -74,8 +78,10 @@ class TrainSchedule:
     torchrec_class: str
     build_tasks: Callable[[SparseDistState], list[Task]]
     #: Whether the input distribution may run as tasks on torchrec's rewrite of the
-    #: model (``pipelined_input_dist``); ``False``: never, the model's forward does it.
-    rewrites: bool = True
+    #: model (``pipelined_input_dist``); ``False``: never, the model's forward does it;
+    #: ``"always"``: the schedule's step is computed on the rewrite only (semi-sync's
+    #: stale embeddings), one CPU rank too.
+    rewrites: bool | Literal["always"] = True
     #: Whether the torchrec class offers ``execute_all_batches=False``.
     drops_last_two: bool = False
     #: The pipelined forward torchrec's rewrite installs for it.
@@ -120,6 +126,25 @@ def fused(*, embedding_lookup_after_data_dist: bool = False,
                          forward_type=InSyncEmbeddingPipelinedForward)  # fmt: skip
 
 
+def semi_sync(*, start_batch: int = 900, stash_gradients: bool = False) -> TrainSchedule:
+    """torchrec's ``TrainPipelineSemiSync(start_batch=..., stash_gradients=...)``: from
+    step ``start_batch`` on (counted from the pipeline's construction or ``reset()``)
+    the lookup of batch i+1 is issued before batch i's backward, so its embeddings are
+    one update stale; before it, after the optimizer step.  ``stash_gradients``: each
+    step applies the previous batch's dense gradients.  Four batches in flight: copy
+    i+3, input dist i+2, lookup i+1 (``semi_sync.py``).
+    ``SparseDistPipeline(..., schedule=semi_sync(...))``; ``schedule="semi-sync"`` is
+    the default knobs."""
+    if isinstance(start_batch, bool) or not isinstance(start_batch, int) or start_batch < 0:
+        raise ValueError(f"start_batch must be an int >= 0, got {start_batch!r}")
+
+    def build(state: SparseDistState) -> list[Task]:
+        return build_semi_sync_tasks(state, start_batch, stash_gradients)
+
+    return TrainSchedule("semi-sync", "TrainPipelineSemiSync", build, rewrites="always",
+                         drops_last_two=True, forward_type=DetachedEmbeddingForward)  # fmt: skip
+
+
 #: The members by name, the default first.
 TRAIN_SCHEDULES: dict[str, TrainSchedule] = {
     schedule.name: schedule
@@ -129,15 +154,30 @@ TRAIN_SCHEDULES: dict[str, TrainSchedule] = {
         TrainSchedule("lite", "TrainPipelineSparseDistLite", build_lite_tasks),
         TrainSchedule("base", "TrainPipelineBase", build_base_tasks, rewrites=False),
         fused(),
+        semi_sync(),
     )
 }  # fmt: skip
 
 
-def train_schedule(name: str | TrainSchedule) -> TrainSchedule:
-    """The member called ``name`` (a :class:`TrainSchedule` is its own); ``ValueError``
-    naming the members otherwise."""
-    if isinstance(name, TrainSchedule):
+#: The members with knobs of their own, by name: the function that takes them.
+SCHEDULE_KNOBS: dict[str, Callable[..., TrainSchedule]] = {"fused": fused, "semi-sync": semi_sync}
+
+
+def train_schedule(name: str | TrainSchedule, knobs: Mapping[str, Any] | None = None
+                   ) -> TrainSchedule:  # fmt: skip
+    """The member called ``name`` (a :class:`TrainSchedule` is its own), with ``knobs``
+    (torchrec's constructor arguments of that member's class, ``{"start_batch": 2}``);
+    ``ValueError`` naming the members, or the member's knobs, otherwise."""
+    if isinstance(name, TrainSchedule) and not knobs:
         return name
+    if knobs:
+        if name not in SCHEDULE_KNOBS:
+            raise ValueError(f"schedule {name!r} takes no knobs; those with knobs: "
+                             f"{', '.join(map(repr, SCHEDULE_KNOBS))}")  # fmt: skip
+        try:
+            return SCHEDULE_KNOBS[name](**knobs)  # type: ignore[index]
+        except TypeError as error:
+            raise ValueError(f"schedule {name!r}: {error}") from None
     try:
         return TRAIN_SCHEDULES[name]
     except (KeyError, TypeError):

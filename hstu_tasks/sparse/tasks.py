@@ -51,6 +51,7 @@ __all__ = (
     "build_sparse_dist_tasks",
     "embedding_lookup_task",
     "finish_input_dist_splits",
+    "look_up_embeddings",
     "pipelined_step_tasks",
     "training_tasks",
 )
@@ -65,7 +66,7 @@ ModelForward = Callable[[Any], "tuple[torch.Tensor, Any]"]
 SPARSE_DIST_THREAD_MAP: dict[str, str] = copies_on_io(
     ("h2d",),
     ("start_input_dist", "zero_grad", "forward", "wait_input_dist", "backward", "optimizer_step",
-     "embedding_lookup"),
+     "embedding_lookup", "embedding_lookup_early", "embedding_backward"),
 )
 
 
@@ -90,10 +91,18 @@ class SparseDistState:
     looks_up_embeddings: bool = False
     #: When ``zero_grad`` clears and ``optimizer_step`` steps (every batch by default).
     accumulation: GradAccumulation = field(default_factory=GradAccumulation)
+    #: Training steps since the pipeline was built or ``reset()`` (torchrec's batch
+    #: index: semi-sync starts at its ``start_batch``).
+    steps_trained: int = 0
 
     @property
     def training(self) -> bool:
         return not self.evaluation and bool(self.model.training)
+
+    def restart(self) -> None:
+        """``reset()``: count steps from 0 again, and start a new accumulation group."""
+        self.steps_trained = 0
+        self.accumulation.restart()
 
     def run_model(self, batch: Any) -> tuple[torch.Tensor, Any]:
         forward = self.model_fwd if self.model_fwd is not None else self.model
@@ -180,6 +189,9 @@ class StepLayout:
     forward_input: str | None = "dist_ready"
     #: The stream of the input-dist tasks (torchrec's Lite runs them on the default one).
     dist_stream: str = "data_dist"
+    #: The tasks of the same batch ``forward`` follows in training (semi-sync zeroes
+    #: the gradients after its optimizer step instead).
+    forward_after: tuple[str, ...] = ("zero_grad",)
 
 
 def pipelined_step_tasks(state: StepState, layout: StepLayout = StepLayout(), *,
@@ -231,7 +243,7 @@ def pipelined_step_tasks(state: StepState, layout: StepLayout = StepLayout(), *,
         "forward": Task.from_fn(
             "forward", forward, nccl=True, reads=(batch_slot, *waits_for),
             writes=("step_result",) if evaluation else ("losses", "output"),
-            depends_on=() if evaluation else ("zero_grad",)),
+            depends_on=() if evaluation else layout.forward_after),
         "wait_input_dist": Task.from_fn(
             "wait_input_dist", wait_input_dist, lookahead=dist, stream=layout.dist_stream,
             nccl=True, reads=("dist_started",), writes=("dist_ready",)),
@@ -256,6 +268,7 @@ def training_tasks(state: SparseDistState) -> dict[str, Task]:
     def optimizer_step(ctx: TaskContext) -> None:
         if state.training:
             state.accumulation.step(state.optimizer)
+            state.steps_trained += 1
         ctx.slots.set("step_result", ctx.slots["output"])
 
     return {
@@ -265,6 +278,21 @@ def training_tasks(state: SparseDistState) -> dict[str, Task]:
         "optimizer_step": Task.from_fn("optimizer_step", optimizer_step, reads=("output",),
                                        writes=("step_result",), depends_on=("backward",)),
     }  # fmt: skip
+
+
+def _no_stream(stream: Any) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()  # the input dist is waited for on the task's stream
+
+
+def look_up_embeddings(state: SparseDistState, context: TrainPipelineContext) -> None:
+    """Start each pipelined module's embedding lookup and output distribution of the
+    batch of ``context`` (its input distribution finished), into ``context``; with
+    autograd as ``forward`` has it (none when evaluating)."""
+    with torch.set_grad_enabled(state.training):
+        for module in state.pipelined_modules:
+            start_embedding_lookup(module, context, source_stream=None,
+                                   target_stream=state.default_stream,
+                                   stream_context=_no_stream)  # fmt: skip
 
 
 def embedding_lookup_task(state: SparseDistState, *, stream: str = "data_dist",
@@ -280,16 +308,8 @@ def embedding_lookup_task(state: SparseDistState, *, stream: str = "data_dist",
     step.  At ``lookahead=0`` the previous step is out of reach of a stream wait, so
     it follows this step's ``zero_grad``."""
 
-    def no_stream(stream: Any) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()  # the input dist is waited for on the task's stream
-
     def embedding_lookup(ctx: TaskContext) -> None:
-        context = ctx.slots["torchrec_ctx"]
-        with torch.set_grad_enabled(state.training):
-            for module in state.pipelined_modules:
-                start_embedding_lookup(module, context, source_stream=None,
-                                       target_stream=state.default_stream,
-                                       stream_context=no_stream)  # fmt: skip
+        look_up_embeddings(state, ctx.slots["torchrec_ctx"])
         ctx.slots.set("looked_up", True)
 
     training = not state.evaluation
