@@ -168,14 +168,17 @@ def train_schedule(name: str | TrainSchedule, knobs: Mapping[str, Any] | None = 
     """The member called ``name`` (a :class:`TrainSchedule` is its own), with ``knobs``
     (torchrec's constructor arguments of that member's class, ``{"start_batch": 2}``);
     ``ValueError`` naming the members, or the member's knobs, otherwise."""
-    if isinstance(name, TrainSchedule) and not knobs:
-        return name
+    if isinstance(name, TrainSchedule):
+        if not knobs:
+            return name
+        name = name.name
     if knobs:
-        if name not in SCHEDULE_KNOBS:
+        factory = SCHEDULE_KNOBS.get(name)
+        if factory is None:
             raise ValueError(f"schedule {name!r} takes no knobs; those with knobs: "
                              f"{', '.join(map(repr, SCHEDULE_KNOBS))}")  # fmt: skip
         try:
-            return SCHEDULE_KNOBS[name](**knobs)  # type: ignore[index]
+            return factory(**knobs)
         except TypeError as error:
             raise ValueError(f"schedule {name!r}: {error}") from None
     try:

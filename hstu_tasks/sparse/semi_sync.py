@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
+from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext
 from torchrec.distributed.train_pipeline.runtime_forwards import EmbeddingPipelinedForward
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
@@ -43,7 +43,7 @@ from .tasks import training_tasks
 __all__ = ("DetachedEmbeddingForward", "backward_into_tables", "build_semi_sync_tasks")
 
 
-class DetachedEmbeddingForward(EmbeddingPipelinedForward):
+class DetachedEmbeddingForward(EmbeddingPipelinedForward):  # type: ignore[misc]
     """torchrec's semi-sync forward (it returns the looked-up embeddings detached, and
     keeps them for ``embedding_backward``), on a CPU too: for pooled embeddings it
     records their use on the current stream, which a CPU tensor refuses."""
@@ -58,12 +58,11 @@ def _nothing_to_record(stream: Any) -> None:
     pass
 
 
-def backward_into_tables(context: TrainPipelineContext) -> None:
+def backward_into_tables(context: EmbeddingTrainPipelineContext) -> None:
     """Send the gradients ``backward`` left on the detached embeddings on into the
     lookups that made them (torchrec's ``embedding_backward``); an embedding no loss
     reached has no gradient and is left out."""
-    for looked_up, detached in zip(context.embedding_tensors,  # type: ignore[attr-defined]
-                                   context.detached_embedding_tensors):  # type: ignore[attr-defined]  # fmt: skip
+    for looked_up, detached in zip(context.embedding_tensors, context.detached_embedding_tensors):
         reached = [(tensor, copy.grad) for tensor, copy in zip(looked_up, detached, strict=True)
                    if copy.grad is not None or tensor.numel() == 1]  # fmt: skip
         if reached:
