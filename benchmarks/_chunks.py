@@ -22,6 +22,7 @@ models need one on one rank too); a chunk's time is the slowest rank's.
 from __future__ import annotations
 
 import multiprocessing
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -72,7 +73,7 @@ def _worker(build: Build, config: str, warm_up: int, conn: Connection, rank: int
         run(steps)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         conn.send((1e3 * wall / steps, cpu / wall))
-    conn.send(report())
+    conn.send((report(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     conn.close()
     if port is not None:
         from hstu_tasks import leave_and_exit
@@ -90,6 +91,9 @@ class Chunks:
     cores: dict[str, list[float]] = field(default_factory=dict)
     #: Rank 0's ``report()`` at the end of each process set.
     reports: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    #: Each process set's peak resident memory of a worker, MiB (the largest rank's):
+    #: the interpreter, torch and the model included, so compare rows.
+    peak_rss_mib: dict[str, list[float]] = field(default_factory=dict)
 
 
 def time_in_chunks(
@@ -108,6 +112,7 @@ def time_in_chunks(
     out = Chunks()
     for config in configs:
         out.ms[config], out.cores[config], out.reports[config] = [], [], []
+        out.peak_rss_mib[config] = []
     for set_no in range(1, processes + 1):
         _one_set(build, configs, ranks, gloo, chunk, rounds, warm_up, set_no, out)
     return out
@@ -149,8 +154,9 @@ def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk
         for config, group in workers.items():
             for _, conn in group:
                 conn.send(None)
-            reports = [conn.recv() for _, conn in group]  # every rank's, so none blocks
-            out.reports[config].append(reports[0])
+            finals = [conn.recv() for _, conn in group]  # every rank's, so none blocks
+            out.reports[config].append(finals[0][0])
+            out.peak_rss_mib[config].append(max(rss for _, rss in finals))
             for process, _ in group:
                 process.join()
     finally:

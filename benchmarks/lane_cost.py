@@ -19,11 +19,14 @@ costs a little per task).  ``--model dlrm`` times torchrec's DLRM instead
 (``examples/train_dlrm.py``'s model on ``SparseDistPipeline``, a 2-4 ms step).
 ``--ranks 2`` gives every pipeline a gloo group of two worker processes of its own
 (each rank its own data); a chunk's time is the slower rank's.  With ``--model dlrm``
-the configs ``aiopipe-lite``, ``torchrec-lite``, ``aiopipe-base`` and ``torchrec-base``
+the configs ``aiopipe-S`` and ``torchrec-S`` for S in lite, base, fused and semi-sync
 time the other members of torchrec's family (``schedule=``) beside torchrec's class for
-each, which their ratio pairs with, and ``aiopipe-ends-apart`` runs the sparse-dist
-pipeline with ``end_together=False`` (what the ranks' agreement on the end of the
-epoch costs: on by default with two ranks).
+each, which their ratio pairs with (semi-sync from the first step, ``start_batch=0``;
+torchrec's fused and semi-sync classes through ``torchrec_classes_on_cpu`` on a CPU),
+and ``aiopipe-ends-apart`` runs the sparse-dist pipeline with ``end_together=False``
+(what the ranks' agreement on the end of the epoch costs: on by default with two
+ranks).  Every row reports its workers' peak resident memory (the largest rank's,
+interpreter and model included: compare rows).
 
     ./dev bench lane_cost [--model hstu|dlrm] [--ranks 1] [--chunk 20|80] [--rounds 15]
                           [--processes 3] [--configs ...] [--tasks]
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import statistics
 import sys
@@ -49,9 +53,16 @@ from _common import print_json, print_table, spread  # noqa: E402
 CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-blocking",
            "aiopipe-io-lane", "aiopipe-rewritten", "aiopipe-sequential")  # fmt: skip
 #: torchrec's other train pipelines and their schedules (``--model dlrm`` only).
-FAMILY = ("aiopipe-lite", "torchrec-lite", "aiopipe-base", "torchrec-base",
+SCHEDULES = ("lite", "base", "fused", "semi-sync")
+FAMILY = (*(f"{runner}-{schedule}" for schedule in SCHEDULES for runner in ("aiopipe", "torchrec")),
           "aiopipe-ends-apart")  # fmt: skip
+#: The knobs of a family row: semi-sync from the first step (torchrec's default, 900,
+#: would start it inside the timed chunks).
+KNOBS: dict[str, dict[str, Any]] = {"semi-sync": {"start_batch": 0}}
 WARM_UP = 20  # steps before the first timed chunk (bootstrap, caches, allocator)
+#: What a worker keeps entered until it exits (a context left to the collector would
+#: be closed by it).
+_PATCHES = contextlib.ExitStack()
 
 
 def _build(config: str, rank: int, *, model: str,
@@ -142,7 +153,9 @@ def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], 
     """torchrec's DLRM (``examples/train_dlrm.py``'s model) on ``SparseDistPipeline``."""
     from aiopipe import Tracer
     from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData, build_dlrm_training
-    from hstu_tasks.sparse.dlrm import TORCHREC_PIPELINES
+    from hstu_tasks.sparse._torchrec import torchrec_classes_on_cpu
+    from hstu_tasks.sparse.dlrm import CUDA_ONLY_CLASSES, TORCHREC_PIPELINES
+    from hstu_tasks.sparse.schedules import train_schedule
     from hstu_tasks.sparse.tasks import SPARSE_DIST_THREAD_MAP
 
     config_ = DLRMConfig()
@@ -158,14 +171,18 @@ def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], 
             optimizer.step()
 
         return repeat(plain_step), None
-    schedule = config.rpartition("-")[2] if config in FAMILY[:4] else "sparse-dist"
+    schedule = config.partition("-")[2] if config in FAMILY[:-1] else "sparse-dist"
+    knobs = KNOBS.get(schedule, {})
     if config.startswith("torchrec"):
-        torchrec = TORCHREC_PIPELINES[schedule](setup.model, setup.optimizer, setup.device)
+        pipeline = TORCHREC_PIPELINES[schedule]
+        if issubclass(pipeline, CUDA_ONLY_CLASSES):  # this worker's process, for its life
+            _PATCHES.enter_context(torchrec_classes_on_cpu())
+        torchrec = pipeline(setup.model, setup.optimizer, setup.device, **knobs)
         return repeat(lambda: torchrec.progress(source)), None
     tracer = Tracer() if trace else None
     options = _aiopipe_options(config, SPARSE_DIST_THREAD_MAP)
-    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, schedule=schedule,
-                              trace=tracer, **options)  # fmt: skip
+    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                              schedule=train_schedule(schedule, knobs), trace=tracer, **options)  # fmt: skip
     return _aiopipe_run(config, pipe, source), tracer
 
 
@@ -203,7 +220,7 @@ def main() -> None:
     rows = []
     for config, values in ms.items():
         # torchrec's class for the row's schedule when it was timed, else the sparse-dist one
-        partner = f"torchrec-{config.rpartition('-')[2]}" if config in FAMILY else "torchrec"
+        partner = f"torchrec-{config.partition('-')[2]}" if config in FAMILY else "torchrec"
         base = ms.get(partner, ms.get("torchrec"))
         ratio = (
             f"{paired(values, base):.3f}" if base else "--"
@@ -211,13 +228,14 @@ def main() -> None:
         best = f"{min(values) / min(base):.3f}" if base else "--"
         rows.append([config, f"{statistics.median(values):.2f}", spread(values), ratio,
                      f"{min(values):.2f}", best,
-                     f"{statistics.median(chunks.cores[config]):.2f}"])  # fmt: skip
+                     f"{statistics.median(chunks.cores[config]):.2f}",
+                     f"{max(chunks.peak_rss_mib[config]):.0f}"])  # fmt: skip
     print_table(
         f"{'HSTU demo' if args.model == 'hstu' else 'DLRM'} step, {args.ranks} rank(s) on gloo, "
         f"{args.processes} process sets, {args.rounds} alternating chunks of {args.chunk} "
         "steps per set",
         ["pipeline", "ms/step", "spread", "x torchrec (paired median)", "fastest chunk",
-         "x torchrec's fastest", "cores busy (cpu/wall)"],
+         "x torchrec's fastest", "cores busy (cpu/wall)", "peak RSS MiB"],
         rows,
     )
     if args.tasks:
@@ -230,7 +248,7 @@ def main() -> None:
             [[n, *(f"{tasks[c].get(n, 0.0):.3f}" for c in traced)] for n in names],
         )
     print_json("lane_cost", {"args": vars(args), "ms_per_step": ms, "cores": chunks.cores,
-                             "task_ms": tasks})  # fmt: skip
+                             "task_ms": tasks, "peak_rss_mib": chunks.peak_rss_mib})  # fmt: skip
 
 
 if __name__ == "__main__":

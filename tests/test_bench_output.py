@@ -62,11 +62,13 @@ def test_a_table_prints_each_row_when_it_is_given(capsys: pytest.CaptureFixture[
 def _counting_build(
     config: str, rank: int
 ) -> tuple[Callable[[int], None], Callable[[], dict[str, object]]]:
-    """A chunk worker's pipeline for the test below: counts the steps it is asked for."""
+    """A chunk worker's pipeline for the test below: counts the steps it is asked for;
+    config "b" also keeps 160 MiB resident (written, so the pages are the process's)."""
     done = [0]
+    held = b"\x01" * (160 << 20) if config == "b" else b""
 
     def run(n: int) -> None:
-        done[0] += n
+        done[0] += n + 0 * len(held)
 
     return run, lambda: {"config": config, "steps": done[0]}
 
@@ -82,6 +84,9 @@ def test_chunks_alternate_in_worker_processes_and_report_time_cores_and_state() 
         assert all(0 <= cores < 64 for cores in chunks.cores[config])
         # each set's worker: the warm-up, then every chunk and its two lead-in steps
         assert chunks.reports[config] == [{"config": config, "steps": 4 + 3 * (2 + 5)}] * 2
+        assert len(chunks.peak_rss_mib[config]) == 2  # one per process set
+    # each set's workers report their own peak: "b" holds 160 MiB more than "a"
+    assert min(chunks.peak_rss_mib["b"]) > max(chunks.peak_rss_mib["a"]) + 100
 
 
 def test_a_paired_ratio_is_the_median_of_the_per_round_ratios() -> None:
