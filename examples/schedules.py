@@ -200,6 +200,11 @@ def semi_sync() -> SchedulablePipeline:
     return sparse_dist("semi-sync")
 
 
+def pt2() -> SchedulablePipeline:
+    """torchrec's ``TrainPipelinePT2`` as a schedule."""
+    return sparse_dist("pt2")
+
+
 def broken() -> Schedule:
     """A schedule the validator rejects (rule 7): ``backward`` waits for
     ``step`` in the same progress, and ``step`` reads what ``backward`` writes."""

@@ -5,13 +5,14 @@ features through an MLP, pairwise interaction, an over-arch MLP and BCE.  One CP
 process by default; ``torchrun --nproc-per-node 2 examples/train_dlrm.py`` for two
 ranks on gloo.  Every pipeline trains the same model on the same data, so their
 losses and final parameters can be compared (``--json``).  ``--pipeline aiopipe-S``
-runs aiopipe's schedule S (``sparse-dist``, ``lite``, ``base``, ``fused``, ``semi-sync``),
+runs aiopipe's schedule S (``sparse-dist``, ``lite``, ``base``, ``fused``, ``semi-sync``, ``pt2``),
 ``torchrec-S`` torchrec's class for it; ``aiopipe`` and ``torchrec`` are sparse-dist.
 
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe --eval-every 10 --json run.json
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-lite --json lite.json
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-fused --grad-accumulation 3
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-semi-sync --start-batch 10
+    python examples/train_dlrm.py --steps 40 --pipeline aiopipe-pt2 --compile-backend aot_eager
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import sys
 from typing import Any
 
+from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConfig
 from tqdm import tqdm
 
 from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training
@@ -45,6 +47,10 @@ def parse_args() -> argparse.Namespace:
                              "(torchrec's default: 900)")
     parser.add_argument("--stash-gradients", action="store_true",
                         help="semi-sync: each step applies the previous batch's dense gradients")
+    parser.add_argument("--compile-backend", metavar="NAME",
+                        help="pt2: torch.compile's backend (torchrec's default: inductor)")
+    parser.add_argument("--compile-on-iter", type=int, metavar="N",
+                        help="pt2: the step at which the model is compiled (torchrec's default: 3)")
     parser.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
                         help="the optimizer steps after every K-th batch and the last "
                              "(torchrec-S: its class in torchrec's GradientAccumulationWrapper)")
@@ -56,12 +62,9 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
-    # Refuse what cannot run before joining the group (the other ranks would wait).
-    if min(args.steps, args.eval_batches, args.grad_accumulation) < 1 or args.eval_every < 0:
-        raise SystemExit("train_dlrm.py: --steps, --eval-batches and --grad-accumulation "
-                         "must be >= 1, --eval-every >= 0")  # fmt: skip
+def schedule_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The knobs of torchrec's class for the schedule, from their flags; a knob of
+    another schedule is refused."""
     knobs: dict[str, Any] = {}
     if args.start_batch is not None:
         knobs["start_batch"] = args.start_batch
@@ -69,7 +72,28 @@ def main() -> None:
         knobs["stash_gradients"] = True
     if knobs and not args.pipeline.endswith("semi-sync"):
         raise SystemExit("train_dlrm.py: --start-batch and --stash-gradients are semi-sync's: "
-                         "use them with --pipeline aiopipe-semi-sync or torchrec-semi-sync")  # fmt: skip
+                         "use them with --pipeline aiopipe-semi-sync or "
+                         "torchrec-semi-sync")  # fmt: skip
+    if args.compile_backend is not None or args.compile_on_iter is not None:
+        if not args.pipeline.endswith("pt2"):
+            raise SystemExit("train_dlrm.py: --compile-backend and --compile-on-iter are pt2's: "
+                             "use them with --pipeline aiopipe-pt2 or torchrec-pt2")  # fmt: skip
+        defaults = TorchCompileConfig()
+        knobs["compile_configs"] = TorchCompileConfig(
+            backend=args.compile_backend or defaults.backend,
+            compile_on_iter=defaults.compile_on_iter if args.compile_on_iter is None
+            else args.compile_on_iter,
+        )  # fmt: skip
+    return knobs
+
+
+def main() -> None:
+    args = parse_args()
+    # Refuse what cannot run before joining the group (the other ranks would wait).
+    if min(args.steps, args.eval_batches, args.grad_accumulation) < 1 or args.eval_every < 0:
+        raise SystemExit("train_dlrm.py: --steps, --eval-batches and --grad-accumulation "
+                         "must be >= 1, --eval-every >= 0")  # fmt: skip
+    knobs = schedule_knobs(args)
     if args.eval_every and args.pipeline.startswith("torchrec"):
         raise SystemExit("train_dlrm.py: --eval-every needs an aiopipe pipeline or none: "
                          "each of torchrec's train pipelines would forward its training "

@@ -374,6 +374,8 @@ def check_family_member(rank: int, schedule: str, batches: int = 3,
     rewritten = schedule == "semi-sync" or (schedule in ("lite", "fused") and ranks > 1)
     try:
         assert runs_rewritten(setup.model) is rewritten
+        # pt2 compiled the model at its step (torch's Module.compile keeps it here)
+        assert (setup.model._compiled_call_impl is not None) is (schedule == "pt2")
     finally:
         blocking.shutdown()
     outcomes["blocking"] = (losses, parameter_digest(setup.model))

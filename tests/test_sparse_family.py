@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConfig
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineFusedSparseDist
 
 import sparse_workers
@@ -45,13 +46,17 @@ def test_base_lite_fused_and_semi_sync_train_like_torchrec_s_classes_on_two_rank
 
 SEMI_SYNC = [{"start_batch": 2, "stash_gradients": False},
              {"start_batch": 2, "stash_gradients": True}]  # fmt: skip
+#: torch.compile's ahead-of-time autograd without code generation: what PT2 traces and
+#: runs, at a fraction of inductor's compile time (torchrec's class and aiopipe's
+#: schedule compile the same model class, so the second hits dynamo's cache).
+PT2 = {"compile_configs": TorchCompileConfig(backend="aot_eager", compile_on_iter=2)}
 
 
 @pytest.mark.parametrize(
     ("schedule", "knobs"),
     [("base", None), ("lite", None), ("fused", None), ("semi-sync", SEMI_SYNC[0]),
-     ("semi-sync", SEMI_SYNC[1])],
-    ids=["base", "lite", "fused", "semi-sync", "semi-sync-stashed"],
+     ("semi-sync", SEMI_SYNC[1]), ("pt2", PT2)],
+    ids=["base", "lite", "fused", "semi-sync", "semi-sync-stashed", "pt2"],
 )
 def test_on_one_rank_the_schedule_trains_like_torchrec_s_class(
     schedule: str, knobs: dict[str, Any] | None
@@ -159,7 +164,8 @@ def test_fused_knobs_train_like_torchrec_s_class_with_them(knobs: dict[str, Any]
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"schedule": "pt2"}, "unknown schedule 'pt2'; choose one of 'sparse-dist'"),
+        ({"schedule": "staged"}, "unknown schedule 'staged'; choose one of 'sparse-dist'"),
+        ({"schedule": "pt2", "pipelined_input_dist": True}, "model's own forward"),
         ({"schedule": "semi-sync", "pipelined_input_dist": False}, "computes its step on"),
         ({"schedule": "lite", "execute_all_batches": False}, "TrainPipelineSparseDistLite"),
         ({"schedule": "base", "execute_all_batches": False}, "trains every batch"),
@@ -235,7 +241,7 @@ def test_base_calls_custom_model_fwd_which_torchrec_s_base_ignores() -> None:
         pipe.shutdown()
 
 
-@pytest.mark.parametrize("schedule", ["lite", "base", "fused", "semi_sync"])
+@pytest.mark.parametrize("schedule", ["lite", "base", "fused", "semi_sync", "pt2"])
 def test_the_guide_draws_the_schedule_as_aiopipe_graph_does(
     schedule: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -267,10 +273,11 @@ def test_gradient_accumulation_equals_torchrec_s_wrapper_around_each_class() -> 
         plain = build_dlrm_training(SMALL, "adagrad", seed=3)
         expected = run_dlrm("none", plain, epochs, grad_accumulation=3).losses
         for schedule in TRAIN_SCHEDULES:
+            knobs = PT2 if schedule == "pt2" else None  # inductor's kernels round otherwise
             for runner in ("aiopipe", "torchrec")[: 1 if schedule == "semi-sync" else 2]:
                 setup = build_dlrm_training(SMALL, "adagrad", seed=3)
                 losses = run_dlrm(f"{runner}-{schedule}", setup, epochs,  # type: ignore[arg-type]
-                                  grad_accumulation=3).losses  # fmt: skip
+                                  grad_accumulation=3, knobs=knobs).losses  # fmt: skip
                 assert losses == expected, (runner, schedule)
                 assert parameter_digest(setup.model) == parameter_digest(plain.model)
         unaccumulated = build_dlrm_training(SMALL, "adagrad", seed=3)

@@ -5,9 +5,9 @@ model, on aiopipe's engine.
   (``pipelined_step_tasks``, shared with the HSTU step; ``training_tasks``) and
   their default lanes;
 * ``schedules`` -- torchrec's train pipelines (sparse-dist, Lite, Base, Fused,
-  Semi-sync) as task lists, one builder each, looked up by
+  Semi-sync, PT2) as task lists, one builder each, looked up by
   ``SparseDistPipeline(..., schedule=NAME)`` (``schedule=fused(...)``,
-  ``schedule=semi_sync(...)`` for their knobs; ``semi_sync.py`` holds its tasks);
+  ``semi_sync(...)``, ``pt2(...)`` for their knobs; ``semi_sync.py`` holds its tasks);
 * ``accumulation`` -- ``grad_accumulation=k`` for every schedule;
 * ``model`` -- one model's torchrec rewrite, shared by the pipelines on it;
 * ``spec`` -- ``PipelineSpec``: what one kind of pipeline gives the base (its tasks,
@@ -46,6 +46,7 @@ from .pipeline import SparseDistPipeline as SparseDistPipeline
 from .schedules import TRAIN_SCHEDULES as TRAIN_SCHEDULES
 from .schedules import TrainSchedule as TrainSchedule
 from .schedules import fused as fused
+from .schedules import pt2 as pt2
 from .schedules import semi_sync as semi_sync
 from .schedules import train_schedule as train_schedule
 from .sources import SourceWrappers as SourceWrappers
@@ -99,6 +100,7 @@ __all__ = (
     "fused",
     "input_dist_pipelined",
     "pipelined_step_tasks",
+    "pt2",
     "run_dlrm",
     "semi_sync",
     "stream_pool",

@@ -1,7 +1,8 @@
 """A DLRM training set-up on torchrec's own model, and its runners: the generic
 pipeline on each schedule of :data:`~.schedules.TRAIN_SCHEDULES`, torchrec's class for
 that schedule (``TrainPipelineSparseDist``, ``...Lite``, ``TrainPipelineBase``,
-``TrainPipelineFusedSparseDist``) and the plain loop.
+``TrainPipelineFusedSparseDist``, ``TrainPipelineSemiSync``, ``TrainPipelinePT2``) and
+the plain loop.
 
 The model is torchrec's ``DLRMTrain(DLRM(...))``: sparse features pooled by an
 ``EmbeddingBagCollection`` (table-wise sharded by ``DistributedModelParallel``, its
@@ -29,6 +30,7 @@ from torchrec.distributed.train_pipeline.gradient_accumulation import GradientAc
 from torchrec.distributed.train_pipeline.gradient_accumulation import GradientAccumulationWrapper
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineBase
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineFusedSparseDist
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelinePT2
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDistLite
@@ -62,7 +64,7 @@ DLRMMode = Literal[
     "aiopipe", "torchrec", "none",
     "aiopipe-sparse-dist", "torchrec-sparse-dist", "aiopipe-lite", "torchrec-lite",
     "aiopipe-base", "torchrec-base", "aiopipe-fused", "torchrec-fused",
-    "aiopipe-semi-sync", "torchrec-semi-sync",
+    "aiopipe-semi-sync", "torchrec-semi-sync", "aiopipe-pt2", "torchrec-pt2",
 ]  # fmt: skip
 DLRM_PIPELINES: tuple[DLRMMode, ...] = get_args(DLRMMode)
 
@@ -73,6 +75,7 @@ TORCHREC_PIPELINES: dict[str, type[Any]] = {
     "base": TrainPipelineBase,
     "fused": TrainPipelineFusedSparseDist,
     "semi-sync": TrainPipelineSemiSync,
+    "pt2": TrainPipelinePT2,
 }
 #: torchrec's classes that need CUDA as shipped: on a CPU, their reference runs go
 #: through ``torchrec_classes_on_cpu``.

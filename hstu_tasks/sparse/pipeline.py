@@ -100,8 +100,9 @@ class SparseDistPipeline(SparseDistBase[Any]):
     ``TrainPipelineBase``, with ``schedule="fused"`` (or
     :func:`~hstu_tasks.sparse.schedules.fused` and its knobs) its
     ``TrainPipelineFusedSparseDist``, with ``schedule="semi-sync"`` (or
-    :func:`~hstu_tasks.sparse.schedules.semi_sync`) its ``TrainPipelineSemiSync``
-    (:data:`~hstu_tasks.sparse.schedules.TRAIN_SCHEDULES`).
+    :func:`~hstu_tasks.sparse.schedules.semi_sync`) its ``TrainPipelineSemiSync``, with
+    ``schedule="pt2"`` (or :func:`~hstu_tasks.sparse.schedules.pt2`) its
+    ``TrainPipelinePT2`` (:data:`~hstu_tasks.sparse.schedules.TRAIN_SCHEDULES`).
 
     ``await progress(it)`` trains one batch and returns the ``output`` of
     ``model_fwd(batch) -> (losses, output)`` (the model, or ``custom_model_fwd``);
@@ -113,12 +114,13 @@ class SparseDistPipeline(SparseDistBase[Any]):
     every task on lane ``"compute"`` on any other; ``executor`` may be
     ``"sequential"`` or an executor instance; ``trace=True`` records task spans.
     ``pipelined_input_dist``: whether torchrec's input distribution runs as tasks (a
-    batch ahead on sparse-dist), on its rewrite of the model; by default yes, except on a CPU with one
-    rank, where it distributes nothing (:func:`~hstu_tasks.sparse.model.input_dist_pipelined`).
-    The pipelines on one model share the choice.  The ``"base"`` schedule never
-    pipelines it (the model's own forward distributes its input), ``"semi-sync"``
-    always does (its step is computed on the rewrite), and ``"lite"`` and ``"base"``
-    refuse ``execute_all_batches=False``, as torchrec's classes have no such option.
+    batch ahead on sparse-dist), on its rewrite of the model; by default yes, except on
+    a CPU with one rank, where it distributes nothing
+    (:func:`~hstu_tasks.sparse.model.input_dist_pipelined`).  The pipelines on one
+    model share the choice.  The ``"base"`` and ``"pt2"`` schedules never pipeline it
+    (the model's own forward distributes its input), ``"semi-sync"`` always does (its
+    step is computed on the rewrite), and ``"lite"``, ``"base"`` and ``"pt2"`` refuse
+    ``execute_all_batches=False``, as torchrec's classes have no such option.
 
     A sharded module whose input distribution torchrec's rewrite cannot take out of
     forward (its input is computed in forward, or the trace never reaches it) is named
@@ -162,9 +164,11 @@ class SparseDistPipeline(SparseDistBase[Any]):
                              f"trains every batch")  # fmt: skip
         if chosen.rewrites == "always":
             if pipelined_input_dist is False:
-                raise ValueError(f"schedule={chosen.name!r} computes its step on torchrec's "
-                                 f"rewrite of the model (its embeddings come from a lookup "
-                                 f"of their own): pipelined_input_dist=False cannot run it")  # fmt: skip
+                raise ValueError(
+                    f"schedule={chosen.name!r} computes its step on torchrec's rewrite of the "
+                    f"model (its embeddings come from a lookup of their own): "
+                    f"pipelined_input_dist=False cannot run it"
+                )  # fmt: skip
             pipelined_input_dist = True
         elif not chosen.rewrites:
             if pipelined_input_dist:

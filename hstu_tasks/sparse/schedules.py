@@ -11,6 +11,7 @@ fused        ``TrainPipelineFusedSparseDist``  sparse-dist, the embedding lookup
                                               on its own stream (:func:`fused`)
 semi-sync    ``TrainPipelineSemiSync``        copy i+3, input dist i+2, lookup i+1 before
                                               step i's update (:func:`semi_sync`)
+pt2          ``TrainPipelinePT2``             Base, the model compiled at step N (:func:`pt2`)
 ===========  ===============================  =============================================
 
 The members share their tasks (``tasks.py``) and differ in where they place them:
@@ -21,7 +22,7 @@ step computes what torchrec's does, bit for bit.  torchrec writes one class with
 own ``progress`` per member; here a member is a builder and a row of
 :data:`TRAIN_SCHEDULES`, and a member with options of its own (torchrec's
 constructor knobs) is made by a function that takes them (:func:`fused`,
-:func:`semi_sync`).
+:func:`semi_sync`, :func:`pt2`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward
 from torchrec.distributed.train_pipeline.runtime_forwards import InSyncEmbeddingPipelinedForward
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
-from aiopipe import Task
+import torch
+from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConfig
+from torchrec.pt2.utils import default_pipeline_input_transformer
+
+from aiopipe import Task, TaskContext
 
 from .model import carries_torchrec_rewrite
 from .semi_sync import DetachedEmbeddingForward, build_semi_sync_tasks
@@ -42,7 +47,7 @@ from .tasks import SparseDistState, StepLayout, build_sparse_dist_tasks, embeddi
 from .tasks import pipelined_step_tasks, training_tasks
 
 __all__ = ("TRAIN_SCHEDULES", "TrainSchedule", "build_base_tasks", "build_lite_tasks", "fused",
-           "SCHEDULE_KNOBS", "semi_sync", "train_schedule")  # fmt: skip
+           "SCHEDULE_KNOBS", "pt2", "semi_sync", "train_schedule")  # fmt: skip
 
 
 def build_lite_tasks(state: SparseDistState) -> list[Task]:
@@ -145,6 +150,76 @@ def semi_sync(*, start_batch: int = 900, stash_gradients: bool = False) -> Train
                          drops_last_two=True, forward_type=DetachedEmbeddingForward)  # fmt: skip
 
 
+ModelHook = Callable[[torch.nn.Module], None]
+
+
+def pt2(*, compile_configs: TorchCompileConfig | None = None,
+        pre_compile_fn: ModelHook | None = None, post_compile_fn: ModelHook | None = None,
+        input_transformer: Callable[[Any], Any] | None = None) -> TrainSchedule:  # fmt: skip
+    """torchrec's ``TrainPipelinePT2`` with its knobs: Base's step on the model's own
+    forward, which ``torch.compile`` compiles at step ``compile_configs.compile_on_iter``
+    (counted from the pipeline's construction; torchrec's ``TorchCompileConfig``:
+    ``fullgraph``, ``dynamic``, ``backend``), between ``pre_compile_fn(model)`` and
+    ``post_compile_fn(model)``, with the dynamo settings torchrec's class makes.  Each
+    batch goes through ``input_transformer`` (torchrec's default: KJT hints for the
+    compiler) right before the forward.  Unlike torchrec's class, which copies each
+    batch in the step, blocking, the copy runs a batch ahead, as in Base.
+    ``SparseDistPipeline(..., schedule=pt2(...))``; ``schedule="pt2"`` is the defaults."""
+    configs = compile_configs or TorchCompileConfig()
+    transform = input_transformer or default_pipeline_input_transformer
+
+    def build(state: SparseDistState) -> list[Task]:
+        step = pipelined_step_tasks(state, StepLayout(depth=0, forward_input=None))  # h2d
+        train = training_tasks(state)
+
+        def forward(ctx: TaskContext) -> None:
+            if state.steps_trained == configs.compile_on_iter and not _compiled(state.model):
+                _compile(state.model, configs, pre_compile_fn, post_compile_fn)
+            batch = transform(ctx.slots["batch"])
+            with torch.set_grad_enabled(state.training):
+                losses, output = state.run_model(batch)
+            ctx.slots.set("losses", losses)
+            ctx.slots.set("output", output)
+
+        def backward(ctx: TaskContext) -> None:
+            if state.training:
+                torch.sum(ctx.slots["losses"]).backward()  # torchrec's PT2: every element
+
+        return [
+            train["zero_grad"],
+            Task.from_fn("forward", forward, nccl=True, reads=("batch",),
+                         writes=("losses", "output"), depends_on=("zero_grad",)),
+            Task.from_fn("backward", backward, nccl=True, reads=("losses",),
+                         depends_on=("forward",)),
+            step["h2d"], train["optimizer_step"],
+        ]  # fmt: skip
+
+    return TrainSchedule("pt2", "TrainPipelinePT2", build, rewrites=False)
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model.compile()`` has run (once per model: a ``reset()`` counts the
+    steps from 0 again, and must not compile it twice)."""
+    return getattr(model, "_compiled_call_impl", None) is not None
+
+
+def _compile(model: torch.nn.Module, configs: TorchCompileConfig, pre: ModelHook | None,
+             post: ModelHook | None) -> None:  # fmt: skip
+    """``model.compile`` as torchrec's ``TrainPipelinePT2`` does it, its dynamo settings
+    for torchrec's jagged tensors included (they are global, as there)."""
+    if pre is not None:
+        pre(model)
+    dynamo = torch._dynamo.config
+    dynamo.capture_scalar_outputs = True
+    dynamo.capture_dynamic_output_shape_ops = True
+    dynamo.force_unspec_int_unbacked_size_like_on_torchrec_kjt = True
+    dynamo.skip_torchrec = False
+    torch.ops.import_module("fbgemm_gpu.sparse_ops")  # type: ignore[no-untyped-call]
+    model.compile(fullgraph=configs.fullgraph, dynamic=configs.dynamic, backend=configs.backend)
+    if post is not None:
+        post(model)
+
+
 #: The members by name, the default first.
 TRAIN_SCHEDULES: dict[str, TrainSchedule] = {
     schedule.name: schedule
@@ -155,12 +230,14 @@ TRAIN_SCHEDULES: dict[str, TrainSchedule] = {
         TrainSchedule("base", "TrainPipelineBase", build_base_tasks, rewrites=False),
         fused(),
         semi_sync(),
+        pt2(),
     )
 }  # fmt: skip
 
-
 #: The members with knobs of their own, by name: the function that takes them.
-SCHEDULE_KNOBS: dict[str, Callable[..., TrainSchedule]] = {"fused": fused, "semi-sync": semi_sync}
+SCHEDULE_KNOBS: dict[str, Callable[..., TrainSchedule]] = {
+    "fused": fused, "semi-sync": semi_sync, "pt2": pt2,
+}
 
 
 def train_schedule(name: str | TrainSchedule, knobs: Mapping[str, Any] | None = None
