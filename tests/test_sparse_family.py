@@ -337,3 +337,38 @@ def test_accumulation_groups_finish_at_the_end_and_restart_after_reset() -> None
 def test_grad_accumulation_must_be_a_positive_int(steps: Any) -> None:
     with pytest.raises(ConfigurationError, match="grad_accumulation must be an int >= 1"):
         SparseDistPipeline(torch.nn.Linear(2, 1), None, "cpu", grad_accumulation=steps)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "options"),
+    [(fused(), {"pipelined_input_dist": True}), (semi_sync(start_batch=0), {})],
+    ids=["fused", "semi-sync"],
+)
+def test_batches_looked_up_ahead_and_left_behind_train_nothing(
+    schedule: TrainSchedule, options: dict[str, Any]
+) -> None:
+    """A results() loop left after two steps leaves batches 2-4 in flight, batch 2
+    already looked up (fused: at the end of step 1; semi-sync: before step 1's
+    update); the next pass discards them.  The training equals a run that never saw
+    them: the lookups ahead changed nothing."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 8))
+
+        def train(passes: list[list[Any]], leave_first_after: int | None) -> tuple[Any, ...]:
+            setup = build_dlrm_training(SMALL, "adagrad", seed=3)
+            pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                      schedule=schedule, **options).blocking()  # fmt: skip
+            losses = []
+            for number, batches_ in enumerate(passes):
+                for loss, _, _ in pipe.results(iter(batches_)):
+                    losses.append(float(loss))
+                    if number == 0 and len(losses) == leave_first_after:
+                        break
+            discarded = pipe.statistics().discarded
+            pipe.shutdown()
+            return losses, parameter_digest(setup.model), discarded
+
+        left = train([batches[:5], batches[5:]], leave_first_after=2)
+        never_seen = train([batches[:2], batches[5:]], leave_first_after=None)
+        assert left[:2] == never_seen[:2] and len(left[0]) == 5
+        assert (left[2], never_seen[2]) == (3, 0)
