@@ -31,11 +31,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward
 from torchrec.distributed.train_pipeline.runtime_forwards import InSyncEmbeddingPipelinedForward
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
-
-import torch
 from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConfig
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
@@ -46,8 +45,8 @@ from .semi_sync import DetachedEmbeddingForward, build_semi_sync_tasks
 from .tasks import SparseDistState, StepLayout, build_sparse_dist_tasks, embedding_lookup_task
 from .tasks import pipelined_step_tasks, training_tasks
 
-__all__ = ("TRAIN_SCHEDULES", "TrainSchedule", "build_base_tasks", "build_lite_tasks", "fused",
-           "SCHEDULE_KNOBS", "pt2", "semi_sync", "train_schedule")  # fmt: skip
+__all__ = ("SCHEDULE_KNOBS", "TRAIN_SCHEDULES", "TrainSchedule", "build_base_tasks",
+           "build_lite_tasks", "fused", "pt2", "semi_sync", "train_schedule")  # fmt: skip
 
 
 def build_lite_tasks(state: SparseDistState) -> list[Task]:

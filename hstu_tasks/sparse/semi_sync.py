@@ -40,7 +40,8 @@ from aiopipe import Task, TaskContext
 from .tasks import SparseDistState, StepLayout, look_up_embeddings, pipelined_step_tasks
 from .tasks import training_tasks
 
-__all__ = ("DetachedEmbeddingForward", "backward_into_tables", "build_semi_sync_tasks")
+__all__ = ("DetachedEmbeddingForward", "backward_into_tables", "build_semi_sync_tasks",
+           "swap_gradients")  # fmt: skip
 
 
 class DetachedEmbeddingForward(EmbeddingPipelinedForward):  # type: ignore[misc]
@@ -70,26 +71,21 @@ def backward_into_tables(context: EmbeddingTrainPipelineContext) -> None:
             torch.autograd.backward(list(tensors), list(grads))
 
 
-class _StashedGradients:
+def swap_gradients(model: torch.nn.Module, stash: dict[str, torch.Tensor]) -> None:
     """``stash_gradients``: the dense optimizer steps with the previous batch's
-    gradients, while this batch's wait for the next step (torchrec's ``_grad_swap``)."""
-
-    def __init__(self) -> None:
-        self._stash: dict[str, torch.Tensor | None] = {}
-
-    def swap(self, model: torch.nn.Module) -> None:
-        for name, param in model.named_parameters():
-            previous = self._stash.get(name)
-            if param.grad is not None:
-                self._stash[name] = param.grad.clone()
-            param.grad = previous
+    gradients, while this batch's wait in ``stash`` for the next step (torchrec's
+    ``_grad_swap``)."""
+    for name, param in model.named_parameters():
+        previous = stash.get(name)
+        if param.grad is not None:
+            stash[name] = param.grad.clone()
+        param.grad = previous
 
 
 def build_semi_sync_tasks(state: SparseDistState, start_batch: int,
                           stash_gradients: bool) -> list[Task]:  # fmt: skip
     """The semi-sync step's tasks, in torchrec's host order (the table above); steps
     from ``start_batch`` on are semi-synchronous."""
-    stash = _StashedGradients() if stash_gradients else None
     step = pipelined_step_tasks(state, StepLayout(depth=2, forward_input="looked_up",
                                                   forward_after=()))  # fmt: skip
     backward = training_tasks(state)["backward"]
@@ -117,9 +113,9 @@ def build_semi_sync_tasks(state: SparseDistState, start_batch: int,
     def optimizer_step(ctx: TaskContext) -> None:
         if state.training:
             index = state.steps_trained
-            if stash is not None and index >= start_batch:
-                stash.swap(state.model)
-            if not (stash is not None and index == start_batch):  # no gradients stashed yet
+            if stash_gradients and index >= start_batch:
+                swap_gradients(state.model, state.stashed_gradients)
+            if not (stash_gradients and index == start_batch):  # no gradients stashed yet
                 state.accumulation.step(state.optimizer)
             state.accumulation.zero_grad(state.optimizer)
             state.steps_trained += 1

@@ -94,15 +94,19 @@ class SparseDistState:
     #: Training steps since the pipeline was built or ``reset()`` (torchrec's batch
     #: index: semi-sync starts at its ``start_batch``).
     steps_trained: int = 0
+    #: Semi-sync's ``stash_gradients``: the gradients the next step applies, by name.
+    stashed_gradients: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def training(self) -> bool:
         return not self.evaluation and bool(self.model.training)
 
     def restart(self) -> None:
-        """``reset()``: count steps from 0 again, and start a new accumulation group."""
+        """``reset()``: count steps from 0 again, start a new accumulation group, and
+        forget stashed gradients."""
         self.steps_trained = 0
         self.accumulation.restart()
+        self.stashed_gradients.clear()
 
     def run_model(self, batch: Any) -> tuple[torch.Tensor, Any]:
         forward = self.model_fwd if self.model_fwd is not None else self.model
