@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from _common import free_port, progress
@@ -66,6 +67,7 @@ def _worker(build: Build, config: str, warm_up: int, conn: Connection, rank: int
         join_local_group(rank, ranks, port)
     run, report = build(config, rank)
     run(warm_up)
+    _reset_peak_rss()  # the imports' and the build's transients are not the row's
     conn.send("ready")
     while (steps := conn.recv()) is not None:
         run(2)  # the chunk starts on a step the pipeline is in the middle of
@@ -73,12 +75,36 @@ def _worker(build: Build, config: str, warm_up: int, conn: Connection, rank: int
         run(steps)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         conn.send((1e3 * wall / steps, cpu / wall))
-    conn.send((report(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    conn.send((report(), _peak_rss_mib()))
     conn.close()
     if port is not None:
         from hstu_tasks import leave_and_exit
 
         leave_and_exit(0)  # no native teardown at exit (hstu_tasks.leave_and_exit says why)
+
+
+_STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+def _reset_peak_rss() -> None:
+    """Start the peak resident memory afresh from the current one (Linux: writing 5 to
+    ``clear_refs``); elsewhere the peak stays the process's whole life's."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mib() -> float:
+    """The peak resident memory since :func:`_reset_peak_rss` (Linux's ``VmHWM``), or
+    since the process started (``ru_maxrss``), MiB."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @dataclass
@@ -91,8 +117,9 @@ class Chunks:
     cores: dict[str, list[float]] = field(default_factory=dict)
     #: Rank 0's ``report()`` at the end of each process set.
     reports: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    #: Each process set's peak resident memory of a worker, MiB (the largest rank's):
-    #: the interpreter, torch and the model included, so compare rows.
+    #: Each process set's peak resident memory of a worker while it was timed, MiB
+    #: (the largest rank's; the interpreter, torch and the model included, so compare
+    #: rows; on Linux from the end of the warm-up on).
     peak_rss_mib: dict[str, list[float]] = field(default_factory=dict)
 
 

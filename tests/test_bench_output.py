@@ -65,7 +65,7 @@ def _counting_build(
     """A chunk worker's pipeline for the test below: counts the steps it is asked for;
     config "b" also keeps 160 MiB resident (written, so the pages are the process's)."""
     done = [0]
-    held = b"\x01" * (160 << 20) if config == "b" else b""
+    held = b"\x01" * (160 << 20) if config == "b" else b""  # written: resident
 
     def run(n: int) -> None:
         done[0] += n + 0 * len(held)
