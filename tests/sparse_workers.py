@@ -14,6 +14,7 @@ import torch
 from conftest import collect
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward
+from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConfig
 from torchrec.distributed.types import ShardedModule
 
 from aiopipe import AsyncExecutor, BadBatchError, CollectiveOrderError, PipelineStateError
@@ -345,6 +346,8 @@ def family_worker(rank: int, port: int) -> None:
         check_family_member(rank, schedule)
     for stash in (False, True):
         check_family_member(rank, "semi-sync", knobs={"start_batch": 2, "stash_gradients": stash})
+    check_family_member(rank, "pt2", knobs={
+        "compile_configs": TorchCompileConfig(backend="aot_eager", compile_on_iter=2)})
     leave_and_exit(0)
 
 

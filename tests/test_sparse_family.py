@@ -36,11 +36,12 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_base_lite_fused_and_semi_sync_train_like_torchrec_s_classes_on_two_ranks() -> None:
+def test_every_schedule_trains_like_torchrec_s_class_on_two_ranks() -> None:
     """Per-step losses and parameters of each rank over three passes, the async and
     the blocking form against torchrec's TrainPipelineBase / TrainPipelineSparseDistLite /
     TrainPipelineFusedSparseDist / TrainPipelineSemiSync (semi-synchronous from the
-    third step, with and without stashed gradients)."""
+    third step, with and without stashed gradients) / TrainPipelinePT2 (compiled with
+    aot_eager at the third step)."""
     spawn(sparse_workers.family_worker)
 
 
