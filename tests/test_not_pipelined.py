@@ -51,6 +51,25 @@ class CopiedBatch(torch.nn.Module):
                                 sparse_features=batch.sparse_features, labels=batch.labels))  # fmt: skip
 
 
+class CalledTwice(torch.nn.Module):
+    """Calls the tables twice per forward: torchrec's rewrite would pipeline the module
+    once per call, and the second call would find its input distribution consumed."""
+
+    def __init__(self, arch: torch.nn.Module) -> None:
+        super().__init__()
+        self.arch = arch
+
+    def forward(self, features: KeyedJaggedTensor) -> Any:
+        return self.arch(features) * 0.5 + self.arch(features) * 0.5
+
+
+def called_twice_model() -> tuple[torch.nn.Module, Any]:
+    setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+    dlrm = next(m for m in setup.model.modules() if type(m).__name__ == "DLRM")
+    dlrm.sparse_arch = CalledTwice(dlrm.sparse_arch)
+    return setup.model, setup.optimizer
+
+
 def remapped_model() -> tuple[torch.nn.Module, Any]:
     setup = build_dlrm_training(CONFIG, "sgd", seed=3)
     dlrm = next(m for m in setup.model.modules() if type(m).__name__ == "DLRM")
@@ -76,8 +95,9 @@ def train(pipe: SparseDistPipeline, batches: int = 4) -> list[Any]:
     [
         (remapped_model, "its input is computed inside forward"),
         (copied_batch_model, "does not call it with the batch's fields"),
+        (called_twice_model, "forward calls it 2 times"),
     ],
-    ids=["input computed in forward", "not reached by the trace"],
+    ids=["input computed in forward", "not reached by the trace", "called twice"],
 )
 def test_a_module_left_unpipelined_is_named_at_the_first_progress(build: Any, reason: str) -> None:
     with one_rank_group():
@@ -103,6 +123,28 @@ def test_strict_refuses_it_and_leaves_the_model_as_it_was() -> None:
         with pytest.warns(InputDistNotPipelinedWarning):  # the model is usable as it is
             assert len(train(SparseDistPipeline(model, optimizer, "cpu",
                                                 pipelined_input_dist=True))) == 4  # fmt: skip
+
+
+def test_a_module_called_twice_trains_on_its_own_forward_like_the_plain_loop() -> None:
+    """torchrec's rewrite of it would fail at the second call of the first step; given
+    its own forward back, every step is the plain loop's, and shutdown() leaves the
+    model with its own forwards (torchrec's detach would leave one pipelined)."""
+    with one_rank_group():
+        model, optimizer = called_twice_model()
+        batches = list(SyntheticDLRMData(CONFIG, 4))
+        expected = []
+        for batch in batches:
+            optimizer.zero_grad()
+            loss, _ = model(batch)
+            loss.backward()
+            optimizer.step()
+            expected.append(float(loss.detach()))
+        model, optimizer = called_twice_model()
+        pipe = SparseDistPipeline(model, optimizer, "cpu", pipelined_input_dist=True)
+        with pytest.warns(InputDistNotPipelinedWarning, match="forward calls it 2 times"):
+            losses = [float(loss.detach()) for loss, _, _ in train(pipe)]
+        assert losses == expected
+        assert not carries_torchrec_rewrite(model)
 
 
 def test_a_model_pipelined_in_full_is_not_warned_about() -> None:

@@ -18,6 +18,7 @@ one rank, and per-batch contexts): there the model keeps its own forwards unless
 
 from __future__ import annotations
 
+import collections
 import warnings
 import weakref
 from typing import Any
@@ -67,15 +68,48 @@ _NOT_REACHED = ("the torch.fx trace of forward does not call it with the batch's
                 "is called with no input, from a module traced as a leaf, or not at all)")
 
 
-def not_pipelined(model: torch.nn.Module, pipelined: list[Any],
-                  input_computed: list[str]) -> dict[str, str]:  # fmt: skip
+def _called_often(calls: int) -> str:
+    return (f"forward calls it {calls} times, and torchrec can take the input distribution "
+            f"of a module out of forward only when forward calls it once")
+
+
+def not_pipelined(model: torch.nn.Module, pipelined: list[Any], input_computed: list[str],
+                  called_often: dict[str, int] | None = None) -> dict[str, str]:  # fmt: skip
     """The sharded modules of ``model`` the rewrite did not pipeline, and why
-    (``input_computed``: the names torchrec reports as having their input modified)."""
+    (``input_computed``: the names torchrec reports as having their input modified;
+    ``called_often``: the calls of each module forward makes more than once)."""
     inner = model.module if isinstance(model, DistributedModelParallel) else model
     done = {id(module) for module in pipelined}
-    return {name: _INPUT_COMPUTED if name in input_computed else _NOT_REACHED
+    often = called_often or {}
+    return {name: _called_often(often[name]) if name in often
+            else _INPUT_COMPUTED if name in input_computed else _NOT_REACHED
             for name, module in inner.named_modules()
             if isinstance(module, ShardedModule) and id(module) not in done}  # fmt: skip
+
+
+def keep_modules_called_once(modules: list[Any], originals: list[Any]
+                             ) -> tuple[list[Any], list[Any], dict[str, int]]:  # fmt: skip
+    """torchrec's rewrite replaces a sharded module's forward once per place forward
+    calls it, so a module called twice is listed twice, its second "original" forward
+    the first pipelined one -- and fails at the second call of every step, its input
+    distribution consumed by the first.  Give such a module its own forward back (it
+    distributes its input inside forward, at every call): the modules called once and
+    their original forwards, and the calls of each module given back, by name."""
+    calls = collections.Counter(id(module) for module in modules)
+    kept: list[Any] = []
+    kept_originals: list[Any] = []
+    given_back: dict[str, int] = {}
+    restored: set[int] = set()
+    for module, original in zip(modules, originals, strict=True):
+        if calls[id(module)] == 1:
+            kept.append(module)
+            kept_originals.append(original)
+        elif id(module) not in restored:  # the first listing: its own forward
+            restored.add(id(module))
+            given_back[module.forward.name] = calls[id(module)]
+            module.forward = original
+            module.is_pipelined = False
+    return kept, kept_originals, given_back
 
 
 def stream_pool(device: torch.device) -> StreamPool:
@@ -227,7 +261,7 @@ class PipelinedModel:
         self._original_kjt_dist_forwards = []
         sharded = [m for m in self.model.modules() if isinstance(m, ShardedModule)]
         if sharded and (self.pipelines_input_dist or carries_torchrec_rewrite(self.model)):
-            modules, _, self._original_forwards, _, input_computed = rewrite_model(
+            modules, _, originals, _, input_computed = rewrite_model(
                 model=self.model,
                 context=context,
                 dist_stream=self.streams["data_dist"],
@@ -235,8 +269,10 @@ class PipelinedModel:
                 batch=batch,
                 pipelined_forward=forward_type or self.forward_type,
             )
+            modules, self._original_forwards, called_often = keep_modules_called_once(
+                modules, originals)  # fmt: skip
             place_forwards(modules, self.device)
-            missed = not_pipelined(self.model, modules, input_computed)
+            missed = not_pipelined(self.model, modules, input_computed, called_often)
         # else nothing to distribute, or left to the model's own forward: the
         # input-dist tasks idle
         self.modules[:] = modules
