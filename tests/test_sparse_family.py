@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+from torchrec.distributed.train_pipeline.train_pipelines import EvalPipelineFusedSparseDist
 from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConfig
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineFusedSparseDist
 
 import sparse_workers
 from aiopipe import ConfigurationError
-from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData, build_dlrm_training
+from hstu_tasks import DLRMConfig, SparseDistEvalPipeline, SparseDistPipeline, SyntheticDLRMData
+from hstu_tasks import build_dlrm_training
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse._torchrec import torchrec_classes_on_cpu
 from hstu_tasks.sparse.accumulation import GradAccumulation
@@ -373,3 +375,37 @@ def test_batches_looked_up_ahead_and_left_behind_train_nothing(
         never_seen = train([batches[:2], batches[5:]], leave_first_after=None)
         assert left[:2] == never_seen[:2] and len(left[0]) == 5
         assert (left[2], never_seen[2]) == (3, 0)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["lookup-first", "lookup-prefetch"])
+def test_the_fused_eval_pipeline_evaluates_like_torchrec_s(ahead: bool) -> None:
+    """SparseDistEvalPipeline(fused=True) against torchrec's EvalPipelineFusedSparseDist,
+    with and without ``enable_embedding_lookup_prefetch`` (the lookup of the next batch
+    after this one's forward): every output, bit for bit, on the rewritten model."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 5))
+        reference = build_dlrm_training(SMALL, "adagrad", seed=3)
+        reference.model.eval()
+        with torchrec_classes_on_cpu():
+            torchrec = EvalPipelineFusedSparseDist(
+                reference.model, reference.optimizer, reference.device,
+                enable_embedding_lookup_prefetch=ahead,
+            )  # fmt: skip
+            expected = [output for output in torchrec_results(torchrec, batches)]
+        setup = build_dlrm_training(SMALL, "adagrad", seed=3)
+        pipe = SparseDistEvalPipeline(setup.model, None, setup.device, fused=True,
+                                      enable_embedding_lookup_prefetch=ahead,
+                                      pipelined_input_dist=True)  # fmt: skip
+        evaluator = pipe.blocking()
+        outputs = list(evaluator.results(batches))
+        assert sparse_workers.runs_rewritten(setup.model)
+        evaluator.shutdown()
+        assert len(outputs) == len(expected) == 5
+        assert all(torch.equal(a, b) for got, want in zip(outputs, expected, strict=True)
+                   for a, b in zip(got, want, strict=True))  # fmt: skip
+
+
+def test_a_lookup_ahead_needs_the_fused_rewrite() -> None:
+    with pytest.raises(ValueError, match="pass fused=True"):
+        SparseDistEvalPipeline(torch.nn.Linear(2, 1), None, "cpu",
+                               enable_embedding_lookup_prefetch=True)  # fmt: skip

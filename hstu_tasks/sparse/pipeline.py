@@ -21,10 +21,12 @@ again: then the same iterator object is read afresh (a ``DataLoader`` with
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torchrec.distributed.train_pipeline.runtime_forwards import InSyncEmbeddingPipelinedForward
 
 from aiopipe import Task, Tracer
 from aiopipe.lanes import ThreadMap
@@ -214,7 +216,14 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
     :meth:`~SparseDistPipeline.eval_pipeline`), it shares that pipeline's rewrite of
     the model (and its ``pipelined_input_dist``) and leaves its batches in flight
     alone.  ``strict`` (when it traces the model) and ``end_together`` as for
-    :class:`SparseDistPipeline`."""
+    :class:`SparseDistPipeline`.
+
+    ``fused=True``: torchrec's ``EvalPipelineFusedSparseDist``, on the fused
+    schedule's rewrite (a model a ``schedule="fused"`` training pipeline runs has it
+    already): each batch's embeddings are looked up by a task of their own before its
+    forward, or with ``enable_embedding_lookup_prefetch=True`` those of the next batch
+    right after this one's forward, so that on a GPU the two overlap (two batches'
+    embeddings alive at once)."""
 
     def __init__(
         self,
@@ -229,12 +238,20 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
         pipelined_input_dist: bool | None = None,
         strict: bool = False,
         end_together: bool | None = None,
+        fused: bool = False,
+        enable_embedding_lookup_prefetch: bool = False,
     ) -> None:
+        forward_type = InSyncEmbeddingPipelinedForward if fused else None
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, True,
-                                           pipelined_input_dist)  # fmt: skip
-        spec = with_source_wrappers(
-            _spec("sparse-dist eval pipeline", shared, state, strict=strict), end_together,
-            drop_last_two=False,
-        )  # fmt: skip
+                                           pipelined_input_dist, forward_type)  # fmt: skip
+        if enable_embedding_lookup_prefetch and not state.looks_up_embeddings:
+            raise ValueError("enable_embedding_lookup_prefetch=True looks embeddings up a batch "
+                             "ahead, on the fused schedule's rewrite: pass fused=True, or "
+                             "evaluate a model a schedule='fused' pipeline runs")  # fmt: skip
+        builder = functools.partial(build_sparse_dist_tasks,
+                                    lookup_ahead=enable_embedding_lookup_prefetch)  # fmt: skip
+        what = "fused eval pipeline" if state.looks_up_embeddings else "sparse-dist eval pipeline"
+        spec = with_source_wrappers(_spec(what, shared, state, builder, strict=strict),
+                                    end_together, drop_last_two=False)  # fmt: skip
         super().__init__(shared, state, spec,
                          thread_map=thread_map, executor=executor, trace=trace)  # fmt: skip

@@ -325,15 +325,21 @@ def embedding_lookup_task(state: SparseDistState, *, stream: str = "data_dist",
     )  # fmt: skip
 
 
-def build_sparse_dist_tasks(state: SparseDistState) -> list[Task]:
+def build_sparse_dist_tasks(state: SparseDistState, *, lookup_ahead: bool = False) -> list[Task]:
     """torchrec's ``TrainPipelineSparseDist`` step (its ``EvalPipelineSparseDist``'s
     for an evaluation state), in the declaration order that breaks topological ties.
-    On a model the fused schedule rewrote, evaluation looks the embeddings up first."""
+    On a model the fused schedule rewrote, evaluation looks the embeddings up first
+    (torchrec's ``EvalPipelineFusedSparseDist``), or with ``lookup_ahead`` those of
+    the next batch after this one's forward (its ``enable_embedding_lookup_prefetch``)."""
     if state.evaluation and state.looks_up_embeddings:
         step = pipelined_step_tasks(state, StepLayout(forward_input="looked_up"),
                                     evaluation=True)  # fmt: skip
-        return [step["h2d"], step["start_input_dist"], embedding_lookup_task(state),
-                step["forward"], step["wait_input_dist"]]  # fmt: skip
+        lookup = embedding_lookup_task(state, lookahead=1 if lookup_ahead else 0)
+        if lookup_ahead:
+            return [step["h2d"], step["start_input_dist"], step["forward"],
+                    step["wait_input_dist"], lookup]  # fmt: skip
+        return [step["h2d"], step["start_input_dist"], lookup, step["forward"],
+                step["wait_input_dist"]]  # fmt: skip
     step = pipelined_step_tasks(state, evaluation=state.evaluation)
     if state.evaluation:
         return [step["h2d"], step["start_input_dist"], step["forward"], step["wait_input_dist"]]
