@@ -10,12 +10,15 @@ CPU as their device instead of assuming CUDA.  aiopipe's own schedule runs unpat
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage
 from torchrec.distributed.train_pipeline.train_pipelines import EvalPipelineFusedSparseDist
+from torchrec.distributed.train_pipeline.train_pipelines import StagedTrainPipeline
 from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConfig
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineFusedSparseDist
 
@@ -30,6 +33,7 @@ from hstu_tasks.sparse.dlrm import run_dlrm
 from hstu_tasks.sparse.schedules import TRAIN_SCHEDULES, TrainSchedule, fused, semi_sync
 from hstu_tasks.sparse.schedules import train_schedule
 from hstu_tasks.sparse.sources import torchrec_results
+from hstu_tasks.sparse.staged import stage_tasks, staged_pipeline
 from hstu_tasks.sparse.tasks import SPARSE_DIST_THREAD_MAP, SparseDistState
 from one_rank import one_rank_group
 from sparse_workers import spawn
@@ -409,3 +413,73 @@ def test_a_lookup_ahead_needs_the_fused_rewrite() -> None:
     with pytest.raises(ValueError, match="pass fused=True"):
         SparseDistEvalPipeline(torch.nn.Linear(2, 1), None, "cpu",
                                enable_embedding_lookup_prefetch=True)  # fmt: skip
+
+
+def _stages(log: list[tuple[str, int]]) -> list[PipelineStage]:
+    """A copy and a post-processing stage on DLRM batches (CPU streams), logging each
+    batch they see by its first label."""
+
+    def copy(batch: Any) -> Any:
+        log.append(("data_copy", int(batch.labels[0] * 1000)))
+        return batch.to("cpu")
+
+    def postproc(batch: Any) -> Any:
+        log.append(("postproc", int(batch.labels[0] * 1000)))
+        batch.dense_features = batch.dense_features * 0.5
+        return batch
+
+    stream = torch.Stream("cpu")
+    return [PipelineStage(name="data_copy", runnable=copy, stream=stream),
+            PipelineStage(name="postproc", runnable=postproc, stream=stream)]  # fmt: skip
+
+
+def test_staged_stages_and_step_train_like_torchrec_s_staged_pipeline_and_loop() -> None:
+    """torchrec's ``while batch := pipe.progress(it): step(batch)`` around a
+    StagedTrainPipeline against ``staged_pipeline(stages, step)``: the same losses
+    and parameters, and every stage sees every batch once, in order."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 6))
+
+        def train_step(setup: Any) -> Any:
+            def step(batch: Any) -> float:
+                setup.optimizer.zero_grad()
+                loss, _ = setup.model(batch)
+                loss.backward()
+                setup.optimizer.step()
+                return float(loss.detach())
+
+            return step
+
+        reference, log_torchrec = build_dlrm_training(SMALL, "adagrad", seed=3), []
+        step = train_step(reference)
+        with torchrec_classes_on_cpu():  # its stages record CPU tensors on their stream
+            staged = StagedTrainPipeline(_stages(log_torchrec),
+                                         compute_stream=torch.Stream("cpu"))  # fmt: skip
+            source, expected = iter([copy.deepcopy(b) for b in batches]), []
+            while (batch := staged.progress(source)) is not None:
+                expected.append(step(batch))
+        setup, log_ours = build_dlrm_training(SMALL, "adagrad", seed=3), []
+        pipe = staged_pipeline(_stages(log_ours), train_step(setup)).blocking()
+        losses = list(pipe.results([copy.deepcopy(b) for b in batches]))
+        pipe.shutdown()
+        assert losses == expected and len(losses) == 6
+        assert parameter_digest(setup.model) == parameter_digest(reference.model)
+        for name in ("data_copy", "postproc"):
+            seen = [label for stage, label in log_ours if stage == name]
+            assert seen == [label for stage, label in log_torchrec if stage == name]
+            assert len(seen) == 6
+
+
+def test_stage_tasks_refuse_torchrec_s_input_dist_stages_and_clashing_names() -> None:
+    stream = torch.Stream("cpu")
+    hooked = PipelineStage(name="sdd", runnable=lambda b: b, stream=stream,
+                           fill_callback=lambda: None)  # fmt: skip
+    with pytest.raises(ValueError, match=r"stages \['sdd'\] have torchrec's fill"):
+        stage_tasks([hooked])
+    twice = [PipelineStage(name="a", runnable=lambda b: b, stream=stream)] * 2
+    with pytest.raises(ValueError, match="must be distinct"):
+        stage_tasks(twice)
+    tasks, streams = stage_tasks([PipelineStage(name=name, runnable=lambda b: b, stream=stream)
+                                  for name in ("a", "b")])  # fmt: skip
+    assert [(t.name, t.lookahead, t.stream) for t in tasks] == [("a", 2, "a"), ("b", 1, "b")]
+    assert streams == {"a": None, "b": None}  # CPU stages run on no stream

@@ -9,6 +9,8 @@ model, on aiopipe's engine.
   ``SparseDistPipeline(..., schedule=NAME)`` (``schedule=fused(...)``,
   ``semi_sync(...)``, ``pt2(...)`` for their knobs; ``semi_sync.py`` holds its tasks);
 * ``accumulation`` -- ``grad_accumulation=k`` for every schedule;
+* ``staged`` -- torchrec's ``StagedTrainPipeline`` stages, and the step its loop
+  runs, as tasks (``staged_pipeline``);
 * ``model`` -- one model's torchrec rewrite, shared by the pipelines on it;
 * ``spec`` -- ``PipelineSpec``: what one kind of pipeline gives the base (its tasks,
   its rewrite of the model on the first batch, its batch check, ...);
@@ -53,6 +55,8 @@ from .sources import SourceWrappers as SourceWrappers
 from .sources import agreement_group as agreement_group
 from .sources import ended_together as ended_together
 from .sources import torchrec_results as torchrec_results
+from .staged import stage_tasks as stage_tasks
+from .staged import staged_pipeline as staged_pipeline
 from .sources import without_last_two as without_last_two
 from .spec import SHARED_REWRITE as SHARED_REWRITE
 from .spec import PipelineSpec as PipelineSpec
@@ -103,6 +107,8 @@ __all__ = (
     "pt2",
     "run_dlrm",
     "semi_sync",
+    "stage_tasks",
+    "staged_pipeline",
     "stream_pool",
     "torchrec_results",
     "train_schedule",
