@@ -125,8 +125,9 @@ class SparseDistPipeline(SparseDistBase[Any]):
     ``execute_all_batches=False``, as torchrec's classes have no such option.
 
     A sharded module whose input distribution torchrec's rewrite cannot take out of
-    forward (its input is computed in forward, or the trace never reaches it) is named
-    at the first ``progress`` with an
+    forward (its input is computed in forward, the trace never reaches it, or forward
+    calls it more than once: then it keeps its own forward) is named at the first
+    ``progress`` with an
     :class:`~hstu_tasks.sparse.InputDistNotPipelinedWarning`; ``strict=True`` raises
     :class:`~hstu_tasks.sparse.InputDistNotPipelinedError` instead.
 
@@ -176,7 +177,8 @@ class SparseDistPipeline(SparseDistBase[Any]):
             if pipelined_input_dist:
                 raise ValueError(f"schedule={chosen.name!r} runs the model's own forward, which "
                                  f"distributes its input itself: pipelined_input_dist=True "
-                                 f"needs schedule 'lite', 'sparse-dist' or 'fused'")  # fmt: skip
+                                 f"needs schedule 'lite', 'sparse-dist', 'fused' or "
+                                 f"'semi-sync'")  # fmt: skip
             pipelined_input_dist = False
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, False,
                                            pipelined_input_dist, chosen.forward_type)  # fmt: skip
