@@ -12,7 +12,9 @@ decides -- run it as written, run it changed in a way the rule names (fewer step
 command that no rule matches fails the test: add a rule when you document a new
 kind of command.
 
-How: each command runs in its own scratch folder that links to the repository's
+How: the selected commands run two at a time in the background from the first
+test on (``commands_started``), each test waiting for its own; each command runs in
+its own scratch folder that links to the repository's
 ``dev``, ``examples/`` and ``benchmarks/``, with the project's environment activated
 (its ``bin/`` first on ``PATH``), and must exit 0.  Every file it writes there must
 be one that git ignores in the repository root (or a tracked file it regenerates),
@@ -21,15 +23,17 @@ so running the documented commands leaves a clean checkout.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -248,20 +252,59 @@ def test_benchmarks_named_in_the_docs_exist() -> None:
     assert named and named <= listed, f"documented but missing: {sorted(named - listed)}"
 
 
-@pytest.mark.timeout(300)  # a command that imports torchrec takes a while on a busy machine
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"{c.source} {c.text[:60]}")
-def test_documented_command_runs(command: DocCommand, tmp_path: Path) -> None:
+def why_not_run(command: DocCommand) -> str | None:
+    """Why ``command`` is skipped here, if it is."""
     action, reason = rule_for(command.text)
     if action is None:
-        pytest.skip(f"not run: {reason}")
+        return f"not run: {reason}"
     if command.text.startswith("./dev") or " ./dev " in command.text:
-        why = venv_ready()
-        if why:
-            pytest.skip(why)
-    folder = scratch_folder(tmp_path)
+        return venv_ready()
+    return None
+
+
+@dataclass(frozen=True)
+class Ran:
+    to_run: str
+    folder: Path
+    done: subprocess.CompletedProcess[str]
+
+
+def run_in_scratch(command: DocCommand, folder: Path) -> Ran:
+    action, _ = rule_for(command.text)
+    assert action is not None
     to_run = action(command.text)
-    done = subprocess.run(["bash", "-c", to_run], cwd=folder, env=activated_env(),
-                          capture_output=True, text=True, timeout=280)  # fmt: skip
+    done = subprocess.run(["bash", "-c", to_run], cwd=scratch_folder(folder),
+                          env=activated_env(), capture_output=True, text=True,
+                          timeout=280)  # fmt: skip
+    return Ran(to_run, folder, done)
+
+
+@pytest.fixture(scope="module")
+def commands_started(request: pytest.FixtureRequest,
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:  # fmt: skip
+    """Every selected command that runs here, started two at a time in the background
+    when the first of them is tested (each is a process of its own, mostly importing
+    torch and torchrec: on two cores that halves the file's time); by the command's
+    text, its result to come.  Each test still waits for and judges its own."""
+    selected = [item.callspec.params["command"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_documented_command_runs"
+                and item.module is sys.modules[__name__]]  # fmt: skip
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    started = {command.text: pool.submit(run_in_scratch, command,
+                                         tmp_path_factory.mktemp("command"))
+               for command in selected if why_not_run(command) is None}  # fmt: skip
+    yield started
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.timeout(600)  # waits for its command, which may queue behind the others
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"{c.source} {c.text[:60]}")
+def test_documented_command_runs(command: DocCommand, commands_started: dict[str, Any]) -> None:
+    why = why_not_run(command)
+    if why is not None:
+        pytest.skip(why)
+    ran: Ran = commands_started[command.text].result()
+    to_run, folder, done = ran.to_run, ran.folder, ran.done
     assert done.returncode == 0, (
         f"{command.source}: `{to_run}` exited {done.returncode}\n"
         f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
