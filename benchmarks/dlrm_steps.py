@@ -1,8 +1,8 @@
 """Steps/s of torchrec's DLRM: SparseDistPipeline vs torchrec's class vs the plain loop.
 
 hstu_tasks.SparseDistPipeline on each ``--schedules`` member (sparse-dist by default;
-lite, base, fused, semi-sync, pt2), torchrec's own class for that member and the plain loop side by side, on
-1 and 2 ranks (gloo on CPU, NCCL with one GPU per rank).
+lite, base, fused, semi-sync, pt2), torchrec's own class for that member and the plain
+loop side by side, on 1 and 2 ranks (gloo on CPU, NCCL with one GPU per rank).
 
 All train the same model on the same data, interleaved over ``--repeats`` rounds
 after a warm-up round; the median and the spread of the rounds are reported, and
@@ -11,7 +11,8 @@ each aiopipe row is compared with torchrec's class for its schedule.
 per-batch agreement on the end of the epoch costs (on by default with two ranks).
 
     ./dev bench dlrm_steps [--ranks 1 2] [--steps 100] [--repeats 3] [--batch-size 256]
-                           [--schedules sparse-dist lite base fused semi-sync pt2] [--ends-apart]
+                           [--schedules sparse-dist lite base fused semi-sync pt2]
+                           [--ends-apart]
 """
 
 from __future__ import annotations

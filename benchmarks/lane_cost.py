@@ -25,8 +25,8 @@ each, which their ratio pairs with (semi-sync from the first step, ``start_batch
 torchrec's fused and semi-sync classes through ``torchrec_classes_on_cpu`` on a CPU),
 and ``aiopipe-ends-apart`` runs the sparse-dist pipeline with ``end_together=False``
 (what the ranks' agreement on the end of the epoch costs: on by default with two
-ranks).  Every row reports its workers' peak resident memory (the largest rank's,
-interpreter and model included: compare rows).
+ranks).  Every row reports its workers' peak resident memory while timed (the largest
+rank's, interpreter and model included: compare rows).
 
     ./dev bench lane_cost [--model hstu|dlrm] [--ranks 1] [--chunk 20|80] [--rounds 15]
                           [--processes 3] [--configs ...] [--tasks]
@@ -54,8 +54,8 @@ CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-block
            "aiopipe-io-lane", "aiopipe-rewritten", "aiopipe-sequential")  # fmt: skip
 #: torchrec's other train pipelines and their schedules (``--model dlrm`` only).
 SCHEDULES = ("lite", "base", "fused", "semi-sync")
-FAMILY = (*(f"{runner}-{schedule}" for schedule in SCHEDULES for runner in ("aiopipe", "torchrec")),
-          "aiopipe-ends-apart")  # fmt: skip
+FAMILY = (*(f"{runner}-{schedule}" for schedule in SCHEDULES
+            for runner in ("aiopipe", "torchrec")), "aiopipe-ends-apart")  # fmt: skip
 #: The knobs of a family row: semi-sync from the first step (torchrec's default, 900,
 #: would start it inside the timed chunks).
 KNOBS: dict[str, dict[str, Any]] = {"semi-sync": {"start_batch": 0}}
@@ -182,7 +182,8 @@ def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], 
     tracer = Tracer() if trace else None
     options = _aiopipe_options(config, SPARSE_DIST_THREAD_MAP)
     pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
-                              schedule=train_schedule(schedule, knobs), trace=tracer, **options)  # fmt: skip
+                              schedule=train_schedule(schedule, knobs), trace=tracer,
+                              **options)  # fmt: skip
     return _aiopipe_run(config, pipe, source), tracer
 
 

@@ -82,12 +82,10 @@ def _hstu_spec(shared: PipelinedModel, state: PipelineState, strict: bool) -> Pi
         """Copy ``peek``, let torchrec rewrite the model on it and start its input
         distribution: what the first ring slot is seeded with."""
         context = state.create_context(0)
-        forward_type = PrefetchPipelinedForward if state.prefetch else PipelinedForward
         # With a real shuffler the batch must be shuffled before its input dist: the
         # rewrite initialises the input dists on a throwaway context instead.
         warm_up = None if state.shuffler.is_identity else state.create_context(-1)
-        batch = shared.rewrite(peek, context, forward_type=forward_type, warm_up=warm_up,
-                               strict=strict)  # fmt: skip
+        batch = shared.rewrite(peek, context, warm_up=warm_up, strict=strict)
         seed: dict[str, Any] = {"batch_cpu": peek, "batch_gpu": batch, "torchrec_ctx": context}
         if warm_up is None:  # the seeded batch's input dist has started
             seed.update(shuffled_batch=batch, dist_started=True)
@@ -163,8 +161,10 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
             )
         device = torch.device(device)
         # its own: not shared with other pipelines
-        shared = PipelinedModel(model, device, owner="an HSTUPipeline",
-                                pipelined_input_dist=pipelined_input_dist)  # fmt: skip
+        shared = PipelinedModel(
+            model, device, owner="an HSTUPipeline", pipelined_input_dist=pipelined_input_dist,
+            forward_type=PrefetchPipelinedForward if prefetch else PipelinedForward,
+        )  # fmt: skip
         state = PipelineState(
             model=model, optimizer=optimizer, device=device,
             shuffler=batch_shuffler or IdentityShuffler(), prefetch=prefetch,

@@ -163,8 +163,9 @@ class PipelinedModel:
         self.model = model
         self.owner = owner
         self.device = device
-        #: The pipelined forward torchrec's rewrite installs (the fused schedule's
-        #: reads an embedding lookup started by a task of its own).
+        #: The pipelined forward torchrec's rewrite installs (the fused schedule's reads
+        #: an embedding lookup started by a task of its own, the HSTU prefetch
+        #: variant's the prefetched input).
         self.forward_type = forward_type
         #: Whether the first batch rewrites the model (:func:`input_dist_pipelined`).
         self.pipelines_input_dist = input_dist_pipelined(pipelined_input_dist, device)
@@ -239,8 +240,7 @@ class PipelinedModel:
 
     def rewrite(
         self, peek: Any, context: TrainPipelineContext, *,
-        forward_type: type[Any] | None = None, warm_up: TrainPipelineContext | None = None,
-        strict: bool = False,
+        warm_up: TrainPipelineContext | None = None, strict: bool = False,
     ) -> Any:  # fmt: skip
         """Copy ``peek`` to the device, let torchrec rewrite the model on it (unless it
         keeps its own forwards: :func:`input_dist_pipelined`) and start its input
@@ -267,7 +267,7 @@ class PipelinedModel:
                 dist_stream=self.streams["data_dist"],
                 default_stream=self.streams["default"],
                 batch=batch,
-                pipelined_forward=forward_type or self.forward_type,
+                pipelined_forward=self.forward_type,
             )
             modules, self._original_forwards, called_often = keep_modules_called_once(
                 modules, originals)  # fmt: skip
