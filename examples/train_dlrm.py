@@ -14,11 +14,18 @@ sparse-dist.
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-fused --grad-accumulation 3
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-semi-sync --start-batch 10
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-pt2 --compile-backend aot_eager
+
+The data is one global sequence of samples: each rank trains its equal part of every
+global batch (``--global-batch-size``, default ``--batch-size`` x world size).  With
+``--checkpoint-dir`` the run checkpoints every ``--checkpoint-every`` steps and resumes
+from the newest complete checkpoint when started again -- on any number of ranks,
+with the tables resharded and the global batch kept (docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from typing import Any
@@ -28,21 +35,27 @@ from tqdm import tqdm
 
 from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training
 from hstu_tasks import init_distributed, leave_and_exit, quiet_torchrec
+from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device
 from hstu_tasks.runners import parameter_checksum, parameter_digest
-from hstu_tasks.sparse.dlrm import DLRM_PIPELINES, run_dlrm
+from hstu_tasks.sparse.dlrm import DLRM_PIPELINES, DLRMRun, run_dlrm
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="training batches per rank")
+    parser.add_argument("--steps", type=int, default=40,
+                        help="the job's training steps in all (a resumed run continues to it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pipeline", choices=DLRM_PIPELINES, default="aiopipe",
                         help="aiopipe-S: aiopipe's schedule S; torchrec-S: torchrec's class "
                              "for it; aiopipe, torchrec: sparse-dist; none: a plain loop")
     parser.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
                         help="for the tables (fused into backward) and the dense part")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32,
+                        help="samples per rank a step, when --global-batch-size is not given "
+                             "(or with --keep-rank-batch)")
+    parser.add_argument("--sharding", choices=("table_wise", "row_wise"), default="table_wise",
+                        help="torchrec's plan for the embedding tables")
     parser.add_argument("--start-batch", type=int, metavar="N",
                         help="semi-sync: the step from which it is semi-synchronous "
                              "(torchrec's default: 900)")
@@ -59,7 +72,9 @@ def parse_args() -> argparse.Namespace:
                         help="an evaluation pass of --eval-batches batches after every N "
                              "training steps (0: none)")
     parser.add_argument("--eval-batches", type=int, default=4, metavar="M")
-    parser.add_argument("--json", metavar="PATH", help="write losses, checksum and speed here")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write losses, checksum, samples digest and speed here")
+    ResumableJob.add_arguments(parser)
     return parser.parse_args()
 
 
@@ -91,51 +106,73 @@ def schedule_knobs(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     args = parse_args()
     # Refuse what cannot run before joining the group (the other ranks would wait).
-    if min(args.steps, args.eval_batches, args.grad_accumulation) < 1 or args.eval_every < 0:
-        raise SystemExit("train_dlrm.py: --steps, --eval-batches and --grad-accumulation "
-                         "must be >= 1, --eval-every >= 0")  # fmt: skip
+    if min(args.eval_batches, args.grad_accumulation, args.checkpoint_every) < 1 or \
+            min(args.steps, args.eval_every) < 0:
+        raise SystemExit("train_dlrm.py: --eval-batches, --grad-accumulation and "
+                         "--checkpoint-every must be >= 1, --steps and --eval-every >= 0")
     knobs = schedule_knobs(args)
     if args.eval_every and args.pipeline.startswith("torchrec"):
         raise SystemExit("train_dlrm.py: --eval-every needs an aiopipe pipeline or none: "
                          "each of torchrec's train pipelines would forward its training "
                          "batches in flight as evaluation batches")  # fmt: skip
+    if args.checkpoint_dir and args.grad_accumulation > 1:
+        raise SystemExit("train_dlrm.py: --checkpoint-dir with --grad-accumulation: a "
+                         "checkpoint inside a group would lose its accumulated gradients")
     quiet_torchrec()
-    rank, world = init_distributed()
-    config = DLRMConfig(batch_size=args.batch_size)
-    setup = build_dlrm_training(config, args.optimizer, seed=args.seed, device=default_device())
-    data = SyntheticDLRMData(config, args.steps, seed=args.seed, rank=rank)
-    bar = tqdm(total=args.steps, disable=rank != 0, unit="step", file=sys.stdout)
+    rank, world = init_distributed(datetime.timedelta(seconds=args.collective_timeout))
+    job: ResumableJob[Any] = ResumableJob(args, rank=rank, world_size=world)
+    config = DLRMConfig(batch_size=job.rank_batch)
+    setup = build_dlrm_training(config, args.optimizer, seed=args.seed, device=default_device(),
+                                sharding=args.sharding)  # fmt: skip
+    job.restore(setup)  # resharded onto this job's ranks: its data position is global
+    data = SyntheticDLRMData(config, max(args.steps - job.start, 0), seed=args.seed, rank=rank,
+                             world_size=world, sample_offset=job.samples_consumed)  # fmt: skip
     if rank == 0:
         accumulation = (f", gradients accumulated over {args.grad_accumulation} batches"
                         if args.grad_accumulation > 1 else "")  # fmt: skip
-        print(f"DLRM: {args.pipeline}, {world} rank(s) on {setup.device}, {args.steps} steps, "
-              f"{args.optimizer}{accumulation}", flush=True)  # fmt: skip
+        print(f"DLRM: {args.pipeline}, {world} rank(s) on {setup.device}, tables "
+              f"{args.sharding.replace('_', '-')}, {args.steps} steps, global batch "
+              f"{job.global_batch} ({job.rank_batch} per rank), {args.optimizer}{accumulation}"
+              f"{job.resumed_note()}", flush=True)  # fmt: skip
+    bar = tqdm(total=args.steps, initial=job.start, disable=rank != 0, unit="step",
+               file=sys.stdout)  # fmt: skip
 
-    def eval_after(step: int) -> Any:
+    def eval_after(step: int) -> Any:  # at a progress boundary: the model has `position` steps
         bar.update(1)
-        if args.eval_every and step % args.eval_every == 0:
-            seed = args.seed + 1 + step // args.eval_every  # a fresh eval set per pass
+        job.after_step(step, setup, result.global_losses)
+        position = job.start + step
+        if args.eval_every and position % args.eval_every == 0:
+            seed = args.seed + 1 + position // args.eval_every  # a fresh eval set per pass
             return SyntheticDLRMData(config, args.eval_batches, seed=seed, rank=rank)
         return None
 
-    result = run_dlrm(args.pipeline, setup, [data], eval_after,
-                      grad_accumulation=args.grad_accumulation, knobs=knobs)  # fmt: skip
+    result = DLRMRun()
+    run_dlrm(args.pipeline, setup, [job.source(data)], eval_after, result=result,
+             grad_accumulation=args.grad_accumulation, knobs=knobs)  # fmt: skip
     bar.close()
-    losses = result.global_losses()
+    losses = job.earlier_losses + result.global_losses()
+    samples = job.samples_digest(len(result.losses))
     checksum = parameter_checksum(setup.model)
     digest = parameter_digest(setup.model)
     evaluated = result.global_eval_losses()
-    steps_per_s = len(losses) / result.seconds if result.seconds else 0.0
+    steps_per_s = len(result.losses) / result.seconds if result.seconds else 0.0
     if rank == 0:
-        passes = f", {len(evaluated)} eval passes (last loss {evaluated[-1]:.4f})" if evaluated else ""
-        print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s{passes}, "
-              f"parameter checksum {checksum!r}")  # fmt: skip
+        passes = (f", {len(evaluated)} eval passes (last loss {evaluated[-1]:.4f})"
+                  if evaluated else "")  # fmt: skip
+        if result.losses:
+            ran = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s{passes}"
+        elif job.start:  # a finished checkpointed run started again
+            ran = f"nothing left to run: the checkpoint is at step {job.start} of {args.steps}"
+        else:
+            ran = "no steps run (--steps 0)"
+        print(f"{ran}, parameter checksum {checksum!r}")
         if args.json:
             with open(args.json, "w") as out:
                 json.dump({"pipeline": args.pipeline, "world_size": world, "steps": len(losses),
+                           "resumed_from": job.start, "global_batch_size": job.global_batch,
                            "losses": losses, "eval_losses": evaluated, "checksum": checksum,
-                           "parameters_sha256": digest, "steps_per_s": steps_per_s},
-                          out, indent=1)  # fmt: skip
+                           "samples": samples, "parameters_sha256": digest,
+                           "steps_per_s": steps_per_s}, out, indent=1)  # fmt: skip
     leave_and_exit(0)  # together with the other ranks; see its docstring for why it exits
 
 

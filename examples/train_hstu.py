@@ -17,19 +17,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import signal
 import sys
 
 from tqdm import tqdm
 
 from aiopipe import Tracer
-from aiopipe.checkpoint import CheckpointError, CheckpointManager
 from aiopipe.timeline import write_timeline
-from hstu_tasks import DataConfig, ModelConfig, OptimizerConfig, SyntheticHSTUData
+from hstu_tasks import DataConfig, HSTUBatch, ModelConfig, OptimizerConfig, SyntheticHSTUData
 from hstu_tasks import build_training, init_distributed, leave_and_exit, quiet_torchrec
-from hstu_tasks import restore_training, training_state
-from hstu_tasks.elastic import SampleLedger, rank_batch_size
+from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device, resolve_data_parallel
 from hstu_tasks.runners import PIPELINES, RunResult, parameter_checksum, parameter_digest
 from hstu_tasks.runners import run_pipeline
@@ -53,12 +49,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16,
                         help="samples per rank a step, when --global-batch-size is not given "
                              "(or with --keep-rank-batch)")
-    parser.add_argument("--global-batch-size", type=int, metavar="G",
-                        help="samples per step over all ranks: each rank trains G / world size "
-                             "(default: --batch-size x world size, or the checkpoint's)")
-    parser.add_argument("--keep-rank-batch", action="store_true",
-                        help="on a resize keep --batch-size per rank instead of the global "
-                             "batch: the global batch changes, and so does the optimisation")
     parser.add_argument("--sharding", choices=("row_wise", "table_wise"), default="row_wise",
                         help="torchrec's plan for the embedding tables")
     parser.add_argument("--max-history", type=int, default=48)
@@ -72,40 +62,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeline", metavar="PATH",
                         help="draw three steady-state iterations of the tasks as an SVG here "
                              "(rank 0)")
-    parser.add_argument("--checkpoint-dir", metavar="DIR",
-                        help="checkpoint here and resume from the newest complete checkpoint")
-    parser.add_argument("--checkpoint-every", type=int, default=10, metavar="N")
-    parser.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="a collective waiting longer than this fails the run (a peer died "
-                             "or hangs) instead of hanging it")
-    parser.add_argument("--kill-at", metavar="RANK:STEP",
-                        help="fault injection for tests: SIGKILL rank RANK right after step "
-                             "STEP, on the first attempt only (torchrun restarts it)")
+    ResumableJob.add_arguments(parser)
     return parser.parse_args()
-
-
-def kill_hook(spec: str | None, rank: int) -> tuple[int, int] | None:
-    if spec is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    kill_rank, kill_step = (int(part) for part in spec.split(":"))
-    return (kill_rank, kill_step) if kill_rank == rank else None
-
-
-def global_batch_size(args: argparse.Namespace, world: int, saved: dict[str, object]) -> int:
-    """The samples per step over all ranks: kept across a resize (the checkpoint's)
-    unless given or ``--keep-rank-batch``."""
-    if args.keep_rank_batch:
-        return int(args.batch_size) * world
-    saved_global = saved.get("global_batch_size")
-    if args.global_batch_size is not None:
-        if saved_global is not None and saved_global != args.global_batch_size:
-            raise ValueError(
-                f"the checkpoint was trained with global batch {saved_global}, not "
-                f"{args.global_batch_size}: pass --global-batch-size {saved_global}, or "
-                f"--keep-rank-batch to change it"
-            )
-        return int(args.global_batch_size)
-    return int(saved_global) if isinstance(saved_global, int) else int(args.batch_size) * world
 
 
 def main() -> None:
@@ -129,16 +87,9 @@ def main() -> None:
         raise SystemExit(f"train_hstu.py: {error}") from None
     quiet_torchrec()
     rank, world = init_distributed(datetime.timedelta(seconds=args.collective_timeout))
-    manager = CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
-    latest = manager.latest() if manager else None
-    saved = manager.describe(latest)["meta"] if manager and latest is not None else {}
-    try:
-        global_batch = global_batch_size(args, world, saved)
-        rank_batch = rank_batch_size(global_batch, world)
-    except ValueError as error:  # every rank reads the same checkpoint: all refuse alike
-        raise SystemExit(f"train_hstu.py: {error}") from None
+    job: ResumableJob[HSTUBatch] = ResumableJob(args, rank=rank, world_size=world)
     data_config = DataConfig(
-        batch_size=rank_batch, max_history=args.max_history, num_items=args.num_items,
+        batch_size=job.rank_batch, max_history=args.max_history, num_items=args.num_items,
         length_distribution=args.lengths,
     )  # fmt: skip
     data_parallel = "torch" if needs_sharded_torch_ddp else args.data_parallel
@@ -146,44 +97,26 @@ def main() -> None:
                            seed=args.seed, data_parallel=data_parallel,
                            shard_embeddings=not args.replicate_tables,
                            sharding=args.sharding)  # fmt: skip
-    # The checkpoint is resharded onto this job's ranks: its data position is global.
-    try:
-        start, meta = restore_training(setup, manager, any_world_size=True) if manager else (0, {})
-    except CheckpointError as error:  # e.g. a table of another size: every rank refuses
-        raise SystemExit(f"train_hstu.py: {error}") from None
-    earlier_losses: list[float] = meta.get("losses", [])
-    consumed = int(meta.get("samples_consumed", start * global_batch))  # older: same width
-    data = SyntheticHSTUData(data_config, max(args.steps - start, 0), seed=args.seed, rank=rank,
-                             world_size=world, sample_offset=consumed)  # fmt: skip
-    ledger = SampleLedger(data, meta.get("samples_sha256", ""))
+    job.restore(setup)  # resharded onto this job's ranks: its data position is global
+    data = SyntheticHSTUData(data_config, max(args.steps - job.start, 0), seed=args.seed,
+                             rank=rank, world_size=world,
+                             sample_offset=job.samples_consumed)  # fmt: skip
     if rank == 0:
-        resumed = f", resuming after step {start}" if start else ""
-        if start and meta.get("world_size", world) != world:
-            resumed += f" (written by {meta['world_size']} ranks, resharded)"
         print(f"HSTU ranking: {args.pipeline}, {world} rank(s) on {setup.device}, "
               f"{setup.data_parallel} DDP, tables {'sharded' if setup.sharded else 'replicated'}, "
-              f"{args.steps} steps, global batch {global_batch} ({rank_batch} per rank), "
-              f"{args.optimizer}{resumed}",
+              f"{args.steps} steps, global batch {job.global_batch} ({job.rank_batch} per rank), "
+              f"{args.optimizer}{job.resumed_note()}",
               flush=True)  # fmt: skip
-    bar = tqdm(total=args.steps, initial=start, disable=rank != 0, unit="step", file=sys.stdout)
+    bar = tqdm(total=args.steps, initial=job.start, disable=rank != 0, unit="step",
+               file=sys.stdout)  # fmt: skip
     result = RunResult()
-    kill = kill_hook(args.kill_at, rank)
 
-    def on_step(step: int) -> None:  # at a progress boundary: the model has `position` steps
+    def on_step(step: int) -> None:  # at a progress boundary: the model has `step` more steps
         bar.update(1)
-        position = start + step
-        if manager is not None and position % args.checkpoint_every == 0:
-            losses = earlier_losses + result.global_losses()
-            manager.save(position, training_state(setup), meta={
-                "losses": losses, "world_size": world, "global_batch_size": global_batch,
-                "samples_consumed": consumed + step * global_batch,
-                "samples_sha256": ledger.fold(step),
-            })  # fmt: skip
-        if kill is not None and position == kill[1]:
-            os.kill(os.getpid(), signal.SIGKILL)
+        job.after_step(step, setup, result.global_losses)
 
     tracer = Tracer() if args.trace or args.timeline else None
-    run_pipeline(args.pipeline, setup, ledger.source(), on_step=on_step, tracer=tracer,
+    run_pipeline(args.pipeline, setup, job.source(data), on_step=on_step, tracer=tracer,
                  result=result)  # fmt: skip
     bar.close()
     if tracer is not None and args.trace:
@@ -193,28 +126,28 @@ def main() -> None:
     if tracer is not None and args.timeline and rank == 0 and len(tracer) == 0:
         print("no steps ran in this attempt: no timeline drawn")
     elif tracer is not None and args.timeline and rank == 0:
-        middle = (args.steps - start) // 2
+        middle = (args.steps - job.start) // 2
         write_timeline(tracer.spans, args.timeline, iterations=(middle, middle + 2),
                        title=f"HSTU step, {args.pipeline}, rank 0 of {world}, "
                              f"iterations {middle}-{middle + 2}")  # fmt: skip
         print(f"timeline of iterations {middle}-{middle + 2} drawn in {args.timeline}")
-    losses = earlier_losses + result.global_losses()
-    samples = ledger.fold(len(result.loss_sums))
+    losses = job.earlier_losses + result.global_losses()
+    samples = job.samples_digest(len(result.loss_sums))
     checksum = parameter_checksum(setup.model)
     digest = parameter_digest(setup.model)
     steps_per_s = len(result.loss_sums) / result.seconds if result.seconds else 0.0
     if rank == 0:
         if result.loss_sums:
             ran = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s"
-        elif start:  # a finished checkpointed run started again
-            ran = f"nothing left to run: the checkpoint is at step {start} of {args.steps}"
+        elif job.start:  # a finished checkpointed run started again
+            ran = f"nothing left to run: the checkpoint is at step {job.start} of {args.steps}"
         else:
             ran = "no steps run (--steps 0)"
         print(f"{ran}, parameter checksum {checksum!r}")
         if args.json:
             with open(args.json, "w") as out:
                 json.dump({"pipeline": args.pipeline, "world_size": world, "steps": len(losses),
-                           "resumed_from": start, "global_batch_size": global_batch,
+                           "resumed_from": job.start, "global_batch_size": job.global_batch,
                            "losses": losses, "checksum": checksum, "samples": samples,
                            "parameters_sha256": digest,
                            "steps_per_s": steps_per_s}, out, indent=1)  # fmt: skip

@@ -1,15 +1,19 @@
-"""Checkpointing the HSTU training state: sharded model, fused embedding optimizer
-and dense optimizer, through :class:`aiopipe.checkpoint.CheckpointManager`."""
+"""Checkpointing a sharded training state -- the model, the embedding optimizer fused
+into its backward and the dense optimizer -- of the HSTU and DLRM set-ups, through
+:class:`aiopipe.checkpoint.CheckpointManager`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import torch.distributed as dist
 
 from aiopipe.checkpoint import CheckpointManager, materialize_optimizer_state
 
 from .parallel import TrainingSetup
 
-__all__ = ("restore_training", "training_state")
+__all__ = ("JobCheckpoints", "dense_optimizer", "restore_training", "training_state")
 
 
 def training_state(setup: TrainingSetup) -> dict[str, Any]:
@@ -25,8 +29,26 @@ def training_state(setup: TrainingSetup) -> dict[str, Any]:
     return {
         "model": setup.model.state_dict(),
         "fused_optimizer": setup.model.fused_optimizer.state_dict(),
-        "dense_optimizer": setup.optimizer.state_dict(),
+        "dense_optimizer": dense_optimizer(setup).state_dict(),
     }
+
+
+def dense_optimizer(setup: TrainingSetup) -> Any:
+    """The optimizer of the dense parameters: the set-up's own (HSTU), or the part of
+    torchrec's ``CombinedOptimizer`` that is not the fused one (DLRM).  Saved apart
+    from the fused optimizer because a table-wise rank's fused state holds only its
+    own tables, while the dense state is the same on every rank."""
+    parts = getattr(setup.optimizer, "optimizers", None)  # torchrec's CombinedOptimizer
+    if parts is None:
+        return setup.optimizer
+    fused = setup.model.fused_optimizer
+    dense = [optimizer for _, optimizer in parts if optimizer is not fused]
+    if len(dense) != 1:
+        raise NotImplementedError(
+            f"a combined optimizer of {len(parts)} parts: checkpoints expect the fused "
+            f"one and one dense optimizer"
+        )
+    return dense[0]
 
 
 def restore_training(
@@ -42,10 +64,51 @@ def restore_training(
     step = manager.latest()
     if step is None:
         return 0, {}
-    materialize_optimizer_state(setup.optimizer)  # Adam creates its moments lazily
+    dense = dense_optimizer(setup)
+    materialize_optimizer_state(dense)  # Adam creates its moments lazily
     state = training_state(setup)
     meta = manager.load(step, state, any_world_size=any_world_size)
     setup.model.load_state_dict(state["model"])
     setup.model.fused_optimizer.load_state_dict(state["fused_optimizer"])
-    setup.optimizer.load_state_dict(state["dense_optimizer"])
+    dense.load_state_dict(state["dense_optimizer"])
     return step, meta
+
+
+class JobCheckpoints:
+    """A training job's checkpoints under ``directory`` with a global data position
+    (the examples' ``--checkpoint-dir``): one every ``every`` steps, carrying the
+    job's history -- per-step global losses, samples consumed and their SHA-256 --
+    so that a job resumed on any number of ranks goes on where it stopped.
+
+    Every rank constructs it and calls its methods together (they are collectives).
+    ``saved`` is the newest checkpoint's meta, read before the model is built (to
+    size the batches), ``{}`` when there is none."""
+
+    def __init__(self, directory: str, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"a checkpoint every {every} steps: it must be >= 1")
+        self.manager = CheckpointManager(directory)
+        self.every = every
+        latest = self.manager.latest()
+        record = self.manager.describe(latest) if latest is not None else {}
+        self.saved: dict[str, Any] = dict(record.get("meta", {}))
+        self.saved_world_size: int | None = record.get("world_size")
+
+    def restore(self, setup: TrainingSetup) -> tuple[int, dict[str, Any]]:
+        """Load the newest checkpoint into ``setup``, resharded onto this job's ranks;
+        its step (0: none) and meta."""
+        return restore_training(setup, self.manager, any_world_size=True)
+
+    def save_if_due(self, position: int, setup: TrainingSetup, *, losses: list[float],
+                    global_batch_size: int, samples_consumed: int,
+                    samples_sha256: Callable[[], str]) -> bool:  # fmt: skip
+        """Checkpoint step ``position`` when it is a multiple of ``every``;
+        ``samples_sha256`` is called only then (it is a collective)."""
+        if position % self.every:
+            return False
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.manager.save(position, training_state(setup), meta={
+            "losses": losses, "world_size": world_size, "global_batch_size": global_batch_size,
+            "samples_consumed": samples_consumed, "samples_sha256": samples_sha256(),
+        })  # fmt: skip
+        return True

@@ -19,6 +19,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
+from .global_order import GlobalOrder
+
 __all__ = ("DataConfig", "HSTUBatch", "SyntheticHSTUData", "check_batch")
 
 
@@ -157,19 +159,11 @@ class SyntheticHSTUData:
     ) -> None:
         if num_batches < 0:
             raise ValueError(f"num_batches must be >= 0, got {num_batches}")
-        if world_size is not None and not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        if sample_offset < 0 or (sample_offset and world_size is None):
-            raise ValueError(
-                f"sample_offset must be >= 0 and needs world_size (the global order), got "
-                f"{sample_offset} with world_size={world_size}"
-            )
+        self.order = GlobalOrder.of(rank, world_size, sample_offset)
         self.config = config
         self.num_batches = num_batches
         self.seed = seed
         self.rank = rank
-        self.world_size = world_size
-        self.sample_offset = sample_offset
 
     def __len__(self) -> int:
         return self.num_batches
@@ -186,14 +180,12 @@ class SyntheticHSTUData:
 
     def sample_ids(self, index: int) -> range:
         """The global ids of the samples in this rank's batch ``index`` (global order)."""
-        if self.world_size is None:
+        if self.order is None:
             raise ValueError("per-rank data has no global sample ids: pass world_size")
-        size = self.config.batch_size
-        first = self.sample_offset + (index * self.world_size + self.rank) * size
-        return range(first, first + size)
+        return self.order.sample_ids(index, self.config.batch_size)
 
     def batch(self, index: int) -> HSTUBatch:
-        if self.world_size is not None:
+        if self.order is not None:
             return self._global_batch(index)
         config = self.config
         generator = torch.Generator().manual_seed(

@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
@@ -53,6 +54,7 @@ __all__ = (
     "default_device",
     "global_loss",
     "init_distributed",
+    "fill_tables",
     "initialize_tables",
     "plain_train_step",
     "resolve_data_parallel",
@@ -233,28 +235,34 @@ def shard_model(
 def initialize_tables(
     model: torch.nn.Module, model_config: ModelConfig, data_config: DataConfig, seed: int
 ) -> None:
-    """Give the tables weights that depend on ``seed`` only, not on the plan or the
-    world size: torchrec initialises each shard from the rank's random stream, so
-    a table's rows would differ between a 1-rank and a 2-rank job (and a resized
-    job could not be compared with an uninterrupted one).  Each rank draws the whole
-    table and keeps its shards' rows: fine for these tables, a cost for huge ones."""
-    rows = {"item_table": data_config.num_items, "action_table": data_config.num_actions}
+    """The HSTU tables' weights from ``seed`` only (:func:`fill_tables`)."""
+    fill_tables(model, {"item_table": (data_config.num_items, model_config.embedding_dim),
+                        "action_table": (data_config.num_actions, model_config.embedding_dim)},
+                seed)  # fmt: skip
+
+
+def fill_tables(model: torch.nn.Module, shapes: Mapping[str, tuple[int, int]], seed: int) -> None:
+    """Give the tables named in ``shapes`` (rows, dim) weights that depend on ``seed``
+    only, not on the plan or the world size: torchrec initialises each shard from
+    the rank's random stream, so a table's rows would differ between a 1-rank and a
+    2-rank job (and a resized job could not be compared with an uninterrupted one).
+    Each rank draws every whole table and keeps its shards' rows: fine for these
+    tables, a cost for huge ones."""
     state = model.state_dict()
     with torch.no_grad():
-        for number, (table, count) in enumerate(rows.items()):
+        for number, (table, (rows, dim)) in enumerate(shapes.items()):
             generator = torch.Generator().manual_seed(seed * 1_000_003 + number)
-            bound = (1.0 / count) ** 0.5  # torchrec's default init range
-            full = torch.empty(count, model_config.embedding_dim).uniform_(
-                -bound, bound, generator=generator
-            )
+            bound = (1.0 / rows) ** 0.5  # torchrec's default init range
+            full = torch.empty(rows, dim).uniform_(-bound, bound, generator=generator)
             for name, value in state.items():
-                if not name.endswith(f"embeddings.{table}.weight"):
+                if not name.endswith(f".{table}.weight"):
                     continue
                 if not hasattr(value, "local_shards"):  # a whole table: one of the plan's
                     value.copy_(full)
                     continue
                 for shard in value.local_shards():
-                    (row, column), (height, width) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    (row, column) = shard.metadata.shard_offsets
+                    (height, width) = shard.metadata.shard_sizes
                     shard.tensor.copy_(full[row : row + height, column : column + width])
     model.load_state_dict(state)  # the shards' tensors may be copies, not views
 

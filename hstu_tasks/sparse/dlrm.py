@@ -34,6 +34,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelinePT2
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDistLite
+from torchrec.distributed.types import ShardingType
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -42,7 +43,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from aiopipe import run
 
-from ..parallel import TrainingSetup
+from ..global_order import GlobalOrder
+from ..parallel import Sharding, TrainingSetup, fill_tables
 from ._torchrec import torchrec_classes_on_cpu
 from .pipeline import SparseDistPipeline
 from .schedules import TrainSchedule, train_schedule
@@ -101,9 +103,29 @@ class DLRMConfig:
 
 class SyntheticDLRMData(torch.utils.data.Dataset[Batch]):
     """``num_batches`` batches for one rank (a map-style dataset: a ``DataLoader``
-    with ``batch_size=None`` hands them out as they are)."""
+    with ``batch_size=None`` hands them out as they are).
 
-    def __init__(self, config: DLRMConfig, num_batches: int, *, seed: int = 0, rank: int = 0) -> None:
+    Without ``world_size``, batch ``i`` depends only on (seed, rank, i).  With it, the
+    data is one global sequence of samples, sample ``n`` depending only on (seed, n):
+    global batch ``i`` holds samples ``sample_offset + i * G`` onwards (``G =
+    config.batch_size * world_size``) and rank ``r`` takes its ``r``-th equal part, so
+    jobs of any world size with the same global batch train the same samples, and
+    ``sample_offset`` resumes a job where a checkpoint of any world size stopped.
+    """
+
+    def __init__(
+        self,
+        config: DLRMConfig,
+        num_batches: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int | None = None,
+        sample_offset: int = 0,
+    ) -> None:
+        if num_batches < 0:
+            raise ValueError(f"num_batches must be >= 0, got {num_batches}")
+        self.order = GlobalOrder.of(rank, world_size, sample_offset)
         self.config, self.num_batches, self.seed, self.rank = config, num_batches, seed, rank
 
     def __len__(self) -> int:
@@ -115,6 +137,8 @@ class SyntheticDLRMData(torch.utils.data.Dataset[Batch]):
     def __getitem__(self, index: int) -> Batch:
         if not 0 <= index < self.num_batches:
             raise IndexError(f"batch {index} of {self.num_batches}")
+        if self.order is not None:
+            return self._global_batch(index)
         config = self.config
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.rank) * 1_000_033 + index)
         size, tables = config.batch_size, config.num_tables
@@ -125,13 +149,78 @@ class SyntheticDLRMData(torch.utils.data.Dataset[Batch]):
         labels = (dense[:, 0] + 0.5 * torch.randn(size, generator=generator) > 0).long()
         return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
 
+    batch = __getitem__  # the name SampleLedger reads batches by
+
+    def sample_ids(self, index: int) -> range:
+        """The global ids of the samples in this rank's batch ``index``."""
+        if self.order is None:
+            raise ValueError("per-rank data has no global sample ids: pass world_size")
+        return self.order.sample_ids(index, self.config.batch_size)
+
+    def _global_batch(self, index: int) -> Batch:
+        """Every value of a sample is a hash of (seed, sample id, slot), so a sample
+        does not depend on the batch (hence the world size) it falls in; vectorised
+        over the batch (a generator per sample would cost ten times more)."""
+        config = self.config
+        ids = self.sample_ids(index)
+        tables, most = config.num_tables, config.max_ids_per_feature
+        slots = 2 * config.num_dense + 2 + tables + tables * most
+        bits = _sample_bits(self.seed, torch.arange(ids.start, ids.stop), slots)
+        normals = _normals(bits[:, : 2 * config.num_dense + 2])
+        dense, noise = normals[:, : config.num_dense], normals[:, config.num_dense]
+        counts = 1 + bits[:, -tables * (most + 1) : -tables * most] % most  # [B, T]
+        choices = (bits[:, -tables * most :] % config.num_embeddings).view(-1, tables, most)
+        taken = torch.arange(most) < counts.unsqueeze(-1)  # [B, T, M]
+        # a KeyedJaggedTensor is feature-major: every sample's ids of feature 0 first
+        values = choices.transpose(0, 1)[taken.transpose(0, 1)]
+        sparse = KeyedJaggedTensor.from_lengths_sync(
+            keys=config.features, values=values, lengths=counts.t().reshape(-1)
+        )
+        labels = (dense[:, 0] + 0.5 * noise > 0).long()
+        return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
+
+
+_MASK_63 = (1 << 63) - 1
+
+
+def _sample_bits(seed: int, samples: torch.Tensor, slots: int) -> torch.Tensor:
+    """``[len(samples), slots]`` non-negative 63-bit hashes of (seed, sample, slot):
+    murmur3's 64-bit finaliser on int64 (multiplication wraps; the shifts are made
+    logical by masking)."""
+    x = (samples.unsqueeze(1) * slots + torch.arange(slots)) ^ (seed * 0x9E3779B97F4A7C15 & _MASK_63)
+    # 0xff51afd7ed558ccd and 0xc4ceb9fe1a85ec53 as signed int64
+    for multiplier in (-49064778989728563, -4265267296055464877):
+        x = (x ^ ((x >> 33) & ((1 << 31) - 1))) * multiplier
+    return (x ^ ((x >> 33) & ((1 << 31) - 1))) & _MASK_63
+
+
+def _normals(bits: torch.Tensor) -> torch.Tensor:
+    """Standard normals (float32) from pairs of hashed columns, by Box-Muller."""
+    uniform = ((bits >> 10).double() + 0.5) / float(1 << 53)  # in (0, 1)
+    first, second = uniform[:, 0::2], uniform[:, 1::2]
+    return (torch.sqrt(-2.0 * torch.log(first)) * torch.cos(2.0 * torch.pi * second)).float()
+
+
+class RowWiseOnCPUSharder(EmbeddingBagCollectionSharder):
+    """torchrec's sharder of an ``EmbeddingBagCollection``, row-wise plans allowed on
+    a CPU: torchrec offers them for CUDA only, but its row-wise pooled sharding runs
+    on gloo too, and a CPU job then has a plan that splits every table's rows."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = list(super().sharding_types(compute_device_type))
+        if ShardingType.ROW_WISE.value not in types:
+            types.append(ShardingType.ROW_WISE.value)
+        return types
+
 
 def build_dlrm_training(
-    config: DLRMConfig, optimizer: Optimizer = "sgd", *, seed: int = 0, device: torch.device | str = "cpu"
-) -> TrainingSetup:
-    """torchrec's DLRM with table-wise sharded tables (``optimizer`` fused into their
-    backward) and a dense ``optimizer`` of the same kind, combined torchrec's way;
-    identical on every call with the same arguments."""
+    config: DLRMConfig, optimizer: Optimizer = "sgd", *, seed: int = 0,
+    device: torch.device | str = "cpu", sharding: Sharding = "table_wise",
+) -> TrainingSetup:  # fmt: skip
+    """torchrec's DLRM with its tables sharded by ``sharding`` (``optimizer`` fused
+    into their backward) and a dense ``optimizer`` of the same kind, combined
+    torchrec's way; identical on every call with the same arguments.  The initial
+    weights depend on ``seed`` only, not on the plan or the world size."""
     if not dist.is_initialized():
         raise RuntimeError("call init_distributed() (or run under torchrun) first")
     device = torch.device(device)
@@ -150,13 +239,15 @@ def build_dlrm_training(
         over_arch_layer_sizes=list(config.over_arch), dense_device=device,
     ))  # fmt: skip
     apply_optimizer_in_backward(kind, model.model.sparse_arch.parameters(), {"lr": config.lr})
-    sharders = [EmbeddingBagCollectionSharder()]
-    constraints = {table.name: ParameterConstraints(sharding_types=["table_wise"]) for table in tables}
+    sharders: list[Any] = [RowWiseOnCPUSharder()]
+    constraints = {table.name: ParameterConstraints(sharding_types=[sharding]) for table in tables}
     topology = Topology(world_size=dist.get_world_size(), compute_device=device.type)
     plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
         model, sharders, dist.GroupMember.WORLD
     )
     sharded = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    fill_tables(sharded, {table.name: (table.num_embeddings, table.embedding_dim)
+                          for table in tables}, seed)  # fmt: skip
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(sharded.named_parameters())),
                                   lambda params: kind(params, lr=config.lr))  # fmt: skip
     return TrainingSetup(sharded, CombinedOptimizer([sharded.fused_optimizer, dense]), device)
@@ -197,7 +288,8 @@ EvalPlan = Callable[[int], "Iterable[Batch] | None"]
 def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]],
              eval_after: EvalPlan = lambda step: None, *,
              end_together: bool | None = None, grad_accumulation: int = 1,
-             knobs: Mapping[str, Any] | None = None) -> DLRMRun:  # fmt: skip
+             knobs: Mapping[str, Any] | None = None,
+             result: DLRMRun | None = None) -> DLRMRun:  # fmt: skip
     """Train every batch of every epoch with ``mode``; after step ``s`` evaluate the
     batches ``eval_after(s)`` returns (torchrec's classes refuse eval passes: they
     would forward the training batches in flight as evaluation).  ``end_together``
@@ -205,12 +297,13 @@ def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]]
     after every k-th batch of an epoch and after its last (torchrec's classes in its
     ``GradientAccumulationWrapper``, reset for every epoch).  ``knobs``: torchrec's
     constructor arguments of the schedule's class (``{"start_batch": 2}`` for
-    semi-sync), to both its class and aiopipe's schedule."""
+    semi-sync), to both its class and aiopipe's schedule.  ``result``: record into
+    this one (``eval_after`` may read the losses so far), else a new one."""
     if mode not in DLRM_PIPELINES:
         raise ValueError(f"unknown pipeline {mode!r}; choose from {DLRM_PIPELINES}")
     runner, _, name = mode.partition("-")
     schedule = train_schedule(name or "sparse-dist", knobs)  # refuses knobs it lacks
-    result = DLRMRun()
+    result = DLRMRun() if result is None else result
     start = time.perf_counter()
     if runner == "aiopipe":
         run(_aiopipe(setup, epochs, eval_after, result, schedule, end_together,
