@@ -205,6 +205,11 @@ def pt2() -> SchedulablePipeline:
     return sparse_dist("pt2")
 
 
+def prefetch() -> SchedulablePipeline:
+    """torchrec's ``PrefetchTrainPipelineSparseDist`` as a schedule."""
+    return sparse_dist("prefetch")
+
+
 def broken() -> Schedule:
     """A schedule the validator rejects (rule 7): ``backward`` waits for
     ``step`` in the same progress, and ``step`` reads what ``backward`` writes."""

@@ -6,8 +6,8 @@ process by default; ``torchrun --nproc-per-node 2 examples/train_dlrm.py`` for t
 ranks on gloo.  Every pipeline trains the same model on the same data, so their
 losses and final parameters can be compared (``--json``).  ``--pipeline aiopipe-S``
 runs aiopipe's schedule S (``sparse-dist``, ``lite``, ``base``, ``fused``, ``semi-sync``,
-``pt2``), ``torchrec-S`` torchrec's class for it; ``aiopipe`` and ``torchrec`` are
-sparse-dist.
+``pt2``, ``prefetch``), ``torchrec-S`` torchrec's class for it (``torchrec-prefetch`` on
+a GPU only); ``aiopipe`` and ``torchrec`` are sparse-dist.
 
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe --eval-every 10 --json run.json
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-lite --json lite.json

@@ -101,10 +101,11 @@ class JobCheckpoints:
 
     def save_if_due(self, position: int, setup: TrainingSetup, *, losses: list[float],
                     global_batch_size: int, samples_consumed: int,
-                    samples_sha256: Callable[[], str]) -> bool:  # fmt: skip
-        """Checkpoint step ``position`` when it is a multiple of ``every``;
+                    samples_sha256: Callable[[], str], last: bool = False) -> bool:  # fmt: skip
+        """Checkpoint step ``position`` when it is a multiple of ``every`` or the job's
+        ``last`` (a finished job started again then has nothing to redo);
         ``samples_sha256`` is called only then (it is a collective)."""
-        if position % self.every:
+        if position % self.every and not last:
             return False
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.manager.save(position, training_state(setup), meta={

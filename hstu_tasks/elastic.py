@@ -62,7 +62,8 @@ def rank_batch_size(global_batch_size: int, world_size: int) -> int:
         raise ValueError(
             f"the global batch size {global_batch_size} does not divide into {world_size} "
             f"equal rank batches: pick a multiple of {world_size}, or keep the per-rank batch "
-            f"instead (which changes the global batch, hence the optimisation)"
+            f"instead (the examples' --keep-rank-batch; it changes the global batch, hence "
+            f"the optimisation)"
         )
     return global_batch_size // world_size
 
@@ -119,6 +120,11 @@ def resolve_global_batch(
     global batch (and the optimisation) on a resize.  A request that contradicts the
     checkpoint is refused: it would silently change the optimisation too."""
     if keep_rank_batch:
+        if requested is not None:
+            raise ValueError(
+                f"--keep-rank-batch keeps --batch-size ({rank_batch}) per rank, so the global "
+                f"batch follows from the world size: drop --global-batch-size {requested}"
+            )
         return rank_batch * world_size
     saved_global = saved.get("global_batch_size")
     if requested is not None:
@@ -126,7 +132,7 @@ def resolve_global_batch(
             raise ValueError(
                 f"the checkpoint was trained with global batch {saved_global}, not "
                 f"{requested}: pass --global-batch-size {saved_global}, or --keep-rank-batch "
-                f"to change it"
+                f"--batch-size B to train B samples per rank from here on"
             )
         return requested
     return int(saved_global) if isinstance(saved_global, int) else rank_batch * world_size
@@ -239,6 +245,7 @@ class ResumableJob(Generic[BatchT_co]):
         except ValueError as error:
             raise SystemExit(f"{Path(sys.argv[0]).name}: {error}") from None
         self.faults = FaultInjection.from_args(args, rank=rank, world_size=world_size)
+        self.total_steps = int(args.steps)  # the job's last step is checkpointed too
         self.start: int = 0
         self.meta: dict[str, Any] = {}
         self.ledger: SampleLedger[BatchT_co] | None = None
@@ -299,12 +306,14 @@ class ResumableJob(Generic[BatchT_co]):
         return self.ledger.source()
 
     def after_step(self, step: int, setup: Any, losses: Callable[[], list[float]]) -> None:
-        """This run's ``step``-th step is applied: checkpoint it when due (``losses()``:
-        this run's per-step global losses, a collective) and pass the forced points."""
+        """This run's ``step``-th step is applied: checkpoint it when due, or when it is
+        the job's last (``losses()``: this run's per-step global losses, a collective),
+        and pass the forced points."""
         position = self.start + step
         if self.checkpoints is not None:
             self.checkpoints.save_if_due(
-                position, setup, losses=self.earlier_losses + losses(),
+                position, setup, last=position == self.total_steps,
+                losses=self.earlier_losses + losses(),
                 global_batch_size=self.global_batch,
                 samples_consumed=self.samples_consumed + step * self.global_batch,
                 samples_sha256=lambda: self.samples_digest(step),

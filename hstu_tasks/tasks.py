@@ -51,7 +51,7 @@ from aiopipe import Task, TaskContext
 from .megatron import finalize_grads, grad_buffer_chunks, zero_grad_buffers
 from .parallel import global_loss, global_tokens
 from .shuffler import BatchShuffler
-from .sparse.tasks import StepLayout, pipelined_step_tasks
+from .sparse.tasks import StepLayout, pipelined_step_tasks, prefetch_embeddings_task
 from .watchdog import LossWatch
 
 __all__ = ("PipelineState", "build_tasks")
@@ -109,19 +109,6 @@ def build_tasks(state: PipelineState) -> list[Task]:
         if "shuffled_batch" in ctx.slots:
             return
         ctx.slots.set("shuffled_batch", state.shuffler.finish_shuffle(ctx.slots["shuffle_work"]))
-
-    def prefetch_embeddings(ctx: TaskContext) -> None:
-        context = ctx.slots["torchrec_ctx"]
-        for module in state.pipelined_modules:
-            name = module.forward.name
-            dist_input = context.input_dist_tensors_requests.pop(name).wait()
-            module_context = context.module_contexts.pop(name)
-            if state.device.type == "cuda":  # caching kernels exist on GPU only
-                module.prefetch(dist_input=dist_input, forward_stream=state.streams["default"],
-                                ctx=module_context)  # fmt: skip
-            context.module_input_post_prefetch[name] = dist_input
-            context.module_contexts_post_prefetch[name] = module_context
-        ctx.slots.set("prefetched", True)
 
     def zero_grad(ctx: TaskContext) -> None:
         if state.training:
@@ -199,9 +186,6 @@ def build_tasks(state: PipelineState) -> list[Task]:
     ]  # fmt: skip
     if state.prefetch:  # declared after forward: it must follow forward in every progress
         after_wait = [task.name for task in tasks].index("wait_input_dist") + 1
-        tasks.insert(after_wait, Task.from_fn(
-            "prefetch_embeddings", prefetch_embeddings, lookahead=dist_la, stream="prefetch",
-            reads=("dist_ready", "torchrec_ctx"), writes=("prefetched",),
-            same_progress_sync=("forward",),
-        ))  # fmt: skip
+        tasks.insert(after_wait, prefetch_embeddings_task(
+            state, lambda: state.streams["default"], lookahead=dist_la))  # fmt: skip
     return tasks

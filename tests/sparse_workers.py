@@ -14,6 +14,7 @@ import torch
 from conftest import collect
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward
+from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelinedForward
 from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConfig
 from torchrec.distributed.types import ShardedModule
 
@@ -160,6 +161,7 @@ def check_interleaving(rank: int) -> None:
     for mode, plan in [("none", eval_after), ("aiopipe", eval_after),
                        ("aiopipe-fused", eval_after),  # evaluation looks embeddings up too
                        ("aiopipe-semi-sync", eval_after),  # synchronous before step 900
+                       ("aiopipe-prefetch", eval_after),  # evaluation prefetches too
                        ("aiopipe-no-eval", lambda step: None)]:  # fmt: skip
         setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
         run = run_dlrm(mode.removesuffix("-no-eval"), setup, [train_loader] * 3, plan)  # type: ignore[arg-type]
@@ -169,7 +171,8 @@ def check_interleaving(rank: int) -> None:
     assert [len(outputs) for outputs in reference.evaluations] == [3, 2, 3, 3, 3, 4]
     for mode, (run, digest) in runs.items():
         assert (run.losses, digest) == (reference.losses, runs["none"][1]), mode
-    for evaluated, _ in (runs["aiopipe"], runs["aiopipe-fused"], runs["aiopipe-semi-sync"]):
+    for evaluated, _ in (runs["aiopipe"], runs["aiopipe-fused"], runs["aiopipe-semi-sync"],
+                         runs["aiopipe-prefetch"]):  # fmt: skip
         assert len(evaluated.evaluations) == len(reference.evaluations)
         for got, expected in zip(evaluated.evaluations, reference.evaluations):
             assert len(got) == len(expected)
@@ -348,7 +351,37 @@ def family_worker(rank: int, port: int) -> None:
         check_family_member(rank, "semi-sync", knobs={"start_batch": 2, "stash_gradients": stash})
     check_family_member(rank, "pt2", knobs={
         "compile_configs": TorchCompileConfig(backend="aot_eager", compile_on_iter=2)})
+    check_prefetch(rank)
     leave_and_exit(0)
+
+
+def check_prefetch(rank: int, batches: int = 3) -> None:
+    """The prefetch schedule, async and blocking, trains like the plain loop over
+    three passes, bit for bit (torchrec's PrefetchTrainPipelineSparseDist cannot run on
+    a CPU: its prefetch does nothing there and its forwards then fail; the comparison
+    with it is the cuda-marked test in test_sparse_family.py), and on two ranks its
+    step runs on torchrec's prefetch forwards."""
+    epochs = [data(rank, batches)] * EPOCHS
+    plain = build_dlrm_training(CONFIG, "adagrad", seed=3)
+    expected = (run_dlrm("none", plain, epochs).losses, parameter_digest(plain.model))
+    setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
+    run = run_dlrm("aiopipe-prefetch", setup, epochs)
+    assert (run.losses, parameter_digest(setup.model)) == expected
+    setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
+    blocking = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                  schedule="prefetch").blocking()  # fmt: skip
+    try:
+        losses = [float(loss) for epoch in epochs
+                  for loss, _, _ in torchrec_results(blocking, epoch)]  # fmt: skip
+        forwards = {type(module.forward) for module in setup.model.modules()
+                    if isinstance(module, ShardedModule)}  # fmt: skip
+        two_ranks = torch.distributed.get_world_size() > 1  # one: no input to distribute
+        assert runs_rewritten(setup.model) is two_ranks
+        if two_ranks:
+            assert forwards == {PrefetchPipelinedForward}
+    finally:
+        blocking.shutdown()
+    assert (losses, parameter_digest(setup.model)) == expected
 
 
 def check_family_member(rank: int, schedule: str, batches: int = 3,
@@ -390,7 +423,7 @@ def check_family_member(rank: int, schedule: str, batches: int = 3,
 
 def accumulation_worker(rank: int, port: int) -> None:
     join(rank, port)
-    for schedule in ("sparse-dist", "lite", "base", "fused", "semi-sync"):
+    for schedule in ("sparse-dist", "lite", "base", "fused", "semi-sync", "prefetch"):
         check_accumulation(rank, schedule)
     leave_and_exit(0)
 

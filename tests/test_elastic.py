@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from hstu_tasks.elastic import rank_batch_size
+from hstu_tasks.elastic import rank_batch_size, resolve_global_batch
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +125,23 @@ def test_a_global_batch_that_does_not_divide_is_refused() -> None:
         rank_batch_size(7, 2)
 
 
+def test_the_global_batch_is_the_checkpoint_s_unless_the_per_rank_batch_is_kept() -> None:
+    saved = {"global_batch_size": 32}
+    assert resolve_global_batch(requested=None, rank_batch=8, keep_rank_batch=False,
+                                world_size=2, saved=saved) == 32  # fmt: skip
+    assert resolve_global_batch(requested=None, rank_batch=8, keep_rank_batch=True,
+                                world_size=2, saved=saved) == 16  # fmt: skip
+    assert resolve_global_batch(requested=None, rank_batch=8, keep_rank_batch=False,
+                                world_size=2, saved={}) == 16  # fmt: skip
+    with pytest.raises(ValueError, match="pass --global-batch-size 32, or --keep-rank-batch "
+                                         "--batch-size B"):  # fmt: skip
+        resolve_global_batch(requested=16, rank_batch=8, keep_rank_batch=False, world_size=2,
+                             saved=saved)  # fmt: skip
+    with pytest.raises(ValueError, match="drop --global-batch-size 16"):  # would be ignored
+        resolve_global_batch(requested=16, rank_batch=8, keep_rank_batch=True, world_size=2,
+                             saved={})  # fmt: skip
+
+
 @pytest.mark.timeout(300)
 def test_a_checkpoint_of_other_global_shapes_is_refused_by_name(
     reference: tuple[dict[str, Any], Path]
@@ -143,8 +160,10 @@ def test_keep_rank_batch_changes_the_global_batch_and_goes_on_from_the_same_samp
     _, ckpt = reference
     shutil.copytree(ckpt, tmp_path / "ckpt")  # the reference's stays as it was
     out = tmp_path / "run.json"
+    per_rank_only = tuple(arg for arg in COMMON if arg not in ("--global-batch-size", "8"))
     done = train(1, "--steps", "14", "--keep-rank-batch", "--batch-size", "4",
-                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--json", str(out))  # fmt: skip
+                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--json", str(out),
+                 common=per_rank_only)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "global batch 4 (4 per rank)" in done.stdout
     run = report(out)
@@ -320,3 +339,15 @@ def test_dlrm_refuses_checkpoints_inside_a_gradient_accumulation_group(tmp_path:
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "would lose its accumulated gradients" in done.stderr
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_the_job_s_last_step_is_checkpointed_and_a_finished_job_has_nothing_to_redo(
+    tmp_path: Path,
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    done = train_dlrm(1, "--steps", "7", "--checkpoint-dir", str(ckpt))  # every 5: 5, then 7
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(path.name for path in ckpt.iterdir()) == ["step-00000005", "step-00000007"]
+    again = train_dlrm(1, "--steps", "7", "--checkpoint-dir", str(ckpt))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing left to run: the checkpoint is at step 7 of 7" in again.stdout

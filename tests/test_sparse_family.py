@@ -10,6 +10,7 @@ CPU as their device instead of assuming CUDA.  aiopipe's own schedule runs unpat
 
 from __future__ import annotations
 
+import importlib.metadata
 import copy
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,57 @@ def test_each_schedule_declares_its_torchrec_class_s_host_order() -> None:
         "h2d", "start_input_dist", "zero_grad", "forward", "wait_input_dist", "backward",
         "optimizer_step",
     ]  # fmt: skip
+
+
+def test_prefetch_declares_torchrec_s_host_order() -> None:
+    """PrefetchTrainPipelineSparseDist's progress(): zero_grad, the copy of i+2, the
+    input dist of i+1 ends, i's forward, the cache prefetch of i+1 (its own stream),
+    backward, the optimizer step, the input dist of i+2 starts."""
+    assert host_order("prefetch") == [
+        ("zero_grad", 0, "default"), ("h2d", 2, "memcpy"), ("wait_input_dist", 1, "data_dist"),
+        ("forward", 0, "default"), ("prefetch_embeddings", 1, "prefetch"),
+        ("backward", 0, "default"), ("optimizer_step", 0, "default"),
+        ("start_input_dist", 2, "data_dist"),
+    ]  # fmt: skip
+
+
+def test_on_one_rank_the_prefetch_schedule_trains_like_the_plain_loop() -> None:
+    with one_rank_group():
+        sparse_workers.check_prefetch(0)
+
+
+def _fbgemm_has_cuda_kernels() -> bool:
+    """The CUDA build of fbgemm_gpu is installed (the CPU build is ``fbgemm-gpu-cpu``)."""
+    try:
+        importlib.metadata.version("fbgemm_gpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_prefetch_schedule_trains_like_torchrec_s_class() -> None:
+    """The lent-GPU check: UVM-cached tables (rows in host memory, a cache on the GPU
+    the prefetch fills), aiopipe's prefetch schedule against torchrec's
+    PrefetchTrainPipelineSparseDist, per-step losses and parameters bit for bit."""
+    if not _fbgemm_has_cuda_kernels():
+        pytest.skip("needs fbgemm_gpu's CUDA kernels (torchrec's sharded tables on a GPU)")
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 8))
+        outcomes = []
+        for mode in ("torchrec-prefetch", "aiopipe-prefetch"):
+            setup = build_dlrm_training(SMALL, "adagrad", seed=3, device="cuda",
+                                        compute_kernel="fused_uvm_caching")  # fmt: skip
+            run = run_dlrm(mode, setup, [batches, batches])  # type: ignore[arg-type]
+            outcomes.append((run.losses, parameter_digest(setup.model)))
+        assert outcomes[0] == outcomes[1]
+
+
+def test_torchrec_s_prefetch_class_is_refused_on_a_cpu_with_the_reason() -> None:
+    with one_rank_group():
+        setup = build_dlrm_training(DLRMConfig(batch_size=4), "sgd")
+        with pytest.raises(ValueError, match="PrefetchTrainPipelineSparseDist needs a GPU"):
+            run_dlrm("torchrec-prefetch", setup, [SyntheticDLRMData(DLRMConfig(batch_size=4), 2)])
 
 
 def test_fused_looks_up_where_torchrec_s_class_does_in_host_order() -> None:
@@ -248,7 +300,7 @@ def test_base_calls_custom_model_fwd_which_torchrec_s_base_ignores() -> None:
         pipe.shutdown()
 
 
-@pytest.mark.parametrize("schedule", ["lite", "base", "fused", "semi_sync", "pt2"])
+@pytest.mark.parametrize("schedule", ["lite", "base", "fused", "semi_sync", "pt2", "prefetch"])
 def test_the_guide_draws_the_schedule_as_aiopipe_graph_does(
     schedule: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -274,14 +326,16 @@ def test_gradient_accumulation_equals_torchrec_s_wrapper_around_each_class() -> 
     and the plain loop; 7 batches a pass, so each pass ends inside a group.  Not
     torchrec's semi-sync: the wrapper zeroes the gradients at the first ``zero_grad``
     after it starts, expecting it before a forward, and ``TrainPipelineSemiSync``
-    calls it after its step, so the first batch's gradients are lost."""
+    calls it after its step, so the first batch's gradients are lost.  Not torchrec's
+    prefetch class either: it needs a GPU."""
     with one_rank_group():
         epochs = [list(SyntheticDLRMData(SMALL, 7))] * 2
         plain = build_dlrm_training(SMALL, "adagrad", seed=3)
         expected = run_dlrm("none", plain, epochs, grad_accumulation=3).losses
         for schedule in TRAIN_SCHEDULES:
             knobs = PT2 if schedule == "pt2" else None  # inductor's kernels round otherwise
-            for runner in ("aiopipe", "torchrec")[: 1 if schedule == "semi-sync" else 2]:
+            alone = schedule in ("semi-sync", "prefetch")
+            for runner in ("aiopipe", "torchrec")[: 1 if alone else 2]:
                 setup = build_dlrm_training(SMALL, "adagrad", seed=3)
                 losses = run_dlrm(f"{runner}-{schedule}", setup, epochs,  # type: ignore[arg-type]
                                   grad_accumulation=3, knobs=knobs).losses  # fmt: skip

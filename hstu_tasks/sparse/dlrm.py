@@ -28,6 +28,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.train_pipeline.gradient_accumulation import GradientAccumulationConfig
 from torchrec.distributed.train_pipeline.gradient_accumulation import GradientAccumulationWrapper
+from torchrec.distributed.train_pipeline.train_pipelines import PrefetchTrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineBase
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineFusedSparseDist
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelinePT2
@@ -67,6 +68,7 @@ DLRMMode = Literal[
     "aiopipe-sparse-dist", "torchrec-sparse-dist", "aiopipe-lite", "torchrec-lite",
     "aiopipe-base", "torchrec-base", "aiopipe-fused", "torchrec-fused",
     "aiopipe-semi-sync", "torchrec-semi-sync", "aiopipe-pt2", "torchrec-pt2",
+    "aiopipe-prefetch", "torchrec-prefetch",
 ]  # fmt: skip
 DLRM_PIPELINES: tuple[DLRMMode, ...] = get_args(DLRMMode)
 
@@ -78,6 +80,7 @@ TORCHREC_PIPELINES: dict[str, type[Any]] = {
     "fused": TrainPipelineFusedSparseDist,
     "semi-sync": TrainPipelineSemiSync,
     "pt2": TrainPipelinePT2,
+    "prefetch": PrefetchTrainPipelineSparseDist,
 }
 #: torchrec's classes that need CUDA as shipped: on a CPU, their reference runs go
 #: through ``torchrec_classes_on_cpu``.
@@ -187,7 +190,8 @@ def _sample_bits(seed: int, samples: torch.Tensor, slots: int) -> torch.Tensor:
     """``[len(samples), slots]`` non-negative 63-bit hashes of (seed, sample, slot):
     murmur3's 64-bit finaliser on int64 (multiplication wraps; the shifts are made
     logical by masking)."""
-    x = (samples.unsqueeze(1) * slots + torch.arange(slots)) ^ (seed * 0x9E3779B97F4A7C15 & _MASK_63)
+    salt = seed * 0x9E3779B97F4A7C15 & _MASK_63
+    x = (samples.unsqueeze(1) * slots + torch.arange(slots)) ^ salt
     # 0xff51afd7ed558ccd and 0xc4ceb9fe1a85ec53 as signed int64
     for multiplier in (-49064778989728563, -4265267296055464877):
         x = (x ^ ((x >> 33) & ((1 << 31) - 1))) * multiplier
@@ -216,11 +220,15 @@ class RowWiseOnCPUSharder(EmbeddingBagCollectionSharder):
 def build_dlrm_training(
     config: DLRMConfig, optimizer: Optimizer = "sgd", *, seed: int = 0,
     device: torch.device | str = "cpu", sharding: Sharding = "table_wise",
+    compute_kernel: str | None = None,
 ) -> TrainingSetup:  # fmt: skip
     """torchrec's DLRM with its tables sharded by ``sharding`` (``optimizer`` fused
     into their backward) and a dense ``optimizer`` of the same kind, combined
     torchrec's way; identical on every call with the same arguments.  The initial
-    weights depend on ``seed`` only, not on the plan or the world size."""
+    weights depend on ``seed`` only, not on the plan or the world size.
+    ``compute_kernel``: torchrec's kernel for every table (``"fused_uvm_caching"``:
+    rows in host memory behind a cache on the GPU, what the prefetch schedule is
+    for); the planner's choice by default."""
     if not dist.is_initialized():
         raise RuntimeError("call init_distributed() (or run under torchrun) first")
     device = torch.device(device)
@@ -240,7 +248,11 @@ def build_dlrm_training(
     ))  # fmt: skip
     apply_optimizer_in_backward(kind, model.model.sparse_arch.parameters(), {"lr": config.lr})
     sharders: list[Any] = [RowWiseOnCPUSharder()]
-    constraints = {table.name: ParameterConstraints(sharding_types=[sharding]) for table in tables}
+    kernels = None if compute_kernel is None else [compute_kernel]
+    constraints = {
+        table.name: ParameterConstraints(sharding_types=[sharding], compute_kernels=kernels)
+        for table in tables
+    }
     topology = Topology(world_size=dist.get_world_size(), compute_device=device.type)
     plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
         model, sharders, dist.GroupMember.WORLD
@@ -337,6 +349,12 @@ async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_aft
 def _torchrec(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
               result: DLRMRun, pipeline: type[Any], grad_accumulation: int,
               knobs: Mapping[str, Any]) -> None:  # fmt: skip
+    if setup.device.type == "cpu" and pipeline is PrefetchTrainPipelineSparseDist:
+        raise ValueError(
+            "torchrec's PrefetchTrainPipelineSparseDist needs a GPU: on a CPU its prefetch "
+            "does nothing and its forwards find no prefetched input (aiopipe-prefetch runs "
+            "on a CPU)"
+        )
     on_cpu = setup.device.type == "cpu" and issubclass(pipeline, CUDA_ONLY_CLASSES)
     with torchrec_classes_on_cpu() if on_cpu else contextlib.nullcontext():
         pipe = pipeline(setup.model, setup.optimizer, setup.device, **knobs)

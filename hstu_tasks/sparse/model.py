@@ -29,6 +29,7 @@ from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineCo
 from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward
 from torchrec.distributed.train_pipeline.runtime_forwards import EmbeddingPipelinedForward
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelinedForward
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardedModule
 
@@ -220,6 +221,12 @@ class PipelinedModel:
         """Whether the installed forwards read an embedding lookup a task started
         (torchrec's fused schedule) rather than the input distribution."""
         return issubclass(self.forward_type, EmbeddingPipelinedForward)
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether the installed forwards read inputs a prefetch task kept (torchrec's
+        prefetch schedule) rather than the input distribution."""
+        return issubclass(self.forward_type, PrefetchPipelinedForward)
 
     def replace_model(self, model: torch.nn.Module) -> None:
         """``attach(model)``: the pipelines go on with another model."""

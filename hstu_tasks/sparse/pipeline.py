@@ -56,6 +56,7 @@ def _on_shared_rewrite(
         model=model, optimizer=optimizer, device=device, model_fwd=model_fwd,
         evaluation=evaluation, pipelined_modules=shared.modules,
         default_stream=shared.streams["default"], looks_up_embeddings=shared.looks_up_embeddings,
+        prefetches=shared.prefetches,
     )  # fmt: skip
     return shared, state
 

@@ -12,6 +12,8 @@ fused        ``TrainPipelineFusedSparseDist``  sparse-dist, the embedding lookup
 semi-sync    ``TrainPipelineSemiSync``        copy i+3, input dist i+2, lookup i+1 before
                                               step i's update (:func:`semi_sync`)
 pt2          ``TrainPipelinePT2``             Base, the model compiled at step N (:func:`pt2`)
+prefetch     ``PrefetchTrainPipelineSparse    copy and input dist i+2, embedding-cache
+             Dist``                           prefetch i+1, step i
 ===========  ===============================  =============================================
 
 The members share their tasks (``tasks.py``) and differ in where they place them:
@@ -35,6 +37,7 @@ import torch
 from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward
 from torchrec.distributed.train_pipeline.runtime_forwards import InSyncEmbeddingPipelinedForward
 from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelinedForward
 from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConfig
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
@@ -43,10 +46,11 @@ from aiopipe import Task, TaskContext
 from .model import carries_torchrec_rewrite
 from .semi_sync import DetachedEmbeddingForward, build_semi_sync_tasks
 from .tasks import SparseDistState, StepLayout, build_sparse_dist_tasks, embedding_lookup_task
-from .tasks import pipelined_step_tasks, training_tasks
+from .tasks import pipelined_step_tasks, prefetch_embeddings_task, training_tasks
 
 __all__ = ("SCHEDULE_KNOBS", "TRAIN_SCHEDULES", "TrainSchedule", "build_base_tasks",
-           "build_lite_tasks", "fused", "pt2", "semi_sync", "train_schedule")  # fmt: skip
+           "build_lite_tasks", "build_prefetch_tasks", "fused", "pt2", "semi_sync",
+           "train_schedule")  # fmt: skip
 
 
 def build_lite_tasks(state: SparseDistState) -> list[Task]:
@@ -58,6 +62,20 @@ def build_lite_tasks(state: SparseDistState) -> list[Task]:
     train = training_tasks(state)
     return [train["zero_grad"], step["start_input_dist"], step["wait_input_dist"],
             step["forward"], train["backward"], step["h2d"], train["optimizer_step"]]  # fmt: skip
+
+
+def build_prefetch_tasks(state: SparseDistState) -> list[Task]:
+    """torchrec's ``PrefetchTrainPipelineSparseDist``: three batches in flight -- the
+    copy of batch i+2 early in step i and its input distribution started at the end,
+    the input distribution of i+1 finished before the forward of i and its
+    embedding-cache prefetch (UVM-cached tables on a GPU) after it, on a stream of
+    its own -- so the lookup of i+1 finds its rows already in the cache."""
+    step = pipelined_step_tasks(state, StepLayout(forward_input="prefetched",
+                                                  start_with_copy=True))  # fmt: skip
+    train = training_tasks(state)
+    prefetch = prefetch_embeddings_task(state, lambda: state.default_stream)
+    return [train["zero_grad"], step["h2d"], step["wait_input_dist"], step["forward"], prefetch,
+            train["backward"], train["optimizer_step"], step["start_input_dist"]]  # fmt: skip
 
 
 def build_base_tasks(state: SparseDistState) -> list[Task]:
@@ -230,6 +248,8 @@ TRAIN_SCHEDULES: dict[str, TrainSchedule] = {
         fused(),
         semi_sync(),
         pt2(),
+        TrainSchedule("prefetch", "PrefetchTrainPipelineSparseDist", build_prefetch_tasks,
+                      forward_type=PrefetchPipelinedForward),
     )
 }  # fmt: skip
 

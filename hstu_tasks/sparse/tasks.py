@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext
+from torchrec.distributed.train_pipeline.pipeline_context import PrefetchTrainPipelineContext
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 
 from aiopipe import ConfigurationTypeError, Task, TaskContext
@@ -53,6 +54,7 @@ __all__ = (
     "finish_input_dist_splits",
     "look_up_embeddings",
     "pipelined_step_tasks",
+    "prefetch_embeddings_task",
     "training_tasks",
 )
 
@@ -66,7 +68,7 @@ ModelForward = Callable[[Any], "tuple[torch.Tensor, Any]"]
 SPARSE_DIST_THREAD_MAP: dict[str, str] = copies_on_io(
     ("h2d",),
     ("start_input_dist", "zero_grad", "forward", "wait_input_dist", "backward", "optimizer_step",
-     "embedding_lookup", "embedding_lookup_early", "embedding_backward"),
+     "embedding_lookup", "embedding_lookup_early", "embedding_backward", "prefetch_embeddings"),
 )
 
 
@@ -89,6 +91,9 @@ class SparseDistState:
     #: The installed forwards read an embedding lookup a task started (the fused
     #: schedule's rewrite): every schedule on the model runs that task.
     looks_up_embeddings: bool = False
+    #: The installed forwards read inputs a prefetch task kept (the prefetch schedule's
+    #: rewrite): every schedule on the model runs that task.
+    prefetches: bool = False
     #: When ``zero_grad`` clears and ``optimizer_step`` steps (every batch by default).
     accumulation: GradAccumulation = field(default_factory=GradAccumulation)
     #: Training steps since the pipeline was built or ``reset()`` (torchrec's batch
@@ -114,7 +119,10 @@ class SparseDistState:
 
     def create_context(self, index: int) -> TrainPipelineContext:
         """A per-batch torchrec context (version 1: one per batch, never shared), with
-        room for an embedding lookup (the fused schedule's forwards read it there)."""
+        room for an embedding lookup (the fused schedule's forwards read it there) or
+        for the prefetched inputs (the prefetch schedule's)."""
+        if self.prefetches:
+            return PrefetchTrainPipelineContext(index=index, version=1)
         return EmbeddingTrainPipelineContext(index=index, version=1)
 
 
@@ -193,6 +201,9 @@ class StepLayout:
     forward_input: str | None = "dist_ready"
     #: The stream of the input-dist tasks (torchrec's Lite runs them on the default one).
     dist_stream: str = "data_dist"
+    #: ``start_input_dist`` runs at the copy's lookahead, one more than
+    #: ``wait_input_dist`` (torchrec's prefetch class starts it at the end of a step).
+    start_with_copy: bool = False
     #: The tasks of the same batch ``forward`` follows in training (semi-sync zeroes
     #: the gradients after its optimizer step instead).
     forward_after: tuple[str, ...] = ("zero_grad",)
@@ -237,12 +248,13 @@ def pipelined_step_tasks(state: StepState, layout: StepLayout = StepLayout(), *,
         ctx.slots.set("output", output)
 
     io, dist = layout.depth + 1, layout.depth
+    start = io if layout.start_with_copy else dist
     waits_for = () if layout.forward_input is None else (layout.forward_input,)
     return {
         "h2d": Task.from_fn("h2d", h2d, lookahead=io, stream="memcpy", reads=("batch_cpu",),
                             writes=(layout.device_batch, "torchrec_ctx")),
         "start_input_dist": Task.from_fn(
-            "start_input_dist", start_input_dist, lookahead=dist, stream=layout.dist_stream,
+            "start_input_dist", start_input_dist, lookahead=start, stream=layout.dist_stream,
             nccl=True, reads=(batch_slot, "torchrec_ctx"), writes=("dist_started",)),
         "forward": Task.from_fn(
             "forward", forward, nccl=True, reads=(batch_slot, *waits_for),
@@ -325,6 +337,36 @@ def embedding_lookup_task(state: SparseDistState, *, stream: str = "data_dist",
     )  # fmt: skip
 
 
+def prefetch_embeddings_task(state: StepState, forward_stream: Callable[[], Any], *,
+                             lookahead: int = 1) -> Task:  # fmt: skip
+    """torchrec's ``_prefetch``: take each pipelined module's distributed input (its
+    tensors all-to-all waited for), start its embedding-cache prefetch on a GPU
+    (``forward_stream()``: the stream the lookup will run on), and keep the input and
+    the module's context where ``PrefetchPipelinedForward`` reads them.  On a CPU there
+    are no caching kernels, and torchrec's own ``prefetch_embeddings`` does nothing
+    there, leaving its forwards nothing to read: this keeps the inputs anyway."""
+
+    def prefetch_embeddings(ctx: TaskContext) -> None:
+        context = ctx.slots["torchrec_ctx"]
+        for module in state.pipelined_modules:
+            name = module.forward.name
+            dist_input = context.input_dist_tensors_requests.pop(name).wait()
+            module_context = context.module_contexts.pop(name)
+            if state.device.type == "cuda":  # caching kernels exist on a GPU only
+                module.prefetch(dist_input=dist_input, forward_stream=forward_stream(),
+                                ctx=module_context)  # fmt: skip
+            context.module_input_post_prefetch[name] = dist_input
+            context.module_contexts_post_prefetch[name] = module_context
+        ctx.slots.set("prefetched", True)
+
+    # declared after forward, and following this progress's forward on the device
+    return Task.from_fn(
+        "prefetch_embeddings", prefetch_embeddings, lookahead=lookahead, stream="prefetch",
+        reads=("dist_ready", "torchrec_ctx"), writes=("prefetched",),
+        same_progress_sync=("forward",),
+    )  # fmt: skip
+
+
 def build_sparse_dist_tasks(state: SparseDistState, *, lookup_ahead: bool = False) -> list[Task]:
     """torchrec's ``TrainPipelineSparseDist`` step (its ``EvalPipelineSparseDist``'s
     for an evaluation state), in the declaration order that breaks topological ties.
@@ -340,6 +382,11 @@ def build_sparse_dist_tasks(state: SparseDistState, *, lookup_ahead: bool = Fals
                     step["wait_input_dist"], lookup]  # fmt: skip
         return [step["h2d"], step["start_input_dist"], lookup, step["forward"],
                 step["wait_input_dist"]]  # fmt: skip
+    if state.evaluation and state.prefetches:  # the prefetch schedule's forwards
+        step = pipelined_step_tasks(state, StepLayout(forward_input="prefetched"),
+                                    evaluation=True)  # fmt: skip
+        return [step["h2d"], step["start_input_dist"], step["forward"], step["wait_input_dist"],
+                prefetch_embeddings_task(state, lambda: state.default_stream)]  # fmt: skip
     step = pipelined_step_tasks(state, evaluation=state.evaluation)
     if state.evaluation:
         return [step["h2d"], step["start_input_dist"], step["forward"], step["wait_input_dist"]]
