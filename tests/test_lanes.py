@@ -220,3 +220,29 @@ async def test_the_chain_finishing_the_progress_is_handed_over_first() -> None:
     assert handed[0] == ["io"]  # prefill: batches ahead only
     assert [handed[i] for i in range(2, 5)] == [["compute", "io"]] * 3  # steady state
     assert handed[6] == ["compute"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_lane_threads_run_at_a_lower_cpu_priority_than_the_loop() -> None:
+    """A lane thread (and so the OpenMP workers it starts) is LANE_NICE nicer than the
+    thread that made it, so the loop thread wins a busy core when it has work."""
+    import os
+
+    from aiopipe._core.lanes import LANE_NICE, LanePool
+
+    seen: list[int] = []
+    done = threading.Event()
+
+    def read_own_priority() -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        done.set()
+
+    pool = LanePool(1)
+    try:
+        pool.get("compute").submit(read_own_priority)
+        assert done.wait(10)
+    finally:
+        pool.shutdown()
+    loop_thread = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert LANE_NICE == 5  # the default (AIOPIPE_LANE_NICE unset)
+    assert seen == [min(loop_thread + LANE_NICE, 19)]

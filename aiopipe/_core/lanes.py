@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -33,6 +34,25 @@ _STOP = object()
 #: Give up the CPU (and the GIL) to another runnable thread -- a lane just handed its
 #: work -- where the OS can.
 yield_cpu_to_lanes: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
+
+#: How much lower than the loop's a lane thread's CPU priority is (a nice increment;
+#: ``AIOPIPE_LANE_NICE=0`` keeps them equal).  When the lanes and their OpenMP workers
+#: keep every core busy, the kernel then runs the loop thread first the moment it has
+#: work -- the next batch's read-ahead, a timer, a request -- instead of queueing it
+#: behind a lane's time slice.  The OpenMP workers a lane starts inherit it.
+LANE_NICE = max(0, int(os.environ.get("AIOPIPE_LANE_NICE", "5") or 0))
+
+
+def _lower_this_threads_priority(increment: int) -> None:
+    """Raise the calling thread's nice value by ``increment`` (Linux schedules threads
+    one by one; lowering a priority needs no privilege).  Nothing elsewhere."""
+    if increment <= 0 or not sys.platform.startswith("linux"):
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + increment)
+    except OSError:  # a sandbox refusing it: the lanes run at the loop's priority
+        pass
 
 # Counts the fork()s this process came out of: a pool whose lanes were started under
 # another count has their queues here but not their threads.
@@ -83,6 +103,7 @@ class Lane:
             item()  # type: ignore[operator]
 
     def _main(self) -> None:
+        _lower_this_threads_priority(LANE_NICE)
         while True:
             item = self.queue.get()
             if item is _STOP:
