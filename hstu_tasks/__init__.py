@@ -11,6 +11,8 @@ imported here, never in ``aiopipe``):
 * ``tasks`` / ``pipeline`` / ``factory`` -- the fourteen tasks, ``HSTUPipeline`` and
   its named variants;
 * ``checkpoint`` -- saving and restoring the training state at a progress boundary;
+* ``elastic`` -- jobs that resume on any number of ranks (``ResumableJob``), with
+  ``global_order`` -- the one sample order their data is cut from;
 * ``sparse`` -- the generic part, of which the HSTU pipeline is composed: torchrec's
   sparse-dist train and eval pipelines for any sharded model (``SparseDistPipeline``,
   ``SparseDistEvalPipeline``), and torchrec's DLRM, sharded, with synthetic data and

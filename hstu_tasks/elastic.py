@@ -1,10 +1,13 @@
-"""Resizing a job: the global batch rule and the record of the samples consumed.
+"""Resizing a job: the global batch rule, the record of the samples consumed, and the
+resumable side of a training script (:class:`ResumableJob`, which both examples use).
 
 A job that resumes on another number of ranks keeps its data position global: the
 samples consumed, in one global order (``SyntheticHSTUData(..., world_size=...)``,
-``SyntheticDLRMData(..., world_size=...)``).
-Each rank's share of the next global batch follows from that position and the
-current world size, so nothing is skipped or trained twice across a resize.
+``SyntheticDLRMData(..., world_size=...)``).  Each rank's share of the next global
+batch follows from that position and the current world size, so nothing is skipped
+or trained twice across a resize -- a resize by hand, or torchrun's elastic restart
+when a node leaves or joins (docs/fault-tolerance.md).  :class:`FaultInjection` holds
+the forced points the tests of both use.
 """
 
 from __future__ import annotations
