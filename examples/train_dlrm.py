@@ -159,12 +159,8 @@ def main() -> None:
     if rank == 0:
         passes = (f", {len(evaluated)} eval passes (last loss {evaluated[-1]:.4f})"
                   if evaluated else "")  # fmt: skip
-        if result.losses:
-            ran = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s{passes}"
-        elif job.start:  # a finished checkpointed run started again
-            ran = f"nothing left to run: the checkpoint is at step {job.start} of {args.steps}"
-        else:
-            ran = "no steps run (--steps 0)"
+        ran = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s{passes}"
+               if result.losses else job.nothing_ran_note())  # fmt: skip
         print(f"{ran}, parameter checksum {checksum!r}")
         if args.json:
             with open(args.json, "w") as out:

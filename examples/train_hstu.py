@@ -137,12 +137,8 @@ def main() -> None:
     digest = parameter_digest(setup.model)
     steps_per_s = len(result.loss_sums) / result.seconds if result.seconds else 0.0
     if rank == 0:
-        if result.loss_sums:
-            ran = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s"
-        elif job.start:  # a finished checkpointed run started again
-            ran = f"nothing left to run: the checkpoint is at step {job.start} of {args.steps}"
-        else:
-            ran = "no steps run (--steps 0)"
+        ran = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s"
+               if result.loss_sums else job.nothing_ran_note())  # fmt: skip
         print(f"{ran}, parameter checksum {checksum!r}")
         if args.json:
             with open(args.json, "w") as out:

@@ -303,6 +303,14 @@ class ResumableJob(Generic[BatchT_co]):
             note += f" (written by {written} rank{'s' * (written != 1)}, resharded)"
         return note
 
+    def nothing_ran_note(self) -> str:
+        """What a run that trained no step reports: its job was finished already, or
+        it had no steps."""
+        if self.start:
+            return (f"nothing left to run: the checkpoint is at step {self.start} of "
+                    f"{self.total_steps}")  # fmt: skip
+        return "no steps run (--steps 0)"
+
     def source(self, data: GlobalSamples[BatchT_co]) -> Iterator[BatchT_co]:
         """``data``'s batches, their samples noted for the digest."""
         self.ledger = SampleLedger(data, self.meta.get("samples_sha256", ""))
