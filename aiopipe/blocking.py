@@ -53,6 +53,21 @@ class BlockingPipeline:
         except StopAsyncIteration:
             raise StopIteration from None
 
+    def progress_many(self, source: Source, steps: int) -> list[Any]:
+        """Like ``await pipeline.progress_many(source, steps)``: up to ``steps`` results
+        in one call, ``[]`` at the end; the lanes chain the steps (one loop start and
+        stop per call, not per step)."""
+        many = getattr(self._pipeline, "progress_many", None)
+        if many is not None:
+            return self._runner.run(many, source, steps)  # type: ignore[no-any-return]
+        results: list[Any] = []
+        for _ in range(steps):
+            try:
+                results.append(self.progress(source))
+            except StopIteration:
+                break
+        return results
+
     def step(self, batch: Any) -> Any:
         """Like ``await pipeline.step(batch)``: one batch, to completion."""
         return self._runner.run(self._pipeline.step, batch)  # type: ignore[attr-defined]

@@ -10,9 +10,16 @@ to the feed's outbox, the ring advances, the callers waiting are woken and evict
 slot stores are freed.  It guards the lanes when a caller leaves early, and holds the
 failure of an iteration whose caller was cancelled for the next call.
 
+When a caller has asked for more than one result (``progress_many``), the next
+iteration is queued behind the running one as soon as its batch has been read
+(:meth:`IterationDriver._queue_next`): the lane that ends one iteration starts the
+next, and the loop ends them, in order, while the lanes run on.  Only steps the caller
+asked for are queued, so between two calls exactly the returned steps are applied.
+
 Invariant (cancel-safety): an iteration that has started runs to its end whatever
 happens to the callers awaiting it; its result is delivered once, by whichever call
-comes next.  Only a task body that raises breaks an iteration; if one does after
+comes next.  A queued iteration that cannot have started yet is taken back when its
+caller leaves (its batch is read ahead again).  Only a task body that raises breaks an iteration; if one does after
 other bodies ran, :attr:`broken` says so until the pipeline is reset.
 """
 
@@ -22,7 +29,7 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._core.lanes import yield_cpu_to_lanes
 from ._core.log import pipeline_log
@@ -35,13 +42,21 @@ from .errors import PipelineStateError
 from .executors import Executor, Iteration, IterationHandle
 from .executors.stage import StartFast
 from .plan import ExecutionPlan
-from .ring import BatchRing, RetiredStores
+from .ring import BatchRing, RetiredStores, SlotStore
 from .source import Feed
 from .task import RESULT_SLOT
 from .trace import Tracer
 
 __all__ = ("IterationDriver",)
 
+
+class _Queued(NamedTuple):
+    """An iteration queued behind the running one (``progress_many``)."""
+
+    iteration: Iteration
+    done: asyncio.Future[None]
+    handle: IterationHandle
+    store: SlotStore  # its batch, the ring's top once the running iteration has ended
 
 
 class IterationDriver:
@@ -65,6 +80,7 @@ class IterationDriver:
         self._failure: BaseException | None = None  # of an iteration nobody awaited
         self._handle: IterationHandle | None = None  # the running fast-path iteration
         self._current: tuple[Feed, Iteration] | None = None  # the running iteration
+        self._queued: _Queued | None = None  # the one the lanes start when it ends
         self._guarded: asyncio.Future[None] | None = None  # the iteration last guarded
         self._guards: set[asyncio.Task[None]] = set()
         self._waiters: list[asyncio.Future[None]] = []  # woken by the iteration's end
@@ -74,10 +90,12 @@ class IterationDriver:
 
     # -- delivering results ----------------------------------------------------------------
 
-    async def next_result(self, feed: Feed) -> tuple[bool, Any]:
+    async def next_result(self, feed: Feed, more: int = 0) -> tuple[bool, Any]:
         """Deliver the next result of ``feed``, running iterations as needed;
         ``(False, None)`` once every result has been delivered.  Cancelling the
-        caller leaves the iteration under way running."""
+        caller leaves the iteration under way running.  ``more``: how many results the
+        caller will ask for after this one (it has asked for them already): the next
+        iteration may then be queued behind the running one."""
         if feed.lost is not None and not (feed.exhausted or feed.draining):
             raise PipelineStateError(
                 f"{feed.lost}: the rest of its items cannot be read. drain() finishes the "
@@ -117,6 +135,8 @@ class IterationDriver:
                     finally:
                         if not in_task:
                             yield_cpu_to_lanes()
+            if more > 0 and self._queued is None:
+                self._queue_next(feed)
             await self.wait_ended()  # guards the lanes too if the caller leaves
 
     async def _run_inits(self) -> None:
@@ -174,6 +194,49 @@ class IterationDriver:
             self.running, self._current = running, (feed, iteration)
         return True
 
+    def _queue_next(self, feed: Feed) -> None:
+        """Queue the iteration after the running one behind it on the lanes, if the
+        running one is a fast-path iteration that delivers a result, and the next
+        batch has been read and checked (a sync source is read now, inline)."""
+        handle, current = self._handle, self._current
+        if handle is None or current is None or current[0] is not feed:
+            return
+        running = current[1]
+        if not self._holds_oldest_batch(feed, running):  # still filling the ring
+            return
+        if feed.can_read_ahead:
+            feed.read_ahead()
+        store = SlotStore()
+        if not feed.take_ready_ahead(store):
+            return
+        plan, number = self._plan, running.number + 1
+        iteration = Iteration(
+            plan, self._ring.advanced(store), self._ctx, number, plan.active(number, feed.pulled),
+            self._annotator, self._tracer, self._lane_names, self._pipeline,
+        )  # fmt: skip
+        assert self._start_fast is not None  # a fast-path iteration is running
+        done = asyncio.get_running_loop().create_future()
+        queued = self._start_fast(
+            iteration, functools.partial(self._lanes_finished, feed, iteration, done),
+            yield_cpu=False, after=handle,
+        )  # fmt: skip
+        if queued is None:  # the running one ended meanwhile: started once that is handled
+            feed.give_back(store)
+            return
+        self._queued = _Queued(iteration, done, queued, store)
+
+    def _drop_queued(self, feed: Feed | None) -> None:
+        """Take back the queued iteration if it cannot have started (its caller left):
+        its batch is read ahead again.  One that may have started runs on."""
+        queued, handle = self._queued, self._handle
+        if queued is None or handle is None:
+            return
+        if handle.drop_queued(_NOT_ASKED):
+            self._queued = None
+            queued.iteration.stage = None
+            if feed is not None:
+                feed.give_back(queued.store)
+
     async def _run_as_task(self, feed: Feed, iteration: Iteration) -> None:
         """A task of its own: a cancelled caller stops waiting for it, but it runs on.
         Only shutting the loop down cancels it (the executor then stops cleanly)."""
@@ -200,6 +263,9 @@ class IterationDriver:
         """On the loop, once the lanes have run every task of a fast-path iteration.
         Never raises, bar a ``KeyboardInterrupt``/``SystemExit`` from a body, let
         through as a task would (after the waiting callers were woken)."""
+        current = self._current
+        if current is None or current[1] is not iteration:
+            return  # a queued iteration taken back before it started (nothing ran)
         error = self._end(feed, iteration, error, done)
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise error  # out of the loop, as from a task (the pipeline now asks for reset)
@@ -212,17 +278,29 @@ class IterationDriver:
     ) -> BaseException | None:  # fmt: skip
         """Deliver the iteration's result, or record its failure; wake its waiters and
         free what it evicted.  Returns the failure, if any (the device or this
-        bookkeeping may fail too)."""
+        bookkeeping may fail too).  An iteration queued behind it becomes the running
+        one if the lanes have started it (they do unless this one failed)."""
+        guarded = self._guarded is not None and self._guarded is self.running
+        queued, self._queued = self._queued, None
         self.running = self._handle = self._current = None
         iteration.stage = None  # it refers back to the iteration: no cycle left to collect
+        successor_runs = queued is not None and error is None
         try:
             if error is None:
                 iteration.finish()
-                self._advance(feed, iteration)
+                self._advance(feed, iteration, queued.store if queued is not None else None)
             else:
                 self._keep_applied_result(feed, iteration)
+                if queued is not None:  # the lanes skipped it: its batch is read ahead again
+                    feed.give_back(queued.store)
         except BaseException as exc:
             error = exc
+        if queued is not None and successor_runs:
+            self.running, self._handle = queued.done, queued.handle
+            self._current = (feed, queued.iteration)
+            feed.top_pulled = True
+            if guarded:  # its caller left: a loop shutting down waits for this one too
+                self.guard_lanes()
         if error is not None:
             # Before any task ran, the next call runs this iteration again, batch and all.
             if iteration.started:
@@ -238,11 +316,11 @@ class IterationDriver:
         self._retired.free_soon()
         return error
 
-    def _advance(self, feed: Feed, iteration: Iteration) -> None:
+    def _advance(self, feed: Feed, iteration: Iteration, top: SlotStore | None) -> None:
         feed.top_pulled = False
         if self._holds_oldest_batch(feed, iteration):
             feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
-        self._retired.add(self._ring.advance())
+        self._retired.add(self._ring.advance(top))
         feed.iteration += 1
 
     def _holds_oldest_batch(self, feed: Feed, iteration: Iteration) -> bool:
@@ -255,6 +333,11 @@ class IterationDriver:
         kept and delivered like any other, before the failure."""
         if self._holds_oldest_batch(feed, iteration) and iteration.oldest_batch_done():
             feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
+
+    def defer_failure(self, error: Exception) -> None:
+        """Raise ``error`` from the next call instead of this one (whose caller gets
+        the results of the steps finished before it)."""
+        self._failure = error
 
     @property
     def failure_pending(self) -> bool:
@@ -305,6 +388,7 @@ class IterationDriver:
             self.abandon_orphan()
             return
         feed, iteration = current
+        self._drop_queued(feed)
         # Bodies on the dead loop, and a task's part of the iteration, can never end.
         lost = handle.abandon_loop(None if fast else _loop_closed(iteration.number))
         if not handle.wait(0):
@@ -328,9 +412,9 @@ class IterationDriver:
             number = iteration.number
             handle = IterationHandle.of(iteration)
             if handle is not None:  # let the lanes go on (they are not waited for)
-                handle.abandon_loop(_loop_closed(number))
+                handle.abandon_loop(_loop_closed(number))  # a queued one is skipped too
             iteration.stage = None
-        self.running = self._handle = self._current = None
+        self.running = self._handle = self._current = self._queued = None
         self.broken = str(_loop_closed(number))
         pipeline_log.warning("%s: %s", self._pipeline, self.broken)
         return True
@@ -355,6 +439,8 @@ class IterationDriver:
         loop.  That thread stops waiting once the loop is closed (a second Ctrl-C), so
         interpreter exit, which joins it, never waits on a lane without bound."""
         running, handle, current = self.running, self._handle, self._current
+        if current is not None:
+            self._drop_queued(current[0])  # it was asked for by the caller who left
         if handle is None or running is None or current is None or self._guarded is running:
             return  # a task's iteration, none, or guarded already (by an earlier caller)
         self._guarded = running
@@ -398,6 +484,10 @@ class IterationDriver:
         """Forget a pending failure and a broken state (the pipeline is reset)."""
         self._failure = None
         self.broken = None
+
+
+#: Why a queued iteration was taken back (nobody sees it: nothing of it ran).
+_NOT_ASKED = PipelineStateError("its caller left before it started")
 
 
 def _loop_closed(number: int) -> PipelineStateError:

@@ -25,7 +25,7 @@ from ._core.nvtx import resolve_annotator
 from .context import TaskContext
 from .driver import IterationDriver
 from .feeds import Feeds
-from .errors import PipelineStateError
+from .errors import ConfigurationError, ConfigurationTypeError, PipelineStateError
 from .executors import Executor, resolve_executor
 from .protocols import Results
 from .interop import TrioBridge, in_trio, needs_event_loop
@@ -187,6 +187,62 @@ class SchedulablePipeline:
                 self._on_source_end()
                 raise StopAsyncIteration
             return result
+        finally:
+            self._busy = False
+
+    @needs_event_loop
+    async def progress_many(self, source: Source, steps: int) -> list[Any]:
+        """Up to ``steps`` results of ``source`` in one call, as ``steps`` calls of
+        :meth:`progress` would return them; fewer once the source ends, ``[]`` after.
+
+        Asking for several steps at once lets the lanes chain them: each step after the
+        first is queued behind the one running as soon as its batch has been read, and
+        the lane that ends one step starts the next at once, without waiting for the
+        event loop (docs/performance.md, "The step boundary"). Between two calls
+        exactly the returned steps have been applied, as with ``progress``.
+
+        Cancel-safe like ``progress``: the step under way runs to its end, a step
+        queued behind it that has not started is taken back (its batch is read again
+        next), and the results of finished steps, those already collected included,
+        are returned by the next call.  If a step fails after others have finished,
+        their results are returned and the next call raises the failure."""
+        if isinstance(steps, bool) or not isinstance(steps, int):
+            raise ConfigurationTypeError(f"steps must be an int, got {steps!r}")
+        if steps < 1:
+            raise ConfigurationError(f"steps must be >= 1, got {steps}")
+        if in_trio():  # one step at a time through the bridge (interop.py)
+            return await _one_by_one(self, source, steps)
+        self._begin_call()
+        results: list[Any] = []
+        feed: Feed | None = None
+        try:
+            feed = self._adopt(source)
+            while len(results) < steps:
+                if results and self._driver.failure_pending:
+                    break  # raised by the next call, after these results
+                produced, result = await self._driver.next_result(
+                    feed, more=steps - len(results) - 1
+                )
+                if not produced and feed.draining:  # as in progress()
+                    self._feeds.forget()
+                    feed = self._adopt(source)
+                    produced, result = await self._driver.next_result(feed)
+                if not produced:
+                    if not results:
+                        self._on_source_end()
+                    break
+                results.append(result)
+            return results
+        except Exception as exc:
+            if results and feed is not None and not isinstance(exc, PipelineStateError):
+                self._driver.defer_failure(exc)  # the steps before it come out first
+                return results
+            raise
+        except BaseException:
+            if feed is not None:  # what was collected goes back, in front, for the next call
+                feed.returned -= len(results)
+                feed.outbox.extendleft(reversed(results))
+            raise
         finally:
             self._busy = False
 
@@ -386,3 +442,14 @@ class SchedulablePipeline:
             f"<SchedulablePipeline tasks={len(self._plan)} in_flight={stats.in_flight} "
             f"executor={self._executor!r}>"
         )
+
+
+async def _one_by_one(pipe: SchedulablePipeline, source: Source, steps: int) -> list[Any]:
+    """``progress_many`` as ``steps`` calls of ``progress`` (under trio)."""
+    results: list[Any] = []
+    for _ in range(steps):
+        try:
+            results.append(await pipe.progress(source))
+        except StopAsyncIteration:
+            break
+    return results

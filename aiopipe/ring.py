@@ -96,11 +96,19 @@ class BatchRing:
         """The store new batches are pulled into (offset ``depth - 1``)."""
         return self._stores[-1]
 
-    def advance(self) -> SlotStore:
-        """Drop offset 0, shift the rest down, open an empty top; return the dropped store."""
+    def advance(self, top: SlotStore | None = None) -> SlotStore:
+        """Drop offset 0, shift the rest down, open ``top`` (default: an empty store) at
+        the top; return the dropped store."""
         evicted = self._stores.pop(0)
-        self._stores.append(SlotStore())
+        self._stores.append(SlotStore() if top is None else top)
         return evicted
+
+    def advanced(self, top: SlotStore) -> BatchRing:
+        """The ring as :meth:`advance` with ``top`` will leave it, leaving this one as it
+        is: what an iteration queued behind the running one works on."""
+        view = BatchRing.__new__(BatchRing)
+        view._stores = [*self._stores[1:], top]
+        return view
 
     def reset(self) -> list[SlotStore]:
         """Empty every store; return the old ones (they may still be referenced by

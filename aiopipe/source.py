@@ -287,6 +287,34 @@ class Feed:
         self.pulled += 1
         self.top_pulled = True
 
+    def take_ready_ahead(self, store: SlotStore) -> bool:
+        """Place the item read ahead in ``store`` now, if one is ready and sound (read,
+        checked, not the end, no seed or drain before it): the batch of an iteration
+        queued behind the running one.  ``False`` (nothing taken) otherwise."""
+        ahead = self.ahead
+        if (
+            ahead is None or not ahead.done() or ahead.cancelled() or ahead.exception()
+            or self._seed is not None or self.draining
+        ):  # fmt: skip
+            return False
+        batch, problem = ahead.result()
+        if batch is END or problem is not None:
+            return False
+        self.ahead = None
+        store.set(BATCH_SLOT, batch)
+        store.batch_index = self.pulled
+        self.pulled += 1
+        return True
+
+    def give_back(self, store: SlotStore) -> None:
+        """Undo :meth:`take_ready_ahead`: the queued iteration never ran, so its batch
+        is the item read ahead again (the next pull takes it first).  Nothing may have
+        been read ahead since it was taken."""
+        future = asyncio.get_running_loop().create_future()
+        future.set_result((store.get(BATCH_SLOT), None))
+        self.ahead = future
+        self.pulled -= 1
+
     def _refuse(self, problem: BaseException) -> None:
         self.refused += 1
         self._refused_after.append(self.pulled)

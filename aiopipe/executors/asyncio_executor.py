@@ -134,7 +134,7 @@ class AsyncExecutor:
 
     def start_iteration(
         self, iteration: Iteration, on_done: Callable[[BaseException | None], None],
-        *, yield_cpu: bool = True,
+        *, yield_cpu: bool = True, after: IterationHandle | None = None,
     ) -> IterationHandle | None:  # fmt: skip
         """Run ``iteration`` without a coroutine, when every task of it runs on lane threads
         (one stage, nothing on the loop's chain, no collective order check): hand its
@@ -146,13 +146,22 @@ class AsyncExecutor:
         the iteration's end is handled in the callback that wakes the loop, two loop cycles
         sooner than a task awaiting :meth:`run_iteration` would (docs/performance.md).
         ``yield_cpu=False``: the caller has loop work to start first, and calls
-        :func:`~aiopipe._core.lanes.yield_cpu_to_lanes` itself."""
+        :func:`~aiopipe._core.lanes.yield_cpu_to_lanes` itself.
+
+        ``after``: the handle of the iteration running now.  The new one is queued
+        behind it, and the lane that ends it starts the new one at once, with no round
+        trip through the loop (its end is still handled on the loop, in order); see
+        :meth:`IterationHandle.drop_queued`.  ``None`` if it cannot be queued (the
+        running one has ended already): start it once that end is handled."""
         stages = [active for active in iteration.active.stages if active]
         if len(stages) != 1 or self._order_check is not None:
             return None
         layout = self._layout(stages[0])
         if layout.loop_chain or not layout.thread_chains:
             return None
+        if after is not None:
+            run = self._queue_stage(iteration, stages[0], on_done, after)
+            return None if run is None else IterationHandle(run)
         return IterationHandle(self._begin_stage(iteration, stages[0], on_done, yield_cpu))
 
     async def run_iteration(self, iteration: Iteration) -> None:
@@ -220,6 +229,30 @@ class AsyncExecutor:
             # lane start later: 20-30 us of every iteration boundary (docs/performance.md).
             yield_cpu_to_lanes()
         return run
+
+    def _queue_stage(
+        self, iteration: Iteration, active: tuple[int, ...],
+        on_done: Callable[[BaseException | None], None], after: IterationHandle,
+    ) -> StageRun | None:  # fmt: skip
+        """Like :meth:`_begin_stage`, behind the stage ``after`` runs: each lane finds
+        its chain queued behind its chain of that stage and waits for the whole stage
+        to end (the gate) -- the barrier the loop kept between two iterations."""
+        layout = self._layout(active)
+        lanes = [self._lane_pool.get(name) for name, _ in layout.thread_chains]
+        run = StageRun(iteration, layout, after.waker, self._tickets, on_done)
+        if not run.queue_behind(after.stage):
+            return None
+        iteration.stage = run
+        for lane, (_, chain) in zip(lanes, layout.thread_chains):
+            lane.submit(functools.partial(self._run_gated_chain, run, lane, chain))
+        return run
+
+    def _run_gated_chain(self, run: StageRun, lane: Lane, chain: tuple[int, ...]) -> None:
+        """Runs on ``lane``'s thread, once the stage before ``run`` has handed over."""
+        gate = run.gate
+        if gate is not None:
+            gate.wait()
+        self._run_thread_chain(run, lane, chain)
 
     async def _finish_stage(self, run: StageRun) -> None:
         layout = run.layout

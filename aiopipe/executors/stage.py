@@ -23,8 +23,8 @@ class StageRun:
     """Shared state of one stage of one iteration, between the loop and the lanes."""
 
     __slots__ = (
-        "async_tasks", "error", "failed", "finished", "layout", "lock", "on_done", "outstanding",
-        "flags", "iteration", "threads_done", "tickets", "waker",
+        "async_tasks", "error", "failed", "finished", "gate", "layout", "lock", "on_done",
+        "outstanding", "flags", "iteration", "successor", "threads_done", "tickets", "waker",
     )  # fmt: skip
 
     def __init__(
@@ -50,6 +50,39 @@ class StageRun:
             waker.loop.create_future() if layout.thread_chains and on_done is None else None
         )
         self.async_tasks: set[asyncio.Task[None]] = set()
+        #: Set when the lanes may start this stage: at once, or for a stage queued
+        #: behind another (:meth:`queue_behind`), when that one has handed over.
+        self.gate: threading.Event | None = None
+        #: The stage queued behind this one, which its last lane starts (:meth:`_hand_over`).
+        self.successor: StageRun | None = None
+
+    def queue_behind(self, previous: StageRun) -> bool:
+        """Make this stage start the moment ``previous`` ends, from the lane that ends
+        it, without a round trip through the loop; ``False`` if ``previous`` has ended
+        already (or has a successor).  Call before handing this stage's chains over."""
+        with previous.lock:
+            if previous.outstanding == 0 or previous.successor is not None:
+                return False
+            self.gate = threading.Event()
+            previous.successor = self
+        return True
+
+    def detach_successor(self) -> StageRun | None:
+        """Take back the stage queued behind this one, if this one has not ended yet
+        (so the queued stage has not started): it is failed with ``reason`` by the
+        caller and never runs.  ``None`` if there is none or it may have started."""
+        with self.lock:
+            successor = self.successor
+            if successor is None or self.outstanding == 0:
+                return None
+            self.successor = None
+        return successor
+
+    def cancel_unstarted(self, reason: BaseException) -> None:
+        """Fail a queued stage that never started and let its lanes pass its chains by."""
+        self.fail(reason)
+        if self.gate is not None:
+            self.gate.set()
 
     def fail(self, exc: BaseException) -> None:
         with self.lock:
@@ -65,7 +98,9 @@ class StageRun:
             self.outstanding -= 1
             if self.outstanding:
                 return
-            future = self.threads_done
+            future, successor = self.threads_done, self.successor
+        if successor is not None:
+            self._prepare_successor(successor)
         # Queued, then `finished` set, then the loop woken: woken first, the loop
         # thread would wait for this thread to let go of the GIL.
         if future is not None:
@@ -73,8 +108,24 @@ class StageRun:
         else:  # a iteration started by start_iteration: its callback
             wake = self.on_done is not None and self.waker.post(self.on_done, self.error)
         self.finished.set()  # after the iteration's end is queued: a waiter finds it on the loop
+        if successor is not None and successor.gate is not None:
+            successor.gate.set()  # after this end is queued: the loop ends them in order
         if wake:
             self.waker.wake()
+
+    def _prepare_successor(self, successor: StageRun) -> None:
+        """On the lane that ends this stage: what the loop would do between the two
+        iterations before the next one's first task -- the device waits this one left
+        (``Iteration.finish``) and a fresh ticket sequence -- or, if this one failed,
+        skip the next one entirely (none of its tasks starts)."""
+        if self.failed:
+            successor.fail(_NotStarted("the iteration before it failed"))
+            return
+        try:
+            self.iteration.finish()
+            successor.tickets.reset(successor.waker)
+        except BaseException as exc:  # the device failed: the next one must not run
+            successor.fail(exc)
 
     def renew_threads_done(self) -> asyncio.Future[None] | None:
         """A fresh future for the lanes still running (cancelling the task that
@@ -103,6 +154,10 @@ class StageRun:
             flag.set()
 
 
+class _NotStarted(Exception):
+    """Why a queued iteration never started (nobody sees it: the driver drops it)."""
+
+
 class IterationHandle:
     """A iteration started by :meth:`AsyncExecutor.start_iteration`."""
 
@@ -126,9 +181,27 @@ class IterationHandle:
         return self._run.close_loop_bodies()
 
     @property
+    def stage(self) -> StageRun:
+        return self._run
+
+    @property
+    def waker(self) -> LoopWaker:
+        return self._run.waker
+
+    @property
     def error(self) -> BaseException | None:
         """The iteration's first failure, once :meth:`wait` has returned ``True``."""
         return self._run.error
+
+    def drop_queued(self, reason: BaseException) -> bool:
+        """Take back the iteration queued behind this one (:meth:`AsyncExecutor.start_iteration`
+        with ``after=``) if it cannot have started: ``True`` if it was, and it will
+        never run; its ``on_done`` is still called, with ``reason``."""
+        successor = self._run.detach_successor()
+        if successor is None:
+            return False
+        successor.cancel_unstarted(reason)
+        return True
 
     def abort(self, exc: BaseException) -> None:
         """Skip the tasks not yet started (the loop is shutting down); running bodies
@@ -149,5 +222,5 @@ class StartFast(Protocol):
 
     def __call__(
         self, iteration: Iteration, on_done: Callable[[BaseException | None], None],
-        *, yield_cpu: bool = True,
+        *, yield_cpu: bool = True, after: IterationHandle | None = None,
     ) -> IterationHandle | None: ...  # fmt: skip

@@ -1,0 +1,220 @@
+"""``progress_many``: several steps in one call, chained on the lanes.
+
+Each test forces its interleaving with events held by task bodies: the lane that ends
+one step starts the next one while the loop thread is blocked, a step queued behind a
+running one is taken back when its caller leaves, a failure skips the step queued
+behind it, and no batch is lost or repeated."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from aiopipe import (
+    ConfigurationError, ConfigurationTypeError, Pipeline, PipelineStateError, Task, TaskContext,
+    basic,
+)  # fmt: skip
+
+
+def echo(ctx: TaskContext) -> None:
+    ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+
+async def in_a_thread(event: threading.Event) -> None:
+    """Wait for a lane body to reach its gate without blocking the loop."""
+    assert await asyncio.get_running_loop().run_in_executor(None, event.wait, 10)
+
+
+class Gates:
+    """A body that records the batches it ran and can be held at one batch; a
+    ``check_batch`` that says when an item has been read (ahead, on the loop, just
+    before the step after the running one is queued)."""
+
+    def __init__(
+        self, hold_at: int | None = None, fail_at: int | None = None, after_read: int = -1
+    ) -> None:
+        self.ran: list[int] = []
+        self.checked: list[int] = []
+        self.hold_at, self.fail_at, self.after_read = hold_at, fail_at, after_read
+        self.reached, self.release = threading.Event(), threading.Event()
+        self.read = threading.Event()  # item ``after_read`` has been read and checked
+
+    def __call__(self, ctx: TaskContext) -> None:
+        batch = ctx.slots["batch_cpu"]
+        self.ran.append(batch)
+        if batch in (self.hold_at, self.fail_at):
+            assert self.after_read < 0 or self.read.wait(10)
+        if batch == self.hold_at:
+            self.reached.set()
+            assert self.release.wait(10)
+        if batch == self.fail_at:
+            raise ValueError(f"batch {batch} is bad")
+        echo(ctx)
+
+    def check(self, batch: int) -> None:
+        self.checked.append(batch)
+        if batch == self.after_read:
+            self.read.set()
+
+
+def lookahead_tasks(body: Any) -> list[Task]:
+    """A prepare task one batch ahead of the step: two batches in flight."""
+
+    def prepare(ctx: TaskContext) -> None:
+        ctx.slots.set("prepared", ctx.slots["batch_cpu"] * 10)
+
+    def step(ctx: TaskContext) -> None:
+        body(ctx)
+        ctx.slots.set("step_result", (ctx.slots["batch_cpu"], ctx.slots["prepared"]))
+
+    return [
+        Task.from_fn("prepare", prepare, lookahead=1, writes=("prepared",)),
+        Task.from_fn("step", step, reads=("prepared",)),
+    ]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 25])
+async def test_the_results_are_those_of_progress_in_order(chunk: int) -> None:
+    async with Pipeline(lookahead_tasks(echo)) as pipe:
+        source, got = iter(range(20)), []
+        while results := await pipe.progress_many(source, chunk):
+            assert len(results) == chunk or len(got) + len(results) == 20
+            got += results
+        assert got == [(n, 10 * n) for n in range(20)]
+        assert await pipe.progress_many(source, chunk) == []  # and again at the end
+        assert pipe.statistics().applied == 20
+
+
+def test_training_through_progress_many_equals_progress_bit_for_bit() -> None:
+    data = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(13)]
+
+    def run(chunk: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        pipe = basic(model, opt, loss_fn=lambda out, b: torch.nn.functional.mse_loss(out, b[1]),
+                     forward=lambda m, b: m(b[0])).blocking()  # fmt: skip
+        with pipe:
+            if chunk is None:
+                losses = list(pipe.results(data))
+            else:
+                source, losses = iter(data), []
+                while results := pipe.progress_many(source, chunk):
+                    losses += results
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    losses, params = run(None)
+    for chunk in (1, 4, 13):
+        other_losses, other_params = run(chunk)
+        assert len(other_losses) == 13
+        assert all(torch.equal(a, b) for a, b in zip(losses, other_losses))
+        assert all(torch.equal(a, b) for a, b in zip(params, other_params))
+
+
+async def test_the_lane_starts_the_next_step_while_the_loop_thread_is_blocked() -> None:
+    gates = Gates(hold_at=1)
+    next_ran = threading.Event()
+
+    def step(ctx: TaskContext) -> None:
+        gates(ctx)
+        if ctx.slots["batch_cpu"] == 2:
+            next_ran.set()
+
+    async with Pipeline([Task.from_fn("step", step)]) as pipe:
+        source = iter(range(6))
+        assert await pipe.progress(source) == 0
+        call = asyncio.ensure_future(pipe.progress_many(source, 3))
+        await in_a_thread(gates.reached)  # step 1 runs, step 2 is queued behind it
+        gates.release.set()
+        # The loop thread is blocked here: only the lane can start step 2.
+        assert next_ran.wait(10)
+        assert await call == [1, 2, 3]
+
+
+async def test_only_the_steps_asked_for_are_applied() -> None:
+    gates = Gates()
+    async with Pipeline(lookahead_tasks(gates)) as pipe:
+        source = iter(range(10))
+        assert await pipe.progress_many(source, 3) == [(n, 10 * n) for n in range(3)]
+        assert gates.ran == [0, 1, 2]
+        assert pipe.statistics().applied == 3
+        assert await pipe.progress(source) == (3, 30)
+        assert gates.ran == [0, 1, 2, 3]
+
+
+async def test_a_cancelled_call_takes_back_the_queued_step_and_loses_nothing() -> None:
+    # Step 2 is held until item 3 has been read: step 3 is then queued behind it.
+    gates = Gates(hold_at=2, after_read=3)
+    async with Pipeline([Task.from_fn("step", gates)], check_batch=gates.check) as pipe:
+        source = iter(range(8))
+        call = asyncio.ensure_future(pipe.progress_many(source, 5))
+        await in_a_thread(gates.reached)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        gates.release.set()
+        await pipe.wait_idle()
+        assert gates.ran == [0, 1, 2]  # step 3 was taken back: it never ran
+        assert pipe.statistics().applied == 3
+        # The collected results and the step that ran on come first, then the rest;
+        # item 3 is not read (or checked) again.
+        assert [r async for r in pipe.results(source)] == list(range(8))
+        assert gates.ran == list(range(8))
+        assert gates.checked == list(range(8))
+
+
+async def test_a_cancelled_call_whose_queued_step_started_returns_it_next() -> None:
+    gates = Gates(hold_at=3)
+    async with Pipeline([Task.from_fn("step", gates)]) as pipe:
+        source = iter(range(6))
+        call = asyncio.ensure_future(pipe.progress_many(source, 5))
+        await in_a_thread(gates.reached)  # step 3 started on the lane on its own
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        gates.release.set()
+        assert await pipe.progress_many(source, 10) == list(range(6))
+        assert gates.ran == list(range(6))
+
+
+async def test_a_failing_step_returns_the_steps_before_it_then_raises() -> None:
+    # Step 3 fails once item 4 has been read: step 4 is then queued behind it.
+    gates = Gates(fail_at=3, after_read=4)
+    async with Pipeline([Task.from_fn("step", gates)], check_batch=gates.check) as pipe:
+        source = iter(range(8))
+        assert await pipe.progress_many(source, 6) == [0, 1, 2]
+        with pytest.raises(ValueError, match="batch 3 is bad"):
+            await pipe.progress_many(source, 6)
+        assert gates.ran == [0, 1, 2, 3]  # step 4, queued behind it, never ran
+        with pytest.raises(PipelineStateError, match="reset"):
+            await pipe.progress_many(source, 6)
+        pipe.reset()
+        # item 4 was read but no task touched it: it is kept, the source goes on with it
+        assert [r async for r in pipe.results(source)] == [4, 5, 6, 7]
+        assert gates.checked == list(range(8))
+
+
+def test_the_blocking_form_chains_too() -> None:
+    with Pipeline(lookahead_tasks(echo)).blocking() as pipe:
+        source = iter(range(9))
+        assert pipe.progress_many(source, 4) == [(n, 10 * n) for n in range(4)]
+        assert pipe.progress_many(source, 9) == [(n, 10 * n) for n in range(4, 9)]
+        assert pipe.progress_many(source, 9) == []
+
+
+@pytest.mark.parametrize("steps", [0, -1])
+async def test_steps_below_one_are_refused(steps: int) -> None:
+    async with Pipeline([Task.from_fn("step", echo)]) as pipe:
+        with pytest.raises(ConfigurationError, match="steps must be >= 1"):
+            await pipe.progress_many(iter(range(3)), steps)
+
+
+@pytest.mark.parametrize("steps", ["3", 2.0, True])
+async def test_steps_of_another_type_are_refused(steps: Any) -> None:
+    async with Pipeline([Task.from_fn("step", echo)]) as pipe:
+        with pytest.raises(ConfigurationTypeError, match="steps must be an int"):
+            await pipe.progress_many(iter(range(3)), steps)
