@@ -65,6 +65,8 @@ def on_the_loop(task: Any) -> str:
     return "loop"
 
 
+#: The row that asks for 20 steps a call (``progress_many``: the lanes chain them).
+CHAINED = "aiopipe, 20 steps a call"
 # name: (pipeline, thread map or "kk" for the shuffler, data parallel)
 CONFIGS: dict[str, tuple[str, Any, str]] = {
     "none": ("none", None, "torch"),
@@ -76,6 +78,7 @@ CONFIGS: dict[str, tuple[str, Any, str]] = {
     "aiopipe + KK shuffler": ("aiopipe", "kk", "torch"),
     "aiopipe, io/compute lanes": ("aiopipe", HSTU_IO_LANE_THREAD_MAP, "torch"),
     "aiopipe, on the loop": ("aiopipe", on_the_loop, "torch"),
+    CHAINED: ("aiopipe", None, "torch"),
 }
 if torch.cuda.is_available() and megatron_available():
     CONFIGS["aiopipe, Megatron DDP"] = ("aiopipe", None, "megatron")
@@ -106,7 +109,7 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
                                       tracer=tracer)  # fmt: skip
             else:
                 result = run_pipeline(mode, setup, data, thread_map=thread_map,  # type: ignore[arg-type]
-                                      tracer=tracer)  # fmt: skip
+                                      tracer=tracer, steps_per_call=20 if name == CHAINED else 1)  # fmt: skip
             rate = args["steps"] / result.seconds
             cores_busy = machine_busy(result.seconds, result.cpu_seconds)
             if repeat:

@@ -8,7 +8,8 @@ lane "compute"), the async form on asyncio's loop, the blocking form, the io/com
 lanes (``HSTU_IO_LANE_THREAD_MAP``), torchrec's rewrite of the model
 for a pipelined input distribution (``pipelined_input_dist=True``: the default on
 more ranks, not on one CPU rank), and every task inline on the calling thread
-(``executor="sequential"``).
+(``executor="sequential"``), and ``aiopipe-many`` / ``aiopipe-blocking-many``: a
+whole chunk asked for in one ``progress_many`` call, the lanes chaining its steps.
 
 Every pipeline runs in worker processes of its own, in short alternating chunks,
 ``--processes`` fresh sets of them (``benchmarks/_chunks.py`` says why); the per-round
@@ -51,7 +52,8 @@ from _chunks import paired, repeat, time_in_chunks  # noqa: E402
 from _common import print_json, print_table, spread  # noqa: E402
 
 CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-blocking",
-           "aiopipe-io-lane", "aiopipe-rewritten", "aiopipe-sequential")  # fmt: skip
+           "aiopipe-io-lane", "aiopipe-rewritten", "aiopipe-sequential", "aiopipe-many",
+           "aiopipe-blocking-many")  # fmt: skip
 #: torchrec's other train pipelines and their schedules (``--model dlrm`` only).
 SCHEDULES = ("lite", "base", "fused", "semi-sync")
 FAMILY = (*(f"{runner}-{schedule}" for schedule in SCHEDULES
@@ -139,14 +141,25 @@ def _aiopipe_run(config: str, pipe: Any, source: Iterator[Any]) -> Callable[[int
     if config == "aiopipe-blocking":
         blocking = pipe.blocking()
         return repeat(lambda: blocking.progress(source))
+    if config == "aiopipe-blocking-many":
+        blocking = pipe.blocking()
+        return lambda n: _all_of(n, blocking.progress_many(source, n))
     # One loop for every chunk, as one `aiopipe.run` would be (uvloop when installed).
     runner = LoopRunner(prefer_uvloop=config != "aiopipe-asyncio-loop")
 
     async def chunk(n: int) -> None:
+        if config == "aiopipe-many":
+            _all_of(n, await pipe.progress_many(source, n))
+            return
         for _ in range(n):
             await pipe.progress(source)
 
     return lambda n: runner.run(chunk, n)
+
+
+def _all_of(n: int, results: list[Any]) -> None:
+    if len(results) != n:
+        raise RuntimeError(f"progress_many returned {len(results)} of {n} results")
 
 
 def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], None], Any]:

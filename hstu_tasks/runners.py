@@ -121,7 +121,8 @@ def parameter_digest(model: torch.nn.Module) -> str:
 
 def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
              result: RunResult, on_step: Progress, thread_map: ThreadMap,
-             shuffler: BatchShuffler | None, tracer: Tracer | None) -> None:  # fmt: skip
+             shuffler: BatchShuffler | None, tracer: Tracer | None,
+             steps_per_call: int) -> None:  # fmt: skip
     name = "hstu_prefetch_sparse_dist" if prefetch else "hstu_sparse_dist"
     pipe = HSTUPipelineFactory.create(
         name, model=setup.model, optimizer=setup.optimizer, device=setup.device,
@@ -130,8 +131,15 @@ def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
 
     async def train() -> None:
         async with pipe:
-            async for loss_sum, tokens, _ in pipe.results(data):
-                result.record(loss_sum, tokens)
+            if steps_per_call == 1:
+                async for loss_sum, tokens, _ in pipe.results(data):
+                    result.record(loss_sum, tokens)
+                    on_step(result.steps)
+                return
+            source = iter(data)
+            while results := await pipe.progress_many(source, steps_per_call):
+                for loss_sum, tokens, _ in results:
+                    result.record(loss_sum, tokens)
                 on_step(result.steps)
 
     run(train())
@@ -169,16 +177,22 @@ def run_pipeline(
     shuffler: BatchShuffler | None = None,
     tracer: Tracer | None = None,
     result: RunResult | None = None,
+    steps_per_call: int = 1,
 ) -> RunResult:
-    """Train ``data`` with ``mode``; ``thread_map``, ``shuffler`` and ``tracer`` apply
-    to the aiopipe modes (defaults: ``HSTUPipeline``'s lanes, no shuffling, no
-    tracing).  ``on_step(n)`` runs after the n-th step, at a progress boundary (a
-    checkpoint may be taken there); pass ``result`` to read the losses so far in it."""
+    """Train ``data`` with ``mode``; ``thread_map``, ``shuffler``, ``tracer`` and
+    ``steps_per_call`` apply to the aiopipe modes (defaults: ``HSTUPipeline``'s lanes,
+    no shuffling, no tracing, one step a call).  ``on_step(n)`` runs after the n-th
+    step, at a progress boundary (a checkpoint may be taken there); pass ``result`` to
+    read the losses so far in it.  ``steps_per_call=k`` asks for ``k`` steps a call
+    (``progress_many``: the lanes chain them), and ``on_step(n)`` then runs once a
+    call, after its last step."""
+    if steps_per_call < 1:
+        raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
     result = result if result is not None else RunResult()
     start, cpu_start = time.perf_counter(), time.process_time()
     if mode in ("aiopipe", "aiopipe-prefetch"):
         _aiopipe(setup, data, mode == "aiopipe-prefetch", result, on_step, thread_map, shuffler,
-                 tracer)  # fmt: skip
+                 tracer, steps_per_call)  # fmt: skip
     elif mode == "torchrec":
         if setup.data_parallel == "megatron":
             raise ValueError(

@@ -71,8 +71,8 @@ def equality_worker(rank: int, port: int) -> None:
 
 
 def check_equality(rank: int, kind: str) -> None:
-    """The generic pipeline (async and blocking) trains like torchrec's pipeline and
-    the plain loop, bit for bit; so do their custom_model_fwd and
+    """The generic pipeline (async, blocking, and progress_many) trains like torchrec's
+    pipeline and the plain loop, bit for bit; so do their custom_model_fwd and
     execute_all_batches=False forms."""
     outcomes = {}
     for mode in ("none", "torchrec", "aiopipe"):
@@ -88,6 +88,14 @@ def check_equality(rank: int, kind: str) -> None:
     assert runs_rewritten(setup.model)  # two ranks: the input dist runs a batch ahead
     blocking.shutdown()
     outcomes["aiopipe-blocking"] = (_mean_over_ranks(losses), parameter_digest(setup.model))
+    # Steps asked for four at a time: the lanes chain them, tickets and all.
+    setup = build_dlrm_training(CONFIG, kind, seed=3)
+    blocking = SparseDistPipeline(setup.model, setup.optimizer, setup.device).blocking()
+    source, losses = iter(data(rank)), []
+    while results := blocking.progress_many(source, 4):
+        losses += [float(loss) for loss, _, _ in results]
+    blocking.shutdown()
+    outcomes["aiopipe-progress-many"] = (_mean_over_ranks(losses), parameter_digest(setup.model))
     assert len(outcomes["none"][0]) == STEPS
     for mode, outcome in outcomes.items():
         assert outcome == outcomes["none"], (kind, mode)

@@ -114,6 +114,31 @@ def test_on_one_cpu_rank_the_model_keeps_its_own_forwards_unless_told(pipelined:
     assert input_dist_pipelined(False, gpu) is False
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_progress_many_trains_like_the_plain_loop_and_ends_with_an_empty_list(
+    pipelined: bool,
+) -> None:
+    """Steps asked for several at a time (the lanes chain them) train what the plain
+    loop trains, bit for bit; after the source's end, ``[]``."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 7))
+        expected, plain, setup = plain_run_and_an_untrained_twin(batches)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                  pipelined_input_dist=pipelined)  # fmt: skip
+
+        async def run() -> list[Any]:
+            async with pipe:
+                source = iter(batches)
+                trained = await pipe.progress_many(source, 3)
+                trained += await pipe.progress_many(source, 10)
+                assert await pipe.progress_many(source, 2) == []
+                return trained
+
+        trained = asyncio.run(run())
+        assert [float(loss.detach()) for loss, _, _ in trained] == expected
+        assert parameter_digest(setup.model) == parameter_digest(plain.model)
+
+
 def test_after_torchrec_s_own_pipeline_the_model_runs_on_the_rewrite_it_left() -> None:
     """torchrec's pipelines leave their rewrite installed, so on one CPU rank a
     sparse-dist pipeline that follows one on the model rewrites it too (its own

@@ -110,6 +110,19 @@ class SparseDistBase(Generic[ResultT]):
             return await self._progress(self._spec.adapt(source))
 
     @needs_event_loop
+    async def progress_many(self, source: Source, steps: int) -> list[ResultT]:
+        """Up to ``steps`` results in one call, ``[]`` once ``source`` has ended: the
+        engine's :meth:`~aiopipe.SchedulablePipeline.progress_many` (the lanes chain
+        the steps asked for)."""
+        if self._closed:
+            raise PipelineStateError(f"the {self._spec.what} has been shut down")
+        if not self._shared.attached:
+            raise PipelineStateError("the model is detached; call attach() first")
+        with self._taking_turn("progress_many()"):
+            results: list[ResultT] = await self._progress(self._spec.adapt(source), steps)
+            return results
+
+    @needs_event_loop
     def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> Results[ResultT]:
         """``async for result in pipe.results(loader)``: ``progress`` until the end (an
         iterable gets a fresh iterator, an iterator continues where it stands)."""
@@ -139,7 +152,8 @@ class SparseDistBase(Generic[ResultT]):
         finally:
             shared.busy = None
 
-    async def _progress(self, source: Source) -> ResultT:
+    async def _progress(self, source: Source, steps: int | None = None) -> Any:
+        """One result (``steps`` None), or up to ``steps`` of them in a list."""
         engine = self.engine
         built = engine is None
         if engine is None:
@@ -153,13 +167,19 @@ class SparseDistBase(Generic[ResultT]):
             await engine.drain()
         self._ended_source = None
         try:
-            result: ResultT = await engine.progress(source)
+            if steps is None:
+                return await engine.progress(source)
+            results = await engine.progress_many(source, steps)
+            if not results:
+                raise StopAsyncIteration
+            return results
         except StopAsyncIteration:
             self._ended_source = source  # the engine keeps its statistics until then
             self._spec.ended(source)
             self._spec.finished()
+            if steps is not None:
+                return []
             raise
-        return result
 
     @needs_event_loop
     async def drain(self) -> list[ResultT]:
