@@ -59,7 +59,7 @@ class BlockingPipeline:
         stop per call, not per step)."""
         many = getattr(self._pipeline, "progress_many", None)
         if many is not None:
-            return self._runner.run(many, source, steps)  # type: ignore[no-any-return]
+            return self._runner.run(many, source, steps)
         results: list[Any] = []
         for _ in range(steps):
             try:
