@@ -128,6 +128,49 @@ async def test_a_device_only_sync_orders_the_streams_without_a_host_wait(
     assert [float(s) for s in sums if s is not None] == expected
 
 
+@pytest.mark.parametrize("producer_first", [True, False])
+async def test_steps_chained_on_the_lanes_keep_every_device_wait(producer_first: bool) -> None:
+    """``progress_many`` on three lanes sees what ``progress`` sees: the lane that ends
+    an iteration issues the device waits it left (the reader first: at the end of the
+    progress) before the next one starts, and the copy ahead on its own stream is
+    waited for."""
+    spin = sleep_cycles(0.02)
+
+    async def run(steps_per_call: int) -> list[tuple[float, float | None]]:
+        buffers = [torch.zeros(N, device="cuda"), torch.zeros(N, device="cuda")]
+
+        def produce(ctx: TaskContext) -> None:
+            x = torch.empty(N, device="cuda")
+            torch.cuda._sleep(spin)
+            x.fill_(float(ctx.batch_index + 1))
+            ctx.slots.set("x", x)
+
+        def update(ctx: TaskContext) -> None:
+            slow_fill(buffers[ctx.iter_count % 2], float(ctx.iter_count + 1), spin)
+
+        def read(ctx: TaskContext) -> None:
+            shared = buffers[(ctx.iter_count - (0 if producer_first else 1)) % 2].sum()
+            ctx.slots.set("step_result", (ctx.slots["x"].sum(), shared))
+
+        updater = Task.from_fn("update", update, stream="prefetch")
+        reader = Task.from_fn("read", read, reads=("x",), writes=("step_result",),
+                              same_progress_sync=("update",),
+                              same_progress_sync_sides={"update": "device"})  # fmt: skip
+        producer = Task.from_fn("produce", produce, lookahead=1, stream="memcpy", writes=("x",))
+        tasks = [producer, *([updater, reader] if producer_first else [reader, updater])]
+        pool = StreamPool.for_device(("default", "prefetch", "memcpy"), "cuda")
+        async with Pipeline(tasks, executor="async", stream_pool=pool) as pipe:
+            source, results = iter(range(9)), []
+            while chunk := await pipe.progress_many(source, steps_per_call):
+                results += chunk
+        torch.cuda.synchronize()
+        return [(float(x), float(shared)) for x, shared in results]
+
+    one_by_one, chained = await run(1), await run(4)
+    assert [x for x, _ in chained] == [float(N * (b + 1)) for b in range(9)]
+    assert chained == one_by_one
+
+
 @pytest.mark.parametrize("executor", ["sequential", "async"])
 async def test_a_named_event_orders_a_reader_of_out_of_slot_state(executor: str) -> None:
     spin = sleep_cycles(0.02)

@@ -218,3 +218,35 @@ async def test_steps_of_another_type_are_refused(steps: Any) -> None:
     async with Pipeline([Task.from_fn("step", echo)]) as pipe:
         with pytest.raises(ConfigurationTypeError, match="steps must be an int"):
             await pipe.progress_many(iter(range(3)), steps)
+
+
+async def test_taking_back_a_queued_step_leaves_the_running_step_s_collectives_alone() -> None:
+    """Two collectives on two lanes take tickets in order.  The caller leaves while the
+    first holds its ticket, and the step queued behind is taken back: the second
+    collective of the running step still takes its ticket and runs."""
+    gates = Gates(hold_at=2, after_read=3)
+    second: list[int] = []
+
+    def first_collective(ctx: TaskContext) -> None:
+        gates(ctx)
+
+    def second_collective(ctx: TaskContext) -> None:
+        second.append(ctx.slots["batch_cpu"])
+
+    tasks = [
+        Task.from_fn("first", first_collective, nccl=True),
+        Task.from_fn("second", second_collective, nccl=True, depends_on=()),
+    ]
+    async with Pipeline(tasks, thread_map={"first": "a", "second": "b"},
+                        check_batch=gates.check) as pipe:  # fmt: skip
+        source = iter(range(6))
+        call = asyncio.ensure_future(pipe.progress_many(source, 5))
+        await in_a_thread(gates.reached)  # step 2 holds ticket 0; step 3 is queued
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        gates.release.set()
+        await pipe.wait_idle()
+        assert second == [0, 1, 2] and gates.ran == [0, 1, 2]
+        assert await pipe.progress_many(source, 9) == list(range(6))
+        assert second == list(range(6))

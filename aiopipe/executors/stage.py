@@ -50,8 +50,8 @@ class StageRun:
             waker.loop.create_future() if layout.thread_chains and on_done is None else None
         )
         self.async_tasks: set[asyncio.Task[None]] = set()
-        #: Set when the lanes may start this stage: at once, or for a stage queued
-        #: behind another (:meth:`queue_behind`), when that one has handed over.
+        #: For a stage queued behind another (:meth:`queue_behind`): that one's
+        #: ``finished``, set once it has handed over; the lanes wait for it.
         self.gate: threading.Event | None = None
         #: The stage queued behind this one, which its last lane starts (:meth:`_hand_over`).
         self.successor: StageRun | None = None
@@ -63,14 +63,15 @@ class StageRun:
         with previous.lock:
             if previous.outstanding == 0 or previous.successor is not None:
                 return False
-            self.gate = threading.Event()
+            self.gate = previous.finished
             previous.successor = self
         return True
 
     def detach_successor(self) -> StageRun | None:
         """Take back the stage queued behind this one, if this one has not ended yet
-        (so the queued stage has not started): it is failed with ``reason`` by the
-        caller and never runs.  ``None`` if there is none or it may have started."""
+        (so the queued stage has not started): the caller fails it, and its lanes pass
+        its chains by once this one has ended.  ``None`` if there is none or it may
+        have started."""
         with self.lock:
             successor = self.successor
             if successor is None or self.outstanding == 0:
@@ -78,18 +79,17 @@ class StageRun:
             self.successor = None
         return successor
 
-    def cancel_unstarted(self, reason: BaseException) -> None:
-        """Fail a queued stage that never started and let its lanes pass its chains by."""
-        self.fail(reason)
-        if self.gate is not None:
-            self.gate.set()
-
     def fail(self, exc: BaseException) -> None:
+        self.skip(exc)
+        self.tickets.abort(f"{type(exc).__name__} in the same progress")
+
+    def skip(self, exc: BaseException) -> None:
+        """Fail a stage none of whose tasks has started (queued behind another), leaving
+        the ticket lock, which the stage before it may still be using, alone."""
         with self.lock:
             if self.error is None:
                 self.error = exc
             self.failed = True
-        self.tickets.abort(f"{type(exc).__name__} in the same progress")
         for flag in self.flags.values():
             flag.set()
 
@@ -107,9 +107,9 @@ class StageRun:
             wake = self.waker.post(settle_future, future, None, None)
         else:  # a iteration started by start_iteration: its callback
             wake = self.on_done is not None and self.waker.post(self.on_done, self.error)
-        self.finished.set()  # after the iteration's end is queued: a waiter finds it on the loop
-        if successor is not None and successor.gate is not None:
-            successor.gate.set()  # after this end is queued: the loop ends them in order
+        # After the iteration's end is queued: a waiter finds it on the loop, and the
+        # lanes start the successor (gated on it) only now, so the loop ends them in order.
+        self.finished.set()
         if wake:
             self.waker.wake()
 
@@ -119,13 +119,13 @@ class StageRun:
         (``Iteration.finish``) and a fresh ticket sequence -- or, if this one failed,
         skip the next one entirely (none of its tasks starts)."""
         if self.failed:
-            successor.fail(_NotStarted("the iteration before it failed"))
+            successor.skip(_NotStarted("the iteration before it failed"))
             return
         try:
             self.iteration.finish()
             successor.tickets.reset(successor.waker)
         except BaseException as exc:  # the device failed: the next one must not run
-            successor.fail(exc)
+            successor.skip(exc)
 
     def renew_threads_done(self) -> asyncio.Future[None] | None:
         """A fresh future for the lanes still running (cancelling the task that
@@ -200,7 +200,7 @@ class IterationHandle:
         successor = self._run.detach_successor()
         if successor is None:
             return False
-        successor.cancel_unstarted(reason)
+        successor.skip(reason)
         return True
 
     def abort(self, exc: BaseException) -> None:
