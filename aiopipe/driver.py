@@ -81,6 +81,9 @@ class IterationDriver:
         self._handle: IterationHandle | None = None  # the running fast-path iteration
         self._current: tuple[Feed, Iteration] | None = None  # the running iteration
         self._queued: _Queued | None = None  # the one the lanes start when it ends
+        # How many more iterations the waiting caller has asked for beyond the running
+        # and the queued one: queued at each end, without waking the caller.
+        self._chain_more = 0
         self._guarded: asyncio.Future[None] | None = None  # the iteration last guarded
         self._guards: set[asyncio.Task[None]] = set()
         self._waiters: list[asyncio.Future[None]] = []  # woken by the iteration's end
@@ -137,6 +140,7 @@ class IterationDriver:
                             yield_cpu_to_lanes()
             if more > 0 and self._queued is None:
                 self._queue_next(feed)
+            self._chain_more = more - (self._queued is not None)
             await self.wait_ended()  # guards the lanes too if the caller leaves
 
     async def _run_inits(self) -> None:
@@ -194,21 +198,22 @@ class IterationDriver:
             self.running, self._current = running, (feed, iteration)
         return True
 
-    def _queue_next(self, feed: Feed) -> None:
+    def _queue_next(self, feed: Feed) -> bool:
         """Queue the iteration after the running one behind it on the lanes, if the
         running one is a fast-path iteration that delivers a result, and the next
-        batch has been read and checked (a sync source is read now, inline)."""
+        batch has been read and checked (a sync source is read now, inline).  Whether
+        it was queued."""
         handle, current = self._handle, self._current
         if handle is None or current is None or current[0] is not feed:
-            return
+            return False
         running = current[1]
         if not self._holds_oldest_batch(feed, running):  # still filling the ring
-            return
+            return False
         if feed.can_read_ahead:
             feed.read_ahead()
         store = SlotStore()
         if not feed.take_ready_ahead(store):
-            return
+            return False
         plan, number = self._plan, running.number + 1
         iteration = Iteration(
             plan, self._ring.advanced(store), self._ctx, number, plan.active(number, feed.pulled),
@@ -222,8 +227,24 @@ class IterationDriver:
         )  # fmt: skip
         if queued is None:  # the running one ended meanwhile: started once that is handled
             feed.give_back(store)
-            return
+            return False
         self._queued = _Queued(iteration, done, queued, store)
+        return True
+
+    def _chain_next(self, feed: Feed) -> bool:
+        """At an iteration's end, with the one queued behind it now running: queue the
+        next one too if the waiting caller asked for it, and let the caller sleep on
+        (it is woken once, with several results).  Whether one was queued."""
+        if self._chain_more <= 0:
+            return False
+        try:
+            queued = self._queue_next(feed)
+        except BaseException:  # the source raised KeyboardInterrupt: out, as from a body
+            self._chain_more = 0
+            self._wake_waiters()
+            raise
+        self._chain_more -= queued
+        return queued
 
     def _drop_queued(self, feed: Feed | None) -> None:
         """Take back the queued iteration if it cannot have started (its caller left):
@@ -312,8 +333,10 @@ class IterationDriver:
                 self._failure = error  # raised by the caller, or by the next call
         if done is not None and not done.get_loop().is_closed():
             done.set_result(None)
-        self._wake_waiters()
         self._retired.free_soon()
+        if not (error is None and successor_runs and self._chain_next(feed)):
+            self._chain_more = 0
+            self._wake_waiters()
         return error
 
     def _advance(self, feed: Feed, iteration: Iteration, top: SlotStore | None) -> None:
@@ -415,6 +438,7 @@ class IterationDriver:
                 handle.abandon_loop(_loop_closed(number))  # a queued one is skipped too
             iteration.stage = None
         self.running = self._handle = self._current = self._queued = None
+        self._chain_more = 0
         self.broken = str(_loop_closed(number))
         pipeline_log.warning("%s: %s", self._pipeline, self.broken)
         return True
@@ -439,6 +463,7 @@ class IterationDriver:
         loop.  That thread stops waiting once the loop is closed (a second Ctrl-C), so
         interpreter exit, which joins it, never waits on a lane without bound."""
         running, handle, current = self.running, self._handle, self._current
+        self._chain_more = 0
         if current is not None:
             self._drop_queued(current[0])  # it was asked for by the caller who left
         if handle is None or running is None or current is None or self._guarded is running:

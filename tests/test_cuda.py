@@ -130,10 +130,10 @@ async def test_a_device_only_sync_orders_the_streams_without_a_host_wait(
 
 @pytest.mark.parametrize("producer_first", [True, False])
 async def test_steps_chained_on_the_lanes_keep_every_device_wait(producer_first: bool) -> None:
-    """``progress_many`` on three lanes sees what ``progress`` sees: the lane that ends
-    an iteration issues the device waits it left (the reader first: at the end of the
-    progress) before the next one starts, and the copy ahead on its own stream is
-    waited for."""
+    """``progress_many`` on two lanes and three streams sees what ``progress`` sees:
+    the lane that ends an iteration issues the device waits it left (the reader first:
+    at the end of the progress) before the next one starts, and the copy ahead on its
+    own stream is waited for."""
     spin = sleep_cycles(0.02)
 
     async def run(steps_per_call: int) -> list[tuple[float, float | None]]:
@@ -159,7 +159,10 @@ async def test_steps_chained_on_the_lanes_keep_every_device_wait(producer_first:
         producer = Task.from_fn("produce", produce, lookahead=1, stream="memcpy", writes=("x",))
         tasks = [producer, *([updater, reader] if producer_first else [reader, updater])]
         pool = StreamPool.for_device(("default", "prefetch", "memcpy"), "cuda")
-        async with Pipeline(tasks, executor="async", stream_pool=pool) as pipe:
+        # update and read on one lane: a device-only sync never holds the host, so on
+        # two lanes the reader could run before the update was even submitted.
+        lanes = {"produce": "memcpy", "update": "compute", "read": "compute"}
+        async with Pipeline(tasks, executor="async", stream_pool=pool, thread_map=lanes) as pipe:
             source, results = iter(range(9)), []
             while chunk := await pipe.progress_many(source, steps_per_call):
                 results += chunk
