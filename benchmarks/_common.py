@@ -20,14 +20,21 @@ from typing import Any, TypeVar
 from aiopipe import SchedulablePipeline
 
 
-async def time_progress(pipe: SchedulablePipeline, iterations: int, warmup: int = 20) -> float:
-    """Seconds per ``progress()`` in steady state."""
+async def time_progress(pipe: SchedulablePipeline, iterations: int, warmup: int = 20,
+                        steps_per_call: int = 1) -> float:  # fmt: skip
+    """Seconds per step in steady state: ``progress()`` per step, or
+    ``progress_many(source, steps_per_call)``."""
     source = iter(range(iterations + warmup + pipe.plan.max_lookahead + 1))
     for _ in range(warmup):
         await pipe.progress(source)
     start = time.perf_counter()
-    for _ in range(iterations):
-        await pipe.progress(source)
+    if steps_per_call == 1:
+        for _ in range(iterations):
+            await pipe.progress(source)
+    else:
+        done = 0
+        while done < iterations:
+            done += len(await pipe.progress_many(source, min(steps_per_call, iterations - done)))
     return (time.perf_counter() - start) / iterations
 
 

@@ -1,7 +1,8 @@
 """Engine overhead per task on a 14-task HSTU-shaped schedule of no-op bodies.
 
-Side by side in one run: AsyncExecutor with io/compute lanes, AsyncExecutor with
-every task on the "loop" lane (asyncio and uvloop), the lanes with tracing on,
+Side by side in one run: AsyncExecutor with io/compute lanes (one progress() per
+step, and 100 steps asked for a call with progress_many), AsyncExecutor with every
+task on the "loop" lane (asyncio and uvloop), the lanes with tracing on,
 SequentialExecutor, and the
 specification's threaded design (ThreadPoolExecutor + threading.Event per task +
 Condition ticket lock) as a plug-in baseline.
@@ -38,10 +39,13 @@ def noop(ctx: object) -> None:
     return None
 
 
+#: The io/compute lanes asked for 100 steps a call (``progress_many``: the lanes chain them).
+CHAINED = "async io/compute lanes, 100 steps a call"
 CONFIGS = {
     "threaded baseline (io/compute)": lambda: ThreadedExecutor(IO_COMPUTE_THREAD_MAP),
     "async io/compute lanes": lambda: AsyncExecutor(IO_COMPUTE_THREAD_MAP),
     "async io/compute lanes, traced": lambda: AsyncExecutor(IO_COMPUTE_THREAD_MAP),
+    CHAINED: lambda: AsyncExecutor(IO_COMPUTE_THREAD_MAP),
     "async all on 'loop'": lambda: AsyncExecutor(lambda task: "loop"),
     "sequential": lambda: "sequential",
 }
@@ -53,7 +57,8 @@ def measure(config: str, loop: str, iterations: int) -> float:
         hstu_schedule(lambda name: noop), executor=CONFIGS[config](), trace=config.endswith("traced")
     )
     try:
-        return run_on(LOOPS[loop], time_progress(pipe, iterations))
+        steps_per_call = 100 if config == CHAINED else 1
+        return run_on(LOOPS[loop], time_progress(pipe, iterations, steps_per_call=steps_per_call))
     finally:
         pipe.shutdown()
 
