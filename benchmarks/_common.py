@@ -194,3 +194,17 @@ def engine_host_ms(spans: Sequence[Any], skip: int = 5) -> tuple[float, float]:
                for earlier, later in zip(chain, chain[1:])
                if earlier.end_ns >= start and later.end_ns <= end)  # fmt: skip
     return gaps / steps / 1e6, (end - start) / steps / 1e6
+
+
+def step_boundaries_us(spans: Sequence[Any]) -> list[float]:
+    """Each boundary between two iterations on the busiest lane thread (the most body
+    time), in us: from one iteration's last body to the next iteration's first, less
+    the time that body was ready but waiting for another lane or a ticket."""
+    by_thread: dict[str, list[Any]] = collections.defaultdict(list)
+    for span in spans:
+        by_thread[span.thread].append(span)
+    busiest = max(by_thread.values(), key=lambda s: sum(x.duration_ns for x in s), default=[])
+    chain = sorted(busiest, key=lambda span: span.start_ns)
+    return [max(0, later.start_ns - later.wait_ns - earlier.end_ns) / 1e3
+            for earlier, later in zip(chain, chain[1:])
+            if later.iteration == earlier.iteration + 1]  # fmt: skip

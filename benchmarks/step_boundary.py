@@ -17,18 +17,16 @@ The rows: ``progress`` per step (the async form), ``progress_many(source, chunk)
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _common import print_json, print_table, spread  # noqa: E402
+from _common import print_json, print_table, spread, step_boundaries_us  # noqa: E402
 from presets import _batches, forward, loss_fn, setup  # noqa: E402
 
 from aiopipe import Tracer, basic  # noqa: E402
@@ -40,20 +38,6 @@ ROWS = {
     "blocking": "blocking progress() per step",
     "blocking-many": "blocking progress_many(source, chunk)",
 }
-
-
-def boundaries_us(spans: list[Any]) -> list[float]:
-    """Each boundary between two iterations on the busiest lane thread, in us."""
-    by_thread: dict[str, list[Any]] = {}
-    for span in spans:
-        by_thread.setdefault(span.thread, []).append(span)
-    busiest = max(by_thread.values(), key=lambda s: sum(x.duration_ns for x in s))
-    chain = sorted(busiest, key=lambda span: span.start_ns)
-    return [
-        max(0, later.start_ns - later.wait_ns - earlier.end_ns) / 1e3
-        for earlier, later in itertools.pairwise(chain)
-        if later.iteration == earlier.iteration + 1
-    ]
 
 
 def build(row: str, width: int, batch: int) -> tuple[Callable[[int], None], Tracer]:
@@ -101,7 +85,7 @@ def main() -> None:
             start = time.perf_counter()
             run(args.chunk)
             step_ms[row].append((time.perf_counter() - start) * 1e3 / args.chunk)
-            gaps[row].extend(boundaries_us(tracer.spans))
+            gaps[row].extend(step_boundaries_us(tracer.spans))
             tracer.clear()
     rows, payload = [], {}
     for row in args.rows:

@@ -17,6 +17,7 @@ from _common import (  # noqa: E402
     interleaved_rounds,
     print_table,
     spread,
+    step_boundaries_us,
     with_spread,
 )
 
@@ -115,3 +116,13 @@ def test_the_engine_host_time_is_the_busiest_lanes_gaps_less_their_waits() -> No
     assert host == pytest.approx(0.5 + 1.0)  # in-step gap less the wait, and the boundary
     with pytest.raises(ValueError, match="less than two iterations"):
         engine_host_ms(spans, skip=3)
+
+
+def test_a_step_boundary_is_the_busiest_lanes_gap_between_two_iterations_less_its_wait() -> None:
+    spans = []
+    for i, end in enumerate((9.3, 9.45, 9.2)):  # backward's end; iteration i + 1 starts at 10
+        t = 10.0 * i
+        spans += [span("forward", i, t, t + 4), span("backward", i, t + 5, t + end),
+                  span("h2d", i, t, t + 1, thread="io")]  # fmt: skip
+    spans.append(span("forward", 3, 30.0, 34.0, wait_ms=0.1))  # waited 0.1 ms for the io lane
+    assert step_boundaries_us(spans) == pytest.approx([700.0, 550.0, 700.0])
