@@ -19,8 +19,9 @@ asked for are queued, so between two calls exactly the returned steps are applie
 Invariant (cancel-safety): an iteration that has started runs to its end whatever
 happens to the callers awaiting it; its result is delivered once, by whichever call
 comes next.  A queued iteration that cannot have started yet is taken back when its
-caller leaves (its batch is read ahead again).  Only a task body that raises breaks an iteration; if one does after
-other bodies ran, :attr:`broken` says so until the pipeline is reset.
+caller leaves (its batch is read ahead again).  Only a task body that raises breaks
+an iteration; if one does after other bodies ran, :attr:`broken` says so until the
+pipeline is reset.
 """
 
 from __future__ import annotations

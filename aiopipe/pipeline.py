@@ -210,11 +210,14 @@ class SchedulablePipeline:
             raise ConfigurationTypeError(f"steps must be an int, got {steps!r}")
         if steps < 1:
             raise ConfigurationError(f"steps must be >= 1, got {steps}")
-        if in_trio():  # one step at a time through the bridge (interop.py)
-            return await _one_by_one(self, source, steps)
+        if in_trio():  # as in progress(); the bridge reads the source, nothing ahead
+            feed = self._feeds.current
+            source = self._trio.source_for(source, feed.source if feed is not None else None)
+            many = SchedulablePipeline.progress_many
+            return await self._trio.call(many, self, source, steps)
         self._begin_call()
         results: list[Any] = []
-        feed: Feed | None = None
+        feed = None
         try:
             feed = self._adopt(source)
             while len(results) < steps:
@@ -443,13 +446,3 @@ class SchedulablePipeline:
             f"executor={self._executor!r}>"
         )
 
-
-async def _one_by_one(pipe: SchedulablePipeline, source: Source, steps: int) -> list[Any]:
-    """``progress_many`` as ``steps`` calls of ``progress`` (under trio)."""
-    results: list[Any] = []
-    for _ in range(steps):
-        try:
-            results.append(await pipe.progress(source))
-        except StopAsyncIteration:
-            break
-    return results

@@ -108,8 +108,9 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
                 result = run_pipeline(mode, setup, data, shuffler=KarmarkarKarpShuffler(),
                                       tracer=tracer)  # fmt: skip
             else:
+                chained = 20 if name == CHAINED else 1
                 result = run_pipeline(mode, setup, data, thread_map=thread_map,  # type: ignore[arg-type]
-                                      tracer=tracer, steps_per_call=20 if name == CHAINED else 1)  # fmt: skip
+                                      tracer=tracer, steps_per_call=chained)  # fmt: skip
             rate = args["steps"] / result.seconds
             cores_busy = machine_busy(result.seconds, result.cpu_seconds)
             if repeat:

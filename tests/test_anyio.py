@@ -150,6 +150,19 @@ async def test_m_batches_give_m_results_in_order_then_the_end(library: str) -> N
 
 
 @on_each_backend
+async def test_progress_many_gives_the_results_in_order_then_an_empty_list(library: str) -> None:
+    """Several steps a call: chained on the lanes under asyncio, one by one through the
+    bridge under trio; the same results either way."""
+    send, receive = anyio.create_memory_object_stream[int](0)
+    async with three_tasks() as pipe, anyio.create_task_group() as tg, receive:
+        tg.start_soon(feed, send, range(7))
+        assert await pipe.progress_many(receive, 3) == [1, 3, 5]
+        assert await pipe.progress_many(receive, 9) == [7, 9, 11, 13]
+        assert await pipe.progress_many(receive, 9) == []
+        assert await pipe.progress_many(iter(range(5)), 2) == [1, 3]
+
+
+@on_each_backend
 async def test_drain_step_and_errors_of_task_bodies(library: str) -> None:
     send, receive = anyio.create_memory_object_stream[int](10)
     for i in range(6):
