@@ -26,7 +26,7 @@ class Feeds:
     the count of batches discarded.  ``reset_ring`` empties the pipeline's ring."""
 
     def __init__(
-        self, name: str, reset_ring: Callable[[], None], *, read_ahead: bool,
+        self, name: str, reset_ring: Callable[[], None], *, read_ahead: int,
         check_batch: Callable[[Any], None] | None,
     ) -> None:  # fmt: skip
         self._name, self._reset_ring = name, reset_ring
@@ -77,10 +77,11 @@ class Feeds:
                               "batch(es) in flight, untrained", self._name, feed.in_flight)  # fmt: skip
             self.discard()
             feed = None
-        ahead, parked = None, self._parked
+        ahead: list[Any] = []
+        parked = self._parked
         if parked is not None:
             if feed is None and parked.source is source:  # reset() kept what it read ahead
-                ahead, parked.ahead = parked.ahead, None
+                ahead = parked.hand_over_ahead()
             self._drop(parked)
             self._parked = None
         if feed is not None:
@@ -121,7 +122,6 @@ class Feeds:
                 feed.close()
 
     def _drop(self, feed: Feed) -> None:
-        """Forget ``feed`` for good: an item it read ahead is discarded too."""
-        if feed.holds_ahead:
-            self.discarded += 1
+        """Forget ``feed`` for good: the items it read ahead are discarded too."""
+        self.discarded += feed.held_ahead
         feed.close()

@@ -26,6 +26,9 @@ class PipelineOptions(TypedDict, total=False):
       the ring: ``progress`` then raises :class:`~aiopipe.errors.BadBatchError` and
       the batches in flight stay intact.
     * ``read_ahead`` (default ``True``): read the next batch while an iteration runs.
+      A number ``N`` reads an async source up to ``N`` batches ahead (its pulls one
+      after the other, each as soon as the one before has its item), for a source
+      slower than a step; ``False`` (or 0) reads only when a batch is needed.
     * ``expect_result`` (default ``True``): warn with
       :class:`~aiopipe.errors.NoStepResultWarning` when no task writes
       ``step_result``; ``False`` says the pipeline runs for its side effects.
@@ -36,6 +39,6 @@ class PipelineOptions(TypedDict, total=False):
     nvtx: bool | Annotator | None
     trace: bool | Tracer | None
     check_batch: Callable[[Any], None] | None
-    read_ahead: bool
+    read_ahead: bool | int
     expect_result: bool
     name: str | None

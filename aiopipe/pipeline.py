@@ -100,7 +100,8 @@ class SchedulablePipeline:
         ring, retired = self._ring, self._retired  # not self: no cycle keeps a dropped pipeline
         self._feeds = Feeds(
             self.name, lambda: retired.add_all(ring.reset()),
-            read_ahead=options.get("read_ahead", True), check_batch=options.get("check_batch"),
+            read_ahead=_read_ahead(options.get("read_ahead", True)),
+            check_batch=options.get("check_batch"),
         )  # fmt: skip
         self._busy = False
         self._closed = False
@@ -446,3 +447,13 @@ class SchedulablePipeline:
             f"executor={self._executor!r}>"
         )
 
+
+def _read_ahead(value: object) -> int:
+    """How many items may be read ahead: ``True`` one, ``False`` none, or a number."""
+    if not isinstance(value, int):  # bool is an int: True is 1, False 0
+        raise ConfigurationTypeError(
+            f"read_ahead takes True, False or a number of batches, got {value!r}"
+        )
+    if value < 0:
+        raise ConfigurationError(f"read_ahead must be >= 0 batches, got {value}")
+    return int(value)

@@ -11,7 +11,9 @@ cancellation never lands inside the source and never loses an item.  A sync sour
 called inline: ``next()`` cannot be interrupted half-way.
 
 While an iteration runs, the pipeline reads the next item ahead (:meth:`read_ahead`),
-so a slow source overlaps compute instead of preceding it.
+so a slow source overlaps compute instead of preceding it.  An async source may be
+read deeper (``read_ahead=N``): its pulls follow each other, each starting when the
+one before has its item, until ``N`` items are held.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import asyncio
 import bisect
 import collections
 import inspect
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import (
+    AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence,
+)  # fmt: skip
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
@@ -118,17 +122,18 @@ class Feed:
     """One source (a sync or async iterator) and the progress made through it."""
 
     __slots__ = (
-        "_async", "_check_batch", "_pulled_inline", "_refused_after", "_seed", "_sync",
-        "abandoned", "ahead", "discarded", "draining", "exhausted", "iteration", "lost",
+        "_async", "_behind", "_check_batch", "_depth", "_pulled_inline", "_refused_after",
+        "_seed", "_sync", "abandoned", "ahead", "discarded", "draining", "exhausted",
+        "iteration", "lost",
         "outbox", "pulled", "read_ahead_allowed", "refused", "results_dropped", "returned",
         "source", "top_pulled",
     )  # fmt: skip
 
     def __init__(
-        self, source: Source, *, read_ahead: bool = True,
+        self, source: Source, *, read_ahead: bool | int = True,
         check_batch: Callable[[Any], None] | None = None,
         seed: Mapping[str, Any] | None = None, refused: int = 0,
-        ahead: asyncio.Future[Any] | None = None,
+        ahead: Sequence[asyncio.Future[Any]] = (),
     ) -> None:  # fmt: skip
         #: Checks each item when it is read (ahead: off the step's critical path).
         self._check_batch = check_batch
@@ -176,7 +181,9 @@ class Feed:
         self.lost: str | None = None
         #: The next item, read ahead or being read (a future, done for sync sources);
         #: given, one a discarded feed of the same source had read.
-        self.ahead: asyncio.Future[Any] | None = ahead
+        self.ahead: asyncio.Future[Any] | None = ahead[0] if ahead else None
+        #: The items after it, read or being read, in order (``read_ahead=N`` > 1).
+        self._behind: collections.deque[asyncio.Future[Any]] = collections.deque(ahead[1:])
         #: Batches dropped untrained (:meth:`discard`), and results of applied steps
         #: dropped with them.
         self.discarded = 0
@@ -187,14 +194,16 @@ class Feed:
         # A trio caller's source is pulled by the caller during its own call
         # (interop.py): it cannot be read between calls.
         self._pulled_inline = bool(getattr(source, "pulled_inline", False))
-        self.read_ahead_allowed = read_ahead and not self._pulled_inline
+        #: How many items may be held ahead (``True``: one).
+        self._depth = int(read_ahead)
+        self.read_ahead_allowed = self._depth > 0 and not self._pulled_inline
 
     @property
     def in_flight(self) -> int:
         """Batches taken from the source whose results have not been returned yet
         (the one read ahead included)."""
         taken = self.pulled - self.returned - self.discarded - self.results_dropped
-        return taken + (1 if self.holds_ahead else 0)
+        return taken + self.held_ahead
 
     @property
     def applied(self) -> int:
@@ -224,14 +233,17 @@ class Feed:
         return self.exhausted and self.returned >= self.pulled
 
     @property
-    def holds_ahead(self) -> bool:
-        """An item was read ahead (or is being read), not yet placed in the ring."""
-        ahead = self.ahead
-        if ahead is None:
-            return False
-        return not ahead.done() or ahead.cancelled() or ahead.exception() is not None or (
-            ahead.result()[0] is not END
-        )
+    def held_ahead(self) -> int:
+        """Items read ahead (or being read), not yet placed in the ring."""
+        return sum(map(_holds_an_item, (self.ahead, *self._behind)))
+
+    def hand_over_ahead(self) -> list[asyncio.Future[Any]]:
+        """Give up the items read ahead, in order, for a new feed of the same source
+        (``Feed(ahead=...)``), which takes them first."""
+        futures = [self.ahead, *self._behind] if self.ahead is not None else []
+        self.ahead = None
+        self._behind.clear()
+        return futures
 
     @property
     def reads_in_a_task(self) -> bool:
@@ -300,7 +312,7 @@ class Feed:
         batch, problem = ahead.result()
         if batch is END or problem is not None:
             return False
-        self.ahead = None
+        self._next_ahead()
         store.set(BATCH_SLOT, batch)
         store.batch_index = self.pulled
         self.pulled += 1
@@ -312,6 +324,8 @@ class Feed:
         been read ahead since it was taken."""
         future = asyncio.get_running_loop().create_future()
         future.set_result((store.get(BATCH_SLOT), None))
+        if self.ahead is not None:  # read deeper meanwhile: it comes after this one
+            self._behind.appendleft(self.ahead)
         self.ahead = future
         self.pulled -= 1
 
@@ -340,7 +354,8 @@ class Feed:
         ahead = self.ahead
         assert ahead is not None
         await wait_settled(ahead)
-        self.ahead = None
+        if ahead is self.ahead:  # else another call took it meanwhile
+            self._next_ahead()
         if ahead.cancelled():
             # Only its loop shutting down cancels a pull (asyncio.run cancels every
             # task left), not any caller of ours: unless that closed the source,
@@ -355,21 +370,45 @@ class Feed:
     def _pull_in_task(self) -> None:
         """Pull the async source in a task of its own, which no cancelled caller
         cancels: the item is kept in :attr:`ahead` for whichever call takes it."""
-        self.ahead = asyncio.ensure_future(self._pull_async())
+        self.ahead = self._start_pull()
+
+    def _start_pull(self) -> asyncio.Future[Taken]:
+        pull = asyncio.ensure_future(self._pull_async())
+        if self._depth > 1:
+            pull.add_done_callback(self._read_deeper)
+        return pull
+
+    def _next_ahead(self) -> None:
+        """The item read ahead was taken: the next one held becomes it, and reading
+        goes on if fewer than ``read_ahead`` items are held now."""
+        self.ahead = self._behind.popleft() if self._behind else None
+        self._read_deeper()
+
+    def _read_deeper(self, _: object = None) -> None:
+        """With ``read_ahead=N`` > 1 on an async source: once the last pull has its
+        item (a sound one, not the end), start the next, until ``N`` are held."""
+        last = self._behind[-1] if self._behind else self.ahead
+        if (
+            last is None or not last.done() or last.get_loop().is_closed()
+            or 1 + len(self._behind) >= self._depth or self._async is None
+            or self.draining or self.exhausted or self.lost is not None
+            or not self.read_ahead_allowed or not _holds_an_item(last)
+            or last.cancelled() or last.exception() is not None
+        ):  # fmt: skip
+            return
+        self._behind.append(self._start_pull())
 
     def _checked(self, item: Any) -> Taken:
         return item, (None if item is END else _problem_of(self._check_batch, item))
 
     def close(self) -> None:
         """Stop a pull under way (the pipeline is reset or shut down)."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is None:
-            return
-        if ahead.done():
-            if not ahead.cancelled():
-                ahead.exception()  # retrieved: no "never retrieved" warning
-        else:
-            ahead.cancel()
+        for ahead in self.hand_over_ahead():
+            if ahead.done():
+                if not ahead.cancelled():
+                    ahead.exception()  # retrieved: no "never retrieved" warning
+            else:
+                ahead.cancel()
 
     async def _pull_async(self) -> Taken:
         assert self._async is not None
@@ -384,6 +423,15 @@ class Feed:
                 self.lost = "a cancelled progress() closed this async generator mid-pull"
             raise
 
+
+
+def _holds_an_item(future: asyncio.Future[Any] | None) -> bool:
+    """Whether ``future`` (a read ahead) holds, or will hold, an item of the source."""
+    if future is None:
+        return False
+    return not future.done() or future.cancelled() or future.exception() is not None or (
+        future.result()[0] is not END
+    )
 
 
 def _problem_of(check_batch: Callable[[Any], None] | None, batch: Any) -> BaseException | None:

@@ -10,7 +10,9 @@ is calibrated, once, to the compute times asked for.  The rows of each cell:
 * aiopipe sync: ``pipe.progress`` over the sync generator (read ahead inline);
 * aiopipe async: over an async generator awaiting ``asyncio.sleep(latency)``;
 * aiopipe fetch_ahead: over ``fetch_ahead(keys, fetch, in_flight=4)``, each fetch
-  awaiting the latency (its ideal: ``max(latency / 4, compute)``).
+  awaiting the latency (its ideal: ``max(latency / 4, compute)``);
+* aiopipe async, 2 ahead: the async generator read two batches ahead
+  (``read_ahead=2``), as the prefetch thread's queue of two holds them.
 
 Each cell's rows run in worker processes of their own, in alternating chunks
 (``_chunks.py``).  Printed per cell: ms a step (median of the chunks), its spread,
@@ -41,7 +43,8 @@ from _chunks import nothing_to_report, paired, repeat, time_in_chunks  # noqa: E
 from _common import print_json, print_table, spread  # noqa: E402
 from online_source import prefetched  # noqa: E402
 
-CONFIGS = ("plain loop", "prefetch thread", "aiopipe sync", "aiopipe async", "aiopipe fetch_ahead")
+CONFIGS = ("plain loop", "prefetch thread", "aiopipe sync", "aiopipe async", "aiopipe fetch_ahead",
+           "aiopipe async, 2 ahead")  # fmt: skip
 IN_FLIGHT = 4  # fetch_ahead's fetches at once
 BATCH, FEATURES = 256, 384
 
@@ -126,8 +129,10 @@ def _build(config: str, rank: int, *, width: int, latency_ms: float) -> tuple[Ca
     net, opt = model(width)
     latency_s = latency_ms / 1000
     if config.startswith("aiopipe"):
-        pipe = basic(net, opt, loss_fn=loss_fn, forward=forward)
-        sources = {"aiopipe async": async_source, "aiopipe fetch_ahead": keyed_source}
+        depth = 2 if config.endswith("2 ahead") else 1
+        pipe = basic(net, opt, loss_fn=loss_fn, forward=forward, read_ahead=depth)
+        sources = {"aiopipe async": async_source, "aiopipe fetch_ahead": keyed_source,
+                   "aiopipe async, 2 ahead": async_source}  # fmt: skip
         source: Any = sources.get(config, sync_source)(latency_s)
         runner = LoopRunner()  # one loop for every chunk, as one aiopipe.run would be
 

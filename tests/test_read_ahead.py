@@ -1,0 +1,119 @@
+"""``read_ahead=N``: an async source read up to N batches ahead, its pulls one after
+the other.  Each interleaving is forced with events: the source says when it starts
+fetching an item, and a task body holds its step until it has seen what it checks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from aiopipe import ConfigurationError, ConfigurationTypeError, Pipeline, Task, TaskContext
+
+
+class Source:
+    """An async generator of ``n`` items that says when it starts fetching each."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.started = [threading.Event() for _ in range(n)]
+        self.fetched: list[int] = []
+
+    async def items(self) -> AsyncIterator[int]:
+        for k in range(self.n):
+            self.started[k].set()
+            await asyncio.sleep(0)  # the fetch awaits something, as a real one would
+            self.fetched.append(k)
+            yield k
+
+
+def echo(ctx: TaskContext) -> None:
+    ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+
+async def test_a_slow_source_is_fetched_n_ahead_and_no_further() -> None:
+    source = Source(8)
+    seen: dict[int, tuple[bool, bool]] = {}
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch_cpu"]
+        if batch == 1:
+            # Step 1 runs: batches 2 and 3 are read ahead (two), batch 4 is not started
+            # until a batch is taken into the ring, which waits for this step.
+            seen[batch] = (source.started[3].wait(10), source.started[4].is_set())
+        echo(ctx)
+
+    async with Pipeline([Task.from_fn("train", train)], read_ahead=2) as pipe:
+        assert [r async for r in pipe.results(source.items())] == list(range(8))
+    assert seen == {1: (True, False)}
+    assert source.fetched == list(range(8))  # each item read once, in order
+
+
+async def test_with_one_ahead_the_next_fetch_waits_for_the_ring() -> None:
+    source = Source(5)
+    seen: list[bool] = []
+
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 1:
+            # the default, one ahead: batch 2 is being read; batch 3 waits
+            seen.append(source.started[2].wait(10) and not source.started[3].is_set())
+        echo(ctx)
+
+    async with Pipeline([Task.from_fn("train", train)]) as pipe:
+        assert [r async for r in pipe.results(source.items())] == list(range(5))
+    assert seen == [True]
+
+
+async def test_reset_keeps_every_batch_read_ahead_in_order() -> None:
+    source = Source(7)
+    items = source.items()
+    async with Pipeline([Task.from_fn("train", echo)], read_ahead=3) as pipe:
+        assert await pipe.progress(items) == 0
+        # batch 1 is read ahead at once; the pulls after it follow
+        assert await asyncio.get_running_loop().run_in_executor(None, source.started[3].wait, 10)
+        pipe.reset()  # nothing is in the ring: every batch read ahead is kept
+        assert [r async for r in pipe.results(items)] == list(range(1, 7))
+        assert pipe.statistics().discarded == 0
+    assert source.fetched == list(range(7))
+
+
+async def test_drain_finishes_the_batches_read_ahead_and_reads_no_more() -> None:
+    source = Source(9)
+    items = source.items()
+    async with Pipeline([Task.from_fn("train", echo)], read_ahead=3) as pipe:
+        assert await pipe.progress(items) == 0
+        await asyncio.get_running_loop().run_in_executor(None, source.started[3].wait, 10)
+        drained = await pipe.drain()
+        # batches 1-3 had been read (or were being read): drained; nothing after
+        assert drained == [1, 2, 3]
+        assert source.fetched == [0, 1, 2, 3]
+        # the source itself goes on where it stands
+        assert [r async for r in pipe.results(items)] == list(range(4, 9))
+
+
+async def test_an_error_of_the_source_ahead_comes_in_its_place() -> None:
+    async def items() -> AsyncIterator[int]:
+        yield 0
+        yield 1
+        raise OSError("the feature store went away")
+
+    async with Pipeline([Task.from_fn("train", echo)], read_ahead=4) as pipe:
+        source = items()
+        assert [await pipe.progress(source), await pipe.progress(source)] == [0, 1]
+        with pytest.raises(OSError, match="went away"):
+            await pipe.progress(source)
+
+
+@pytest.mark.parametrize("bad", [-1, -5])
+def test_a_negative_depth_is_refused(bad: int) -> None:
+    with pytest.raises(ConfigurationError, match="read_ahead must be >= 0"):
+        Pipeline([Task.from_fn("train", echo)], read_ahead=bad)
+
+
+@pytest.mark.parametrize("bad", ["2", 2.0, None])
+def test_a_depth_of_another_type_is_refused(bad: Any) -> None:
+    with pytest.raises(ConfigurationTypeError, match="read_ahead takes True, False or a number"):
+        Pipeline([Task.from_fn("train", echo)], read_ahead=bad)
