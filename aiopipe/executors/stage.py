@@ -53,7 +53,7 @@ class StageRun:
         #: For a stage queued behind another (:meth:`queue_behind`): that one's
         #: ``finished``, set once it has handed over; the lanes wait for it.
         self.gate: threading.Event | None = None
-        #: The stage queued behind this one, which its last lane starts (:meth:`_hand_over`).
+        #: The stage queued behind this one: its last lane prepares and starts it.
         self.successor: StageRun | None = None
 
     def queue_behind(self, previous: StageRun) -> bool:
