@@ -23,6 +23,7 @@ from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._core.loops import LoopRunner
+from .errors import ConfigurationTypeError
 from .protocols import AsyncPipeline
 from .source import iterate
 
@@ -58,15 +59,12 @@ class BlockingPipeline:
         in one call, ``[]`` at the end; the lanes chain the steps (one loop start and
         stop per call, not per step)."""
         many = getattr(self._pipeline, "progress_many", None)
-        if many is not None:
-            return self._runner.run(many, source, steps)
-        results: list[Any] = []
-        for _ in range(steps):
-            try:
-                results.append(self.progress(source))
-            except StopIteration:
-                break
-        return results
+        if many is None:
+            raise ConfigurationTypeError(
+                f"{type(self._pipeline).__name__} has no progress_many(); call progress() "
+                f"once per step"
+            )
+        return self._runner.run(many, source, steps)
 
     def step(self, batch: Any) -> Any:
         """Like ``await pipeline.step(batch)``: one batch, to completion."""

@@ -83,7 +83,7 @@ class IterationDriver:
         self._current: tuple[Feed, Iteration] | None = None  # the running iteration
         self._queued: _Queued | None = None  # the one the lanes start when it ends
         # How many more iterations the waiting caller has asked for beyond the running
-        # and the queued one: queued at each end, without waking the caller.
+        # and the queued one: queued one at a time, without waking the caller.
         self._chain_more = 0
         self._guarded: asyncio.Future[None] | None = None  # the iteration last guarded
         self._guards: set[asyncio.Task[None]] = set()
@@ -139,9 +139,10 @@ class IterationDriver:
                     finally:
                         if not in_task:
                             yield_cpu_to_lanes()
-            if more > 0 and self._queued is None:
-                self._queue_next(feed)
-            self._chain_more = more - (self._queued is not None)
+            # How many iterations to queue, one at a time, beyond the running one.
+            self._chain_more = more if self._runs_here() else 0
+            if self._queued is not None or (self._chain_more > 0 and self._queue_next(feed)):
+                self._chain_more = max(0, self._chain_more - 1)
             await self.wait_ended()  # guards the lanes too if the caller leaves
 
     async def _run_inits(self) -> None:
@@ -205,7 +206,7 @@ class IterationDriver:
         batch has been read and checked (a sync source is read now, inline).  Whether
         it was queued."""
         handle, current = self._handle, self._current
-        if handle is None or current is None or current[0] is not feed:
+        if handle is None or current is None or current[0] is not feed or not self._runs_here():
             return False
         running = current[1]
         if not self._holds_oldest_batch(feed, running):  # still filling the ring
@@ -214,6 +215,7 @@ class IterationDriver:
             feed.read_ahead()
         store = SlotStore()
         if not feed.take_ready_ahead(store):
+            self._queue_when_read(feed)
             return False
         plan, number = self._plan, running.number + 1
         iteration = Iteration(
@@ -232,13 +234,35 @@ class IterationDriver:
         self._queued = _Queued(iteration, done, queued, store)
         return True
 
+    def _runs_here(self) -> bool:
+        """The running iteration reports to this event loop (a caller on another loop
+        never queues behind it: its end would be reported there)."""
+        running = self.running
+        return running is not None and running.get_loop() is asyncio.get_running_loop()
+
+    def _queue_when_read(self, feed: Feed) -> None:
+        """The next batch is still being read (an async source): queue its iteration
+        once it has been, if the caller still wants it then."""
+        ahead = feed.ahead
+        if ahead is None or ahead.done() or self._chain_more <= 0:
+            return
+
+        def read(_: object) -> None:
+            if self._chain_more > 0 and self._queued is None and self._queue_next(feed):
+                self._chain_more -= 1
+
+        ahead.add_done_callback(read)
+
     def _chain_next(self, feed: Feed) -> bool:
         """At an iteration's end, with the one queued behind it now running: queue the
         next one too if the waiting caller asked for it, and let the caller sleep on
-        (it is woken once, with several results).  Whether one was queued."""
-        if self._chain_more <= 0:
-            return False
+        (it is woken once, with several results); else read the next batch ahead.
+        Whether one was queued."""
         try:
+            if self._chain_more <= 0:
+                if feed.can_read_ahead:
+                    feed.read_ahead()
+                return False
             queued = self._queue_next(feed)
         except BaseException:  # the source raised KeyboardInterrupt: out, as from a body
             self._chain_more = 0

@@ -211,7 +211,7 @@ class SchedulablePipeline:
             raise ConfigurationTypeError(f"steps must be an int, got {steps!r}")
         if steps < 1:
             raise ConfigurationError(f"steps must be >= 1, got {steps}")
-        if in_trio():  # as in progress(); the bridge reads the source, nothing ahead
+        if in_trio():  # as in progress(): the call runs on the bridge
             feed = self._feeds.current
             source = self._trio.source_for(source, feed.source if feed is not None else None)
             many = SchedulablePipeline.progress_many
@@ -237,12 +237,10 @@ class SchedulablePipeline:
                     break
                 results.append(result)
             return results
-        except Exception as exc:
-            if results and feed is not None and not isinstance(exc, PipelineStateError):
+        except BaseException as exc:
+            if results and isinstance(exc, Exception) and not isinstance(exc, PipelineStateError):
                 self._driver.defer_failure(exc)  # the steps before it come out first
                 return results
-            raise
-        except BaseException:
             if feed is not None:  # what was collected goes back, in front, for the next call
                 feed.returned -= len(results)
                 feed.outbox.extendleft(reversed(results))

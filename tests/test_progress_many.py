@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -250,3 +251,56 @@ async def test_taking_back_a_queued_step_leaves_the_running_step_s_collectives_a
         assert second == [0, 1, 2] and gates.ran == [0, 1, 2]
         assert await pipe.progress_many(source, 9) == list(range(6))
         assert second == list(range(6))
+
+
+async def test_an_async_source_chains_once_its_next_batch_has_been_read() -> None:
+    gates = Gates(hold_at=1)
+    next_ran = threading.Event()
+
+    def step(ctx: TaskContext) -> None:
+        gates(ctx)
+        if ctx.slots["batch_cpu"] == 2:
+            next_ran.set()
+
+    async def items() -> AsyncIterator[int]:
+        for n in range(5):
+            await asyncio.sleep(0)  # a fetch: the read does not end in its first step
+            yield n
+
+    async with Pipeline([Task.from_fn("step", step)]) as pipe:
+        source = items()
+        assert await pipe.progress(source) == 0
+        call = asyncio.ensure_future(pipe.progress_many(source, 3))
+        await in_a_thread(gates.reached)  # step 1 runs; batch 2 is read by a task
+        for _ in range(10_000):  # queued once that read has its batch: a few loop turns
+            if pipe._driver._queued is not None:
+                break
+            await asyncio.sleep(0)
+        assert pipe._driver._queued is not None
+        gates.release.set()
+        assert next_ran.wait(10)  # the loop thread is blocked: the lane started step 2
+        assert await call == [1, 2, 3]
+
+
+async def test_the_last_step_of_a_call_has_the_next_batch_read_ahead() -> None:
+    gates = Gates(hold_at=0)
+    async with Pipeline([Task.from_fn("step", gates)], check_batch=gates.check) as pipe:
+        source = iter(range(6))
+        call = asyncio.ensure_future(pipe.progress_many(source, 2))
+        await in_a_thread(gates.reached)  # step 0 runs, step 1 is queued behind it
+        assert pipe._driver._queued is not None
+        gates.release.set()
+        assert await call == [0, 1]
+        assert gates.checked == [0, 1, 2]  # batch 2 was read while step 1 ran
+        assert await pipe.progress_many(source, 9) == [2, 3, 4, 5]
+
+
+def test_the_blocking_form_needs_a_pipeline_with_progress_many() -> None:
+    class OneByOne:
+        async def progress(self, source: Any) -> Any:
+            return next(source)
+
+    from aiopipe import BlockingPipeline
+
+    with pytest.raises(ConfigurationTypeError, match="OneByOne has no progress_many"):
+        BlockingPipeline(OneByOne()).progress_many(iter(range(3)), 2)
