@@ -20,7 +20,10 @@ the ideal ``max(latency, compute)``, each row's share of the ideal rate and its 
 against the prefetch thread; and the async row against the sync row.
 
     ./dev bench online_matrix [--latency-ms 0 3 6 12] [--compute-ms 2 7 15]
-                              [--chunk 20] [--rounds 6] [--processes 1]
+                              [--chunk 20] [--rounds 6] [--processes 1] [--jitter 0]
+
+``--jitter F`` varies each fetch's latency evenly within ``1 +- F`` of it (the same
+sequence for every row): the case a read-ahead of more than one batch is for.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import asyncio
 import functools
 import itertools
+import random
 import statistics
 import sys
 import time
@@ -93,36 +97,43 @@ def _batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, FEATURES, generator=generator), torch.randn(BATCH, 1, generator=generator)
 
 
-def sync_source(latency_s: float) -> Iterator[Any]:
+def delay_s(latency_s: float, jitter: float, index: int) -> float:
+    """The ``index``-th fetch's latency: ``latency_s`` times a factor drawn evenly from
+    ``[1 - jitter, 1 + jitter]``, the same for every row (seeded by the index)."""
+    return latency_s * (1 + jitter * (2 * random.Random(index).random() - 1))
+
+
+def sync_source(latency_s: float, jitter: float) -> Iterator[Any]:
     generator = torch.Generator().manual_seed(1)
-    while True:
+    for index in itertools.count():
         if latency_s:
-            time.sleep(latency_s)
+            time.sleep(delay_s(latency_s, jitter, index))
         yield _batch(generator)
 
 
-async def async_source(latency_s: float) -> AsyncIterator[Any]:
+async def async_source(latency_s: float, jitter: float) -> AsyncIterator[Any]:
     generator = torch.Generator().manual_seed(1)
-    while True:
+    for index in itertools.count():
         if latency_s:
-            await asyncio.sleep(latency_s)
+            await asyncio.sleep(delay_s(latency_s, jitter, index))
         yield _batch(generator)
 
 
-def keyed_source(latency_s: float) -> Any:
+def keyed_source(latency_s: float, jitter: float) -> Any:
     from aiopipe import fetch_ahead
 
     generator = torch.Generator().manual_seed(1)
 
     async def fetch(key: int) -> tuple[torch.Tensor, torch.Tensor]:
         if latency_s:
-            await asyncio.sleep(latency_s)
+            await asyncio.sleep(delay_s(latency_s, jitter, key))
         return _batch(generator)
 
     return fetch_ahead(itertools.count(), fetch, in_flight=IN_FLIGHT)
 
 
-def _build(config: str, rank: int, *, width: int, latency_ms: float) -> tuple[Callable[[int], None], Any]:
+def _build(config: str, rank: int, *, width: int, latency_ms: float,
+           jitter: float) -> tuple[Callable[[int], None], Any]:  # fmt: skip
     from aiopipe import basic
     from aiopipe._core.loops import LoopRunner
 
@@ -133,7 +144,7 @@ def _build(config: str, rank: int, *, width: int, latency_ms: float) -> tuple[Ca
         pipe = basic(net, opt, loss_fn=loss_fn, forward=forward, read_ahead=depth)
         sources = {"aiopipe async": async_source, "aiopipe fetch_ahead": keyed_source,
                    "aiopipe async, 2 ahead": async_source}  # fmt: skip
-        source: Any = sources.get(config, sync_source)(latency_s)
+        source: Any = sources.get(config, sync_source)(latency_s, jitter)
         runner = LoopRunner()  # one loop for every chunk, as one aiopipe.run would be
 
         async def chunk(n: int) -> None:
@@ -141,7 +152,7 @@ def _build(config: str, rank: int, *, width: int, latency_ms: float) -> tuple[Ca
                 await pipe.progress(source)
 
         return (lambda n: runner.run(chunk, n)), nothing_to_report
-    batches = sync_source(latency_s)
+    batches = sync_source(latency_s, jitter)
     if config == "prefetch thread":
         batches = prefetched(batches)
 
@@ -162,13 +173,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="chunks per row and process")
     parser.add_argument("--processes", type=int, default=1, help="fresh process sets per cell")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="each fetch's latency varies evenly by up to this share "
+                             "(0.5: 50-150 %% of --latency-ms; the mean stays)")  # fmt: skip
     args = parser.parse_args()
+    if not 0 <= args.jitter <= 1:
+        parser.error("--jitter must be within 0..1")
     widths = {target: calibrate(target) for target in args.compute_ms}
     rows, cells = [], []
     for target, latency in itertools.product(args.compute_ms, args.latency_ms):
         width = widths[target]
         compute = step_ms(width)
-        build = functools.partial(_build, width=width, latency_ms=latency)
+        build = functools.partial(_build, width=width, latency_ms=latency, jitter=args.jitter)
         chunks = time_in_chunks(build, args.configs, chunk=args.chunk, rounds=args.rounds,
                                 processes=args.processes)  # fmt: skip
         ideal = max(latency, compute)
