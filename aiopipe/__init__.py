@@ -61,7 +61,7 @@ from .keyed import fetch_ahead as fetch_ahead
 from .gpu import wait_for_event as wait_for_event
 from .lanes import ThreadMap as ThreadMap
 from .options import PipelineOptions as PipelineOptions
-from .source import PipelineStatistics as PipelineStatistics
+from .statistics import PipelineStatistics as PipelineStatistics
 from .pipeline import SchedulablePipeline as SchedulablePipeline
 from .presets import BasicPipeline as BasicPipeline
 from .presets import basic as basic
@@ -69,7 +69,7 @@ from .presets import move_to_device as move_to_device
 from .runner import run as run
 from .schedule import Schedule as Schedule
 from .schedule import Stage as Stage
-from .source import Source as Source
+from .sources import Source as Source
 from .streams import StreamPool as StreamPool
 from .task import DataSlot as DataSlot
 from .task import Task as Task

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 from ._core.loops import LoopRunner
 from .errors import ConfigurationTypeError
 from .protocols import AsyncPipeline
-from .source import iterate
+from .sources import iterate
 
 if TYPE_CHECKING:
-    from .source import Source
+    from .sources import Source
 
 __all__ = ("BlockingPipeline",)
 

@@ -10,11 +10,9 @@ to the feed's outbox, the ring advances, the callers waiting are woken and evict
 slot stores are freed.  It guards the lanes when a caller leaves early, and holds the
 failure of an iteration whose caller was cancelled for the next call.
 
-When a caller has asked for more than one result (``progress_many``), the next
-iteration is queued behind the running one as soon as its batch has been read
-(:meth:`IterationDriver._queue_next`): the lane that ends one iteration starts the
-next, and the loop ends them, in order, while the lanes run on.  Only steps the caller
-asked for are queued, so between two calls exactly the returned steps are applied.
+When a caller has asked for more than one result (``progress_many``), the steps
+after the running one are queued behind it on the lanes (:class:`~aiopipe.chain.StepChain`);
+each end makes the queued iteration the running one.
 
 Invariant (cancel-safety): an iteration that has started runs to its end whatever
 happens to the callers awaiting it; its result is delivered once, by whichever call
@@ -28,20 +26,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from ._core.lanes import yield_cpu_to_lanes
 from ._core.log import pipeline_log
 from ._core.nvtx import Annotator
 from ._core.loops import runner_owns, task_quiet_if_left
 from ._core.watch import LaneWatch, describe_wait
-from ._core.waker import wait_settled
-from .context import CURRENT, Running, TaskContext
+from .chain import StepChain
+from .context import TaskContext
 from .errors import PipelineStateError
 from .executors import Executor, Iteration, IterationHandle
 from .executors.stage import StartFast
+from .inits import TaskInits
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores, SlotStore
 from .source import Feed
@@ -49,15 +46,6 @@ from .task import RESULT_SLOT
 from .trace import Tracer
 
 __all__ = ("IterationDriver",)
-
-
-class _Queued(NamedTuple):
-    """An iteration queued behind the running one (``progress_many``)."""
-
-    iteration: Iteration
-    done: asyncio.Future[None]
-    handle: IterationHandle
-    store: SlotStore  # its batch, the ring's top once the running iteration has ended
 
 
 class IterationDriver:
@@ -81,16 +69,11 @@ class IterationDriver:
         self._failure: BaseException | None = None  # of an iteration nobody awaited
         self._handle: IterationHandle | None = None  # the running fast-path iteration
         self._current: tuple[Feed, Iteration] | None = None  # the running iteration
-        self._queued: _Queued | None = None  # the one the lanes start when it ends
-        # How many more iterations the waiting caller has asked for beyond the running
-        # and the queued one: queued one at a time, without waking the caller.
-        self._chain_more = 0
+        self._chain = StepChain(self)  # the steps queued behind the running one
         self._guarded: asyncio.Future[None] | None = None  # the iteration last guarded
         self._guards: set[asyncio.Task[None]] = set()
         self._waiters: list[asyncio.Future[None]] = []  # woken by the iteration's end
-        self._initialised = False
-        self._init_done: set[str] = set()  # tasks whose init() has run
-        self._inits: asyncio.Future[None] | None = None  # the task running them
+        self._inits = TaskInits(plan, ctx, pipeline)
 
     # -- delivering results ----------------------------------------------------------------
 
@@ -106,8 +89,8 @@ class IterationDriver:
                 f"{feed.in_flight} batch(es) in flight; then pass a new source (a cancel-safe "
                 f"one, e.g. a queue or memory channel, survives cancellation)"
             )
-        if not self._initialised:
-            await self._run_inits()
+        if not self._inits.done:
+            await self._inits.run()
         while True:
             if feed.outbox:
                 feed.returned += 1
@@ -139,37 +122,8 @@ class IterationDriver:
                     finally:
                         if not in_task:
                             yield_cpu_to_lanes()
-            # How many iterations to queue, one at a time, beyond the running one.
-            self._chain_more = more if self._runs_here() else 0
-            if self._queued is not None or (self._chain_more > 0 and self._queue_next(feed)):
-                self._chain_more = max(0, self._chain_more - 1)
+            self._chain.ask(feed, more)
             await self.wait_ended()  # guards the lanes too if the caller leaves
-
-    async def _run_inits(self) -> None:
-        """Run the tasks' ``init`` once, in a task of its own: a cancelled caller
-        leaves it running (the next call waits for it, never runs an init twice); a
-        failure is raised, and the next call retries the inits not yet done."""
-        inits = self._inits
-        if inits is None or (inits.done() and (inits.cancelled() or inits.exception())):
-            inits = self._inits = asyncio.ensure_future(self._init_tasks())
-        await wait_settled(inits)
-        inits.result()
-
-    async def _init_tasks(self) -> None:
-        for task in self._plan.order:
-            if task.name in self._init_done:  # an earlier call failed after it
-                continue
-            token = CURRENT.set(Running(task, None, -1, -1, None))
-            try:
-                result = task.init(self._ctx)
-                if inspect.isawaitable(result):
-                    await result
-            finally:
-                CURRENT.reset(token)
-            self._init_done.add(task.name)
-        self._initialised = True
-        pipeline_log.info("%s: init() of %d tasks done; up to %d batches will be in flight",
-                          self._pipeline, len(self._plan), self._plan.max_lookahead + 1)  # fmt: skip
 
     # -- starting ----------------------------------------------------------------------
 
@@ -181,107 +135,59 @@ class IterationDriver:
         The fast path hands the whole iteration to the lanes now, and its end is
         handled in the callback that wakes the loop: no task to create and wake, two
         loop cycles fewer on every iteration's critical path (docs/performance.md)."""
-        plan = self._plan
-        iteration = Iteration(
-            plan, self._ring, self._ctx, feed.iteration, plan.active(feed.iteration, feed.pulled),
-            self._annotator, self._tracer, self._lane_names, self._pipeline,
-        )  # fmt: skip
+        iteration = self.new_iteration(feed.iteration, self._ring, feed)
         if self._start_fast is not None:
-            done = asyncio.get_running_loop().create_future()
-            handle = self._start_fast(
-                iteration, functools.partial(self._lanes_finished, feed, iteration, done),
-                yield_cpu=yield_cpu,
-            )
-            if handle is not None:
-                self.running, self._handle, self._current = done, handle, (feed, iteration)
+            started = self.hand_to_lanes(feed, iteration, yield_cpu=yield_cpu)
+            if started is not None:
+                self.running, self._handle = started
+                self._current = (feed, iteration)
                 return False
         running = task_quiet_if_left(self._run_as_task(feed, iteration))
         if not running.done():  # an eager task factory may have run it to the end
             self.running, self._current = running, (feed, iteration)
         return True
 
-    def _queue_next(self, feed: Feed) -> bool:
-        """Queue the iteration after the running one behind it on the lanes, if the
-        running one is a fast-path iteration that delivers a result, and the next
-        batch has been read and checked (a sync source is read now, inline).  Whether
-        it was queued."""
-        handle, current = self._handle, self._current
-        if handle is None or current is None or current[0] is not feed or not self._runs_here():
-            return False
-        running = current[1]
-        if not self._holds_oldest_batch(feed, running):  # still filling the ring
-            return False
-        if feed.can_read_ahead:
-            feed.read_ahead()
-        store = SlotStore()
-        if not feed.take_ready_ahead(store):
-            self._queue_when_read(feed)
-            return False
-        plan, number = self._plan, running.number + 1
-        iteration = Iteration(
-            plan, self._ring.advanced(store), self._ctx, number, plan.active(number, feed.pulled),
+    def new_iteration(self, number: int, ring: BatchRing, feed: Feed) -> Iteration:
+        """Iteration ``number`` of ``feed`` on ``ring`` (the ring, or the ring as the
+        running iteration will leave it)."""
+        plan = self._plan
+        return Iteration(
+            plan, ring, self._ctx, number, plan.active(number, feed.pulled),
             self._annotator, self._tracer, self._lane_names, self._pipeline,
         )  # fmt: skip
-        assert self._start_fast is not None  # a fast-path iteration is running
-        done = asyncio.get_running_loop().create_future()
-        queued = self._start_fast(
-            iteration, functools.partial(self._lanes_finished, feed, iteration, done),
-            yield_cpu=False, after=handle,
-        )  # fmt: skip
-        if queued is None:  # the running one ended meanwhile: started once that is handled
-            feed.give_back(store)
-            return False
-        self._queued = _Queued(iteration, done, queued, store)
-        return True
 
-    def _runs_here(self) -> bool:
+    def hand_to_lanes(
+        self, feed: Feed, iteration: Iteration, *, yield_cpu: bool,
+        after: IterationHandle | None = None,
+    ) -> tuple[asyncio.Future[None], IterationHandle] | None:  # fmt: skip
+        """Start ``iteration`` on the executor's fast path (behind ``after``, if
+        given): ``(done, handle)``, ``done`` resolved once its end is handled; ``None``
+        where it cannot start so."""
+        assert self._start_fast is not None
+        done = asyncio.get_running_loop().create_future()
+        on_done = functools.partial(self._lanes_finished, feed, iteration, done)
+        handle = self._start_fast(iteration, on_done, yield_cpu=yield_cpu, after=after)
+        return None if handle is None else (done, handle)
+
+    @property
+    def handle(self) -> IterationHandle | None:
+        """The running iteration's handle, if it runs on the fast path."""
+        return self._handle
+
+    @property
+    def current(self) -> tuple[Feed, Iteration] | None:
+        """The running iteration and its feed."""
+        return self._current
+
+    @property
+    def ring(self) -> BatchRing:
+        return self._ring
+
+    def runs_here(self) -> bool:
         """The running iteration reports to this event loop (a caller on another loop
         never queues behind it: its end would be reported there)."""
         running = self.running
         return running is not None and running.get_loop() is asyncio.get_running_loop()
-
-    def _queue_when_read(self, feed: Feed) -> None:
-        """The next batch is still being read (an async source): queue its iteration
-        once it has been, if the caller still wants it then."""
-        ahead = feed.ahead
-        if ahead is None or ahead.done() or self._chain_more <= 0:
-            return
-
-        def read(_: object) -> None:
-            if self._chain_more > 0 and self._queued is None and self._queue_next(feed):
-                self._chain_more -= 1
-
-        ahead.add_done_callback(read)
-
-    def _chain_next(self, feed: Feed) -> bool:
-        """At an iteration's end, with the one queued behind it now running: queue the
-        next one too if the waiting caller asked for it, and let the caller sleep on
-        (it is woken once, with several results); else read the next batch ahead.
-        Whether one was queued."""
-        try:
-            if self._chain_more <= 0:
-                if feed.can_read_ahead:
-                    feed.read_ahead()
-                return False
-            queued = self._queue_next(feed)
-        except BaseException:  # the source raised KeyboardInterrupt: out, as from a body
-            self._chain_more = 0
-            self._wake_waiters()
-            raise
-        self._chain_more -= queued
-        return queued
-
-    def _drop_queued(self, feed: Feed | None) -> None:
-        """Take back the queued iteration if it cannot have started (its caller left):
-        its batch is read ahead again.  One that may have started runs on."""
-        queued, handle = self._queued, self._handle
-        if queued is None or handle is None:
-            return
-        if handle.drop_queued(_NOT_ASKED):
-            self._queued = None
-            queued.iteration.stage = None
-            if feed is not None:
-                feed.give_back(queued.store)
 
     async def _run_as_task(self, feed: Feed, iteration: Iteration) -> None:
         """A task of its own: a cancelled caller stops waiting for it, but it runs on.
@@ -327,7 +233,7 @@ class IterationDriver:
         bookkeeping may fail too).  An iteration queued behind it becomes the running
         one if the lanes have started it (they do unless this one failed)."""
         guarded = self._guarded is not None and self._guarded is self.running
-        queued, self._queued = self._queued, None
+        queued = self._chain.take()
         self.running = self._handle = self._current = None
         iteration.stage = None  # it refers back to the iteration: no cycle left to collect
         successor_runs = queued is not None and error is None
@@ -359,19 +265,19 @@ class IterationDriver:
         if done is not None and not done.get_loop().is_closed():
             done.set_result(None)
         self._retired.free_soon()
-        if not (error is None and successor_runs and self._chain_next(feed)):
-            self._chain_more = 0
-            self._wake_waiters()
+        if not (error is None and successor_runs and self._chain.after_end(feed)):
+            self._chain.stop()
+            self.wake_waiters()
         return error
 
     def _advance(self, feed: Feed, iteration: Iteration, top: SlotStore | None) -> None:
         feed.top_pulled = False
-        if self._holds_oldest_batch(feed, iteration):
+        if self.holds_oldest_batch(feed, iteration):
             feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
         self._retired.add(self._ring.advance(top))
         feed.iteration += 1
 
-    def _holds_oldest_batch(self, feed: Feed, iteration: Iteration) -> bool:
+    def holds_oldest_batch(self, feed: Feed, iteration: Iteration) -> bool:
         """Whether the iteration's offset 0 holds a batch of ``feed`` (not prefill)."""
         return 0 <= iteration.number - self._plan.max_lookahead < feed.pulled
 
@@ -379,7 +285,7 @@ class IterationDriver:
         """The iteration failed, but the batch at offset 0 had every one of its tasks
         run (a later batch's task failed): its step was applied, so its result is
         kept and delivered like any other, before the failure."""
-        if self._holds_oldest_batch(feed, iteration) and iteration.oldest_batch_done():
+        if self.holds_oldest_batch(feed, iteration) and iteration.oldest_batch_done():
             feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
 
     def defer_failure(self, error: Exception) -> None:
@@ -392,7 +298,7 @@ class IterationDriver:
         """An iteration failed and no call has raised its error yet."""
         return self._failure is not None
 
-    def _wake_waiters(self) -> None:
+    def wake_waiters(self) -> None:
         """Wake the callers waiting for the iteration that just ended, from the
         iteration itself: one loop cycle sooner than a done-callback would."""
         waiters, self._waiters = self._waiters, []
@@ -436,7 +342,7 @@ class IterationDriver:
             self.abandon_orphan()
             return
         feed, iteration = current
-        self._drop_queued(feed)
+        self._chain.drop(feed)
         # Bodies on the dead loop, and a task's part of the iteration, can never end.
         lost = handle.abandon_loop(None if fast else _loop_closed(iteration.number))
         if not handle.wait(0):
@@ -462,8 +368,8 @@ class IterationDriver:
             if handle is not None:  # let the lanes go on (they are not waited for)
                 handle.abandon_loop(_loop_closed(number))  # a queued one is skipped too
             iteration.stage = None
-        self.running = self._handle = self._current = self._queued = None
-        self._chain_more = 0
+        self.running = self._handle = self._current = None
+        self._chain.forget()
         self.broken = str(_loop_closed(number))
         pipeline_log.warning("%s: %s", self._pipeline, self.broken)
         return True
@@ -488,9 +394,7 @@ class IterationDriver:
         loop.  That thread stops waiting once the loop is closed (a second Ctrl-C), so
         interpreter exit, which joins it, never waits on a lane without bound."""
         running, handle, current = self.running, self._handle, self._current
-        self._chain_more = 0
-        if current is not None:
-            self._drop_queued(current[0])  # it was asked for by the caller who left
+        self._chain.drop(current[0] if current is not None else None)  # asked for by the caller who left
         if handle is None or running is None or current is None or self._guarded is running:
             return  # a task's iteration, none, or guarded already (by an earlier caller)
         self._guarded = running
@@ -534,10 +438,6 @@ class IterationDriver:
         """Forget a pending failure and a broken state (the pipeline is reset)."""
         self._failure = None
         self.broken = None
-
-
-#: Why a queued iteration was taken back (nobody sees it: nothing of it ran).
-_NOT_ASKED = PipelineStateError("its caller left before it started")
 
 
 def _loop_closed(number: int) -> PipelineStateError:

@@ -16,7 +16,8 @@ from typing import Any
 
 from ._core.log import pipeline_log
 from .errors import PipelineStateError
-from .source import Feed, OneBatch, Source
+from .source import Feed
+from .sources import OneBatch, Source
 
 __all__ = ("Feeds",)
 

@@ -44,7 +44,7 @@ from .errors import AsyncLibraryError, NoRunningLoopError, PipelineStateError
 from ._core.waker import settle_future
 from ._core.loops import finish_loop, new_event_loop
 from .loopless import last_call_never_ran, record_loopless_call
-from .source import END, Source
+from .sources import END, Source
 
 __all__ = ("TrioBridge", "current_trio", "in_trio", "needs_event_loop", "running_loop")
 

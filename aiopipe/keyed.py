@@ -38,7 +38,7 @@ from .errors import (
 )  # fmt: skip
 from .interop import in_trio
 from ._core.waker import wait_settled
-from .source import END, not_a_source
+from .sources import END, not_a_source
 
 __all__ = ("FetchAhead", "FetchStatistics", "fetch_ahead")
 

@@ -1,4 +1,5 @@
-"""``PipelineOptions``: the keyword options every pipeline constructor takes.
+"""``PipelineOptions``: the keyword options every pipeline constructor takes, and
+the reading of the one that needs it (``read_ahead``).
 
 Declared once and passed on as ``**options``, so ``SchedulablePipeline``,
 ``Pipeline`` and the presets cannot drift apart.
@@ -10,9 +11,10 @@ from collections.abc import Callable
 from typing import Any, TypedDict
 
 from ._core.nvtx import Annotator
+from .errors import ConfigurationError, ConfigurationTypeError
 from .trace import Tracer
 
-__all__ = ("PipelineOptions",)
+__all__ = ("PipelineOptions", "read_ahead_depth")
 
 
 class PipelineOptions(TypedDict, total=False):
@@ -43,3 +45,15 @@ class PipelineOptions(TypedDict, total=False):
     read_ahead: bool | int
     expect_result: bool
     name: str | None
+
+
+def read_ahead_depth(value: object) -> int:
+    """How many items the ``read_ahead`` option reads ahead: ``True`` one, ``False``
+    none, or a number."""
+    if not isinstance(value, int):  # bool is an int: True is 1, False 0
+        raise ConfigurationTypeError(
+            f"read_ahead takes True, False or a number of batches, got {value!r}"
+        )
+    if value < 0:
+        raise ConfigurationError(f"read_ahead must be >= 0 batches, got {value}")
+    return int(value)

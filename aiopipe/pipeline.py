@@ -26,13 +26,16 @@ from .context import TaskContext
 from .driver import IterationDriver
 from .feeds import Feeds
 from .errors import ConfigurationError, ConfigurationTypeError, PipelineStateError
+from .options import read_ahead_depth
 from .executors import Executor, resolve_executor
 from .protocols import Results
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores
 from .schedule import Schedule
-from .source import Feed, OneBatch, PipelineStatistics, Source
+from .source import Feed
+from .sources import OneBatch, Source
+from .statistics import PipelineStatistics
 from .streams import StreamPool
 from .trace import Tracer, resolve_tracer
 from .validate import validate_schedule, warn_serialized_awaits, warn_without_result
@@ -100,7 +103,7 @@ class SchedulablePipeline:
         ring, retired = self._ring, self._retired  # not self: no cycle keeps a dropped pipeline
         self._feeds = Feeds(
             self.name, lambda: retired.add_all(ring.reset()),
-            read_ahead=_read_ahead(options.get("read_ahead", True)),
+            read_ahead=read_ahead_depth(options.get("read_ahead", True)),
             check_batch=options.get("check_batch"),
         )  # fmt: skip
         self._busy = False
@@ -176,14 +179,7 @@ class SchedulablePipeline:
             return await self._trio.call(SchedulablePipeline.progress, self, source)
         self._begin_call()
         try:
-            feed = self._adopt(source)
-            produced, result = await self._driver.next_result(feed)
-            if not produced and feed.draining:
-                # A drain() that was interrupted (cancelled, or a refused batch) has now
-                # finished the batches in flight: the source itself goes on, as after
-                # a drain() that completed.
-                self._feeds.forget()
-                produced, result = await self._driver.next_result(self._adopt(source))
+            produced, result = await self._next_of(source)
             if not produced:
                 self._on_source_end()
                 raise StopAsyncIteration
@@ -218,19 +214,11 @@ class SchedulablePipeline:
             return await self._trio.call(many, self, source, steps)
         self._begin_call()
         results: list[Any] = []
-        feed = None
         try:
-            feed = self._adopt(source)
             while len(results) < steps:
                 if results and self._driver.failure_pending:
                     break  # raised by the next call, after these results
-                produced, result = await self._driver.next_result(
-                    feed, more=steps - len(results) - 1
-                )
-                if not produced and feed.draining:  # as in progress()
-                    self._feeds.forget()
-                    feed = self._adopt(source)
-                    produced, result = await self._driver.next_result(feed)
+                produced, result = await self._next_of(source, steps - len(results) - 1)
                 if not produced:
                     if not results:
                         self._on_source_end()
@@ -241,9 +229,9 @@ class SchedulablePipeline:
             if results and isinstance(exc, Exception) and not isinstance(exc, PipelineStateError):
                 self._driver.defer_failure(exc)  # the steps before it come out first
                 return results
-            if feed is not None:  # what was collected goes back, in front, for the next call
-                feed.returned -= len(results)
-                feed.outbox.extendleft(reversed(results))
+            feed = self._feeds.current
+            if feed is not None:  # what was collected goes back, for the next call
+                feed.put_back(results)
             raise
         finally:
             self._busy = False
@@ -312,9 +300,8 @@ class SchedulablePipeline:
             self._feeds.forget()
             return results
         except BaseException:
-            if feed is not None:  # what was collected goes back, in front, for the next call
-                feed.returned -= len(results)
-                feed.outbox.extendleft(reversed(results))
+            if feed is not None:  # what was collected goes back, for the next call
+                feed.put_back(results)
             raise
         finally:
             self._busy = False
@@ -435,6 +422,18 @@ class SchedulablePipeline:
     def _on_source_end(self) -> None:
         """Called once the last result of a source has been returned (presets hook)."""
 
+    async def _next_of(self, source: Source, more: int = 0) -> tuple[bool, Any]:
+        """The driver's next result of ``source`` (``more``: see ``next_result``).  A
+        drain() that was interrupted (cancelled, or a refused batch) and has now
+        finished the batches in flight is done with: the source goes on, as after a
+        drain() that completed."""
+        feed = self._adopt(source)
+        produced, result = await self._driver.next_result(feed, more)
+        if not produced and feed.draining:
+            self._feeds.forget()
+            produced, result = await self._driver.next_result(self._adopt(source))
+        return produced, result
+
     def _adopt(self, source: Source) -> Feed:
         return self._feeds.adopt(source, idle=self.idle)
 
@@ -444,14 +443,3 @@ class SchedulablePipeline:
             f"<SchedulablePipeline tasks={len(self._plan)} in_flight={stats.in_flight} "
             f"executor={self._executor!r}>"
         )
-
-
-def _read_ahead(value: object) -> int:
-    """How many items may be read ahead: ``True`` one, ``False`` none, or a number."""
-    if not isinstance(value, int):  # bool is an int: True is 1, False 0
-        raise ConfigurationTypeError(
-            f"read_ahead takes True, False or a number of batches, got {value!r}"
-        )
-    if value < 0:
-        raise ConfigurationError(f"read_ahead must be >= 0 batches, got {value}")
-    return int(value)

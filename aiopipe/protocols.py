@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
-from .source import Source, iterate
+from .sources import Source, iterate
 
 __all__ = ("AsyncPipeline", "Results")
 

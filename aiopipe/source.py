@@ -22,101 +22,18 @@ import asyncio
 import bisect
 import collections
 import inspect
-from collections.abc import (
-    AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence,
-)  # fmt: skip
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ._core.waker import wait_settled
 from .errors import BadBatchError, ConfigurationTypeError, PipelineStateError
+from .sources import END, Source, Taken, not_a_source
 from .task import BATCH_SLOT
 
 if TYPE_CHECKING:
     from .ring import SlotStore
 
-__all__ = (
-    "END", "Feed", "OneBatch", "PipelineStatistics", "Source", "iterate", "not_a_source",
-)  # fmt: skip
-
-#: Returned by :meth:`Feed.take` once the source is exhausted.
-END: Any = object()
-Source = Union[Iterator[Any], AsyncIterator[Any]]
-Taken = tuple[Any, Union[BaseException, None]]
-
-
-@dataclass(frozen=True)
-class PipelineStatistics:
-    """Where the pipeline stands in its current source.
-
-    ``applied`` counts the batches whose step has run: those ``returned``, and those
-    finished for a caller that was cancelled, whose results the next calls return
-    first.  ``refused`` counts items refused with ``BadBatchError``.  ``position``
-    counts the source's leading items done with -- applied, or refused with every
-    batch before them applied: with no iteration running
-    (:attr:`SchedulablePipeline.idle`), the position to resume a checkpointed run
-    from.  (``applied + refused`` is that too, except while batches taken before a
-    refused item are still in flight.)
-    ``discarded`` counts the batches dropped untrained since the pipeline was built,
-    by ``reset()`` or because a ``results()`` loop was left early and another source
-    came (not in any position: a resumed run reads them again)."""
-
-    pulled: int
-    returned: int
-    in_flight: int
-    iteration: int
-    exhausted: bool
-    broken: str | None
-    closed: bool
-    refused: int = 0
-    applied: int = 0
-    discarded: int = 0
-    position: int = 0
-
-
-def iterate(items: Iterable[Any] | AsyncIterable[Any]) -> Source:
-    """The source for one pass over ``items``, as ``for`` / ``async for`` would make it:
-    an iterator is returned as it is (the pass continues where it stands), an
-    iterable gets a fresh iterator (``iter()`` / ``aiter()``: a new pass, a new epoch
-    of a ``DataLoader``)."""
-    given: object = items  # checked at run time: callers pass anything
-    if isinstance(given, (Iterator, AsyncIterator)):
-        return given
-    if isinstance(given, AsyncIterable):
-        return aiter(given)
-    if isinstance(given, Iterable):
-        return iter(given)
-    raise not_a_source("results()", items, "an iterable or async iterable of batches")
-
-
-def not_a_source(
-    call: str, given: object, wanted: str = "a sync or async iterator"
-) -> ConfigurationTypeError:
-    """The error for ``call`` given ``given`` instead of ``wanted``; a generator
-    function passed uncalled gets asked "did you mean gen()?"."""
-    if inspect.isgeneratorfunction(given) or inspect.isasyncgenfunction(given):
-        kind = "an async generator" if inspect.isasyncgenfunction(given) else "a generator"
-        name = getattr(given, "__name__", "gen")
-        return ConfigurationTypeError(
-            f"{call} takes {wanted}, got {kind} function: did you mean {name}()?"
-        )
-    return ConfigurationTypeError(f"{call} takes {wanted}, got {given!r}")
-
-
-class OneBatch(Iterator[Any]):
-    """The one-item source behind ``step(batch)``."""
-
-    __slots__ = ("_batch", "_taken")
-
-    def __init__(self, batch: Any) -> None:
-        self._batch, self._taken = batch, False
-
-    def __next__(self) -> Any:
-        if self._taken:
-            raise StopIteration
-        self._taken = True
-        return self._batch
-
+__all__ = ("Feed",)
 
 class Feed:
     """One source (a sync or async iterator) and the progress made through it."""
@@ -216,6 +133,12 @@ class Feed:
         items with no unapplied batch before them."""
         applied = self.applied
         return applied + bisect.bisect_right(self._refused_after, applied)
+
+    def put_back(self, results: list[Any]) -> None:
+        """Results handed out by a call that was interrupted: returned first by the
+        next call, in order."""
+        self.returned -= len(results)
+        self.outbox.extendleft(reversed(results))
 
     def discard(self) -> int:
         """Drop the batches in the ring, untrained (the pipeline resets its ring); how

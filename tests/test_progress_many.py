@@ -62,6 +62,18 @@ class Gates:
             self.read.set()
 
 
+def held_at_1_then_says_2() -> tuple[Gates, threading.Event, Any]:
+    """A step body held at batch 1, and the event it sets when batch 2 runs."""
+    gates, next_ran = Gates(hold_at=1), threading.Event()
+
+    def step(ctx: TaskContext) -> None:
+        gates(ctx)
+        if ctx.slots["batch_cpu"] == 2:
+            next_ran.set()
+
+    return gates, next_ran, step
+
+
 def lookahead_tasks(body: Any) -> list[Task]:
     """A prepare task one batch ahead of the step: two batches in flight."""
 
@@ -117,13 +129,7 @@ def test_training_through_progress_many_equals_progress_bit_for_bit() -> None:
 
 
 async def test_the_lane_starts_the_next_step_while_the_loop_thread_is_blocked() -> None:
-    gates = Gates(hold_at=1)
-    next_ran = threading.Event()
-
-    def step(ctx: TaskContext) -> None:
-        gates(ctx)
-        if ctx.slots["batch_cpu"] == 2:
-            next_ran.set()
+    gates, next_ran, step = held_at_1_then_says_2()
 
     async with Pipeline([Task.from_fn("step", step)]) as pipe:
         source = iter(range(6))
@@ -254,13 +260,7 @@ async def test_taking_back_a_queued_step_leaves_the_running_step_s_collectives_a
 
 
 async def test_an_async_source_chains_once_its_next_batch_has_been_read() -> None:
-    gates = Gates(hold_at=1)
-    next_ran = threading.Event()
-
-    def step(ctx: TaskContext) -> None:
-        gates(ctx)
-        if ctx.slots["batch_cpu"] == 2:
-            next_ran.set()
+    gates, next_ran, step = held_at_1_then_says_2()
 
     async def items() -> AsyncIterator[int]:
         for n in range(5):
@@ -273,10 +273,10 @@ async def test_an_async_source_chains_once_its_next_batch_has_been_read() -> Non
         call = asyncio.ensure_future(pipe.progress_many(source, 3))
         await in_a_thread(gates.reached)  # step 1 runs; batch 2 is read by a task
         for _ in range(10_000):  # queued once that read has its batch: a few loop turns
-            if pipe._driver._queued is not None:
+            if pipe._driver._chain.queued is not None:
                 break
             await asyncio.sleep(0)
-        assert pipe._driver._queued is not None
+        assert pipe._driver._chain.queued is not None
         gates.release.set()
         assert next_ran.wait(10)  # the loop thread is blocked: the lane started step 2
         assert await call == [1, 2, 3]
@@ -288,7 +288,7 @@ async def test_the_last_step_of_a_call_has_the_next_batch_read_ahead() -> None:
         source = iter(range(6))
         call = asyncio.ensure_future(pipe.progress_many(source, 2))
         await in_a_thread(gates.reached)  # step 0 runs, step 1 is queued behind it
-        assert pipe._driver._queued is not None
+        assert pipe._driver._chain.queued is not None
         gates.release.set()
         assert await call == [0, 1]
         assert gates.checked == [0, 1, 2]  # batch 2 was read while step 1 ran

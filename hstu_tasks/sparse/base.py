@@ -25,7 +25,8 @@ from aiopipe.executors import resolve_executor
 from aiopipe.protocols import Results
 from aiopipe.interop import needs_event_loop
 from aiopipe.lanes import ThreadMap, resolve_lane
-from aiopipe.source import END, Feed, Source
+from aiopipe.source import Feed
+from aiopipe.sources import END, Source
 from aiopipe.trace import resolve_tracer
 
 from .model import STREAMS, PipelinedModel

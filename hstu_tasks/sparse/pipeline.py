@@ -30,7 +30,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import InSyncEmbedding
 
 from aiopipe import Task, Tracer
 from aiopipe.lanes import ThreadMap
-from aiopipe.source import Source
+from aiopipe.sources import Source
 
 from .accumulation import GradAccumulation
 from .base import SparseDistBase

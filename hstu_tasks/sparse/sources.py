@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from aiopipe import PipelineStateError
-from aiopipe.source import Source, not_a_source
+from aiopipe.sources import Source, not_a_source
 
 __all__ = (
     "SourceWrappers", "agreement_group", "ended_together", "torchrec_results",

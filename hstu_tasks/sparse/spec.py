@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torchrec.streamable import Pipelineable
 
 from aiopipe import Task
-from aiopipe.source import Source
+from aiopipe.sources import Source
 
 from .sources import SourceWrappers, agreement_group, ended_together, without_last_two
 

@@ -1,0 +1,50 @@
+"""``TaskInits``: every task's ``init`` run once per pipeline, before its first
+iteration, cancel-safe."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+from ._core.log import pipeline_log
+from ._core.waker import wait_settled
+from .context import CURRENT, Running, TaskContext
+from .plan import ExecutionPlan
+
+__all__ = ("TaskInits",)
+
+
+class TaskInits:
+    """The tasks' ``init`` calls, in topological order."""
+
+    def __init__(self, plan: ExecutionPlan, ctx: TaskContext, pipeline: str) -> None:
+        self._plan, self._ctx, self._pipeline = plan, ctx, pipeline
+        self.done = False
+        self._done_tasks: set[str] = set()  # tasks whose init() has run
+        self._running: asyncio.Future[None] | None = None  # the task running them
+
+    async def run(self) -> None:
+        """Run the inits not run yet, in a task of its own: a cancelled caller leaves
+        it running (the next call waits for it, never runs an init twice); a failure
+        is raised, and the next call retries the inits not yet done."""
+        running = self._running
+        if running is None or (running.done() and (running.cancelled() or running.exception())):
+            running = self._running = asyncio.ensure_future(self._init_tasks())
+        await wait_settled(running)
+        running.result()
+
+    async def _init_tasks(self) -> None:
+        for task in self._plan.order:
+            if task.name in self._done_tasks:  # an earlier call failed after it
+                continue
+            token = CURRENT.set(Running(task, None, -1, -1, None))
+            try:
+                result = task.init(self._ctx)
+                if inspect.isawaitable(result):
+                    await result
+            finally:
+                CURRENT.reset(token)
+            self._done_tasks.add(task.name)
+        self.done = True
+        pipeline_log.info("%s: init() of %d tasks done; up to %d batches will be in flight",
+                          self._pipeline, len(self._plan), self._plan.max_lookahead + 1)  # fmt: skip

@@ -1,0 +1,62 @@
+"""What the pipelines take as a source: a sync or async iterator (``Source``), made
+from an iterable for one pass (:func:`iterate`), the one-batch source behind
+``step(batch)``, the marker of a source's end, and the error for anything else."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from typing import Any, Union
+
+from .errors import ConfigurationTypeError
+
+__all__ = ("END", "OneBatch", "Source", "Taken", "iterate", "not_a_source")
+
+#: What a feed takes at a source's end (:meth:`~aiopipe.source.Feed.take`).
+END: Any = object()
+Source = Union[Iterator[Any], AsyncIterator[Any]]
+Taken = tuple[Any, Union[BaseException, None]]
+
+
+def iterate(items: Iterable[Any] | AsyncIterable[Any]) -> Source:
+    """The source for one pass over ``items``, as ``for`` / ``async for`` would make it:
+    an iterator is returned as it is (the pass continues where it stands), an
+    iterable gets a fresh iterator (``iter()`` / ``aiter()``: a new pass, a new epoch
+    of a ``DataLoader``)."""
+    given: object = items  # checked at run time: callers pass anything
+    if isinstance(given, (Iterator, AsyncIterator)):
+        return given
+    if isinstance(given, AsyncIterable):
+        return aiter(given)
+    if isinstance(given, Iterable):
+        return iter(given)
+    raise not_a_source("results()", items, "an iterable or async iterable of batches")
+
+
+def not_a_source(
+    call: str, given: object, wanted: str = "a sync or async iterator"
+) -> ConfigurationTypeError:
+    """The error for ``call`` given ``given`` instead of ``wanted``; a generator
+    function passed uncalled gets asked "did you mean gen()?"."""
+    if inspect.isgeneratorfunction(given) or inspect.isasyncgenfunction(given):
+        kind = "an async generator" if inspect.isasyncgenfunction(given) else "a generator"
+        name = getattr(given, "__name__", "gen")
+        return ConfigurationTypeError(
+            f"{call} takes {wanted}, got {kind} function: did you mean {name}()?"
+        )
+    return ConfigurationTypeError(f"{call} takes {wanted}, got {given!r}")
+
+
+class OneBatch(Iterator[Any]):
+    """The one-item source behind ``step(batch)``."""
+
+    __slots__ = ("_batch", "_taken")
+
+    def __init__(self, batch: Any) -> None:
+        self._batch, self._taken = batch, False
+
+    def __next__(self) -> Any:
+        if self._taken:
+            raise StopIteration
+        self._taken = True
+        return self._batch

@@ -1,0 +1,36 @@
+"""``PipelineStatistics``: where a pipeline stands in its current source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ("PipelineStatistics",)
+
+
+@dataclass(frozen=True)
+class PipelineStatistics:
+    """Where the pipeline stands in its current source.
+
+    ``applied`` counts the batches whose step has run: those ``returned``, and those
+    finished for a caller that was cancelled, whose results the next calls return
+    first.  ``refused`` counts items refused with ``BadBatchError``.  ``position``
+    counts the source's leading items done with -- applied, or refused with every
+    batch before them applied: with no iteration running
+    (:attr:`SchedulablePipeline.idle`), the position to resume a checkpointed run
+    from.  (``applied + refused`` is that too, except while batches taken before a
+    refused item are still in flight.)
+    ``discarded`` counts the batches dropped untrained since the pipeline was built,
+    by ``reset()`` or because a ``results()`` loop was left early and another source
+    came (not in any position: a resumed run reads them again)."""
+
+    pulled: int
+    returned: int
+    in_flight: int
+    iteration: int
+    exhausted: bool
+    broken: str | None
+    closed: bool
+    refused: int = 0
+    applied: int = 0
+    discarded: int = 0
+    position: int = 0
