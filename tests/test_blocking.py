@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -71,6 +74,24 @@ async def test_blocking_refuses_inside_a_running_loop() -> None:
     with pytest.raises(PipelineStateError, match="await pipe.progress"):
         pipe.progress(iter(range(3)))
     pipe.pipeline.shutdown()
+
+
+def test_a_pipeline_dropped_right_after_a_step_is_garbage_at_once() -> None:
+    """The lane wakes the caller only once it has let go of its work item: a script
+    dropping the pipeline the moment a step returns leaves nothing that a single
+    collection misses (a lane woken earlier still held it, and its thread lived on)."""
+    for _ in range(5):
+        pipe = echo_pipeline("async").blocking()
+        assert pipe.progress(iter(range(3))) == 0
+        dropped = weakref.ref(pipe.pipeline)
+        lanes = [t for t in threading.enumerate() if t.name.startswith("aiopipe-lane")]
+        assert lanes
+        del pipe
+        gc.collect()
+        assert dropped() is None
+        for lane in lanes:
+            lane.join(10)
+            assert not lane.is_alive()
 
 
 def test_blocking_shutdown_is_idempotent() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ from conftest import Recorder, collect
 from aiopipe import AsyncExecutor, Pipeline, Task, TaskContext
 from aiopipe.executors.asyncio_executor import LOOP_SWITCH_INTERVAL_S
 from aiopipe.lanes import resolve_lane
+from aiopipe._core.lanes import LanePool
 from aiopipe._core.waker import LoopWaker
 
 
@@ -175,6 +177,36 @@ async def test_shutdown_joins_every_lane() -> None:
     assert sum(t.name.startswith("aiopipe-lane") for t in threading.enumerate()) == 4
     pipe.shutdown()
     assert not [t for t in threading.enumerate() if t.name.startswith("aiopipe-lane")]
+
+
+async def test_a_lane_wakes_the_loop_only_after_dropping_its_work_item() -> None:
+    # What the woken loop runs finds the item gone: a caller that drops its pipeline
+    # as soon as a step returns is not racing a lane still holding it.
+    loop = asyncio.get_running_loop()
+    waker, pool = LoopWaker(loop), LanePool(1)
+    seen: asyncio.Future[object] = loop.create_future()
+    ran = threading.Event()
+
+    def on_the_loop() -> None:
+        seen.set_result(held())
+        ran.set()
+
+    class Item:
+        def __call__(self) -> None:
+            waker.post(on_the_loop)
+            lane.wake_after_item(waker)
+            # A loop woken here would run on_the_loop now, with this item alive; the
+            # wait can only end by its timeout when the wake-up waits for the item's end.
+            ran.wait(0.2)
+
+    lane, item = pool.get("probe"), Item()
+    held = weakref.ref(item)
+    lane.submit(item)
+    del item
+    try:
+        assert await seen is None
+    finally:
+        pool.shutdown()
 
 
 def test_lanes_lower_the_gil_switch_interval_and_never_raise_it() -> None:

@@ -79,11 +79,23 @@ class Lane:
     def __init__(self, name: str) -> None:
         self.name = name
         self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._wakes: list[LoopWaker] = []  # for after the running work item (this thread only)
         self._thread = threading.Thread(target=self._main, name=f"{LANE_THREAD_PREFIX}{name}", daemon=True)
         self._thread.start()
 
     def submit(self, work: Callable[[], object]) -> None:
         self.queue.put(work)
+
+    def wake_after_item(self, waker: LoopWaker) -> None:
+        """From this lane's thread: wake ``waker``'s loop once the running work item
+        has returned and been dropped, so that whatever the woken caller drops (a
+        whole pipeline, at the end of a script) is no longer held by this thread."""
+        self._wakes.append(waker)
+
+    def _send_wakes(self) -> None:
+        wakes = self._wakes
+        while wakes:
+            wakes.pop().wake()
 
     def post(self, marker: object) -> None:
         """Queue a marker for :meth:`run_pending_until`."""
@@ -101,6 +113,7 @@ class Lane:
                 self.queue.put(_STOP)  # let the thread's main loop see it
                 raise PipelineStateError(f"lane {self.name!r} stopped while a task was running")
             item()  # type: ignore[operator]
+            self._send_wakes()
 
     def _main(self) -> None:
         _lower_this_threads_priority(LANE_NICE)
@@ -109,9 +122,10 @@ class Lane:
             if item is _STOP:
                 return
             item()  # type: ignore[operator]
-            # Drop the reference before blocking again: a finished work item must not
-            # keep its executor (and so this lane) alive.
+            # Drop the reference before waking the loop and blocking again: a finished
+            # work item must not keep its executor (and so this lane) alive.
             del item
+            self._send_wakes()
 
     @property
     def ident(self) -> int | None:

@@ -355,7 +355,9 @@ class AsyncExecutor:
         except BaseException as exc:  # a bug in the executor itself: never hang the loop
             run.fail(exc)
         finally:
-            run.thread_chain_finished()
+            waker = run.thread_chain_finished()
+            if waker is not None:
+                lane.wake_after_item(waker)
 
     # -- long waits --------------------------------------------------------------------
 

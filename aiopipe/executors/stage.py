@@ -93,11 +93,15 @@ class StageRun:
         for flag in self.flags.values():
             flag.set()
 
-    def thread_chain_finished(self) -> None:
+    def thread_chain_finished(self) -> LoopWaker | None:
+        """A lane's chain of this stage has ended; the waker to wake once the lane has
+        let go of its work item (:meth:`Lane.wake_after_item`), ``None`` if no wake-up
+        is due.  Woken earlier, a caller could drop the pipeline while the lane's
+        frames still hold it, and the garbage collector would miss it."""
         with self.lock:
             self.outstanding -= 1
             if self.outstanding:
-                return
+                return None
             future, successor = self.threads_done, self.successor
         if successor is not None:
             self._prepare_successor(successor)
@@ -110,8 +114,7 @@ class StageRun:
         # After the iteration's end is queued: a waiter finds it on the loop, and the
         # lanes start the successor (gated on it) only now, so the loop ends them in order.
         self.finished.set()
-        if wake:
-            self.waker.wake()
+        return self.waker if wake else None
 
     def _prepare_successor(self, successor: StageRun) -> None:
         """On the lane that ends this stage: what the loop would do between the two
