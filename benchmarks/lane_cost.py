@@ -22,7 +22,8 @@ costs a little per task).  ``--model dlrm`` times torchrec's DLRM instead
 (each rank its own data); a chunk's time is the slower rank's.  With ``--model dlrm``
 the configs ``aiopipe-S`` and ``torchrec-S`` for S in lite, base, fused and semi-sync
 time the other members of torchrec's family (``schedule=``) beside torchrec's class for
-each, which their ratio pairs with (semi-sync from the first step, ``start_batch=0``;
+each, which their ratio pairs with (``aiopipe-many-S``: a whole chunk a
+``progress_many`` call; semi-sync from the first step, ``start_batch=0``;
 torchrec's fused and semi-sync classes through ``torchrec_classes_on_cpu`` on a CPU),
 and ``aiopipe-ends-apart`` runs the sparse-dist pipeline with ``end_together=False``
 (what the ranks' agreement on the end of the epoch costs: on by default with two
@@ -57,7 +58,8 @@ CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-block
 #: torchrec's other train pipelines and their schedules (``--model dlrm`` only).
 SCHEDULES = ("lite", "base", "fused", "semi-sync")
 FAMILY = (*(f"{runner}-{schedule}" for schedule in SCHEDULES
-            for runner in ("aiopipe", "torchrec")), "aiopipe-ends-apart")  # fmt: skip
+            for runner in ("aiopipe", "aiopipe-many", "torchrec")),
+          "aiopipe-ends-apart")  # fmt: skip
 #: The knobs of a family row: semi-sync from the first step (torchrec's default, 900,
 #: would start it inside the timed chunks).
 KNOBS: dict[str, dict[str, Any]] = {"semi-sync": {"start_batch": 0}}
@@ -148,7 +150,7 @@ def _aiopipe_run(config: str, pipe: Any, source: Iterator[Any]) -> Callable[[int
     runner = LoopRunner(prefer_uvloop=config != "aiopipe-asyncio-loop")
 
     async def chunk(n: int) -> None:
-        if config == "aiopipe-many":
+        if config.startswith("aiopipe-many"):
             _all_of(n, await pipe.progress_many(source, n))
             return
         for _ in range(n):
@@ -160,6 +162,16 @@ def _aiopipe_run(config: str, pipe: Any, source: Iterator[Any]) -> Callable[[int
 def _all_of(n: int, results: list[Any]) -> None:
     if len(results) != n:
         raise RuntimeError(f"progress_many returned {len(results)} of {n} results")
+
+
+def _schedule_of(config: str) -> str:
+    """The schedule a row runs: ``aiopipe-many-lite`` and ``torchrec-lite`` run lite."""
+    if config not in FAMILY[:-1]:
+        return "sparse-dist"
+    for runner in ("aiopipe-many-", "aiopipe-", "torchrec-"):
+        if config.startswith(runner):
+            return config.removeprefix(runner)
+    raise ValueError(f"no schedule in {config!r}")
 
 
 def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], None], Any]:
@@ -184,7 +196,7 @@ def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], 
             optimizer.step()
 
         return repeat(plain_step), None
-    schedule = config.partition("-")[2] if config in FAMILY[:-1] else "sparse-dist"
+    schedule = _schedule_of(config)
     knobs = KNOBS.get(schedule, {})
     if config.startswith("torchrec"):
         pipeline = TORCHREC_PIPELINES[schedule]
@@ -234,7 +246,7 @@ def main() -> None:
     rows = []
     for config, values in ms.items():
         # torchrec's class for the row's schedule when it was timed, else the sparse-dist one
-        partner = f"torchrec-{config.partition('-')[2]}" if config in FAMILY else "torchrec"
+        partner = f"torchrec-{_schedule_of(config)}" if config in FAMILY else "torchrec"
         base = ms.get(partner, ms.get("torchrec"))
         ratio = (
             f"{paired(values, base):.3f}" if base else "--"

@@ -72,6 +72,9 @@ def parse_args() -> argparse.Namespace:
                         help="an evaluation pass of --eval-batches batches after every N "
                              "training steps (0: none)")
     parser.add_argument("--eval-batches", type=int, default=4, metavar="M")
+    parser.add_argument("--steps-per-call", type=int, default=1, metavar="K",
+                        help="aiopipe pipelines: ask for K steps a call (progress_many: the "
+                             "lanes chain them); calls end on checkpoints and eval passes")
     parser.add_argument("--json", metavar="PATH",
                         help="write losses, checksum, samples digest and speed here")
     ResumableJob.add_arguments(parser)
@@ -106,10 +109,14 @@ def schedule_knobs(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     args = parse_args()
     # Refuse what cannot run before joining the group (the other ranks would wait).
-    if min(args.eval_batches, args.grad_accumulation, args.checkpoint_every) < 1 or \
-            min(args.steps, args.eval_every) < 0:
-        raise SystemExit("train_dlrm.py: --eval-batches, --grad-accumulation and "
-                         "--checkpoint-every must be >= 1, --steps and --eval-every >= 0")
+    if min(args.eval_batches, args.grad_accumulation, args.checkpoint_every,
+           args.steps_per_call) < 1 or min(args.steps, args.eval_every) < 0:
+        raise SystemExit("train_dlrm.py: --eval-batches, --grad-accumulation, "
+                         "--checkpoint-every and --steps-per-call must be >= 1, --steps and "
+                         "--eval-every >= 0")
+    if args.steps_per_call > 1 and not args.pipeline.startswith("aiopipe"):
+        raise SystemExit(f"train_dlrm.py: --steps-per-call asks aiopipe for several steps a "
+                         f"call; --pipeline {args.pipeline} takes one")  # fmt: skip
     knobs = schedule_knobs(args)
     if args.eval_every and args.pipeline.startswith("torchrec"):
         raise SystemExit("train_dlrm.py: --eval-every needs an aiopipe pipeline or none: "
@@ -138,7 +145,7 @@ def main() -> None:
                file=sys.stdout)  # fmt: skip
 
     def eval_after(step: int) -> Any:  # at a progress boundary: the model has `position` steps
-        bar.update(1)
+        bar.update(job.start + step - bar.n)  # one step, or a call's
         job.after_step(step, setup, result.global_losses)
         position = job.start + step
         if args.eval_every and position % args.eval_every == 0:
@@ -146,9 +153,16 @@ def main() -> None:
             return SyntheticDLRMData(config, args.eval_batches, seed=seed, rank=rank)
         return None
 
+    def steps_for_call(done: int) -> int:  # calls end on checkpoints and eval passes
+        steps = job.steps_for_call(done, args.steps_per_call)
+        if args.eval_every:
+            steps = min(steps, args.eval_every - (job.start + done) % args.eval_every)
+        return steps
+
     result = DLRMRun()
     run_dlrm(args.pipeline, setup, [job.source(data)], eval_after, result=result,
-             grad_accumulation=args.grad_accumulation, knobs=knobs)  # fmt: skip
+             grad_accumulation=args.grad_accumulation, knobs=knobs,
+             steps_per_call=1 if args.steps_per_call == 1 else steps_for_call)  # fmt: skip
     bar.close()
     losses = job.earlier_losses + result.global_losses()
     samples = job.samples_digest(len(result.losses))

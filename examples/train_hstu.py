@@ -38,6 +38,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pipeline", choices=PIPELINES, default="aiopipe")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    parser.add_argument("--steps-per-call", type=int, default=1, metavar="K",
+                        help="aiopipe pipelines: ask for K steps a call (progress_many: the "
+                             "lanes chain them, the loop is woken once a call); calls end "
+                             "on checkpoints")
     parser.add_argument("--data-parallel", choices=("auto", "torch", "megatron"), default="auto",
                         help="dense replication: torch DDP, or Megatron DDP + its optimizer "
                              "(GPU); auto = megatron on CUDA with megatron-core installed, "
@@ -68,9 +72,12 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.checkpoint_every < 1:
-        raise SystemExit("--checkpoint-every must be >= 1")
+    if min(args.checkpoint_every, args.steps_per_call) < 1:
+        raise SystemExit("train_hstu.py: --checkpoint-every and --steps-per-call must be >= 1")
     # Refuse what cannot run before joining the group (the other ranks would wait).
+    if args.steps_per_call > 1 and not args.pipeline.startswith("aiopipe"):
+        raise SystemExit(f"train_hstu.py: --steps-per-call asks aiopipe for several steps a "
+                         f"call; --pipeline {args.pipeline} takes one")  # fmt: skip
     if (args.trace or args.timeline) and not args.pipeline.startswith("aiopipe"):
         raise SystemExit(f"train_hstu.py: --trace and --timeline record aiopipe's tasks; "
                          f"--pipeline {args.pipeline} has none")  # fmt: skip
@@ -112,12 +119,16 @@ def main() -> None:
     result = RunResult()
 
     def on_step(step: int) -> None:  # at a progress boundary: the model has `step` more steps
-        bar.update(1)
+        bar.update(job.start + step - bar.n)  # one step, or a call's
         job.after_step(step, setup, result.global_losses)
+
+    def steps_for_call(done: int) -> int:  # calls end on checkpoints
+        return job.steps_for_call(done, args.steps_per_call)
 
     tracer = Tracer() if args.trace or args.timeline else None
     run_pipeline(args.pipeline, setup, job.source(data), on_step=on_step, tracer=tracer,
-                 result=result)  # fmt: skip
+                 result=result,
+                 steps_per_call=1 if args.steps_per_call == 1 else steps_for_call)  # fmt: skip
     bar.close()
     if tracer is not None and args.trace:
         path = args.trace if world == 1 else f"{args.trace}.rank{rank}"

@@ -190,6 +190,12 @@ class FaultInjection:
         except ValueError as error:
             raise SystemExit(f"{sys.argv[0]}: {error}") from None
 
+    def stops(self) -> list[int]:
+        """The steps this process must end a call on: where it is to kill itself or
+        hold (:meth:`after_step` sees each step it is handed, not the ones between)."""
+        held = [step for step, world in self.hold_at if world == self.world_size]
+        return held + ([self.kill_after] if self.kill_after is not None else [])
+
     def record(self, event: str, **fields: Any) -> None:
         """An event line in ``events.jsonl`` (nothing without ``events``)."""
         if self.events is None:
@@ -330,6 +336,17 @@ class ResumableJob(Generic[BatchT_co]):
                 samples_sha256=lambda: self.samples_digest(step),
             )  # fmt: skip
         self.faults.after_step(position)
+
+    def steps_for_call(self, step: int, wanted: int) -> int:
+        """How many steps to ask for in the call after this run's ``step``-th
+        (``progress_many``): ``wanted``, cut so that the call ends on the next step
+        :meth:`after_step` must see by itself -- a checkpoint (the same on every rank)
+        or a forced point."""
+        position = self.start + step
+        stops = [stop - position for stop in self.faults.stops() if stop > position]
+        if self.checkpoints is not None:
+            stops.append(self.checkpoints.every - position % self.checkpoints.every)
+        return min([wanted, *stops])
 
     def samples_digest(self, steps: int) -> str:
         """The SHA-256 of the global samples consumed by the job up to this run's

@@ -24,6 +24,7 @@ from .data import HSTUBatch
 from .factory import HSTUPipelineFactory
 from .parallel import TrainingSetup, global_loss, global_tokens, plain_train_step
 from .shuffler import BatchShuffler
+from .sparse.sources import StepsPerCall, results_by_call
 from .sparse.sources import torchrec_results as torchrec_results
 
 __all__ = (
@@ -122,7 +123,7 @@ def parameter_digest(model: torch.nn.Module) -> str:
 def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
              result: RunResult, on_step: Progress, thread_map: ThreadMap,
              shuffler: BatchShuffler | None, tracer: Tracer | None,
-             steps_per_call: int) -> None:  # fmt: skip
+             steps_per_call: StepsPerCall) -> None:  # fmt: skip
     name = "hstu_prefetch_sparse_dist" if prefetch else "hstu_sparse_dist"
     pipe = HSTUPipelineFactory.create(
         name, model=setup.model, optimizer=setup.optimizer, device=setup.device,
@@ -131,13 +132,8 @@ def _aiopipe(setup: TrainingSetup, data: Iterable[HSTUBatch], prefetch: bool,
 
     async def train() -> None:
         async with pipe:
-            if steps_per_call == 1:
-                async for loss_sum, tokens, _ in pipe.results(data):
-                    result.record(loss_sum, tokens)
-                    on_step(result.steps)
-                return
-            source = iter(data)
-            while results := await pipe.progress_many(source, steps_per_call):
+            calls = results_by_call(pipe, data, steps_per_call, lambda: result.steps)
+            async for results in calls:
                 for loss_sum, tokens, _ in results:
                     result.record(loss_sum, tokens)
                 on_step(result.steps)
@@ -177,7 +173,7 @@ def run_pipeline(
     shuffler: BatchShuffler | None = None,
     tracer: Tracer | None = None,
     result: RunResult | None = None,
-    steps_per_call: int = 1,
+    steps_per_call: StepsPerCall = 1,
 ) -> RunResult:
     """Train ``data`` with ``mode``; ``thread_map``, ``shuffler``, ``tracer`` and
     ``steps_per_call`` apply to the aiopipe modes (defaults: ``HSTUPipeline``'s lanes,
@@ -185,8 +181,9 @@ def run_pipeline(
     step, at a progress boundary (a checkpoint may be taken there); pass ``result`` to
     read the losses so far in it.  ``steps_per_call=k`` asks for ``k`` steps a call
     (``progress_many``: the lanes chain them), and ``on_step(n)`` then runs once a
-    call, after its last step."""
-    if steps_per_call < 1:
+    call, after its last step; a function of the steps done so far may say how many
+    each call asks for (to end calls on checkpoints: ``ResumableJob.steps_for_call``)."""
+    if isinstance(steps_per_call, int) and steps_per_call < 1:
         raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
     result = result if result is not None else RunResult()
     start, cpu_start = time.perf_counter(), time.process_time()

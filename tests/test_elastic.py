@@ -16,6 +16,7 @@ reshard, moves the loss by 1e-3 or more).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -31,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from hstu_tasks.elastic import rank_batch_size, resolve_global_batch
+from hstu_tasks.elastic import ResumableJob, rank_batch_size, resolve_global_batch
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parent.parent
@@ -351,3 +352,39 @@ def test_the_job_s_last_step_is_checkpointed_and_a_finished_job_has_nothing_to_r
     again = train_dlrm(1, "--steps", "7", "--checkpoint-dir", str(ckpt))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing left to run: the checkpoint is at step 7 of 7" in again.stdout
+
+
+def job_of(*flags: str) -> ResumableJob[Any]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--batch-size", type=int, default=4)
+    ResumableJob.add_arguments(parser)
+    return ResumableJob(parser.parse_args(list(flags)), rank=0, world_size=2)
+
+
+def test_calls_of_several_steps_end_on_every_checkpoint_and_forced_point(tmp_path: Path) -> None:
+    plain = job_of("--steps", "20")
+    assert [plain.steps_for_call(done, 6) for done in (0, 5, 19)] == [6, 6, 6]  # no stops
+    job = job_of("--steps", "20", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4",
+                 "--hold-at", "6:2", "--hold-at", "9:1", "--kill-at", "0:11",
+                 "--events", str(tmp_path))  # fmt: skip
+    done, ends = 0, []
+    while done < 20:
+        done += job.steps_for_call(done, 6)
+        ends.append(done)
+    # checkpoints at 4, 8, 12, 16, 20; held at 6 (2 ranks, not 9: 1 rank); killed after 11
+    assert ends == [4, 6, 8, 11, 12, 16, 20]
+    job.start = 3  # resumed after step 3: the run's steps count from there
+    assert job.steps_for_call(0, 6) == 1 and job.steps_for_call(1, 2) == 2
+
+
+def test_steps_chained_a_call_train_the_same_and_checkpoint_the_same_steps(
+    tmp_path: Path, reference: tuple[dict[str, Any], Path]
+) -> None:
+    expected, expected_ckpt = reference
+    ckpt = tmp_path / "ckpt"
+    done = train(1, "--steps", "12", "--steps-per-call", "5", "--checkpoint-dir", str(ckpt),
+                 "--json", str(tmp_path / "run.json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert report(tmp_path / "run.json")["losses"] == expected["losses"]  # bit for bit
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(p.name for p in expected_ckpt.iterdir())

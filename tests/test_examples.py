@@ -65,6 +65,8 @@ def test_train_hstu_demo_writes_its_report(tmp_path: Path) -> None:
         (("--replicate-tables", "--pipeline", "torchrec"), "need sharded tables"),
         (("--data-parallel", "megatron", "--checkpoint-dir", "ckpt"), "need torch DDP"),
         (("--pipeline", "none", "--timeline", "t.svg"), "record aiopipe's tasks"),
+        (("--pipeline", "torchrec", "--steps-per-call", "3"), "takes one"),
+        (("--steps-per-call", "0"), "must be >= 1"),
     ],
 )
 def test_train_hstu_demo_explains_what_it_cannot_do(flags: tuple[str, ...], message: str) -> None:
@@ -88,6 +90,19 @@ def test_train_dlrm_demo_writes_its_report(tmp_path: Path) -> None:
     assert data["pipeline"] == "aiopipe" and data["steps"] == 6 and len(data["losses"]) == 6
     assert len(data["eval_losses"]) == 2 and all(0 < loss < 5 for loss in data["eval_losses"])
     assert data["steps_per_s"] > 0 and isinstance(data["checksum"], float)
+
+
+@pytest.mark.distributed
+def test_train_dlrm_steps_chained_a_call_train_and_evaluate_the_same(tmp_path: Path) -> None:
+    reports = {}
+    for per_call in ("1", "4"):  # 4: calls of 3 and 3, ending on each eval pass
+        reports[per_call] = tmp_path / f"k{per_call}.json"
+        run("examples/train_dlrm.py", "--steps", "6", "--eval-every", "3", "--eval-batches", "2",
+            "--steps-per-call", per_call, "--json", str(reports[per_call]))  # fmt: skip
+    one, chained = (json.loads(reports[k].read_text()) for k in ("1", "4"))
+    for key in ("losses", "eval_losses", "checksum", "parameters_sha256"):
+        assert chained[key] == one[key], key  # bit for bit
+    assert len(chained["eval_losses"]) == 2
 
 
 @pytest.mark.distributed

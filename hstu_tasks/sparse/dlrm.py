@@ -49,7 +49,7 @@ from ..parallel import Sharding, TrainingSetup, fill_tables
 from ._torchrec import torchrec_classes_on_cpu
 from .pipeline import SparseDistPipeline
 from .schedules import TrainSchedule, train_schedule
-from .sources import torchrec_results
+from .sources import StepsPerCall, results_by_call, torchrec_results
 
 __all__ = (
     "DLRM_PIPELINES",
@@ -301,7 +301,8 @@ def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]]
              eval_after: EvalPlan = lambda step: None, *,
              end_together: bool | None = None, grad_accumulation: int = 1,
              knobs: Mapping[str, Any] | None = None,
-             result: DLRMRun | None = None) -> DLRMRun:  # fmt: skip
+             result: DLRMRun | None = None,
+             steps_per_call: StepsPerCall = 1) -> DLRMRun:  # fmt: skip
     """Train every batch of every epoch with ``mode``; after step ``s`` evaluate the
     batches ``eval_after(s)`` returns (torchrec's classes refuse eval passes: they
     would forward the training batches in flight as evaluation).  ``end_together``
@@ -310,7 +311,10 @@ def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]]
     ``GradientAccumulationWrapper``, reset for every epoch).  ``knobs``: torchrec's
     constructor arguments of the schedule's class (``{"start_batch": 2}`` for
     semi-sync), to both its class and aiopipe's schedule.  ``result``: record into
-    this one (``eval_after`` may read the losses so far), else a new one."""
+    this one (``eval_after`` may read the losses so far), else a new one.
+    ``steps_per_call``: the aiopipe pipelines ask for that many steps a call
+    (``progress_many``), or for what it says of the steps done so far, and
+    ``eval_after`` runs once a call, for its last step."""
     if mode not in DLRM_PIPELINES:
         raise ValueError(f"unknown pipeline {mode!r}; choose from {DLRM_PIPELINES}")
     runner, _, name = mode.partition("-")
@@ -319,7 +323,7 @@ def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]]
     start = time.perf_counter()
     if runner == "aiopipe":
         run(_aiopipe(setup, epochs, eval_after, result, schedule, end_together,
-                     grad_accumulation))  # fmt: skip
+                     grad_accumulation, steps_per_call))  # fmt: skip
     elif runner == "torchrec":
         _torchrec(setup, epochs, eval_after, result, TORCHREC_PIPELINES[schedule.name],
                   grad_accumulation, knobs or {})  # fmt: skip
@@ -331,14 +335,15 @@ def run_dlrm(mode: DLRMMode, setup: TrainingSetup, epochs: list[Iterable[Batch]]
 
 async def _aiopipe(setup: TrainingSetup, epochs: list[Iterable[Batch]], eval_after: EvalPlan,
                    result: DLRMRun, schedule: TrainSchedule, end_together: bool | None,
-                   grad_accumulation: int) -> None:  # fmt: skip
+                   grad_accumulation: int, steps_per_call: StepsPerCall) -> None:  # fmt: skip
     async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
                                   schedule=schedule, end_together=end_together,
                                   grad_accumulation=grad_accumulation) as pipe:  # fmt: skip
         async with pipe.eval_pipeline() as evaluator:
             for epoch in epochs:
-                async for loss, _, _ in pipe.results(epoch):
-                    result.losses.append(float(loss.detach()))
+                calls = results_by_call(pipe, epoch, steps_per_call, lambda: len(result.losses))
+                async for results in calls:
+                    result.losses.extend(float(loss.detach()) for loss, _, _ in results)
                     batches = eval_after(len(result.losses))
                     if batches is not None:
                         result.evaluations.append(

@@ -16,9 +16,12 @@ from aiopipe import PipelineStateError
 from aiopipe.sources import Source, not_a_source
 
 __all__ = (
-    "SourceWrappers", "agreement_group", "ended_together", "torchrec_results",
-    "without_last_two",
+    "SourceWrappers", "StepsPerCall", "agreement_group", "ended_together", "results_by_call",
+    "torchrec_results", "without_last_two",
 )  # fmt: skip
+
+#: Steps a ``progress_many`` call asks for: a number, or one from the steps done so far.
+StepsPerCall = int | Callable[[int], int]
 
 _END = object()
 
@@ -199,3 +202,22 @@ def torchrec_results(pipe: Any, data: Iterable[Any]) -> Iterator[Any]:
             yield pipe.progress(source)
         except StopIteration:
             return
+
+
+async def results_by_call(pipe: Any, data: Iterable[Any], steps_per_call: StepsPerCall,
+                          steps_done: Callable[[], int]) -> AsyncIterator[list[Any]]:  # fmt: skip
+    """An aiopipe pipeline's results of ``data``, a list per call: one result each from
+    ``results()`` for ``steps_per_call=1``, else ``progress_many``'s lists (the lanes
+    chain a call's steps), each call asking for ``steps_per_call`` -- or, a function,
+    ``steps_per_call(steps_done())`` -- steps."""
+    if steps_per_call == 1:
+        async for result in pipe.results(data):
+            yield [result]
+        return
+    source = iter(data)
+    while True:
+        wanted = steps_per_call(steps_done()) if callable(steps_per_call) else steps_per_call
+        results = await pipe.progress_many(source, wanted)
+        if not results:
+            return
+        yield results
