@@ -12,6 +12,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +37,39 @@ async def time_progress(pipe: SchedulablePipeline, iterations: int, warmup: int 
         while done < iterations:
             done += len(await pipe.progress_many(source, min(steps_per_call, iterations - done)))
     return (time.perf_counter() - start) / iterations
+
+
+#: The name :func:`thread_cpu_s` gives the threads Python did not start: torch's OpenMP
+#: workers, gloo's threads.
+OTHER = "other threads (OpenMP, gloo)"
+
+
+def thread_cpu_s() -> dict[str, tuple[str, float]]:
+    """``{tid: (name, cpu seconds)}`` for every thread of this process (Linux's
+    ``/proc/self/task``: the scheduler's nanoseconds on a CPU where it counts them,
+    else user + system ticks; ``{}`` elsewhere)."""
+    names = {str(t.native_id): t.name for t in threading.enumerate()}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    threads = {}
+    for tid in tids:
+        try:
+            threads[tid] = (names.get(tid, OTHER), _cpu_s(f"/proc/self/task/{tid}"))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return threads
+
+
+def _cpu_s(task: str) -> float:
+    try:
+        with open(f"{task}/schedstat") as schedstat:
+            return int(schedstat.read().split()[0]) / 1e9
+    except FileNotFoundError:  # a kernel without scheduler statistics
+        with open(f"{task}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_on(loop_factory: Callable[[], asyncio.AbstractEventLoop], coro: Any) -> Any:

@@ -16,12 +16,16 @@ of the same round is the paired figure.
 
 ``T1-many`` and ``blocking-many`` ask for a whole chunk in one ``progress_many`` call
 (the lanes chain its steps); a width of 256 and a batch of 128 make a step of about
-0.7 ms, where the boundary between two steps shows most.
+0.7 ms, where the boundary between two steps shows most.  A second table gives each
+kind of thread's CPU time per step (Linux): the main thread (the event loop, or the
+plain loop itself), the lanes, and the rest (torch's OpenMP workers) -- where a
+config's extra time goes on a host whose cores the step's own threads fill.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import itertools
 import statistics
@@ -33,8 +37,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _chunks import nothing_to_report, paired, time_in_chunks  # noqa: E402
-from _common import print_json, print_table, spread  # noqa: E402
+from _chunks import paired, time_in_chunks  # noqa: E402
+from _common import OTHER, print_json, print_table, spread, thread_cpu_s  # noqa: E402
 
 from aiopipe import SchedulablePipeline, basic  # noqa: E402
 from aiopipe._core.loops import LoopRunner
@@ -102,8 +106,37 @@ def copy_ms(width: int, batch: int, repeats: int = 20) -> float:
 
 def _build(config: str, rank: int, *, device: str, width: int,
            batch: int) -> tuple[Callable[[int], None], Callable[[], dict[str, Any]]]:  # fmt: skip
-    """The chunk worker's ``run(n)``: the next ``n`` steps of ``config``, synchronised
-    with the device at the end."""
+    """The chunk worker's ``run(n)`` and ``report()``: the next ``n`` steps of
+    ``config``, synchronised with the device at the end; the CPU time of each kind of
+    thread per step, over every call but the first (the warm-up)."""
+    return _counting_threads(_build_run(config, device=device, width=width, batch=batch))
+
+
+def _counting_threads(run: Callable[[int], None]) -> tuple[Callable[[int], None],
+                                                           Callable[[], dict[str, Any]]]:  # fmt: skip
+    totals: collections.Counter[str] = collections.Counter()
+    calls = steps = 0
+
+    def counted(n: int) -> None:
+        nonlocal calls, steps
+        before = thread_cpu_s()
+        run(n)
+        after = thread_cpu_s()
+        calls += 1
+        if calls == 1:
+            return
+        steps += n
+        for tid, (name, cpu) in after.items():
+            kind = "lanes" if name.startswith("aiopipe-lane") else name
+            totals[kind] += cpu - before.get(tid, (name, 0.0))[1]
+
+    def report() -> dict[str, Any]:
+        return {"cpu_us_per_step": {k: 1e6 * v / steps for k, v in totals.items()}}
+
+    return counted, report
+
+
+def _build_run(config: str, *, device: str, width: int, batch: int) -> Callable[[int], None]:
     torch_device = torch.device(device)
     source = _batches(torch_device, width, batch)
     model, opt = setup(torch_device, width)
@@ -119,7 +152,7 @@ def _build(config: str, rank: int, *, device: str, width: int,
                 opt.step()
             sync(torch_device)
 
-        return plain, nothing_to_report
+        return plain
     choices: dict[str, dict[str, Any]] = {
         "T2": {"prefetch": True, "memcpy_stream": True}, "sequential": {"executor": "sequential"},
     }  # fmt: skip
@@ -136,7 +169,7 @@ def _build(config: str, rank: int, *, device: str, width: int,
                     blocking.progress(source)
             sync(torch_device)
 
-        return blocking_chunk, nothing_to_report
+        return blocking_chunk
     runner = LoopRunner()  # one loop for every chunk, as one aiopipe.run would be
 
     async def chunk(n: int) -> None:
@@ -147,7 +180,7 @@ def _build(config: str, rank: int, *, device: str, width: int,
                 await pipe.progress(source)
         sync(torch_device)
 
-    return (lambda n: runner.run(chunk, n)), nothing_to_report
+    return lambda n: runner.run(chunk, n)
 
 
 def main() -> None:
@@ -184,6 +217,22 @@ def main() -> None:
         ["config", "ms / step", "spread", "steps / s", "time x plain (paired median)",
          "fastest chunk x plain's fastest", "cores busy (cpu/wall)"],
         rows,
+    )  # fmt: skip
+    kinds = {"MainThread": "main thread (the loop; the plain loop's own)", "lanes": "lanes",
+             OTHER: "the others (OpenMP workers)"}  # fmt: skip
+    cpu_rows = []
+    for config, reports in chunks.reports.items():
+        per_set = [r["cpu_us_per_step"] for r in reports if r]
+        cpu = {k: statistics.median(s.get(k, 0.0) for s in per_set) for k in kinds}
+        payload[config]["cpu_us_per_step"] = per_set
+        wall = 1e3 * statistics.median(chunks.ms[config])
+        cpu_rows.append([CONFIGS[config], f"{wall:.0f}", *(f"{cpu[k]:.0f}" for k in kinds),
+                         f"{sum(cpu.values()):.0f}"])  # fmt: skip
+    print_table(
+        "CPU time per step by thread, us (median over the process sets): how much of the "
+        "cores each config keeps busy, and with what",
+        ["config", "wall us / step", *kinds.values(), "all threads"],
+        cpu_rows,
     )  # fmt: skip
     extra = {}
     if torch.device(args.device).type == "cuda":  # after the chunks, not among them

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import print_json, print_table, progress, spread  # noqa: E402
+from _common import print_json, print_table, progress, spread, thread_cpu_s  # noqa: E402
 
 from hstu_tasks import (  # noqa: E402
     DataConfig,
@@ -37,24 +37,6 @@ from hstu_tasks import (  # noqa: E402
 from hstu_tasks.runners import PIPELINES, run_pipeline  # noqa: E402
 
 SKIPPED = 20  # steps before the first sample (bootstrap, warm caches)
-OTHER = "other threads (OpenMP, gloo)"
-
-
-def thread_cpu_s() -> dict[str, tuple[str, float]]:
-    """``{tid: (name, cpu seconds)}`` for every thread of this process."""
-    names = {str(t.native_id): t.name for t in threading.enumerate()}
-    ticks = os.sysconf("SC_CLK_TCK")
-    threads = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        threads[tid] = (names.get(tid, OTHER), (int(fields[11]) + int(fields[12])) / ticks)
-    return threads
-
-
 def measure(mode: str, steps: int) -> dict[str, float]:
     """Wall and per-thread-name CPU milliseconds per step of one run."""
     setup = build_training(ModelConfig(), DataConfig(), OptimizerConfig(), seed=0)
