@@ -57,10 +57,10 @@ def paired(values: Sequence[float], base: Sequence[float]) -> float:
     return statistics.median(v / b for v, b in zip(values, base, strict=True))
 
 
-def _worker(build: Build, config: str, warm_up: int, conn: Connection, rank: int, ranks: int,
-            port: int | None) -> None:  # fmt: skip
+def _worker(build: Build, config: str, warm_up: int, settle: int, conn: Connection, rank: int,
+            ranks: int, port: int | None) -> None:  # fmt: skip
     """Rank ``rank`` of ``config``'s group: build the pipeline, warm it up, then time
-    each chunk asked for."""
+    each chunk asked for, after ``settle`` untimed steps."""
     if port is not None:
         from hstu_tasks import join_local_group
 
@@ -70,7 +70,9 @@ def _worker(build: Build, config: str, warm_up: int, conn: Connection, rank: int
     _reset_peak_rss()  # the imports' and the build's transients are not the row's
     conn.send("ready")
     while (steps := conn.recv()) is not None:
-        run(2)  # the chunk starts on a step the pipeline is in the middle of
+        # The chunk starts in the middle of a run: on a step the pipeline is in the
+        # middle of, with what it read ahead while the other rows ran used up.
+        run(settle)
         start, cpu_start = time.perf_counter(), time.process_time()
         run(steps)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -133,7 +135,13 @@ def time_in_chunks(
     ranks: int = 1,
     gloo: bool = False,
     warm_up: int = 20,
+    settle: int = 2,
 ) -> Chunks:
+    """Time ``configs`` in ``rounds`` alternating chunks of ``chunk`` steps, in
+    ``processes`` fresh sets of workers, each warmed up with ``warm_up`` steps; before
+    each chunk a worker runs ``settle`` untimed steps -- at least as many as it can
+    read ahead while idle, so that no row starts a chunk with a store of batches the
+    others lack (a prefetch thread keeps fetching between its chunks)."""
     if ranks > 1 and not gloo:
         raise ValueError("more than one rank needs a process group: pass gloo=True")
     out = Chunks()
@@ -141,12 +149,12 @@ def time_in_chunks(
         out.ms[config], out.cores[config], out.reports[config] = [], [], []
         out.peak_rss_mib[config] = []
     for set_no in range(1, processes + 1):
-        _one_set(build, configs, ranks, gloo, chunk, rounds, warm_up, set_no, out)
+        _one_set(build, configs, ranks, gloo, chunk, rounds, warm_up, settle, set_no, out)
     return out
 
 
 def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk: int,
-             rounds: int, warm_up: int, set_no: int, out: Chunks) -> None:  # fmt: skip
+             rounds: int, warm_up: int, settle: int, set_no: int, out: Chunks) -> None:  # fmt: skip
     """Build a group of ``ranks`` workers per config, time ``rounds`` alternating
     chunks, tear down."""
     context = multiprocessing.get_context("spawn")
@@ -158,7 +166,7 @@ def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk
             for rank in range(ranks):
                 ours, theirs = context.Pipe()
                 process = context.Process(
-                    target=_worker, args=(build, config, warm_up, theirs, rank, ranks, port)
+                    target=_worker, args=(build, config, warm_up, settle, theirs, rank, ranks, port)
                 )  # fmt: skip
                 process.start()
                 theirs.close()  # a worker that dies then ends recv() with EOFError, not a hang

@@ -15,7 +15,8 @@ is calibrated, once, to the compute times asked for.  The rows of each cell:
   (``read_ahead=2``), as the prefetch thread's queue of two holds them.
 
 Each cell's rows run in worker processes of their own, in alternating chunks
-(``_chunks.py``).  Printed per cell: ms a step (median of the chunks), its spread,
+(``_chunks.py``), each chunk after ``SETTLE`` untimed steps that use up whatever a
+row read ahead while the others ran.  Printed per cell: ms a step (median of the chunks), its spread,
 the ideal ``max(latency, compute)``, each row's share of the ideal rate and its speed
 against the prefetch thread; and the async row against the sync row.
 
@@ -47,6 +48,10 @@ from _chunks import nothing_to_report, paired, repeat, time_in_chunks  # noqa: E
 from _common import print_json, print_table, spread  # noqa: E402
 from online_source import prefetched  # noqa: E402
 
+#: Untimed steps before each chunk: more than any row reads ahead while the others are
+#: timed (the prefetch thread's queue of two and the batch its thread holds,
+#: fetch_ahead's four in flight), so every row starts its chunk in steady state.
+SETTLE = 6
 CONFIGS = ("plain loop", "prefetch thread", "aiopipe sync", "aiopipe async", "aiopipe fetch_ahead",
            "aiopipe async, 2 ahead")  # fmt: skip
 IN_FLIGHT = 4  # fetch_ahead's fetches at once
@@ -186,7 +191,7 @@ def main() -> None:
         compute = step_ms(width)
         build = functools.partial(_build, width=width, latency_ms=latency, jitter=args.jitter)
         chunks = time_in_chunks(build, args.configs, chunk=args.chunk, rounds=args.rounds,
-                                processes=args.processes)  # fmt: skip
+                                processes=args.processes, settle=SETTLE)  # fmt: skip
         ideal = max(latency, compute)
         base = "prefetch thread" if "prefetch thread" in args.configs else args.configs[0]
         cell: dict[str, Any] = {"compute_ms": compute, "latency_ms": latency, "width": width,
