@@ -21,6 +21,7 @@ models need one on one rank too); a chunk's time is the slowest rank's.
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import resource
 import statistics
@@ -31,7 +32,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from _common import free_port, progress
+from _common import free_port, progress, thread_cpu_s
+
+from aiopipe._core.lanes import LANE_THREAD_PREFIX
 
 Run = Callable[[int], None]
 Build = Callable[[str, int], "tuple[Run, Callable[[], dict[str, Any]]]"]
@@ -69,15 +72,25 @@ def _worker(build: Build, config: str, warm_up: int, settle: int, conn: Connecti
     run(warm_up)
     _reset_peak_rss()  # the imports' and the build's transients are not the row's
     conn.send("ready")
+    threads: collections.Counter[str] = collections.Counter()  # CPU seconds while timed
+    timed = 0
     while (steps := conn.recv()) is not None:
         # The chunk starts in the middle of a run: on a step the pipeline is in the
         # middle of, with what it read ahead while the other rows ran used up.
-        run(settle)
+        if settle:
+            run(settle)
+        before = thread_cpu_s()  # outside the timed window: it reads every thread's file
         start, cpu_start = time.perf_counter(), time.process_time()
         run(steps)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        after = thread_cpu_s()
+        timed += steps
+        for tid, (name, seconds) in after.items():
+            kind = "lanes" if name.startswith(LANE_THREAD_PREFIX) else name
+            threads[kind] += seconds - before.get(tid, (name, 0.0))[1]
         conn.send((1e3 * wall / steps, cpu / wall))
-    conn.send((report(), _peak_rss_mib()))
+    per_step = {kind: 1e6 * seconds / timed for kind, seconds in threads.items()} if timed else {}
+    conn.send((report(), _peak_rss_mib(), per_step))
     conn.close()
     if port is not None:
         from hstu_tasks import leave_and_exit
@@ -123,6 +136,10 @@ class Chunks:
     #: (the largest rank's; the interpreter, torch and the model included, so compare
     #: rows; on Linux from the end of the warm-up on).
     peak_rss_mib: dict[str, list[float]] = field(default_factory=dict)
+    #: Each process set's CPU time per timed step of rank 0, microseconds, by kind of
+    #: thread: ``MainThread``, ``lanes`` (every lane), :data:`_common.OTHER` (threads
+    #: Python did not start: OpenMP workers, gloo), and any other by its name.
+    thread_cpu_us: dict[str, list[dict[str, float]]] = field(default_factory=dict)
 
 
 def time_in_chunks(
@@ -144,10 +161,12 @@ def time_in_chunks(
     others lack (a prefetch thread keeps fetching between its chunks)."""
     if ranks > 1 and not gloo:
         raise ValueError("more than one rank needs a process group: pass gloo=True")
+    if settle < 0:
+        raise ValueError(f"settle must be >= 0, got {settle}")
     out = Chunks()
     for config in configs:
         out.ms[config], out.cores[config], out.reports[config] = [], [], []
-        out.peak_rss_mib[config] = []
+        out.peak_rss_mib[config], out.thread_cpu_us[config] = [], []
     for set_no in range(1, processes + 1):
         _one_set(build, configs, ranks, gloo, chunk, rounds, warm_up, settle, set_no, out)
     return out
@@ -191,7 +210,8 @@ def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk
                 conn.send(None)
             finals = [conn.recv() for _, conn in group]  # every rank's, so none blocks
             out.reports[config].append(finals[0][0])
-            out.peak_rss_mib[config].append(max(rss for _, rss in finals))
+            out.peak_rss_mib[config].append(max(rss for _, rss, _ in finals))
+            out.thread_cpu_us[config].append(finals[0][2])
             for process, _ in group:
                 process.join()
     finally:

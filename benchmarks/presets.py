@@ -25,7 +25,6 @@ config's extra time goes on a host whose cores the step's own threads fill.
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import itertools
 import statistics
@@ -37,8 +36,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _chunks import paired, time_in_chunks  # noqa: E402
-from _common import OTHER, print_json, print_table, spread, thread_cpu_s  # noqa: E402
+from _chunks import nothing_to_report, paired, time_in_chunks  # noqa: E402
+from _common import OTHER, print_json, print_table, spread  # noqa: E402
 
 from aiopipe import SchedulablePipeline, basic  # noqa: E402
 from aiopipe._core.loops import LoopRunner
@@ -106,34 +105,9 @@ def copy_ms(width: int, batch: int, repeats: int = 20) -> float:
 
 def _build(config: str, rank: int, *, device: str, width: int,
            batch: int) -> tuple[Callable[[int], None], Callable[[], dict[str, Any]]]:  # fmt: skip
-    """The chunk worker's ``run(n)`` and ``report()``: the next ``n`` steps of
-    ``config``, synchronised with the device at the end; the CPU time of each kind of
-    thread per step, over every call but the first (the warm-up)."""
-    return _counting_threads(_build_run(config, device=device, width=width, batch=batch))
-
-
-def _counting_threads(run: Callable[[int], None]) -> tuple[Callable[[int], None],
-                                                           Callable[[], dict[str, Any]]]:  # fmt: skip
-    totals: collections.Counter[str] = collections.Counter()
-    calls = steps = 0
-
-    def counted(n: int) -> None:
-        nonlocal calls, steps
-        before = thread_cpu_s()
-        run(n)
-        after = thread_cpu_s()
-        calls += 1
-        if calls == 1:
-            return
-        steps += n
-        for tid, (name, cpu) in after.items():
-            kind = "lanes" if name.startswith("aiopipe-lane") else name
-            totals[kind] += cpu - before.get(tid, (name, 0.0))[1]
-
-    def report() -> dict[str, Any]:
-        return {"cpu_us_per_step": {k: 1e6 * v / steps for k, v in totals.items()}}
-
-    return counted, report
+    """The chunk worker's ``run(n)``: the next ``n`` steps of ``config``, synchronised
+    with the device at the end."""
+    return _build_run(config, device=device, width=width, batch=batch), nothing_to_report
 
 
 def _build_run(config: str, *, device: str, width: int, batch: int) -> Callable[[int], None]:
@@ -221,13 +195,13 @@ def main() -> None:
     kinds = {"MainThread": "main thread (the loop; the plain loop's own)", "lanes": "lanes",
              OTHER: "the others (OpenMP workers)"}  # fmt: skip
     cpu_rows = []
-    for config, reports in chunks.reports.items():
-        per_set = [r["cpu_us_per_step"] for r in reports if r]
+    for config, per_set in chunks.thread_cpu_us.items():
         cpu = {k: statistics.median(s.get(k, 0.0) for s in per_set) for k in kinds}
+        every = statistics.median(sum(s.values()) for s in per_set)  # named threads too
         payload[config]["cpu_us_per_step"] = per_set
         wall = 1e3 * statistics.median(chunks.ms[config])
         cpu_rows.append([CONFIGS[config], f"{wall:.0f}", *(f"{cpu[k]:.0f}" for k in kinds),
-                         f"{sum(cpu.values()):.0f}"])  # fmt: skip
+                         f"{every:.0f}"])  # fmt: skip
     print_table(
         "CPU time per step by thread, us (median over the process sets): how much of the "
         "cores each config keeps busy, and with what",

@@ -162,7 +162,10 @@ class FaultInjection:
             raise ValueError("hold_at needs an events directory (its release files are there)")
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.rank, self.world_size = rank, world_size
-        self.kill_after = kill_at[1] if kill_at and kill_at[0] == rank and first_attempt else None
+        #: The step after which a rank kills itself (the same on every rank: they all
+        #: end a call there, see :meth:`stops`), and whether this rank is the one.
+        self.kill_step = kill_at[1] if kill_at and first_attempt else None
+        self.kill_after = self.kill_step if kill_at and kill_at[0] == rank else None
         self.hold_at, self.events = hold_at, Path(events) if events else None
         self._stepped = False
 
@@ -191,10 +194,11 @@ class FaultInjection:
             raise SystemExit(f"{sys.argv[0]}: {error}") from None
 
     def stops(self) -> list[int]:
-        """The steps this process must end a call on: where it is to kill itself or
-        hold (:meth:`after_step` sees each step it is handed, not the ones between)."""
+        """The steps every rank must end a call on: where a rank kills itself or they
+        hold (:meth:`after_step` sees each step it is handed, not the ones between,
+        and the ranks' call ends must agree: each one's ``after_step`` may gather)."""
         held = [step for step, world in self.hold_at if world == self.world_size]
-        return held + ([self.kill_after] if self.kill_after is not None else [])
+        return held + ([self.kill_step] if self.kill_step is not None else [])
 
     def record(self, event: str, **fields: Any) -> None:
         """An event line in ``events.jsonl`` (nothing without ``events``)."""

@@ -78,14 +78,17 @@ def test_chunks_alternate_in_worker_processes_and_report_time_cores_and_state() 
     from _chunks import time_in_chunks
 
     chunks = time_in_chunks(_counting_build, ["a", "b"], chunk=5, rounds=3, processes=2,
-                            warm_up=4)  # fmt: skip
+                            warm_up=4, settle=3)  # fmt: skip
     for config in ("a", "b"):
         assert len(chunks.ms[config]) == len(chunks.cores[config]) == 6  # 3 rounds x 2 sets
         assert all(ms >= 0 for ms in chunks.ms[config])
         assert all(0 <= cores < 64 for cores in chunks.cores[config])
-        # each set's worker: the warm-up, then every chunk and its two lead-in steps
-        assert chunks.reports[config] == [{"config": config, "steps": 4 + 3 * (2 + 5)}] * 2
+        # each set's worker: the warm-up, then every chunk and its three untimed steps
+        assert chunks.reports[config] == [{"config": config, "steps": 4 + 3 * (3 + 5)}] * 2
         assert len(chunks.peak_rss_mib[config]) == 2  # one per process set
+        # CPU per timed step by kind of thread, one dict per set: the worker's own thread
+        assert len(chunks.thread_cpu_us[config]) == 2
+        assert all(s["MainThread"] >= 0 for s in chunks.thread_cpu_us[config])
     # each set's workers report their own peak: "b" holds 160 MiB more than "a"
     assert min(chunks.peak_rss_mib["b"]) > max(chunks.peak_rss_mib["a"]) + 100
 

@@ -354,12 +354,12 @@ def test_the_job_s_last_step_is_checkpointed_and_a_finished_job_has_nothing_to_r
     assert "nothing left to run: the checkpoint is at step 7 of 7" in again.stdout
 
 
-def job_of(*flags: str) -> ResumableJob[Any]:
+def job_of(*flags: str, rank: int = 0) -> ResumableJob[Any]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int)
     parser.add_argument("--batch-size", type=int, default=4)
     ResumableJob.add_arguments(parser)
-    return ResumableJob(parser.parse_args(list(flags)), rank=0, world_size=2)
+    return ResumableJob(parser.parse_args(list(flags)), rank=rank, world_size=2)
 
 
 def test_calls_of_several_steps_end_on_every_checkpoint_and_forced_point(tmp_path: Path) -> None:
@@ -374,6 +374,9 @@ def test_calls_of_several_steps_end_on_every_checkpoint_and_forced_point(tmp_pat
         ends.append(done)
     # checkpoints at 4, 8, 12, 16, 20; held at 6 (2 ranks, not 9: 1 rank); killed after 11
     assert ends == [4, 6, 8, 11, 12, 16, 20]
+    # rank 1 is not the one killed, but ends its call there too: each end may gather
+    peer = job_of("--steps", "20", "--kill-at", "0:11", rank=1)
+    assert peer.steps_for_call(5, 10) == 6 and peer.faults.kill_after is None
     job.start = 3  # resumed after step 3: the run's steps count from there
     assert job.steps_for_call(0, 6) == 1 and job.steps_for_call(1, 2) == 2
 
