@@ -18,7 +18,7 @@ Invariant (cancel-safety): an iteration that has started runs to its end whateve
 happens to the callers awaiting it; its result is delivered once, by whichever call
 comes next.  A queued iteration that cannot have started yet is taken back when its
 caller leaves (its batch is read ahead again).  Only a task body that raises breaks
-an iteration; if one does after other bodies ran, :attr:`broken` says so until the
+an iteration; if one does after other bodies ran, ``failures.broken`` says so until the
 pipeline is reset.
 """
 
@@ -31,11 +31,12 @@ from typing import Any
 from ._core.lanes import yield_cpu_to_lanes
 from ._core.log import pipeline_log
 from ._core.nvtx import Annotator
-from ._core.loops import runner_owns, task_quiet_if_left
+from ._core.loops import task_quiet_if_left
 from ._core.watch import LaneWatch, describe_wait
 from .chain import StepChain
 from .context import TaskContext
 from .errors import PipelineStateError
+from .failures import IterationFailures, loop_closed_error
 from .executors import Executor, Iteration, IterationHandle
 from .executors.stage import StartFast
 from .inits import TaskInits
@@ -63,10 +64,7 @@ class IterationDriver:
         # The iteration under way: a task, or a future the lanes' callback completes.
         # Cancelling a caller never cancels it.
         self.running: asyncio.Future[None] | None = None
-        #: Why the batches in flight are in an unknown state (an iteration failed
-        #: after some of its tasks ran); ``None`` while they are intact.
-        self.broken: str | None = None
-        self._failure: BaseException | None = None  # of an iteration nobody awaited
+        self.failures = IterationFailures()
         self._handle: IterationHandle | None = None  # the running fast-path iteration
         self._current: tuple[Feed, Iteration] | None = None  # the running iteration
         self._chain = StepChain(self)  # the steps queued behind the running one
@@ -95,8 +93,8 @@ class IterationDriver:
             if feed.outbox:
                 feed.returned += 1
                 return True, feed.outbox.popleft()
-            self.raise_pending_failure()
-            self.raise_if_broken()
+            self.failures.raise_pending()
+            self.failures.raise_if_broken()
             if self.running is None:
                 if not feed.exhausted and not feed.top_pulled:
                     await feed.pull(self._ring.top)
@@ -254,14 +252,7 @@ class IterationDriver:
             if guarded:  # its caller left: a loop shutting down waits for this one too
                 self.guard_lanes()
         if error is not None:
-            # Before any task ran, the next call runs this iteration again, batch and all.
-            if iteration.started:
-                self.broken = (
-                    f"iteration {iteration.number} was interrupted by "
-                    f"{type(error).__name__} after some of its tasks ran"
-                )
-            if isinstance(error, Exception):
-                self._failure = error  # raised by the caller, or by the next call
+            self.failures.record(iteration.number, iteration.started, error)
         if done is not None and not done.get_loop().is_closed():
             done.set_result(None)
         self._retired.free_soon()
@@ -287,16 +278,6 @@ class IterationDriver:
         kept and delivered like any other, before the failure."""
         if self.holds_oldest_batch(feed, iteration) and iteration.oldest_batch_done():
             feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
-
-    def defer_failure(self, error: Exception) -> None:
-        """Raise ``error`` from the next call instead of this one (whose caller gets
-        the results of the steps finished before it)."""
-        self._failure = error
-
-    @property
-    def failure_pending(self) -> bool:
-        """An iteration failed and no call has raised its error yet."""
-        return self._failure is not None
 
     def wake_waiters(self) -> None:
         """Wake the callers waiting for the iteration that just ended, from the
@@ -344,7 +325,7 @@ class IterationDriver:
         feed, iteration = current
         self._chain.drop(feed)
         # Bodies on the dead loop, and a task's part of the iteration, can never end.
-        lost = handle.abandon_loop(None if fast else _loop_closed(iteration.number))
+        lost = handle.abandon_loop(None if fast else loop_closed_error(iteration.number))
         if not handle.wait(0):
             await asyncio.get_running_loop().run_in_executor(None, handle.wait)
         if self._current is not current:
@@ -366,12 +347,12 @@ class IterationDriver:
             number = iteration.number
             handle = IterationHandle.of(iteration)
             if handle is not None:  # let the lanes go on (they are not waited for)
-                handle.abandon_loop(_loop_closed(number))  # a queued one is skipped too
+                handle.abandon_loop(loop_closed_error(number))  # a queued one is skipped too
             iteration.stage = None
         self.running = self._handle = self._current = None
         self._chain.forget()
-        self.broken = str(_loop_closed(number))
-        pipeline_log.warning("%s: %s", self._pipeline, self.broken)
+        self.failures.broken = str(loop_closed_error(number))
+        pipeline_log.warning("%s: %s", self._pipeline, self.failures.broken)
         return True
 
     async def wait_idle(self) -> None:
@@ -382,49 +363,16 @@ class IterationDriver:
 
     def guard_lanes(self) -> None:
         """A fast-path iteration's caller left early (cancelled): make a loop shutting
-        down wait for the iteration, as it would for a task awaiting ``run_iteration``
-        -- and say what it waits for, and let a second Ctrl-C abandon the wait.
-
-        A task waits for the iteration; cancelled (the loop shutting down cancels every
-        task left), it skips the iteration's tasks not yet started.  A loop of this
-        package's runners cancels again the tasks made while it cancels; for other
-        loops (``asyncio.run`` cancels once: the caller's own cancellation may come
-        from that shutdown) a thread of the loop's default executor waits for the lanes
-        as well, since ``asyncio.run`` waits for those threads before it closes the
-        loop.  That thread stops waiting once the loop is closed (a second Ctrl-C), so
-        interpreter exit, which joins it, never waits on a lane without bound."""
+        down wait for the iteration (:meth:`LaneWatch.guard`)."""
         running, handle, current = self.running, self._handle, self._current
         self._chain.drop(current[0] if current is not None else None)  # asked for by the caller who left
         if handle is None or running is None or current is None or self._guarded is running:
             return  # a task's iteration, none, or guarded already (by an earlier caller)
         self._guarded = running
-        loop = asyncio.get_running_loop()
         describe = functools.partial(describe_wait, self._pipeline, current[1], self._lane_names)
-        watch = LaneWatch(handle, describe)
-        guard = task_quiet_if_left(watch.until_done(running))
-        self._guards.add(guard)  # referenced until done
-        guard.add_done_callback(self._guards.discard)
-        if not runner_owns(loop):
-            try:
-                loop.run_in_executor(None, watch.block_until_done, loop)
-            except RuntimeError:  # the executor is shut down already: the task alone
-                pass
+        LaneWatch(handle, describe).guard(running, self._guards)
 
     # -- failures ------------------------------------------------------------------------
-
-    def raise_pending_failure(self) -> None:
-        """An iteration failed with no caller waiting (it was cancelled): the next
-        call reports the original error, once."""
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
-
-    def raise_if_broken(self) -> None:
-        if self.broken is not None:
-            raise PipelineStateError(
-                f"{self.broken}; the batches in flight are in an unknown state. "
-                f"Call reset() to discard them and start again."
-            )
 
     def refuse_while_running(self, what: str) -> None:
         if self.running is not None and not self.abandon_orphan():
@@ -433,17 +381,6 @@ class IterationDriver:
                 f"that started it was cancelled); 'await pipe.aclose()', or any call that "
                 f"awaits it first (progress, drain), finishes it"
             )
-
-    def clear(self) -> None:
-        """Forget a pending failure and a broken state (the pipeline is reset)."""
-        self._failure = None
-        self.broken = None
-
-
-def _loop_closed(number: int) -> PipelineStateError:
-    return PipelineStateError(
-        f"iteration {number} was left unfinished on an event loop that was closed"
-    )
 
 
 def _retrieved(task: asyncio.Task[None]) -> None:

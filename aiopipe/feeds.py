@@ -45,6 +45,21 @@ class Feeds:
         """The feed ``statistics()`` describes: the current one, else the parked one."""
         return self.current if self.current is not None else self._parked
 
+    def seed_first(self, contents: Mapping[str, Any], refused: int) -> None:
+        """Seed the next source's first batch (``seed_first_batch``), refused while a
+        source is under way."""
+        feed = self.current
+        if feed is not None and feed.in_flight:
+            raise PipelineStateError(
+                f"cannot seed a batch while {feed.in_flight} batch(es) are in flight"
+            )
+        if feed is not None and not feed.finished:
+            raise PipelineStateError(
+                "seed_first_batch seeds the first batch of a source: call it before the "
+                "first progress(), after drain(), or once the current source has ended"
+            )
+        self.seed(contents, refused)
+
     def seed(self, contents: Mapping[str, Any] | None, refused: int = 0) -> None:
         """The first batch of the next source (``None``: no seed)."""
         self._seed = dict(contents) if contents is not None else None

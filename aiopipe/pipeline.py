@@ -9,11 +9,13 @@ result raises ``StopAsyncIteration``.
 This module holds the public contract.  The source's items cross into the ring
 through :class:`~aiopipe.source.Feed`; the life of each iteration (start, end once,
 guard the lanes when a caller leaves, a pending failure) is owned by
-:class:`~aiopipe.driver.IterationDriver`.
+:class:`~aiopipe.driver.IterationDriver`; the calls that return several results
+collect them in :mod:`~aiopipe.collect`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -22,6 +24,7 @@ import torch
 
 from ._core.log import lanes_summary, next_pipeline_name, pipeline_log
 from ._core.nvtx import resolve_annotator
+from .collect import collect_drain, collect_steps
 from .context import TaskContext
 from .driver import IterationDriver
 from .feeds import Feeds
@@ -154,7 +157,7 @@ class SchedulablePipeline:
             in_flight=feed.in_flight if feed else 0,
             iteration=feed.iteration if feed else 0,
             exhausted=feed.exhausted if feed else False,
-            broken=self._driver.broken,
+            broken=self._driver.failures.broken,
             closed=self._closed,
             refused=feed.refused if feed else 0,
             applied=feed.applied if feed else 0,
@@ -174,8 +177,7 @@ class SchedulablePipeline:
         the iteration under way.  It runs to completion, and its result is returned
         by the next call, in order; no batch is lost or repeated."""
         if in_trio():  # the engine needs asyncio: hand the call to the bridge (interop.py)
-            feed = self._feeds.current
-            source = self._trio.source_for(source, feed.source if feed is not None else None)
+            source = self._trio_source(source)
             return await self._trio.call(SchedulablePipeline.progress, self, source)
         self._begin_call()
         try:
@@ -208,31 +210,13 @@ class SchedulablePipeline:
         if steps < 1:
             raise ConfigurationError(f"steps must be >= 1, got {steps}")
         if in_trio():  # as in progress(): the call runs on the bridge
-            feed = self._feeds.current
-            source = self._trio.source_for(source, feed.source if feed is not None else None)
             many = SchedulablePipeline.progress_many
-            return await self._trio.call(many, self, source, steps)
+            return await self._trio.call(many, self, self._trio_source(source), steps)
         self._begin_call()
-        results: list[Any] = []
         try:
-            while len(results) < steps:
-                if results and self._driver.failure_pending:
-                    break  # raised by the next call, after these results
-                produced, result = await self._next_of(source, steps - len(results) - 1)
-                if not produced:
-                    if not results:
-                        self._on_source_end()
-                    break
-                results.append(result)
-            return results
-        except BaseException as exc:
-            if results and isinstance(exc, Exception) and not isinstance(exc, PipelineStateError):
-                self._driver.defer_failure(exc)  # the steps before it come out first
-                return results
-            feed = self._feeds.current
-            if feed is not None:  # what was collected goes back, for the next call
-                feed.put_back(results)
-            raise
+            next_of = functools.partial(self._next_of, source)
+            return await collect_steps(next_of, steps, self._driver, self._feeds,
+                                       self._on_source_end)  # fmt: skip
         finally:
             self._busy = False
 
@@ -283,26 +267,7 @@ class SchedulablePipeline:
             return await self._trio.call(SchedulablePipeline.drain, self)
         self._begin_call()
         try:
-            results: list[Any] = []
-            feed = self._feeds.current
-            if feed is not None:
-                if feed.in_flight:  # step() drains an empty feed before each batch: quiet
-                    pipeline_log.info("%s: drain, finishing %d batch(es) in flight", self.name,
-                                      feed.in_flight)  # fmt: skip
-                feed.draining = True
-                while True:
-                    if results and self._stopped_by_failure(feed):
-                        return results  # the failure came first; the rest need reset()
-                    produced, result = await self._driver.next_result(feed)
-                    if not produced:
-                        break
-                    results.append(result)
-            self._feeds.forget()
-            return results
-        except BaseException:
-            if feed is not None:  # what was collected goes back, for the next call
-                feed.put_back(results)
-            raise
+            return await collect_drain(self._driver, self._feeds, self.name)
         finally:
             self._busy = False
 
@@ -339,17 +304,7 @@ class SchedulablePipeline:
         ``refused``: items of that source the adapter refused before it (counted in
         :attr:`PipelineStatistics.refused`, so the source's position stays exact)."""
         self._check_usable()
-        feed = self._feeds.current
-        if feed is not None and feed.in_flight:
-            raise PipelineStateError(
-                f"cannot seed a batch while {feed.in_flight} batch(es) are in flight"
-            )
-        if feed is not None and not feed.finished:
-            raise PipelineStateError(
-                "seed_first_batch seeds the first batch of a source: call it before the "
-                "first progress(), after drain(), or once the current source has ended"
-            )
-        self._feeds.seed(contents, refused)
+        self._feeds.seed_first(contents, refused)
 
     def reset(self) -> None:
         """Discard every batch in flight and any interrupted state; the next
@@ -364,7 +319,7 @@ class SchedulablePipeline:
         feed = self._feeds.current
         pipeline_log.info("%s: reset, discarding %d batch(es) in flight", self.name,
                           feed.in_flight if feed is not None else 0)  # fmt: skip
-        self._driver.clear()
+        self._driver.failures.clear()
         self._feeds.discard()
         self._feeds.seed(None)
 
@@ -402,14 +357,8 @@ class SchedulablePipeline:
         feed = self._feeds.current
         if feed is not None and feed.outbox:
             return  # results of applied steps come out first, whatever failed after them
-        self._driver.raise_pending_failure()
-        self._driver.raise_if_broken()
-
-    def _stopped_by_failure(self, feed: Feed) -> bool:
-        """A failure was raised, and every result finished before it has been taken:
-        the batches left in flight are in an unknown state."""
-        driver = self._driver
-        return driver.broken is not None and not feed.outbox and not driver.failure_pending
+        self._driver.failures.raise_pending()
+        self._driver.failures.raise_if_broken()
 
     def _begin_call(self) -> None:
         self._check_usable()
@@ -433,6 +382,10 @@ class SchedulablePipeline:
             self._feeds.forget()
             produced, result = await self._driver.next_result(self._adopt(source))
         return produced, result
+
+    def _trio_source(self, source: Source) -> Source:
+        feed = self._feeds.current
+        return self._trio.source_for(source, feed.source if feed is not None else None)
 
     def _adopt(self, source: Source) -> Feed:
         return self._feeds.adopt(source, idle=self.idle)

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from .loops import runner_owns, task_quiet_if_left
 from .waker import wait_settled
 
 __all__ = ("GRACE_S", "LaneWatch", "describe_wait")
@@ -71,6 +72,28 @@ class LaneWatch:
         finally:
             if timer is not None:
                 timer.cancel()
+
+    def guard(self, done: asyncio.Future[None], guards: set[asyncio.Task[None]]) -> None:
+        """Make a loop shutting down wait for the lanes (``done`` once they are), as it
+        would for a task awaiting the iteration -- and say what it waits for, and let a
+        second Ctrl-C abandon the wait.  ``guards`` keeps the guarding task referenced.
+
+        A task waits (:meth:`until_done`).  A loop of this package's runners cancels
+        again the tasks made while it cancels; for other loops (``asyncio.run``
+        cancels once: the caller's own cancellation may come from that shutdown) a
+        thread of the loop's default executor waits for the lanes as well, since
+        ``asyncio.run`` waits for those threads before it closes the loop.  That thread
+        stops waiting once the loop is closed (a second Ctrl-C), so interpreter exit,
+        which joins it, never waits on a lane without bound."""
+        guard = task_quiet_if_left(self.until_done(done))
+        guards.add(guard)  # referenced until done
+        guard.add_done_callback(guards.discard)
+        loop = asyncio.get_running_loop()
+        if not runner_owns(loop):
+            try:
+                loop.run_in_executor(None, self.block_until_done, loop)
+            except RuntimeError:  # the executor is shut down already: the task alone
+                pass
 
     def block_until_done(self, loop: asyncio.AbstractEventLoop) -> None:
         """On a thread of ``loop``'s default executor: return once the lanes are done,

@@ -1,0 +1,76 @@
+"""``IterationFailures``: what an iteration's failure leaves for the calls after it.
+
+A failure whose caller was cancelled (or came after results the caller gets first)
+is raised by the next call, once; an iteration that failed after some of its tasks
+ran leaves the batches in flight in an unknown state (:attr:`broken`) until the
+pipeline is reset.
+"""
+
+from __future__ import annotations
+
+from .errors import PipelineStateError
+
+__all__ = ("IterationFailures", "loop_closed_error")
+
+
+class IterationFailures:
+    """The pending failure and the broken state of one pipeline's iterations."""
+
+    __slots__ = ("_pending", "broken")
+
+    def __init__(self) -> None:
+        #: Why the batches in flight are in an unknown state (an iteration failed
+        #: after some of its tasks ran); ``None`` while they are intact.
+        self.broken: str | None = None
+        self._pending: BaseException | None = None  # of an iteration nobody awaited
+
+    def record(self, number: int, started: bool, error: BaseException) -> None:
+        """Iteration ``number`` failed with ``error``.  Before any task ran, the next
+        call runs it again, batch and all; after, the pipeline is broken."""
+        if started:
+            self.broken = (
+                f"iteration {number} was interrupted by {type(error).__name__} after "
+                f"some of its tasks ran"
+            )
+        if isinstance(error, Exception):
+            self._pending = error  # raised by the caller, or by the next call
+
+    def defer(self, error: Exception) -> None:
+        """Raise ``error`` from the next call instead of this one (whose caller gets
+        the results of the steps finished before it)."""
+        self._pending = error
+
+    @property
+    def pending(self) -> bool:
+        """An iteration failed and no call has raised its error yet."""
+        return self._pending is not None
+
+    def raise_pending(self) -> None:
+        """An iteration failed with no caller waiting (it was cancelled): the next
+        call reports the original error, once."""
+        failure, self._pending = self._pending, None
+        if failure is not None:
+            raise failure
+
+    def raise_if_broken(self) -> None:
+        if self.broken is not None:
+            raise PipelineStateError(
+                f"{self.broken}; the batches in flight are in an unknown state. "
+                f"Call reset() to discard them and start again."
+            )
+
+    def stopped(self, results_waiting: bool) -> bool:
+        """A failure was raised and no result finished before it is waiting: the
+        batches left in flight are in an unknown state."""
+        return self.broken is not None and not results_waiting and self._pending is None
+
+    def clear(self) -> None:
+        """Forget a pending failure and a broken state (the pipeline is reset)."""
+        self._pending = None
+        self.broken = None
+
+
+def loop_closed_error(number: int) -> PipelineStateError:
+    return PipelineStateError(
+        f"iteration {number} was left unfinished on an event loop that was closed"
+    )
