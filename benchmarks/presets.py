@@ -107,10 +107,6 @@ def _build(config: str, rank: int, *, device: str, width: int,
            batch: int) -> tuple[Callable[[int], None], Callable[[], dict[str, Any]]]:  # fmt: skip
     """The chunk worker's ``run(n)``: the next ``n`` steps of ``config``, synchronised
     with the device at the end."""
-    return _build_run(config, device=device, width=width, batch=batch), nothing_to_report
-
-
-def _build_run(config: str, *, device: str, width: int, batch: int) -> Callable[[int], None]:
     torch_device = torch.device(device)
     source = _batches(torch_device, width, batch)
     model, opt = setup(torch_device, width)
@@ -126,7 +122,7 @@ def _build_run(config: str, *, device: str, width: int, batch: int) -> Callable[
                 opt.step()
             sync(torch_device)
 
-        return plain
+        return plain, nothing_to_report
     choices: dict[str, dict[str, Any]] = {
         "T2": {"prefetch": True, "memcpy_stream": True}, "sequential": {"executor": "sequential"},
     }  # fmt: skip
@@ -143,7 +139,7 @@ def _build_run(config: str, *, device: str, width: int, batch: int) -> Callable[
                     blocking.progress(source)
             sync(torch_device)
 
-        return blocking_chunk
+        return blocking_chunk, nothing_to_report
     runner = LoopRunner()  # one loop for every chunk, as one aiopipe.run would be
 
     async def chunk(n: int) -> None:
@@ -154,7 +150,7 @@ def _build_run(config: str, *, device: str, width: int, batch: int) -> Callable[
                 await pipe.progress(source)
         sync(torch_device)
 
-    return lambda n: runner.run(chunk, n)
+    return (lambda n: runner.run(chunk, n)), nothing_to_report
 
 
 def main() -> None:
