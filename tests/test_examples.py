@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -26,8 +29,14 @@ def test_quickstart_matches_a_plain_loop() -> None:
 
 
 @pytest.mark.parametrize("script", ["examples/serve_hstu.py", "examples/serve_load.py"])
-def test_serving_scripts_show_their_defaults(script: str) -> None:
-    options = " ".join(run(script, "--help").split("options:")[1].split())  # unwrapped
+def test_serving_scripts_show_their_defaults(
+    script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as exited:
+        load_example(script).main()
+    assert exited.value.code == 0
+    options = " ".join(capsys.readouterr().out.split("options:")[1].split())  # unwrapped
     assert "--max-batch" in options and "(default: 8)" in options
     assert "(default: 2.0)" in options  # --max-wait-ms
 
@@ -57,27 +66,68 @@ def test_train_hstu_demo_writes_its_report(tmp_path: Path) -> None:
     assert "torch DDP" in out  # "auto" on a CPU
 
 
+def load_example(script: str) -> ModuleType:
+    """``script`` imported in this process (its imports take seconds a process)."""
+    spec = importlib.util.spec_from_file_location(f"example_{Path(script).stem}", ROOT / script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where its dataclasses look themselves up
+    spec.loader.exec_module(module)
+    return module
+
+
+def refusal(script: str, flags: Sequence[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """The message ``script`` exits with when it refuses ``flags``, run in this process.
+    It must refuse before it joins the process group, where the other ranks would wait."""
+    module = load_example(script)
+
+    def joined(*_: object) -> None:
+        raise AssertionError(f"{script} {' '.join(flags)}: went on to join the process group")
+
+    monkeypatch.setattr(module, "init_distributed", joined)
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    with pytest.raises(SystemExit) as exited:
+        module.main()
+    assert isinstance(exited.value.code, str)  # a message and exit status 1, no traceback
+    return exited.value.code
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("script", "flags", "message"),
     [
-        (("--data-parallel", "megatron"), "needs a CUDA device"),
-        (("--replicate-tables", "--pipeline", "torchrec"), "need sharded tables"),
-        (("--data-parallel", "megatron", "--checkpoint-dir", "ckpt"), "need torch DDP"),
-        (("--pipeline", "none", "--timeline", "t.svg"), "record aiopipe's tasks"),
-        (("--pipeline", "torchrec", "--steps-per-call", "3"), "takes one"),
-        (("--steps-per-call", "0"), "must be >= 1"),
+        ("train_hstu", ("--data-parallel", "megatron"), "needs a CUDA device"),
+        ("train_hstu", ("--replicate-tables", "--pipeline", "torchrec"), "need sharded tables"),
+        ("train_hstu", ("--data-parallel", "megatron", "--checkpoint-dir", "ckpt"),
+         "need torch DDP"),
+        ("train_hstu", ("--pipeline", "none", "--timeline", "t.svg"), "record aiopipe's tasks"),
+        ("train_hstu", ("--pipeline", "torchrec", "--steps-per-call", "3"), "takes one"),
+        ("train_hstu", ("--steps-per-call", "0"), "must be >= 1"),
+        ("train_dlrm", ("--pipeline", "torchrec", "--eval-every", "2"),
+         "forward its training batches in flight"),
+        ("train_dlrm", ("--pipeline", "torchrec-lite", "--steps-per-call", "2"), "takes one"),
+        ("train_dlrm", ("--steps-per-call", "0"), "must be >= 1"),
+        ("train_dlrm", ("--checkpoint-dir", "ckpt", "--grad-accumulation", "2"),
+         "would lose its accumulated gradients"),
     ],
-)
-def test_train_hstu_demo_explains_what_it_cannot_do(flags: tuple[str, ...], message: str) -> None:
+)  # fmt: skip
+def test_training_examples_explain_what_they_cannot_do(
+    script: str, flags: tuple[str, ...], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if torch.cuda.is_available() and "megatron" in flags:
         pytest.skip("this machine has a GPU: Megatron DDP would run")
+    assert message in refusal(f"examples/{script}.py", ("--steps", "2", *flags), monkeypatch)
+
+
+@pytest.mark.distributed
+def test_a_refusal_from_the_command_line_is_one_line_and_exit_status_1() -> None:
     result = subprocess.run(
-        [sys.executable, "examples/train_hstu.py", "--steps", "2", *flags],
+        [sys.executable, "examples/train_dlrm.py", "--pipeline", "torchrec", "--eval-every", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 1
-    assert message in result.stderr and "Traceback" not in result.stderr
+    assert "forward its training batches in flight" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.distributed
@@ -113,17 +163,6 @@ def test_train_dlrm_demo_runs_a_schedule_of_the_family_by_name(tmp_path: Path) -
     data = json.loads(report.read_text())
     assert data["pipeline"] == "aiopipe-lite" and data["steps"] == 4 and len(data["losses"]) == 4
     assert data["steps_per_s"] > 0 and isinstance(data["checksum"], float)
-
-
-@pytest.mark.distributed
-def test_train_dlrm_demo_refuses_eval_passes_on_torchrecs_pipeline() -> None:
-    result = subprocess.run(
-        [sys.executable, "examples/train_dlrm.py", "--pipeline", "torchrec", "--eval-every", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 1
-    assert "forward its training batches in flight" in result.stderr
-    assert "Traceback" not in result.stderr
 
 
 def test_online_fetch_example_keeps_n_fetches_in_flight_and_matches_the_plain_loop() -> None:
