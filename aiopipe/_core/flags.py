@@ -1,5 +1,6 @@
 """``OneShotFlag``: a completion flag set once by any thread, awaited by the loop or
-waited on by lanes.
+waited on by lanes; ``Latch``, the thread-side part of it (a cheaper
+``threading.Event`` that is never cleared).
 
 Each task with consumers on another lane gets one per iteration.  Lane threads block
 on it directly (one thread wake per cross-lane edge, no detour through the loop);
@@ -14,7 +15,43 @@ import threading
 
 from .waker import LoopWaker
 
-__all__ = ("OneShotFlag",)
+__all__ = ("Latch", "OneShotFlag")
+
+
+class Latch:
+    """Set once, waited on by threads: ``threading.Event`` without ``clear()``, for
+    the events every iteration makes afresh.  An Event builds a ``Condition`` (about
+    3 us on the 2-core machine of docs/performance.md, several per iteration); this
+    is two plain locks.  ``_gate`` is held until :meth:`set`; each waiter that gets
+    it hands it on at once, so every waiter passes."""
+
+    __slots__ = ("_gate", "_guard", "_set")
+
+    def __init__(self, is_set: bool = False) -> None:
+        self._set = is_set
+        self._guard = threading.Lock()  # two threads setting it release the gate once
+        self._gate = threading.Lock()
+        if not is_set:
+            self._gate.acquire()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        with self._guard:
+            if self._set:
+                return
+            self._set = True
+        self._gate.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until set (``True``) or ``timeout`` seconds have passed (``False``)."""
+        if self._set:
+            return True
+        if not self._gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            return False
+        self._gate.release()
+        return True
 
 
 class OneShotFlag:
@@ -23,7 +60,7 @@ class OneShotFlag:
     __slots__ = ("_event", "_futures", "_lock", "_waker")
 
     def __init__(self, waker: LoopWaker, lock: threading.Lock) -> None:
-        self._event = threading.Event()
+        self._event = Latch()
         self._futures: list[asyncio.Future[None]] | None = None
         self._waker = waker
         self._lock = lock  # shared per iteration: registration and set() must not interleave

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from typing import Union
 
 from ..errors import CollectiveOrderError, TicketAbortedError
+from .flags import Latch
 from .waker import LoopWaker
 
 __all__ = ("TicketLock", "TicketStatistics")
 
-_Waiter = Union["asyncio.Future[None]", threading.Event]
+_Waiter = Union["asyncio.Future[None]", Latch]
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class TicketLock:
         with self._lock:
             if self._check(ticket):
                 return
-            event = threading.Event()
+            event = Latch()
             self._waiters[ticket] = event
         if on_slow is None or slow_s is None:
             event.wait()
@@ -136,7 +137,7 @@ class TicketLock:
             self._wake(waiter, self._aborted)
 
     def _wake(self, waiter: _Waiter, exc: BaseException | None) -> None:
-        if isinstance(waiter, threading.Event):
+        if isinstance(waiter, Latch):
             waiter.set()
         else:
             assert self._waker is not None  # set by the acquire that created the future

@@ -32,6 +32,15 @@ class LoopWaker:
         self.loop_thread = threading.get_ident()
         self._channel = _WakeChannel.of(loop)
 
+    @classmethod
+    def for_running_loop(cls, last: LoopWaker | None = None) -> LoopWaker:
+        """A waker for the loop running on this thread: ``last`` if it is one (a
+        waker holds nothing else; building one is a measurable part of a no-op step)."""
+        loop = asyncio.get_running_loop()
+        if last is not None and last.loop is loop and last.loop_thread == threading.get_ident():
+            return last
+        return cls(loop)
+
     def resolve(
         self, future: asyncio.Future[Any], exc: BaseException | None = None, result: Any = None
     ) -> None:

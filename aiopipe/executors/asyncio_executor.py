@@ -107,6 +107,7 @@ class AsyncExecutor:
         self._lane_of: tuple[str, ...] = ()
         self._layouts: dict[tuple[int, ...], StageLayout] = {}
         self._compute_off_loop = False
+        self._waker: LoopWaker | None = None  # the last stage's loop's: one per loop will do
 
     # -- protocol ----------------------------------------------------------------------
 
@@ -214,7 +215,7 @@ class AsyncExecutor:
         the loop's chain and waits for the lanes (or ``on_done`` is called, see
         :meth:`start_iteration`)."""
         layout = self._layout(active)
-        waker = LoopWaker(asyncio.get_running_loop())
+        waker = self._waker = LoopWaker.for_running_loop(self._waker)
         lanes = [self._lane_pool.get(name) for name, _ in layout.thread_chains]  # may start threads
         self._tickets.reset(waker)
         run = iteration.stage = StageRun(iteration, layout, waker, self._tickets, on_done)

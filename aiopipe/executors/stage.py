@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from .._core.flags import OneShotFlag
+from .._core.flags import Latch, OneShotFlag
 from .._core.tickets import TicketLock
 from .._core.waker import LoopWaker, settle_future
 from .base import Iteration
@@ -40,9 +40,7 @@ class StageRun:
         self.error: BaseException | None = None
         self.flags = {i: OneShotFlag(waker, self.lock) for i in layout.flagged}
         self.outstanding = len(layout.thread_chains)
-        self.finished = threading.Event()  # every lane is done with this stage
-        if not self.outstanding:
-            self.finished.set()
+        self.finished = Latch(is_set=not self.outstanding)  # every lane is done with this stage
         # Who hears that the last lane finished: a callback on the loop (start_iteration),
         # else a future awaited by _finish_stage.
         self.on_done = on_done
@@ -52,7 +50,7 @@ class StageRun:
         self.async_tasks: set[asyncio.Task[None]] = set()
         #: For a stage queued behind another (:meth:`queue_behind`): that one's
         #: ``finished``, set once it has handed over; the lanes wait for it.
-        self.gate: threading.Event | None = None
+        self.gate: Latch | None = None
         #: The stage queued behind this one: its last lane prepares and starts it.
         self.successor: StageRun | None = None
 
