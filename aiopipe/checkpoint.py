@@ -191,8 +191,9 @@ class CheckpointManager:
         state lazily).  A checkpoint written by another number of ranks is refused
         unless ``any_world_size``: then DCP reshards every tensor onto this job's
         layout, which is right only when the caller's data position is global (not
-        per rank).  Tensors whose global shapes differ from the saved ones are refused
-        by name, before anything is loaded."""
+        per rank).  Tensors the checkpoint lacks (another optimizer's state) or whose
+        global shapes differ from the saved ones are refused by name, before anything
+        is loaded."""
         path = self.path(step)
         body = self.describe(step)
         saved_world = body.get("world_size")
@@ -274,8 +275,8 @@ def _global_shapes(state: Any, prefix: str = "") -> Iterator[tuple[str, tuple[in
 
 
 def _shape_mismatch(path: Path, state: dict[str, Any]) -> str | None:
-    """The first tensor of ``state`` whose global shape differs from the one saved,
-    described; ``None`` when all match.  DCP would reshard silently or fail deep in
+    """The first tensor of ``state`` that the checkpoint lacks or whose global shape
+    differs from the one saved, described; ``None`` when all match.  DCP would reshard silently or fail deep in
     its planner with a message that names no parameter."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -286,6 +287,8 @@ def _shape_mismatch(path: Path, state: dict[str, Any]) -> str | None:
         return f"its metadata cannot be read ({exc})"
     for key, shape in _global_shapes(state):
         entry = saved.get(key)
+        if entry is None:  # DCP: "Missing key in checkpoint state_dict", and a traceback
+            return f"it has no {key!r} (written for another model or optimizer?)"
         if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != shape:
             return f"{key!r} has global shape {tuple(entry.size)} there, {shape} here"
     return None

@@ -249,7 +249,7 @@ class FetchAhead(AsyncIterator[T]):
         except Exception as exc:  # a plain function that raised: that fetch failed
             return _settled(exc)
         if not inspect.isawaitable(fetching):
-            return _settled(ConfigurationTypeError(
+            return _settled(_NotAwaitable(
                 f"fetch_ahead(): fetch returned {type(fetching).__name__}, not an awaitable: "
                 f"define fetch with 'async def'"
             ))  # fmt: skip
@@ -283,6 +283,8 @@ class FetchAhead(AsyncIterator[T]):
         if entry.index is None:  # the keys' own error, raised unchanged
             self._keys_failed = False
             raise problem
+        if isinstance(problem, _NotAwaitable):  # a bug, not a failed key (`except FetchError`
+            raise problem  # would skip every key)
         self._failed.append(entry.index)
         raise FetchError(entry.key, entry.index, problem) from problem
 
@@ -350,6 +352,10 @@ def _check_fetch(fetch: object) -> None:
         raise ConfigurationTypeError(
             f"fetch_ahead() takes an 'async def fetch(key)' returning one batch, got {fetch!r}"
         )
+
+
+class _NotAwaitable(ConfigurationTypeError):
+    """``fetch`` is a plain function: every key would fail the same way."""
 
 
 def _settled(problem: BaseException) -> asyncio.Future[Any]:

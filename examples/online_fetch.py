@@ -72,6 +72,8 @@ async def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=8.0)
     parser.add_argument("--in-flight", type=int, default=4)
     args = parser.parse_args()
+    if args.steps < 1 or args.in_flight < 1 or not args.latency_ms >= 0:
+        parser.error("--steps and --in-flight must be >= 1, --latency-ms >= 0")
     latency_s = args.latency_ms / 1000
     torch.set_num_threads(1)  # the step's lane keeps a core busy; more threads oversubscribe
 

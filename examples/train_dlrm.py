@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training
 from hstu_tasks import init_distributed, leave_and_exit, quiet_torchrec
+from hstu_tasks.arguments import at_least
 from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device
 from hstu_tasks.runners import parameter_checksum, parameter_digest
@@ -43,7 +44,7 @@ from hstu_tasks.sparse.dlrm import DLRM_PIPELINES, DLRMRun, run_dlrm
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40,
+    parser.add_argument("--steps", type=at_least(0), default=40,
                         help="the job's training steps in all (a resumed run continues to it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pipeline", choices=DLRM_PIPELINES, default="aiopipe",
@@ -51,28 +52,28 @@ def parse_args() -> argparse.Namespace:
                              "for it; aiopipe, torchrec: sparse-dist; none: a plain loop")
     parser.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
                         help="for the tables (fused into backward) and the dense part")
-    parser.add_argument("--batch-size", type=int, default=32,
+    parser.add_argument("--batch-size", type=at_least(1), default=32,
                         help="samples per rank a step, when --global-batch-size is not given "
                              "(or with --keep-rank-batch)")
     parser.add_argument("--sharding", choices=("table_wise", "row_wise"), default="table_wise",
                         help="torchrec's plan for the embedding tables")
-    parser.add_argument("--start-batch", type=int, metavar="N",
+    parser.add_argument("--start-batch", type=at_least(0), metavar="N",
                         help="semi-sync: the step from which it is semi-synchronous "
                              "(torchrec's default: 900)")
     parser.add_argument("--stash-gradients", action="store_true",
                         help="semi-sync: each step applies the previous batch's dense gradients")
     parser.add_argument("--compile-backend", metavar="NAME",
                         help="pt2: torch.compile's backend (torchrec's default: inductor)")
-    parser.add_argument("--compile-on-iter", type=int, metavar="N",
+    parser.add_argument("--compile-on-iter", type=at_least(0), metavar="N",
                         help="pt2: the step at which the model is compiled (torchrec's default: 3)")
-    parser.add_argument("--grad-accumulation", type=int, default=1, metavar="K",
+    parser.add_argument("--grad-accumulation", type=at_least(1), default=1, metavar="K",
                         help="the optimizer steps after every K-th batch and the last "
                              "(torchrec-S: its class in torchrec's GradientAccumulationWrapper)")
-    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+    parser.add_argument("--eval-every", type=at_least(0), default=0, metavar="N",
                         help="an evaluation pass of --eval-batches batches after every N "
                              "training steps (0: none)")
-    parser.add_argument("--eval-batches", type=int, default=4, metavar="M")
-    parser.add_argument("--steps-per-call", type=int, default=1, metavar="K",
+    parser.add_argument("--eval-batches", type=at_least(1), default=4, metavar="M")
+    parser.add_argument("--steps-per-call", type=at_least(1), default=1, metavar="K",
                         help="aiopipe pipelines: ask for K steps a call (progress_many: the "
                              "lanes chain them); calls end on checkpoints and eval passes")
     parser.add_argument("--json", metavar="PATH",
@@ -108,12 +109,8 @@ def schedule_knobs(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
-    # Refuse what cannot run before joining the group (the other ranks would wait).
-    if min(args.eval_batches, args.grad_accumulation, args.checkpoint_every,
-           args.steps_per_call) < 1 or min(args.steps, args.eval_every) < 0:
-        raise SystemExit("train_dlrm.py: --eval-batches, --grad-accumulation, "
-                         "--checkpoint-every and --steps-per-call must be >= 1, --steps and "
-                         "--eval-every >= 0")
+    # Refuse what cannot run before joining the group (the other ranks would wait);
+    # argparse has refused numbers out of range.
     if args.steps_per_call > 1 and not args.pipeline.startswith("aiopipe"):
         raise SystemExit(f"train_dlrm.py: --steps-per-call asks aiopipe for several steps a "
                          f"call; --pipeline {args.pipeline} takes one")  # fmt: skip
@@ -122,6 +119,10 @@ def main() -> None:
         raise SystemExit("train_dlrm.py: --eval-every needs an aiopipe pipeline or none: "
                          "each of torchrec's train pipelines would forward its training "
                          "batches in flight as evaluation batches")  # fmt: skip
+    if args.pipeline == "torchrec-prefetch" and default_device().type != "cuda":
+        raise SystemExit("train_dlrm.py: torchrec's PrefetchTrainPipelineSparseDist needs a "
+                         "GPU: on a CPU its prefetch does nothing and its forwards find no "
+                         "prefetched input (--pipeline aiopipe-prefetch runs on a CPU)")  # fmt: skip
     if args.checkpoint_dir and args.grad_accumulation > 1:
         raise SystemExit("train_dlrm.py: --checkpoint-dir with --grad-accumulation: a "
                          "checkpoint inside a group would lose its accumulated gradients")

@@ -25,6 +25,7 @@ from aiopipe import Tracer
 from aiopipe.timeline import write_timeline
 from hstu_tasks import DataConfig, HSTUBatch, ModelConfig, OptimizerConfig, SyntheticHSTUData
 from hstu_tasks import build_training, init_distributed, leave_and_exit, quiet_torchrec
+from hstu_tasks.arguments import at_least
 from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device, resolve_data_parallel
 from hstu_tasks.runners import PIPELINES, RunResult, parameter_checksum, parameter_digest
@@ -33,12 +34,12 @@ from hstu_tasks.runners import run_pipeline
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40,
+    parser.add_argument("--steps", type=at_least(0), default=40,
                         help="the job's training steps in all (a resumed run continues to it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pipeline", choices=PIPELINES, default="aiopipe")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    parser.add_argument("--steps-per-call", type=int, default=1, metavar="K",
+    parser.add_argument("--steps-per-call", type=at_least(1), default=1, metavar="K",
                         help="aiopipe pipelines: ask for K steps a call (progress_many: the "
                              "lanes chain them, the loop is woken once a call); calls end "
                              "on checkpoints")
@@ -50,13 +51,15 @@ def parse_args() -> argparse.Namespace:
                         help="no torchrec sharding: tables are ordinary parameters replicated "
                              "on every rank (plain torch operators only, e.g. for a GPU "
                              "without fbgemm's CUDA kernels)")
-    parser.add_argument("--batch-size", type=int, default=16,
+    parser.add_argument("--batch-size", type=at_least(1), default=16,
                         help="samples per rank a step, when --global-batch-size is not given "
                              "(or with --keep-rank-batch)")
     parser.add_argument("--sharding", choices=("row_wise", "table_wise"), default="row_wise",
                         help="torchrec's plan for the embedding tables")
-    parser.add_argument("--max-history", type=int, default=48)
-    parser.add_argument("--num-items", type=int, default=2000,
+    parser.add_argument("--max-history", type=at_least(DataConfig.min_history), default=48,
+                        help="the longest user history, in events (the shortest: "
+                             f"{DataConfig.min_history})")
+    parser.add_argument("--num-items", type=at_least(1), default=2000,
                         help="rows of the item table")
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
     parser.add_argument("--json", metavar="PATH", help="write losses, checksum and speed here")
@@ -72,8 +75,6 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if min(args.checkpoint_every, args.steps_per_call) < 1:
-        raise SystemExit("train_hstu.py: --checkpoint-every and --steps-per-call must be >= 1")
     # Refuse what cannot run before joining the group (the other ranks would wait).
     if args.steps_per_call > 1 and not args.pipeline.startswith("aiopipe"):
         raise SystemExit(f"train_hstu.py: --steps-per-call asks aiopipe for several steps a "

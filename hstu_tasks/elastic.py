@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from aiopipe.checkpoint import CheckpointError
 
+from .arguments import at_least, seconds
 from .checkpoint import JobCheckpoints
 
 __all__ = (
@@ -267,7 +268,7 @@ class ResumableJob(Generic[BatchT_co]):
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         """``--global-batch-size``, ``--keep-rank-batch``, ``--checkpoint-dir``,
         ``--checkpoint-every``, ``--collective-timeout`` and the fault injection's."""
-        parser.add_argument("--global-batch-size", type=int, metavar="G",
+        parser.add_argument("--global-batch-size", type=at_least(1), metavar="G",
                             help="samples per step over all ranks: each rank trains G / world "
                                  "size (default: --batch-size x world size, or the "
                                  "checkpoint's)")
@@ -277,8 +278,8 @@ class ResumableJob(Generic[BatchT_co]):
         parser.add_argument("--checkpoint-dir", metavar="DIR",
                             help="checkpoint here and resume from the newest complete checkpoint "
                                  "(written by any number of ranks)")
-        parser.add_argument("--checkpoint-every", type=int, default=10, metavar="N")
-        parser.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
+        parser.add_argument("--checkpoint-every", type=at_least(1), default=10, metavar="N")
+        parser.add_argument("--collective-timeout", type=seconds, default=300.0, metavar="SECONDS",
                             help="a collective waiting longer than this fails the run (a peer "
                                  "died or hangs) instead of hanging it")
         FaultInjection.add_arguments(parser)

@@ -125,3 +125,44 @@ def test_the_guides_give_the_adapter_constructors_parameters(page: str, name: st
             assert listed[:-1] == actual[: len(listed) - 1], (page, listed)
         else:
             assert listed == actual, (page, listed)
+
+
+#: Dotted spans of the guides that are not Python names.
+NOT_NAMES = {"aiopipe.hstu": "a logger's name (docs/logging.md)"}
+
+
+def dotted_names(span: str) -> str | None:
+    """``aiopipe.basic``, ``SchedulablePipeline.blocking(...)``: the dotted name a
+    span starts with, if it starts with the package or one of its exported names."""
+    import aiopipe
+
+    match = re.match(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)", span)
+    if match is None:
+        return None
+    root = match.group(1).split(".")[0]
+    return match.group(1) if root == "aiopipe" or root in aiopipe.__all__ else None
+
+
+def resolves(dotted: str) -> bool:
+    import aiopipe
+
+    parts = dotted.split(".")
+    target: object = aiopipe if parts[0] == "aiopipe" else getattr(aiopipe, parts[0])
+    for index, part in enumerate(parts[1:], 1):
+        if hasattr(target, part):
+            target = getattr(target, part)
+            continue
+        try:  # a submodule: aiopipe.timeline.write_timeline
+            target = importlib.import_module(".".join(parts[: index + 1]))
+        except ImportError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs").glob("*.md")))
+def test_every_aiopipe_name_a_guide_gives_exists(page: str) -> None:
+    """A renamed or removed name still named in a guide (``SchedulablePipeline.basic``
+    outlived its move to ``aiopipe.basic`` in three guides)."""
+    names = {name for span in inline_code(page) if (name := dotted_names(span))}
+    missing = sorted(name for name in names - NOT_NAMES.keys() if not resolves(name))
+    assert not missing, f"docs/{page} names {missing}, which do not exist"

@@ -159,14 +159,32 @@ def test_two_ranks_save_and_agree_on_the_latest(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / "step-00000005" / "aiopipe-meta.json").is_file()
 
 
-def test_a_checkpoint_that_does_not_fit_the_state_raises_checkpoint_error(tmp_path: Path) -> None:
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_what_it_lacks(
+    tmp_path: Path,
+) -> None:
+    """Written with SGD, resumed with Adam: the checkpoint has no Adam state."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    materialize_optimizer_state(sgd)
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, state(model, sgd))
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    materialize_optimizer_state(adam)
+    with pytest.raises(CheckpointError, match=r"checkpoint step-00000001 does not fit this model: "
+                                              r"it has no 'optimizer.state.0.(exp_avg|step)"):  # fmt: skip
+        manager.load(1, state(model, adam))
+
+
+def test_a_checkpoint_that_cannot_be_read_raises_checkpoint_error(tmp_path: Path) -> None:
     # torch reports it with its CheckpointException, a BaseException: not past our family
     model, optimizer = model_and_adam(0)
     manager = CheckpointManager(tmp_path)
     manager.save(1, state(model, optimizer))
-    target = {**state(model, optimizer), "extra": {"w": torch.zeros(2)}}
+    for data in (tmp_path / "step-00000001").glob("*.distcp"):
+        data.write_bytes(b"")  # the tensors' bytes gone, the metadata intact
     with pytest.raises(CheckpointError, match="loading the checkpoint of step 1 failed"):
-        manager.load(1, target)
+        manager.load(1, state(model, optimizer))
 
 
 def test_a_re_save_that_crashes_before_its_commit_keeps_the_older_copy(

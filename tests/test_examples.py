@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import subprocess
@@ -102,11 +103,10 @@ def refusal(script: str, flags: Sequence[str], monkeypatch: pytest.MonkeyPatch) 
          "need torch DDP"),
         ("train_hstu", ("--pipeline", "none", "--timeline", "t.svg"), "record aiopipe's tasks"),
         ("train_hstu", ("--pipeline", "torchrec", "--steps-per-call", "3"), "takes one"),
-        ("train_hstu", ("--steps-per-call", "0"), "must be >= 1"),
         ("train_dlrm", ("--pipeline", "torchrec", "--eval-every", "2"),
          "forward its training batches in flight"),
         ("train_dlrm", ("--pipeline", "torchrec-lite", "--steps-per-call", "2"), "takes one"),
-        ("train_dlrm", ("--steps-per-call", "0"), "must be >= 1"),
+        ("train_dlrm", ("--pipeline", "torchrec-prefetch"), "needs a GPU"),
         ("train_dlrm", ("--checkpoint-dir", "ckpt", "--grad-accumulation", "2"),
          "would lose its accumulated gradients"),
     ],
@@ -114,9 +114,48 @@ def refusal(script: str, flags: Sequence[str], monkeypatch: pytest.MonkeyPatch) 
 def test_training_examples_explain_what_they_cannot_do(
     script: str, flags: tuple[str, ...], message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if torch.cuda.is_available() and "megatron" in flags:
-        pytest.skip("this machine has a GPU: Megatron DDP would run")
+    if torch.cuda.is_available() and ("megatron" in flags or "torchrec-prefetch" in flags):
+        pytest.skip("this machine has a GPU: it would run")
     assert message in refusal(f"examples/{script}.py", ("--steps", "2", *flags), monkeypatch)
+
+
+@pytest.mark.parametrize(
+    ("script", "flags", "message"),
+    [
+        ("train_hstu", ("--steps", "-3"), "argument --steps: must be >= 0, got -3"),
+        ("train_hstu", ("--steps-per-call", "0"), "argument --steps-per-call: must be >= 1"),
+        ("train_hstu", ("--max-history", "3"), "argument --max-history: must be >= 4, got 3"),
+        ("train_hstu", ("--collective-timeout", "-1"), "argument --collective-timeout: must be "
+                                                        "a number of seconds above 0, got -1"),
+        ("train_dlrm", ("--grad-accumulation", "0"), "argument --grad-accumulation: must be >= 1"),
+        ("train_dlrm", ("--eval-batches", "0"), "argument --eval-batches: must be >= 1"),
+        ("train_dlrm", ("--checkpoint-every", "0"), "argument --checkpoint-every: must be >= 1"),
+        ("train_dlrm", ("--collective-timeout", "0"), "argument --collective-timeout"),
+    ],
+)  # fmt: skip
+def test_training_examples_refuse_numbers_out_of_range_by_name(
+    script: str, flags: tuple[str, ...], message: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    module = load_example(f"examples/{script}.py")
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    with pytest.raises(SystemExit) as exited:
+        module.main()
+    assert exited.value.code == 2  # argparse's usage error, before anything is built
+    assert message in capsys.readouterr().err
+
+
+def test_the_online_fetch_example_refuses_what_it_cannot_time(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # it imports async_fetch.py
+    module = load_example("examples/online_fetch.py")
+    for flags in (["--steps", "0"], ["--in-flight", "0"], ["--latency-ms", "-1"]):
+        monkeypatch.setattr(sys, "argv", ["online_fetch.py", *flags])
+        with pytest.raises(SystemExit) as exited:
+            asyncio.run(module.main())
+        assert exited.value.code == 2
+        assert "--steps and --in-flight must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.distributed
