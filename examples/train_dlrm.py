@@ -34,7 +34,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConf
 from tqdm import tqdm
 
 from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training
-from hstu_tasks import init_distributed, leave_and_exit, quiet_torchrec
+from hstu_tasks import init_distributed, leave_and_exit, quiet_torchrec, stop_on_ctrl_c
 from hstu_tasks.arguments import at_least
 from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device
@@ -122,7 +122,7 @@ def main() -> None:
     if args.pipeline == "torchrec-prefetch" and default_device().type != "cuda":
         raise SystemExit("train_dlrm.py: torchrec's PrefetchTrainPipelineSparseDist needs a "
                          "GPU: on a CPU its prefetch does nothing and its forwards find no "
-                         "prefetched input (--pipeline aiopipe-prefetch runs on a CPU)")  # fmt: skip
+                         "prefetched input (--pipeline aiopipe-prefetch runs on a CPU)")
     if args.checkpoint_dir and args.grad_accumulation > 1:
         raise SystemExit("train_dlrm.py: --checkpoint-dir with --grad-accumulation: a "
                          "checkpoint inside a group would lose its accumulated gradients")
@@ -188,4 +188,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stop_on_ctrl_c(main)

@@ -25,6 +25,7 @@ from aiopipe import Tracer
 from aiopipe.timeline import write_timeline
 from hstu_tasks import DataConfig, HSTUBatch, ModelConfig, OptimizerConfig, SyntheticHSTUData
 from hstu_tasks import build_training, init_distributed, leave_and_exit, quiet_torchrec
+from hstu_tasks import stop_on_ctrl_c
 from hstu_tasks.arguments import at_least
 from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device, resolve_data_parallel
@@ -163,4 +164,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stop_on_ctrl_c(main)

@@ -37,6 +37,7 @@ from .parallel import build_training as build_training
 from .parallel import init_distributed as init_distributed
 from .parallel import join_local_group as join_local_group
 from .parallel import leave_and_exit as leave_and_exit
+from .parallel import stop_on_ctrl_c as stop_on_ctrl_c
 from .parallel import plain_train_step as plain_train_step
 from .parallel import quiet_torchrec as quiet_torchrec
 from .parallel import shard_model as shard_model
@@ -90,5 +91,6 @@ __all__ = (
     "quiet_torchrec",
     "restore_training",
     "shard_model",
+    "stop_on_ctrl_c",
     "training_state",
 )

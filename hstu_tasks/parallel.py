@@ -18,8 +18,9 @@ import os
 import socket
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import torch
@@ -49,6 +50,7 @@ __all__ = (
     "join_local_group",
     "leave_and_exit",
     "quiet_torchrec",
+    "stop_on_ctrl_c",
     "TrainingSetup",
     "build_training",
     "default_device",
@@ -136,6 +138,18 @@ def join_local_group(
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )  # fmt: skip
     return init_distributed(timeout)
+
+
+def stop_on_ctrl_c(main: Callable[[], None]) -> None:
+    """Run a training script's ``main``; Ctrl-C ends it with one line saying how to go
+    on, instead of a traceback from wherever the step was, and exit status 130 (the
+    shell's for SIGINT)."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(f"{Path(sys.argv[0]).name}: interrupted; with --checkpoint-dir the same command "
+              f"resumes from the newest checkpoint", file=sys.stderr)  # fmt: skip
+        leave_and_exit(130, barrier=False)  # the peers stop too, or time out
 
 
 def leave_and_exit(code: int = 0, *, barrier: bool = True) -> NoReturn:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -218,3 +220,39 @@ def test_async_fetch_example_warns_on_the_shared_stream_and_matches_the_plain_lo
     assert "warned" not in lines[0] and "warned: SerializedAwaitWarning" in lines[1]
     assert "warned" not in lines[2]
     assert lines[-1] == "same losses in all three: True"
+
+
+#: Runs the script of argv[1] as ``python SCRIPT ...`` would, Ctrl-C delivered: a
+#: background job (CI's) starts with SIGINT ignored, and Python then leaves it so.
+AS_IN_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+@pytest.mark.distributed
+def test_ctrl_c_ends_a_training_run_with_one_line_and_status_130(tmp_path: Path) -> None:
+    """SIGINT once the first checkpoint is written, into a run far too long to end first."""
+    checkpoints = tmp_path / "ckpt"
+    argv = ["examples/train_hstu.py", "--steps", "100000", "--checkpoint-every", "2",
+            "--checkpoint-dir", str(checkpoints)]  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-c", AS_IN_A_TERMINAL, *argv],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as child:  # fmt: skip
+        try:
+            deadline = time.monotonic() + 240
+            while not (checkpoints.is_dir() and any(checkpoints.glob("step-*"))):
+                assert child.poll() is None, "it ended before its first checkpoint"
+                assert time.monotonic() < deadline, "no checkpoint written in 240 s"
+                time.sleep(0.05)
+            child.send_signal(signal.SIGINT)
+            _, stderr = child.communicate(timeout=60)
+        finally:
+            child.kill()  # (a no-op once it exited)
+    assert child.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        "train_hstu.py: interrupted; with --checkpoint-dir the same command resumes from the "
+        "newest checkpoint"
+    )
+    assert "Traceback" not in stderr
