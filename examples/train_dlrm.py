@@ -136,8 +136,9 @@ def main() -> None:
     data = SyntheticDLRMData(config, max(args.steps - job.start, 0), seed=args.seed, rank=rank,
                              world_size=world, sample_offset=job.samples_consumed)  # fmt: skip
     if rank == 0:
-        accumulation = (f", gradients accumulated over {args.grad_accumulation} batches"
-                        if args.grad_accumulation > 1 else "")  # fmt: skip
+        accumulation = (f", gradients accumulated over {args.grad_accumulation} batches "
+                        f"(a step is a batch; the optimizer steps every "
+                        f"{args.grad_accumulation})" if args.grad_accumulation > 1 else "")  # fmt: skip
         print(f"DLRM: {args.pipeline}, {world} rank(s) on {setup.device}, tables "
               f"{args.sharding.replace('_', '-')}, {args.steps} steps, global batch "
               f"{job.global_batch} ({job.rank_batch} per rank), {args.optimizer}{accumulation}"

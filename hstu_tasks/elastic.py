@@ -232,6 +232,10 @@ def _pair(spec: str) -> tuple[int, int]:
     return int(first), int(second)
 
 
+#: Steps between two checkpoints when ``--checkpoint-every`` is not given.
+CHECKPOINT_EVERY = 10
+
+
 class ResumableJob(Generic[BatchT_co]):
     """The resumable side of a training script, shared by the examples: the global
     batch and each rank's share of it, the checkpoints (``--checkpoint-dir``), the
@@ -247,8 +251,11 @@ class ResumableJob(Generic[BatchT_co]):
         a global batch that cannot be kept exits with the reason (on every rank
         alike: they read the same checkpoint)."""
         self.rank, self.world_size = rank, world_size
-        self.checkpoints = (JobCheckpoints(args.checkpoint_dir, args.checkpoint_every)
-                            if args.checkpoint_dir else None)  # fmt: skip
+        every = args.checkpoint_every or CHECKPOINT_EVERY
+        self.checkpoints = JobCheckpoints(args.checkpoint_dir, every) if args.checkpoint_dir else None
+        if args.checkpoint_every is not None and not args.checkpoint_dir and rank == 0:
+            print(f"{Path(sys.argv[0]).name}: note: --checkpoint-every writes nothing without "
+                  f"--checkpoint-dir", file=sys.stderr)  # fmt: skip
         try:
             self.global_batch = resolve_global_batch(
                 requested=args.global_batch_size, rank_batch=args.batch_size,
@@ -278,7 +285,9 @@ class ResumableJob(Generic[BatchT_co]):
         parser.add_argument("--checkpoint-dir", metavar="DIR",
                             help="checkpoint here and resume from the newest complete checkpoint "
                                  "(written by any number of ranks)")
-        parser.add_argument("--checkpoint-every", type=at_least(1), default=10, metavar="N")
+        parser.add_argument("--checkpoint-every", type=at_least(1), metavar="N",
+                            help=f"with --checkpoint-dir: a checkpoint every N steps "
+                                 f"(default: {CHECKPOINT_EVERY})")
         parser.add_argument("--collective-timeout", type=seconds, default=300.0, metavar="SECONDS",
                             help="a collective waiting longer than this fails the run (a peer "
                                  "died or hangs) instead of hanging it")

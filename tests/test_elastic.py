@@ -391,3 +391,14 @@ def test_steps_chained_a_call_train_the_same_and_checkpoint_the_same_steps(
     assert done.returncode == 0, done.stderr[-3000:]
     assert report(tmp_path / "run.json")["losses"] == expected["losses"]  # bit for bit
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(p.name for p in expected_ckpt.iterdir())
+
+
+def test_checkpoint_every_without_a_directory_says_it_writes_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    job = job_of("--steps", "4", "--checkpoint-every", "2")
+    assert job.checkpoints is None
+    assert "--checkpoint-every writes nothing without --checkpoint-dir" in capsys.readouterr().err
+    job_of("--steps", "4", "--checkpoint-every", "2", rank=1)  # one rank says it
+    job_of("--steps", "4")  # nothing asked, nothing said
+    assert capsys.readouterr().err == ""
