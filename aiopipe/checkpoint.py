@@ -276,8 +276,9 @@ def _global_shapes(state: Any, prefix: str = "") -> Iterator[tuple[str, tuple[in
 
 def _shape_mismatch(path: Path, state: dict[str, Any]) -> str | None:
     """The first tensor of ``state`` that the checkpoint lacks or whose global shape
-    differs from the one saved, described; ``None`` when all match.  DCP would reshard silently or fail deep in
-    its planner with a message that names no parameter."""
+    differs from the one saved, described; ``None`` when all match.  DCP would
+    reshard silently or fail deep in its planner with a message that names no
+    parameter."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

@@ -37,10 +37,10 @@ from .parallel import build_training as build_training
 from .parallel import init_distributed as init_distributed
 from .parallel import join_local_group as join_local_group
 from .parallel import leave_and_exit as leave_and_exit
-from .parallel import stop_on_ctrl_c as stop_on_ctrl_c
 from .parallel import plain_train_step as plain_train_step
 from .parallel import quiet_torchrec as quiet_torchrec
 from .parallel import shard_model as shard_model
+from .parallel import stop_on_ctrl_c as stop_on_ctrl_c
 from .pipeline import HSTU_DEFAULT_THREAD_MAP as HSTU_DEFAULT_THREAD_MAP
 from .pipeline import HSTU_DIST_LANE_THREAD_MAP as HSTU_DIST_LANE_THREAD_MAP
 from .pipeline import HSTU_IO_LANE_THREAD_MAP as HSTU_IO_LANE_THREAD_MAP
