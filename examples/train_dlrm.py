@@ -143,8 +143,8 @@ def main() -> None:
               f"{args.sharding.replace('_', '-')}, {args.steps} steps, global batch "
               f"{job.global_batch} ({job.rank_batch} per rank), {args.optimizer}{accumulation}"
               f"{job.resumed_note()}", flush=True)  # fmt: skip
-    bar = tqdm(total=args.steps, initial=job.start, disable=rank != 0, unit="step",
-               file=sys.stdout)  # fmt: skip
+    bar = tqdm(total=args.steps, initial=job.start, unit="step", file=sys.stdout,
+               disable=rank != 0 or job.start >= args.steps)  # nothing to run: no empty bar
 
     def eval_after(step: int) -> Any:  # at a progress boundary: the model has `position` steps
         bar.update(job.start + step - bar.n)  # one step, or a call's

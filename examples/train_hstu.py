@@ -116,8 +116,8 @@ def main() -> None:
               f"{args.steps} steps, global batch {job.global_batch} ({job.rank_batch} per rank), "
               f"{args.optimizer}{job.resumed_note()}",
               flush=True)  # fmt: skip
-    bar = tqdm(total=args.steps, initial=job.start, disable=rank != 0, unit="step",
-               file=sys.stdout)  # fmt: skip
+    bar = tqdm(total=args.steps, initial=job.start, unit="step", file=sys.stdout,
+               disable=rank != 0 or job.start >= args.steps)  # nothing to run: no empty bar
     result = RunResult()
 
     def on_step(step: int) -> None:  # at a progress boundary: the model has `step` more steps
