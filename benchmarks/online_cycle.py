@@ -6,7 +6,8 @@ source stamps each wait and each build; this prints, per row, the time a step, h
 long the wait took, the build, and the gap from a build's end to the next wait's
 start -- for the hand-written prefetch thread (``time.sleep`` in the thread) and for
 ``basic()`` fed by an async generator (``asyncio.sleep``), reading one and two ahead.
-Each row runs in a fresh process, the rows alternating over rounds.
+Each row runs in processes of its own, timed in chunks that alternate between the
+rows (``_chunks.time_in_chunks``).
 
     ./dev bench online_cycle [--latency-ms 3] [--compute-ms 2.4] [--rounds 3]
 """
@@ -15,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
-import json
 import queue
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -29,14 +29,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _common import print_json, print_table, progress, with_spread  # noqa: E402
+from _chunks import time_in_chunks  # noqa: E402
+from _common import print_json, print_table, with_spread  # noqa: E402
 
 ROWS = ("prefetch thread", "aiopipe async", "aiopipe async, 2 ahead")
-COLUMNS = ("ms_per_step", "wait_ms", "build_ms", "gap_ms")
+COLUMNS = ("wait_ms", "build_ms", "gap_ms")
+WARM_UP = 20  # untimed steps before a worker's first chunk; its stamps are left out
 
 
-def measure(row: str, *, width: int, latency_s: float, steps: int) -> dict[str, float]:
-    """The row's medians over ``steps`` timed steps (after 20 untimed)."""
+def build_row(row: str, rank: int, *, width: int, latency_s: float) -> tuple[Any, Any]:
+    """The chunk worker's ``run(n)`` for ``row``, and a report of the medians of every
+    wait and build it stamped after the warm-up, and of the gaps between them."""
     import online_matrix as matrix
 
     net, opt = matrix.model(width)
@@ -92,65 +95,52 @@ def measure(row: str, *, width: int, latency_s: float, steps: int) -> dict[str, 
         def run(n: int) -> None:
             runner.run(steps_of, n)
 
-    run(20)
-    first = len(waits)
-    began = time.perf_counter()
-    run(steps)
-    elapsed = time.perf_counter() - began
-    timed = list(zip(waits[first:], builds[first:]))
-    gaps = [nxt[0][0] - cur[1][1] for cur, nxt in itertools.pairwise(timed)]
-    return {
-        "ms_per_step": 1e3 * elapsed / steps,
-        "wait_ms": 1e3 * statistics.median(end - start for (start, end), _ in timed),
-        "build_ms": 1e3 * statistics.median(end - start for _, (start, end) in timed),
-        "gap_ms": 1e3 * statistics.median(gaps),
-    }
+    def report() -> dict[str, float]:
+        timed = list(zip(waits[WARM_UP:], builds[WARM_UP:]))
+        gaps = [nxt[0][0] - cur[1][1] for cur, nxt in itertools.pairwise(timed)]
+        return {
+            "wait_ms": 1e3 * statistics.median(end - start for (start, end), _ in timed),
+            "build_ms": 1e3 * statistics.median(end - start for _, (start, end) in timed),
+            "gap_ms": 1e3 * statistics.median(gaps),
+        }
+
+    return run, report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--latency-ms", type=float, default=3.0)
     parser.add_argument("--compute-ms", type=float, default=2.4)
-    parser.add_argument("--steps", type=int, default=150, help="timed steps per run")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)  # a worker process
-    parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--chunk", type=int, default=50, help="steps per timed chunk")
+    parser.add_argument("--rounds", type=int, default=3, help="chunks per row and process")
+    parser.add_argument("--processes", type=int, default=2, help="fresh process sets")
     args = parser.parse_args()
-    if args.row is not None:
-        print(json.dumps(measure(args.row, width=args.width, latency_s=args.latency_ms / 1e3,
-                                 steps=args.steps)))  # fmt: skip
-        return
-    if min(args.steps, args.rounds) < 2 or args.latency_ms <= 0:
-        parser.error("--steps and --rounds must be >= 2, --latency-ms above 0")
+    if min(args.chunk, args.rounds, args.processes) < 1 or args.latency_ms <= 0:
+        parser.error("--chunk, --rounds and --processes must be >= 1, --latency-ms above 0")
     import online_matrix as matrix
 
     width = matrix.calibrate(args.compute_ms)
-    results: dict[str, list[dict[str, float]]] = {row: [] for row in ROWS}
-    for round_no in range(1, args.rounds + 1):
-        order = ROWS if round_no % 2 else ROWS[::-1]
-        for row in order:
-            done = subprocess.run(
-                [sys.executable, __file__, "--row", row, "--width", str(width), "--latency-ms",
-                 str(args.latency_ms), "--steps", str(args.steps)],
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
-            results[row].append(json.loads(done.stdout.strip().splitlines()[-1]))
-        progress(f"round {round_no}/{args.rounds}: " + ", ".join(
-            f"{row} {results[row][-1]['ms_per_step']:.2f} ms" for row in ROWS))  # fmt: skip
-    thread = statistics.median(r["ms_per_step"] for r in results["prefetch thread"])
+    build = functools.partial(build_row, width=width, latency_s=args.latency_ms / 1e3)
+    chunks = time_in_chunks(build, ROWS, chunk=args.chunk, rounds=args.rounds,
+                            processes=args.processes, warm_up=WARM_UP,
+                            settle=matrix.SETTLE)  # fmt: skip
+    thread = statistics.median(chunks.ms["prefetch thread"])
     rows = []
     for row in ROWS:
-        cells = [with_spread([r[c] for r in results[row]], 2) for c in COLUMNS]
-        speed = thread / statistics.median(r["ms_per_step"] for r in results[row])
-        rows.append([row, *cells, f"{speed:.3f}"])
+        reports = chunks.reports[row]
+        cells = [with_spread(chunks.ms[row], 2),
+                 *(with_spread([r[c] for r in reports], 2) for c in COLUMNS)]  # fmt: skip
+        rows.append([row, *cells, f"{thread / statistics.median(chunks.ms[row]):.3f}"])
     print_table(
         f"one read-bound cycle: a {args.latency_ms:g} ms wait, a ~{args.compute_ms:g} ms step "
-        f"(width {width}), {args.rounds} rounds of {args.steps} steps, a process each",
+        f"(width {width}), {args.processes} process sets of {args.rounds} chunks of "
+        f"{args.chunk} steps",
         ["row", "ms / step", "the wait took (ms)", "build (ms)", "build's end to next wait (ms)",
-         "speed x prefetch thread"],
+         "speed x prefetch thread (medians)"],
         rows,
     )  # fmt: skip
-    print_json("online_cycle", {"width": width, "latency_ms": args.latency_ms, "rows": results})
+    print_json("online_cycle", {"width": width, "latency_ms": args.latency_ms,
+                                "ms_per_step": chunks.ms, "reports": chunks.reports})  # fmt: skip
 
 
 if __name__ == "__main__":
