@@ -138,3 +138,4 @@ class StepChain:
                 self._more -= 1
 
         ahead.add_done_callback(read)
+        feed.claim(ahead)

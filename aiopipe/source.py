@@ -13,7 +13,9 @@ called inline: ``next()`` cannot be interrupted half-way.
 While an iteration runs, the pipeline reads the next item ahead (:meth:`read_ahead`),
 so a slow source overlaps compute instead of preceding it.  An async source may be
 read deeper (``read_ahead=N``): its pulls follow each other, each starting when the
-one before has its item, until ``N`` items are held.
+one before has its item, until ``N`` items are held.  An item a caller already waits
+for is not held: its pull starts the next one before the caller is woken, so a source
+slower than the step starts its next wait at once, not after the step has started.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class Feed:
     """One source (a sync or async iterator) and the progress made through it."""
 
     __slots__ = (
-        "_async", "_behind", "_check_batch", "_depth", "_pulled_inline", "_refused_after",
+        "_async", "_awaited", "_behind", "_check_batch", "_depth", "_pulled_inline",
+        "_refused_after",
         "_seed", "_sync", "abandoned", "ahead", "discarded", "draining", "exhausted",
         "iteration", "lost",
         "outbox", "pulled", "read_ahead_allowed", "refused", "results_dropped", "returned",
@@ -99,8 +102,11 @@ class Feed:
         #: The next item, read ahead or being read (a future, done for sync sources);
         #: given, one a discarded feed of the same source had read.
         self.ahead: asyncio.Future[Any] | None = ahead[0] if ahead else None
-        #: The items after it, read or being read, in order (``read_ahead=N`` > 1).
+        #: The items after it, read or being read, in order (``read_ahead=N`` > 1, or
+        #: the one started while a caller waited for :attr:`ahead`).
         self._behind: collections.deque[asyncio.Future[Any]] = collections.deque(ahead[1:])
+        #: The pull a caller waits for (it is taken as soon as it has its item).
+        self._awaited: asyncio.Future[Any] | None = None
         #: Batches dropped untrained (:meth:`discard`), and results of applied steps
         #: dropped with them.
         self.discarded = 0
@@ -276,7 +282,12 @@ class Feed:
             self._pull_in_task()  # read_ahead=False too: a cancelled caller loses nothing
         ahead = self.ahead
         assert ahead is not None
-        await wait_settled(ahead)
+        self.claim(ahead)
+        try:
+            await wait_settled(ahead)
+        finally:
+            if self._awaited is ahead:
+                self._awaited = None
         if ahead is self.ahead:  # else another call took it meanwhile
             self._next_ahead()
         if ahead.cancelled():
@@ -290,26 +301,30 @@ class Feed:
             return await self.take()
         return ahead.result()  # type: ignore[no-any-return]
 
+    def claim(self, ahead: asyncio.Future[Any]) -> None:
+        """A caller will take ``ahead`` (the item being read ahead) as soon as it is
+        read: its pull may start the next one without waiting for the take."""
+        self._awaited = ahead
+
     def _pull_in_task(self) -> None:
         """Pull the async source in a task of its own, which no cancelled caller
         cancels: the item is kept in :attr:`ahead` for whichever call takes it."""
         self.ahead = self._start_pull()
 
     def _start_pull(self) -> asyncio.Future[Taken]:
-        pull = asyncio.ensure_future(self._pull_async())
-        if self._depth > 1:
-            pull.add_done_callback(self._read_deeper)
-        return pull
+        return asyncio.ensure_future(self._pull_async())
 
     def _next_ahead(self) -> None:
         """The item read ahead was taken: the next one held becomes it, and reading
         goes on if fewer than ``read_ahead`` items are held now."""
+        if self._awaited is self.ahead:
+            self._awaited = None
         self.ahead = self._behind.popleft() if self._behind else None
         self._read_deeper()
 
-    def _read_deeper(self, _: object = None) -> None:
-        """With ``read_ahead=N`` > 1 on an async source: once the last pull has its
-        item (a sound one, not the end), start the next, until ``N`` are held."""
+    def _read_deeper(self) -> None:
+        """An item was taken: if the last pull already has its item (a sound one, not
+        the end) and fewer than ``read_ahead`` are held, start the next."""
         last = self._behind[-1] if self._behind else self.ahead
         if (
             last is None or not last.done() or last.get_loop().is_closed()
@@ -333,10 +348,31 @@ class Feed:
             else:
                 ahead.cancel()
 
+    def _read_on(self, taken: Taken) -> None:
+        """The newest pull has its item (``taken``), in its task: start the next pull
+        now if fewer than ``read_ahead`` items are held, not counting one a caller
+        waits for.  Started here, the next pull runs before that caller is woken
+        (tasks start in FIFO order): the source's next wait starts a loop cycle
+        sooner, not after the caller's iteration has started."""
+        if self._pulled_inline:  # read by the caller's own call, never ahead
+            return
+        pull = asyncio.current_task()
+        newest = self._behind[-1] if self._behind else self.ahead
+        if pull is None or pull is not newest:  # handed over or closed meanwhile
+            return
+        held = 1 + len(self._behind) - (self._awaited is self.ahead)
+        if (
+            held >= self._depth or taken[0] is END or taken[1] is not None
+            or self.draining or self.exhausted or self.lost is not None
+            or not self.read_ahead_allowed
+        ):  # fmt: skip
+            return
+        self._behind.append(self._start_pull())
+
     async def _pull_async(self) -> Taken:
         assert self._async is not None
         try:
-            return self._checked(await anext(self._async, END))
+            taken = self._checked(await anext(self._async, END))
         except asyncio.CancelledError:
             # The cancellation was thrown into an async generator's frame: unless it
             # caught it, the generator is finished and its remaining items gone.
@@ -345,6 +381,8 @@ class Feed:
             if inspect.isasyncgen(source) and source.ag_frame is None:
                 self.lost = "a cancelled progress() closed this async generator mid-pull"
             raise
+        self._read_on(taken)
+        return taken
 
 
 

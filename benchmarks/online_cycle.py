@@ -9,7 +9,7 @@ start -- for the hand-written prefetch thread (``time.sleep`` in the thread) and
 Each row runs in processes of its own, timed in chunks that alternate between the
 rows (``_chunks.time_in_chunks``).
 
-    ./dev bench online_cycle [--latency-ms 3] [--compute-ms 2.4] [--rounds 3]
+    ./dev bench online_cycle [--latency-ms 3] [--compute-ms 2.4 | --width W] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -111,15 +111,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--latency-ms", type=float, default=3.0)
     parser.add_argument("--compute-ms", type=float, default=2.4)
+    parser.add_argument("--width", type=int, default=None,
+                        help="the model's width (default: calibrated to --compute-ms); fixed, "
+                             "runs of two trees compare alike")  # fmt: skip
     parser.add_argument("--chunk", type=int, default=50, help="steps per timed chunk")
     parser.add_argument("--rounds", type=int, default=3, help="chunks per row and process")
     parser.add_argument("--processes", type=int, default=2, help="fresh process sets")
     args = parser.parse_args()
-    if min(args.chunk, args.rounds, args.processes) < 1 or args.latency_ms <= 0:
-        parser.error("--chunk, --rounds and --processes must be >= 1, --latency-ms above 0")
+    if min(args.chunk, args.rounds, args.processes, args.width or 1) < 1 or args.latency_ms <= 0:
+        parser.error("--chunk, --rounds, --processes and --width must be >= 1, "
+                     "--latency-ms above 0")  # fmt: skip
     import online_matrix as matrix
 
-    width = matrix.calibrate(args.compute_ms)
+    width = args.width or matrix.calibrate(args.compute_ms)
     build = functools.partial(build_row, width=width, latency_s=args.latency_ms / 1e3)
     chunks = time_in_chunks(build, ROWS, chunk=args.chunk, rounds=args.rounds,
                             processes=args.processes, warm_up=WARM_UP,

@@ -304,3 +304,37 @@ def test_the_blocking_form_needs_a_pipeline_with_progress_many() -> None:
 
     with pytest.raises(ConfigurationTypeError, match="OneByOne has no progress_many"):
         BlockingPipeline(OneByOne()).progress_many(iter(range(3)), 2)
+
+
+async def test_a_batch_the_chain_waits_for_starts_the_next_fetch_once_read() -> None:
+    # The step after the running one waits for its batch (a slow async source): once
+    # that batch is read, the fetch after it starts at once, before the batch is
+    # placed in the step queued behind the running one.
+    gates = Gates(hold_at=0)
+    placed_when_fetching: dict[int, int] = {}
+    started = [asyncio.Event() for _ in range(4)]
+    fetched = [asyncio.Event() for _ in range(4)]
+    pipe = Pipeline([Task.from_fn("step", gates)])
+
+    async def items() -> AsyncIterator[int]:
+        for k in range(4):
+            placed_when_fetching[k] = pipe.statistics().pulled
+            started[k].set()
+            await fetched[k].wait()
+            yield k
+
+    source = items()
+    fetched[0].set()
+    async with pipe:
+        call = asyncio.create_task(pipe.progress_many(source, 3))
+        await in_a_thread(gates.reached)  # step 0 runs; the step after waits for batch 1
+        fetched[1].set()
+        try:  # batch 2's fetch starts while step 0 still runs
+            await asyncio.wait_for(started[2].wait(), 10)
+        finally:
+            gates.release.set()
+        fetched[2].set()
+        fetched[3].set()
+        assert await call == [0, 1, 2]
+        assert [r async for r in pipe.results(source)] == [3]
+    assert placed_when_fetching[2] == 1  # batch 1 was read, not placed yet

@@ -117,3 +117,33 @@ def test_a_negative_depth_is_refused(bad: int) -> None:
 def test_a_depth_of_another_type_is_refused(bad: Any) -> None:
     with pytest.raises(ConfigurationTypeError, match="read_ahead takes True, False or a number"):
         Pipeline([Task.from_fn("train", echo)], read_ahead=bad)
+
+
+async def test_a_pull_a_caller_waits_for_starts_the_next_before_the_caller_wakes() -> None:
+    # One ahead, the source slower than the step: once a batch the pipeline waits for
+    # has been read, the next fetch starts at once -- before that batch is placed in
+    # the ring and its iteration started, not after.
+    placed_when_fetching: dict[int, int] = {}
+    gates = [asyncio.Event() for _ in range(4)]
+    pipe = Pipeline([Task.from_fn("train", echo)])
+
+    async def items() -> AsyncIterator[int]:
+        for k in range(4):
+            placed_when_fetching[k] = pipe.statistics().pulled
+            await gates[k].wait()
+            yield k
+
+    source = items()
+    gates[0].set()
+    async with pipe:
+        assert await pipe.progress(source) == 0  # batch 1's fetch waits at its gate
+        second = asyncio.create_task(pipe.progress(source))
+        await asyncio.sleep(0)  # the call now waits for batch 1
+        gates[1].set()
+        assert await second == 1
+        gates[2].set()
+        gates[3].set()
+        assert [r async for r in pipe.results(source)] == [2, 3]
+    # each fetch started while the batch before it was still to be placed: the caller
+    # was waiting for that one
+    assert (placed_when_fetching[1], placed_when_fetching[2]) == (0, 1)
