@@ -9,16 +9,25 @@ start -- for the hand-written prefetch thread (``time.sleep`` in the thread) and
 Each row runs in processes of its own, timed in chunks that alternate between the
 rows (``_chunks.time_in_chunks``).
 
+``--wait socket`` waits as a real client does instead: each row asks a server (a
+process of its own, one thread a connection, ``time.sleep`` then one byte back) over
+a TCP connection and wakes when the answer arrives -- the thread in a blocking
+``recv``, the async generator in ``StreamReader.readexactly`` -- not on a timer.
+
     ./dev bench online_cycle [--latency-ms 3] [--compute-ms 2.4 | --width W] [--rounds 3]
+                             [--wait timer|socket]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import itertools
+import multiprocessing
 import queue
+import socket
 import statistics
 import sys
 import threading
@@ -37,9 +46,37 @@ COLUMNS = ("wait_ms", "build_ms", "gap_ms")
 WARM_UP = 20  # untimed steps before a worker's first chunk; its stamps are left out
 
 
-def build_row(row: str, rank: int, *, width: int, latency_s: float) -> tuple[Any, Any]:
+def serve(port: Any, latency_s: float) -> None:
+    """The ``--wait socket`` server: for each byte a client sends, wait ``latency_s``
+    and send one back (a thread per connection)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port.put(server.getsockname()[1])
+
+    def answer(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(ConnectionError):  # a worker's exit ends it
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while conn.recv(1):
+                time.sleep(latency_s)
+                conn.sendall(b"x")
+
+    while True:
+        threading.Thread(target=answer, args=(server.accept()[0],), daemon=True).start()
+
+
+def start_server(latency_s: float) -> int:
+    """A ``serve`` process (ended with this one); its port."""
+    context = multiprocessing.get_context("spawn")
+    port = context.Queue()
+    context.Process(target=serve, args=(port, latency_s), daemon=True).start()
+    return int(port.get(timeout=60))
+
+
+def build_row(
+    row: str, rank: int, *, width: int, latency_s: float, port: int | None = None
+) -> tuple[Any, Any]:
     """The chunk worker's ``run(n)`` for ``row``, and a report of the medians of every
-    wait and build it stamped after the warm-up, and of the gaps between them."""
+    wait and build it stamped after the warm-up, and of the gaps between them.  With
+    ``port``, each wait is a request to the ``serve`` process there."""
     import online_matrix as matrix
 
     net, opt = matrix.model(width)
@@ -57,9 +94,16 @@ def build_row(row: str, rank: int, *, width: int, latency_s: float) -> tuple[Any
 
         def fetch_forever() -> None:
             generator = torch.Generator().manual_seed(1)
+            conn = None if port is None else socket.create_connection(("127.0.0.1", port))
+            if conn is not None:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while True:
                 start = time.perf_counter()
-                time.sleep(latency_s)
+                if conn is None:
+                    time.sleep(latency_s)
+                else:
+                    conn.sendall(b"x")
+                    assert conn.recv(1) == b"x"
                 waits.append((start, time.perf_counter()))
                 ready.put(build(generator))
 
@@ -78,9 +122,18 @@ def build_row(row: str, rank: int, *, width: int, latency_s: float) -> tuple[Any
 
         async def source() -> Any:
             generator = torch.Generator().manual_seed(1)
+            if port is not None:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.transport.get_extra_info("socket").setsockopt(
+                    socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+                )
             for _ in itertools.count():
                 start = time.perf_counter()
-                await asyncio.sleep(latency_s)
+                if port is None:
+                    await asyncio.sleep(latency_s)
+                else:
+                    writer.write(b"x")
+                    assert await reader.readexactly(1) == b"x"
                 waits.append((start, time.perf_counter()))
                 yield build(generator)
 
@@ -114,6 +167,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=None,
                         help="the model's width (default: calibrated to --compute-ms); fixed, "
                              "runs of two trees compare alike")  # fmt: skip
+    parser.add_argument("--wait", choices=("timer", "socket"), default="timer",
+                        help="how the source waits: a sleep, or a request to a server")
     parser.add_argument("--chunk", type=int, default=50, help="steps per timed chunk")
     parser.add_argument("--rounds", type=int, default=3, help="chunks per row and process")
     parser.add_argument("--processes", type=int, default=2, help="fresh process sets")
@@ -124,7 +179,9 @@ def main() -> None:
     import online_matrix as matrix
 
     width = args.width or matrix.calibrate(args.compute_ms)
-    build = functools.partial(build_row, width=width, latency_s=args.latency_ms / 1e3)
+    latency_s = args.latency_ms / 1e3
+    port = start_server(latency_s) if args.wait == "socket" else None
+    build = functools.partial(build_row, width=width, latency_s=latency_s, port=port)
     chunks = time_in_chunks(build, ROWS, chunk=args.chunk, rounds=args.rounds,
                             processes=args.processes, warm_up=WARM_UP,
                             settle=matrix.SETTLE)  # fmt: skip
@@ -136,14 +193,15 @@ def main() -> None:
                  *(with_spread([r[c] for r in reports], 2) for c in COLUMNS)]  # fmt: skip
         rows.append([row, *cells, f"{thread / statistics.median(chunks.ms[row]):.3f}"])
     print_table(
-        f"one read-bound cycle: a {args.latency_ms:g} ms wait, a ~{args.compute_ms:g} ms step "
+        f"one read-bound cycle: a {args.latency_ms:g} ms wait ({args.wait}), "
+        f"a ~{args.compute_ms:g} ms step "
         f"(width {width}), {args.processes} process sets of {args.rounds} chunks of "
         f"{args.chunk} steps",
         ["row", "ms / step", "the wait took (ms)", "build (ms)", "build's end to next wait (ms)",
          "speed x prefetch thread (medians)"],
         rows,
     )  # fmt: skip
-    print_json("online_cycle", {"width": width, "latency_ms": args.latency_ms,
+    print_json("online_cycle", {"width": width, "latency_ms": args.latency_ms, "wait": args.wait,
                                 "ms_per_step": chunks.ms, "reports": chunks.reports})  # fmt: skip
 
 
