@@ -147,3 +147,33 @@ async def test_a_pull_a_caller_waits_for_starts_the_next_before_the_caller_wakes
     # each fetch started while the batch before it was still to be placed: the caller
     # was waiting for that one
     assert (placed_when_fetching[1], placed_when_fetching[2]) == (0, 1)
+
+
+async def test_a_call_cancelled_once_its_batch_is_read_and_the_next_fetch_started() -> None:
+    # The pull a cancelled caller waited for has read its batch and started the next
+    # fetch: both stay in flight; the next calls deliver every batch once, in order.
+    started = [asyncio.Event() for _ in range(5)]
+    gates = [asyncio.Event() for _ in range(5)]
+
+    async def items() -> AsyncIterator[int]:
+        for k in range(5):
+            started[k].set()
+            await gates[k].wait()
+            yield k
+
+    source = items()
+    gates[0].set()
+    async with Pipeline([Task.from_fn("train", echo)]) as pipe:
+        assert await pipe.progress(source) == 0
+        waiting = asyncio.create_task(pipe.progress(source))
+        await started[1].wait()
+        gates[1].set()
+        await started[2].wait()  # batch 1 read; its pull started batch 2's fetch
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert pipe.statistics().in_flight == 2  # batch 1 and the fetch of batch 2
+        for gate in gates[2:]:
+            gate.set()
+        assert [r async for r in pipe.results(source)] == [1, 2, 3, 4]
+        assert pipe.statistics().discarded == 0
