@@ -138,4 +138,4 @@ class StepChain:
                 self._more -= 1
 
         ahead.add_done_callback(read)
-        feed.claim(ahead)
+        feed.claim(ahead, lambda: self._more > 0 and self.queued is None)

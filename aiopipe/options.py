@@ -32,7 +32,8 @@ class PipelineOptions(TypedDict, total=False):
       after the other, each as soon as the one before has its item), for a source
       slower than a step; a sync source is read one ahead whatever ``N``.  A batch
       the pipeline already waits for is not counted: its pull starts the next one as
-      soon as it has its item.  ``False`` (or 0) reads only when a batch is needed.
+      soon as it has its item (so ``N + 1`` are in flight if that wait is cancelled
+      just then).  ``False`` (or 0) reads only when a batch is needed.
     * ``expect_result`` (default ``True``): warn with
       :class:`~aiopipe.errors.NoStepResultWarning` when no task writes
       ``step_result``; ``False`` says the pipeline runs for its side effects.

@@ -42,7 +42,7 @@ class Feed:
 
     __slots__ = (
         "_async", "_awaited", "_behind", "_check_batch", "_depth", "_pulled_inline",
-        "_refused_after",
+        "_refused_after", "_still_wanted",
         "_seed", "_sync", "abandoned", "ahead", "discarded", "draining", "exhausted",
         "iteration", "lost",
         "outbox", "pulled", "read_ahead_allowed", "refused", "results_dropped", "returned",
@@ -105,8 +105,12 @@ class Feed:
         #: The items after it, read or being read, in order (``read_ahead=N`` > 1, or
         #: the one started while a caller waited for :attr:`ahead`).
         self._behind: collections.deque[asyncio.Future[Any]] = collections.deque(ahead[1:])
-        #: The pull a caller waits for (it is taken as soon as it has its item).
+        if ahead and not ahead[-1].done():  # its task reads on for the feed it left
+            ahead[-1].add_done_callback(self._read_on_when_done)
+        #: The pull a caller waits for (it is taken as soon as it has its item), and
+        #: whether that caller still wants it.
         self._awaited: asyncio.Future[Any] | None = None
+        self._still_wanted: Callable[[], bool] = _always
         #: Batches dropped untrained (:meth:`discard`), and results of applied steps
         #: dropped with them.
         self.discarded = 0
@@ -282,12 +286,13 @@ class Feed:
             self._pull_in_task()  # read_ahead=False too: a cancelled caller loses nothing
         ahead = self.ahead
         assert ahead is not None
-        self.claim(ahead)
-        try:
-            await wait_settled(ahead)
-        finally:
-            if self._awaited is ahead:
-                self._awaited = None
+        if not ahead.done():  # (a sync source's item read ahead always is)
+            self.claim(ahead)
+            try:
+                await wait_settled(ahead)
+            finally:
+                if self._awaited is ahead:
+                    self._awaited = None
         if ahead is self.ahead:  # else another call took it meanwhile
             self._next_ahead()
         if ahead.cancelled():
@@ -301,18 +306,27 @@ class Feed:
             return await self.take()
         return ahead.result()  # type: ignore[no-any-return]
 
-    def claim(self, ahead: asyncio.Future[Any]) -> None:
+    def claim(
+        self, ahead: asyncio.Future[Any], still_wanted: Callable[[], bool] | None = None
+    ) -> None:
         """A caller will take ``ahead`` (the item being read ahead) as soon as it is
-        read: its pull may start the next one without waiting for the take."""
-        self._awaited = ahead
+        read, if ``still_wanted()`` then: its pull may start the next one without
+        waiting for the take."""
+        self._awaited, self._still_wanted = ahead, still_wanted or _always
 
     def _pull_in_task(self) -> None:
         """Pull the async source in a task of its own, which no cancelled caller
         cancels: the item is kept in :attr:`ahead` for whichever call takes it."""
-        self.ahead = self._start_pull()
+        self.ahead = pull = asyncio.ensure_future(self._pull_async())
+        if pull.done():  # an eager task factory ran it to its end already
+            self._read_deeper()
 
-    def _start_pull(self) -> asyncio.Future[Taken]:
-        return asyncio.ensure_future(self._pull_async())
+    def _pull_behind(self) -> None:
+        """Start the next pull, after those held."""
+        pull = asyncio.ensure_future(self._pull_async())
+        self._behind.append(pull)
+        if pull.done():  # an eager task factory ran it to its end already
+            self._read_deeper()
 
     def _next_ahead(self) -> None:
         """The item read ahead was taken: the next one held becomes it, and reading
@@ -323,8 +337,8 @@ class Feed:
         self._read_deeper()
 
     def _read_deeper(self) -> None:
-        """An item was taken: if the last pull already has its item (a sound one, not
-        the end) and fewer than ``read_ahead`` are held, start the next."""
+        """The last pull already has its item (a sound one, not the end): start the
+        next if fewer than ``read_ahead`` are held."""
         last = self._behind[-1] if self._behind else self.ahead
         if (
             last is None or not last.done() or last.get_loop().is_closed()
@@ -334,7 +348,32 @@ class Feed:
             or last.cancelled() or last.exception() is not None
         ):  # fmt: skip
             return
-        self._behind.append(self._start_pull())
+        self._pull_behind()
+
+    def _read_on(self, pull: asyncio.Future[Any] | None, taken: Taken) -> None:
+        """``pull`` has its item (``taken``): if it is the newest, start the next pull
+        now when fewer than ``read_ahead`` items are held, not counting one a caller
+        still waits for.  Called in the pull's own task, the next pull runs before
+        that caller is woken (tasks start in FIFO order): the source's next wait
+        starts a loop cycle after the build, not after the caller's iteration has
+        started."""
+        newest = self._behind[-1] if self._behind else self.ahead
+        if pull is None or pull is not newest:  # handed over or closed meanwhile
+            return
+        awaited = self._awaited is self.ahead and self._still_wanted()
+        if (
+            1 + len(self._behind) - awaited >= self._depth or taken[0] is END
+            or self.draining or self.exhausted or self.lost is not None
+            or not self.read_ahead_allowed
+        ):  # fmt: skip
+            return
+        self._pull_behind()
+
+    def _read_on_when_done(self, pull: asyncio.Future[Any]) -> None:
+        """:meth:`_read_on` for a pull handed over by a parked feed (``reset()``):
+        its task reads on for that feed, so this feed does once it is done."""
+        if not (pull.cancelled() or pull.exception() is not None):
+            self._read_on(pull, pull.result())
 
     def _checked(self, item: Any) -> Taken:
         return item, (None if item is END else _problem_of(self._check_batch, item))
@@ -348,27 +387,6 @@ class Feed:
             else:
                 ahead.cancel()
 
-    def _read_on(self, taken: Taken) -> None:
-        """The newest pull has its item (``taken``), in its task: start the next pull
-        now if fewer than ``read_ahead`` items are held, not counting one a caller
-        waits for.  Started here, the next pull runs before that caller is woken
-        (tasks start in FIFO order): the source's next wait starts a loop cycle
-        sooner, not after the caller's iteration has started."""
-        if self._pulled_inline:  # read by the caller's own call, never ahead
-            return
-        pull = asyncio.current_task()
-        newest = self._behind[-1] if self._behind else self.ahead
-        if pull is None or pull is not newest:  # handed over or closed meanwhile
-            return
-        held = 1 + len(self._behind) - (self._awaited is self.ahead)
-        if (
-            held >= self._depth or taken[0] is END or taken[1] is not None
-            or self.draining or self.exhausted or self.lost is not None
-            or not self.read_ahead_allowed
-        ):  # fmt: skip
-            return
-        self._behind.append(self._start_pull())
-
     async def _pull_async(self) -> Taken:
         assert self._async is not None
         try:
@@ -381,9 +399,13 @@ class Feed:
             if inspect.isasyncgen(source) and source.ag_frame is None:
                 self.lost = "a cancelled progress() closed this async generator mid-pull"
             raise
-        self._read_on(taken)
+        if not self._pulled_inline:  # else read by the caller's own call, never ahead
+            self._read_on(asyncio.current_task(), taken)
         return taken
 
+
+def _always() -> bool:
+    return True
 
 
 def _holds_an_item(future: asyncio.Future[Any] | None) -> bool:

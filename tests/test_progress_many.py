@@ -20,6 +20,8 @@ from aiopipe import (
     basic,
 )  # fmt: skip
 
+from gated_source import GatedSource
+
 
 def echo(ctx: TaskContext) -> None:
     ctx.slots.set("step_result", ctx.slots["batch_cpu"])
@@ -311,30 +313,42 @@ async def test_a_batch_the_chain_waits_for_starts_the_next_fetch_once_read() -> 
     # that batch is read, the fetch after it starts at once, before the batch is
     # placed in the step queued behind the running one.
     gates = Gates(hold_at=0)
-    placed_when_fetching: dict[int, int] = {}
-    started = [asyncio.Event() for _ in range(4)]
-    fetched = [asyncio.Event() for _ in range(4)]
     pipe = Pipeline([Task.from_fn("step", gates)])
-
-    async def items() -> AsyncIterator[int]:
-        for k in range(4):
-            placed_when_fetching[k] = pipe.statistics().pulled
-            started[k].set()
-            await fetched[k].wait()
-            yield k
-
-    source = items()
-    fetched[0].set()
+    source = GatedSource(4, pipe)
+    source.open(0)
     async with pipe:
-        call = asyncio.create_task(pipe.progress_many(source, 3))
+        call = asyncio.create_task(pipe.progress_many(source.items, 3))
         await in_a_thread(gates.reached)  # step 0 runs; the step after waits for batch 1
-        fetched[1].set()
+        source.open(1)
         try:  # batch 2's fetch starts while step 0 still runs
-            await asyncio.wait_for(started[2].wait(), 10)
+            await asyncio.wait_for(source.started[2].wait(), 10)
         finally:
             gates.release.set()
-        fetched[2].set()
-        fetched[3].set()
+        source.open(2, 3)
         assert await call == [0, 1, 2]
-        assert [r async for r in pipe.results(source)] == [3]
-    assert placed_when_fetching[2] == 1  # batch 1 was read, not placed yet
+        assert [r async for r in pipe.results(source.items)] == [3]
+    assert source.placed_when_fetching[2] == 1  # batch 1 was read, not placed yet
+
+
+async def test_a_left_chain_no_longer_has_the_next_fetch_started_for_it() -> None:
+    # progress_many's chain waited for batch 1, then its caller left: nobody waits for
+    # batch 1 now, so its arrival starts no fetch (one batch ahead, as documented).
+    gates = Gates(hold_at=0)
+    checked = [asyncio.Event() for _ in range(4)]  # set as the pull ends, in its task
+    pipe = Pipeline([Task.from_fn("step", gates)], check_batch=lambda k: checked[k].set())
+    source = GatedSource(4)
+    source.open(0)
+    async with pipe:
+        call = asyncio.create_task(pipe.progress_many(source.items, 3))
+        await in_a_thread(gates.reached)  # step 0 runs; the chain waits for batch 1
+        await source.started[1].wait()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        source.open(1)
+        await checked[1].wait()  # batch 1's pull has decided whether to read on
+        assert not source.started[2].is_set()
+        assert pipe.statistics().in_flight == 2  # batch 0 in its step, batch 1 read
+        gates.release.set()
+        source.open(2, 3)
+        assert [r async for r in pipe.results(source.items)] == [0, 1, 2, 3]

@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 
 from aiopipe import ConfigurationError, ConfigurationTypeError, Pipeline, Task, TaskContext
+from aiopipe.source import Feed
+
+from gated_source import GatedSource
 
 
 class Source:
@@ -123,57 +126,84 @@ async def test_a_pull_a_caller_waits_for_starts_the_next_before_the_caller_wakes
     # One ahead, the source slower than the step: once a batch the pipeline waits for
     # has been read, the next fetch starts at once -- before that batch is placed in
     # the ring and its iteration started, not after.
-    placed_when_fetching: dict[int, int] = {}
-    gates = [asyncio.Event() for _ in range(4)]
     pipe = Pipeline([Task.from_fn("train", echo)])
-
-    async def items() -> AsyncIterator[int]:
-        for k in range(4):
-            placed_when_fetching[k] = pipe.statistics().pulled
-            await gates[k].wait()
-            yield k
-
-    source = items()
-    gates[0].set()
+    source = GatedSource(4, pipe)
+    source.open(0)
     async with pipe:
-        assert await pipe.progress(source) == 0  # batch 1's fetch waits at its gate
-        second = asyncio.create_task(pipe.progress(source))
+        assert await pipe.progress(source.items) == 0  # batch 1's fetch waits at its gate
+        second = asyncio.create_task(pipe.progress(source.items))
         await asyncio.sleep(0)  # the call now waits for batch 1
-        gates[1].set()
+        source.open(1)
         assert await second == 1
-        gates[2].set()
-        gates[3].set()
-        assert [r async for r in pipe.results(source)] == [2, 3]
+        source.open(2, 3)
+        assert [r async for r in pipe.results(source.items)] == [2, 3]
     # each fetch started while the batch before it was still to be placed: the caller
     # was waiting for that one
-    assert (placed_when_fetching[1], placed_when_fetching[2]) == (0, 1)
+    assert (source.placed_when_fetching[1], source.placed_when_fetching[2]) == (0, 1)
 
 
 async def test_a_call_cancelled_once_its_batch_is_read_and_the_next_fetch_started() -> None:
     # The pull a cancelled caller waited for has read its batch and started the next
     # fetch: both stay in flight; the next calls deliver every batch once, in order.
-    started = [asyncio.Event() for _ in range(5)]
-    gates = [asyncio.Event() for _ in range(5)]
-
-    async def items() -> AsyncIterator[int]:
-        for k in range(5):
-            started[k].set()
-            await gates[k].wait()
-            yield k
-
-    source = items()
-    gates[0].set()
+    source = GatedSource(5)
+    source.open(0)
     async with Pipeline([Task.from_fn("train", echo)]) as pipe:
-        assert await pipe.progress(source) == 0
-        waiting = asyncio.create_task(pipe.progress(source))
-        await started[1].wait()
-        gates[1].set()
-        await started[2].wait()  # batch 1 read; its pull started batch 2's fetch
+        assert await pipe.progress(source.items) == 0
+        waiting = asyncio.create_task(pipe.progress(source.items))
+        await source.started[1].wait()
+        source.open(1)
+        await source.started[2].wait()  # batch 1 read; its pull started batch 2's fetch
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert pipe.statistics().in_flight == 2  # batch 1 and the fetch of batch 2
-        for gate in gates[2:]:
-            gate.set()
-        assert [r async for r in pipe.results(source)] == [1, 2, 3, 4]
+        source.open(2, 3, 4)
+        assert [r async for r in pipe.results(source.items)] == [1, 2, 3, 4]
         assert pipe.statistics().discarded == 0
+
+
+async def test_after_reset_the_pull_handed_over_reads_on_for_the_new_call() -> None:
+    # reset() keeps the pull under way for the same source; the call that then waits
+    # for its batch still has the next fetch started before that batch is placed.
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    source = GatedSource(4, pipe)
+    source.open(0)
+    async with pipe:
+        assert await pipe.progress(source.items) == 0  # batch 1's fetch waits at its gate
+        await pipe.wait_idle()
+        pipe.reset()  # nothing in the ring: the pull under way is kept
+        waiting = asyncio.create_task(pipe.progress(source.items))
+        await asyncio.sleep(0)  # the call now waits for batch 1
+        source.open(1)
+        assert await waiting == 1
+        source.open(2, 3)
+        assert [r async for r in pipe.results(source.items)] == [2, 3]
+    assert source.placed_when_fetching[2] == 0  # (the new feed's count: batch 1 not placed)
+
+
+@pytest.mark.skipif(not hasattr(asyncio, "eager_task_factory"), reason="Python >= 3.12")
+async def test_an_eager_task_factory_still_reads_n_ahead() -> None:
+    # Under an eager task factory a pull whose item is at hand ends inside its own
+    # start: reading goes on from there, to N ahead, as with lazily started tasks.
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(asyncio.eager_task_factory)  # type: ignore[attr-defined]
+    started: list[int] = []
+    gate = asyncio.Event()
+
+    async def items() -> AsyncIterator[int]:
+        for k in range(6):
+            started.append(k)
+            if k >= 3:
+                await gate.wait()  # 0-2 at hand (a buffered queue), the rest slow
+            yield k
+
+    feed = Feed(items(), read_ahead=3)
+    try:
+        assert await feed.take() == (0, None)
+        feed.read_ahead()  # as the pipeline does while a step runs
+        assert started == [0, 1, 2, 3] and feed.held_ahead == 3
+        gate.set()
+        assert [(await feed.take())[0] for _ in range(5)] == [1, 2, 3, 4, 5]
+    finally:
+        feed.close()
+        loop.set_task_factory(None)
