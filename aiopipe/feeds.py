@@ -10,7 +10,9 @@ feed of the same source.  Every batch dropped untrained is counted.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,6 +38,8 @@ class Feeds:
         self._parked: Feed | None = None
         #: Batches dropped untrained, since the pipeline was built.
         self.discarded = 0
+        #: Async generators a cancelled fetch closed when their feed was dropped.
+        self._cut_off: weakref.WeakKeyDictionary[Any, None] = weakref.WeakKeyDictionary()
         # The first batch an adapter seeded, and the items it refused before it.
         self._seed: dict[str, Any] | None = None
         self._seed_refused = 0
@@ -67,6 +71,14 @@ class Feeds:
 
     def adopt(self, source: Source, *, idle: bool) -> Feed:
         """The feed of ``source``: the current one, or a new one replacing it."""
+        if _was_cut_off(self._cut_off, source):
+            raise PipelineStateError(
+                "this async generator was closed by aiopipe: after reset(), another "
+                "source replaced it while one of its fetches was under way, and "
+                "cancelling that fetch finished the generator (its remaining items "
+                "cannot be read). Pass a new iterator; to switch sources without losing "
+                "a fetch, drain() the first one before passing another"
+            )
         feed = self.current
         if feed is not None and source is feed.source:
             feed.abandoned = False  # taken up again: it goes on with its batches
@@ -138,6 +150,20 @@ class Feeds:
                 feed.close()
 
     def _drop(self, feed: Feed) -> None:
-        """Forget ``feed`` for good: the items it read ahead are discarded too."""
+        """Forget ``feed`` for good: the items it read ahead are discarded too.  A
+        fetch under way is cancelled: an async generator it closes is remembered,
+        refused by name if passed again, not silently empty."""
         self.discarded += feed.held_ahead
-        feed.close()
+        if feed.close() and inspect.isasyncgen(feed.source):
+            pipeline_log.info(
+                "%s: another source replaced an async generator while one of its fetches "
+                "was under way; that fetch is cancelled, which ends the generator",
+                self._name,
+            )
+            self._cut_off[feed.source] = None
+
+
+def _was_cut_off(cut_off: weakref.WeakKeyDictionary[Any, None], source: object) -> bool:
+    """Whether ``source`` is an async generator a dropped feed's cancelled fetch
+    finished."""
+    return inspect.isasyncgen(source) and source in cut_off and source.ag_frame is None

@@ -378,14 +378,17 @@ class Feed:
     def _checked(self, item: Any) -> Taken:
         return item, (None if item is END else _problem_of(self._check_batch, item))
 
-    def close(self) -> None:
-        """Stop a pull under way (the pipeline is reset or shut down)."""
+    def close(self) -> bool:
+        """Stop a pull under way (the pipeline is reset or shut down); whether one was
+        (its cancellation, thrown into an async generator, finishes it)."""
+        cut = False
         for ahead in self.hand_over_ahead():
             if ahead.done():
                 if not ahead.cancelled():
                     ahead.exception()  # retrieved: no "never retrieved" warning
             else:
-                ahead.cancel()
+                cut = ahead.cancel() or cut
+        return cut
 
     async def _pull_async(self) -> Taken:
         assert self._async is not None

@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from aiopipe import ConfigurationError, ConfigurationTypeError, Pipeline, Task, TaskContext
+from aiopipe import (
+    ConfigurationError, ConfigurationTypeError, Pipeline, PipelineStateError, Task, TaskContext,
+)  # fmt: skip
 from aiopipe.source import Feed
 
 from gated_source import GatedSource
@@ -207,3 +209,22 @@ async def test_an_eager_task_factory_still_reads_n_ahead() -> None:
     finally:
         feed.close()
         loop.set_task_factory(None)
+
+
+async def test_a_generator_closed_by_a_source_switch_is_refused_not_silently_empty() -> None:
+    # After reset(), another source replaces an async generator whose next fetch is
+    # under way: cancelling that fetch finishes the generator.  Passed again, it is
+    # refused with the reason, instead of ending at once as if it had run dry.
+    source = GatedSource(4)
+    source.open(0)
+    async with Pipeline([Task.from_fn("train", echo)]) as pipe:
+        assert await pipe.progress(source.items) == 0  # batch 1's fetch is under way
+        await pipe.wait_idle()
+        pipe.reset()
+        assert [r async for r in pipe.results(iter([10, 11]))] == [10, 11]
+        assert source.items.ag_frame is None  # the cancelled fetch closed it
+        with pytest.raises(PipelineStateError, match="closed by aiopipe.*under way"):
+            await pipe.progress(source.items)
+        fresh = GatedSource(2)
+        fresh.open(0, 1)
+        assert [r async for r in pipe.results(fresh.items)] == [0, 1]  # a new one runs
