@@ -1,5 +1,6 @@
-"""``PipelineOptions``: the keyword options every pipeline constructor takes, and
-the reading of the one that needs it (``read_ahead``).
+"""``PipelineOptions``: the keyword options every pipeline constructor takes, the
+check that no other keyword came, and the reading of the one that needs it
+(``read_ahead``).
 
 Declared once and passed on as ``**options``, so ``SchedulablePipeline``,
 ``Pipeline`` and the presets cannot drift apart.
@@ -7,14 +8,15 @@ Declared once and passed on as ``**options``, so ``SchedulablePipeline``,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
 from ._core.nvtx import Annotator
 from .errors import ConfigurationError, ConfigurationTypeError
 from .trace import Tracer
 
-__all__ = ("PipelineOptions", "read_ahead_depth")
+__all__ = ("PipelineOptions", "check_option_names", "read_ahead_depth")
 
 
 class PipelineOptions(TypedDict, total=False):
@@ -59,3 +61,17 @@ def read_ahead_depth(value: object) -> int:
     if value < 0:
         raise ConfigurationError(f"read_ahead must be >= 0 batches, got {value}")
     return int(value)
+
+
+def check_option_names(options: Mapping[str, object], where: str) -> None:
+    """Refuse a keyword that is not a :class:`PipelineOptions` name (a misspelt
+    ``read_ahead`` would otherwise be ignored without a word)."""
+    known = PipelineOptions.__annotations__
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigurationTypeError(
+                f"{where} got an unexpected keyword {name!r}{hint}; the pipeline options are "
+                f"{', '.join(sorted(known))}"
+            )

@@ -29,7 +29,7 @@ from .context import TaskContext
 from .driver import IterationDriver
 from .feeds import Feeds
 from .errors import ConfigurationError, ConfigurationTypeError, PipelineStateError
-from .options import read_ahead_depth
+from .options import check_option_names, read_ahead_depth
 from .executors import Executor, resolve_executor
 from .protocols import Results
 from .interop import TrioBridge, in_trio, needs_event_loop
@@ -77,6 +77,7 @@ class SchedulablePipeline:
         executor: str | Executor = "async",
         **options: Unpack[PipelineOptions],
     ) -> None:
+        check_option_names(options, f"{type(self).__name__}()")
         name = options.get("name")
         self.name = name if name is not None else next_pipeline_name()
         if stream_pool is None:

@@ -29,6 +29,7 @@ from .errors import ConfigurationError, ConfigurationTypeError
 from .executors import Executor, resolve_executor
 from .facade import Pipeline
 from .lanes import ThreadMap, copies_on_io
+from .options import check_option_names
 from .task import Task
 
 if TYPE_CHECKING:
@@ -271,6 +272,7 @@ def basic(
     everything inline on the loop.  The keyword options (``trace``, ``name``, ...)
     are those of every pipeline, :class:`~aiopipe.options.PipelineOptions`.
     """
+    check_option_names(options, "basic()")
     if grad_accumulation < 1:
         raise ConfigurationError(f"grad_accumulation must be >= 1, got {grad_accumulation}")
     if device is None:

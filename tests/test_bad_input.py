@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import torch
 from conftest import Recorder, collect
 
+import aiopipe
 from aiopipe import BadBatchError, Pipeline, PipelineStateError, Task
 
 THREAD_MAP = {"load": "io", "prep": "io", "train": "compute"}
@@ -202,3 +204,20 @@ async def test_refused_batches_are_counted_for_the_source_position(pipe: Pipelin
     stats = pipe.statistics()
     assert got == results_of([0, 1, 2])
     assert stats.refused == 2 and stats.returned + stats.refused == 5
+
+
+@pytest.mark.parametrize("build", ["basic", "Pipeline", "SchedulablePipeline"])
+def test_a_misspelt_option_is_refused_with_the_name_it_meant(build: str) -> None:
+    # read_ahead misspelt would otherwise be ignored without a word
+    model = torch.nn.Linear(2, 1)
+    builders = {
+        "basic": lambda: aiopipe.basic(model, torch.optim.SGD(model.parameters()), readahead=2),
+        "Pipeline": lambda: aiopipe.Pipeline([aiopipe.Task.from_fn("t", print)], readahead=2),
+        "SchedulablePipeline": lambda: aiopipe.SchedulablePipeline(
+            aiopipe.Schedule.of([aiopipe.Task.from_fn("t", print)]), readahead=2
+        ),
+    }
+    with pytest.raises(aiopipe.ConfigurationTypeError,
+                       match=rf"{build}\(\) got an unexpected keyword 'readahead' "
+                             r"\(did you mean 'read_ahead'\?\)"):  # fmt: skip
+        builders[build]()
