@@ -42,7 +42,7 @@ class Feed:
 
     __slots__ = (
         "_async", "_awaited", "_behind", "_check_batch", "_depth", "_pulled_inline",
-        "_refused_after", "_still_wanted",
+        "_read_any", "_refused_after", "_still_wanted",
         "_seed", "_sync", "abandoned", "ahead", "discarded", "draining", "exhausted",
         "iteration", "lost",
         "outbox", "pulled", "read_ahead_allowed", "refused", "results_dropped", "returned",
@@ -111,6 +111,9 @@ class Feed:
         #: whether that caller still wants it.
         self._awaited: asyncio.Future[Any] | None = None
         self._still_wanted: Callable[[], bool] = _always
+        #: The async source's last pull gave an item: finished before the next one, it
+        #: was closed by someone else (its event loop shutting down, say).
+        self._read_any = False
         #: Batches dropped untrained (:meth:`discard`), and results of applied steps
         #: dropped with them.
         self.discarded = 0
@@ -392,16 +395,33 @@ class Feed:
 
     async def _pull_async(self) -> Taken:
         assert self._async is not None
+        # (Under trio the bridge's stand-in holds the caller's generator.)
+        source = getattr(self._async, "source", self._async)
+        if self._read_any and inspect.isasyncgen(source) and source.ag_frame is None:
+            self.lost = (
+                "this async generator was closed between two pulls without having ended: "
+                "the event loop that first iterated it shut down (asyncio.run() and "
+                "aiopipe.run() close the async generators their loop iterated when they "
+                "return), or it was aclose()d"
+            )
+            raise PipelineStateError(
+                f"{self.lost}. Its remaining items cannot be read: keep every progress() "
+                f"over an async source inside one asyncio.run()/aiopipe.run(), or call "
+                f"pipe.blocking(), whose calls share one loop"
+            )
         try:
-            taken = self._checked(await anext(self._async, END))
+            item = await anext(self._async, END)
         except asyncio.CancelledError:
             # The cancellation was thrown into an async generator's frame: unless it
             # caught it, the generator is finished and its remaining items gone.
-            # (Under trio the bridge's stand-in holds the caller's generator.)
-            source = getattr(self._async, "source", self._async)
             if inspect.isasyncgen(source) and source.ag_frame is None:
                 self.lost = "a cancelled progress() closed this async generator mid-pull"
             raise
+        except BaseException:  # the source's own error: it may end a generator
+            self._read_any = False
+            raise
+        self._read_any = item is not END
+        taken = self._checked(item)
         if not self._pulled_inline:  # else read by the caller's own call, never ahead
             self._read_on(asyncio.current_task(), taken)
         return taken

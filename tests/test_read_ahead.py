@@ -228,3 +228,28 @@ async def test_a_generator_closed_by_a_source_switch_is_refused_not_silently_emp
         fresh = GatedSource(2)
         fresh.open(0, 1)
         assert [r async for r in pipe.results(fresh.items)] == [0, 1]  # a new one runs
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_an_async_generator_its_loop_closed_between_calls_is_refused_not_ended(
+    read_ahead: bool,
+) -> None:
+    # One asyncio.run per progress(): each run closes, as it returns, the async
+    # generators its loop iterated.  The next call says so, instead of ending the
+    # epoch after the first batch or two as if the source had run dry.
+    async def items() -> AsyncIterator[int]:
+        for k in range(6):
+            await asyncio.sleep(0)
+            yield k
+
+    pipe = Pipeline([Task.from_fn("train", echo)], read_ahead=read_ahead)
+    source, results = items(), []
+    try:
+        with pytest.raises(PipelineStateError, match="closed"):
+            while True:
+                results.append(asyncio.run(pipe.progress(source)))
+        assert results == list(range(len(results))) and len(results) <= 2
+        with pytest.raises(PipelineStateError, match="closed"):  # and on every call after
+            asyncio.run(pipe.progress(source))
+    finally:
+        pipe.shutdown()
