@@ -259,7 +259,11 @@ class SchedulablePipeline:
         """Stop pulling from the current source and finish the batches in flight
         (a batch already read ahead included); return their results.  The source is
         then forgotten: passing it again continues with its next batch, passing
-        another one starts afresh.  Cancel-safe like ``progress``: results finished
+        another one starts afresh.  Either way ``statistics()`` counts afresh, its
+        ``position`` included: read the position before ``drain()`` returns to a
+        caller that goes on (``wait_idle()`` then ``statistics()``, plus the results
+        ``drain`` returned) and add it to later ones to checkpoint the same source.
+        Cancel-safe like ``progress``: results finished
         by an interrupted ``drain`` are returned by the next call.  If a batch's task
         fails, ``drain`` raises that error; the results of steps applied before it
         are returned by the next ``drain`` (or ``progress``), and only then is
