@@ -405,7 +405,7 @@ class Feed:
                 "return), or it was aclose()d"
             )
             raise PipelineStateError(
-                f"{self.lost}. Its remaining items cannot be read: keep every progress() "
+                f"{self.lost}. Any items it had left cannot be read: keep every progress() "
                 f"over an async source inside one asyncio.run()/aiopipe.run(), or call "
                 f"pipe.blocking(), whose calls share one loop"
             )

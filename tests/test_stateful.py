@@ -981,10 +981,13 @@ class NoReadAheadMachine(PipelineMachine):
         self.pulling = False
 
     def loop_can_end(self) -> bool:
-        # The loop's end closes the async generators it ran: one with items left is lost.
+        # The loop's end closes the async generators it ran: one with items left is lost,
+        # and one that gave its last item but has not ended can no longer be read (the
+        # next call says so, tests/test_read_ahead.py): here only one seen to end.
         counter = self.counter
         return super().loop_can_end() and (
-            self.kind != "generator" or counter.given == len(counter.labels)
+            self.kind != "generator"
+            or (counter.given == len(counter.labels) and self.feed.exhausted)
         )  # fmt: skip
 
 
