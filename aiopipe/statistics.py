@@ -11,6 +11,8 @@ __all__ = ("PipelineStatistics",)
 class PipelineStatistics:
     """Where the pipeline stands in its current source.
 
+    ``pulled`` counts the batches taken into the pipeline's ring (not those read
+    ahead: ``in_flight`` counts those too), ``returned`` the results handed out.
     ``applied`` counts the batches whose step has run: those ``returned``, and those
     finished for a caller that was cancelled, whose results the next calls return
     first.  ``refused`` counts items refused with ``BadBatchError``.  ``position``
