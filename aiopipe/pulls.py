@@ -1,0 +1,229 @@
+"""``Pulls``: an async source read ahead by pulls, each a task of its own, in order.
+
+The pulls follow each other (an async generator is never pulled twice at once), each
+started when the one before has its item, until ``read_ahead`` items are held.  An
+item a caller already waits for is not held: its pull starts the next one in its own
+task, before the caller is woken, so a source slower than the step starts its next
+wait at once, not after the step has started.  A cancelled caller leaves the pulls
+running (the item waits for the next call); only closing the feed cancels them.
+
+:class:`~aiopipe.source.Feed` holds them, with its counts and the sync path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from ._core.waker import wait_settled
+from .errors import PipelineStateError
+from .sources import END, Taken
+
+__all__ = ("Pulls",)
+
+
+class Pulls:
+    """The items of an async source read ahead, or being read: :attr:`ahead` first,
+    then those behind it.  A base of :class:`~aiopipe.source.Feed`, whose state
+    (the source, the depth, draining, exhausted, lost) it reads."""
+
+    __slots__ = ("_awaited", "_behind", "_read_any", "_still_wanted", "ahead", "lost")
+
+    # Feed's, read here.
+    _async: AsyncIterator[Any] | None
+    _check_batch: Callable[[Any], None] | None
+    _depth: int
+    _pulled_inline: bool
+    draining: bool
+    exhausted: bool
+    read_ahead_allowed: bool
+
+    def _checked(self, item: Any) -> Taken:
+        return item, (None if item is END else _problem_of(self._check_batch, item))
+
+    def _init_pulls(self, ahead: Sequence[asyncio.Future[Any]]) -> None:
+        """No pull yet, or those a discarded feed of the same source handed over."""
+        #: The next item, read ahead or being read (a future, done for sync sources);
+        #: given, one a discarded feed of the same source had read.
+        self.ahead: asyncio.Future[Any] | None = ahead[0] if ahead else None
+        #: The items after it, read or being read, in order (``read_ahead=N`` > 1, or
+        #: the one started while a caller waited for :attr:`ahead`).
+        self._behind: collections.deque[asyncio.Future[Any]] = collections.deque(ahead[1:])
+        if ahead and not ahead[-1].done():  # its task reads on for the feed it left
+            ahead[-1].add_done_callback(self._read_on_when_done)
+        #: The pull a caller waits for (it is taken as soon as it has its item), and
+        #: whether that caller still wants it.
+        self._awaited: asyncio.Future[Any] | None = None
+        self._still_wanted: Callable[[], bool] = _always
+        #: The async source's last pull gave an item: finished before the next one, it
+        #: was closed by someone else (its event loop shutting down, say).
+        self._read_any = False
+        #: Why the source can no longer be read, when a pull found it closed.
+        self.lost: str | None = None
+
+    @property
+    def held_ahead(self) -> int:
+        """Items read ahead (or being read), not yet placed in the ring."""
+        return sum(map(_holds_an_item, (self.ahead, *self._behind)))
+
+    def hand_over_ahead(self) -> list[asyncio.Future[Any]]:
+        """Give up the items read ahead, in order, for a new feed of the same source
+        (``Feed(ahead=...)``), which takes them first."""
+        futures = [self.ahead, *self._behind] if self.ahead is not None else []
+        self.ahead = None
+        self._behind.clear()
+        return futures
+
+    def claim(
+        self, ahead: asyncio.Future[Any], still_wanted: Callable[[], bool] | None = None
+    ) -> None:
+        """A caller will take ``ahead`` (the item being read ahead) as soon as it is
+        read, if ``still_wanted()`` then: its pull may start the next one without
+        waiting for the take."""
+        self._awaited, self._still_wanted = ahead, still_wanted or _always
+
+    async def _wait_for(self, ahead: asyncio.Future[Any]) -> None:
+        """Wait, claimed, until ``ahead`` has its item; a cancelled wait leaves the
+        pull running (a sync source's item read ahead is there already)."""
+        if ahead.done():
+            return
+        self.claim(ahead)
+        try:
+            await wait_settled(ahead)
+        finally:
+            if self._awaited is ahead:
+                self._awaited = None
+
+    def _pull_in_task(self) -> None:
+        """Pull the async source in a task of its own, which no cancelled caller
+        cancels: the item is kept in :attr:`ahead` for whichever call takes it."""
+        self.ahead = pull = asyncio.ensure_future(self._pull_async())
+        if pull.done():  # an eager task factory ran it to its end already
+            self._read_deeper()
+
+    def _pull_behind(self) -> None:
+        """Start the next pull, after those held."""
+        pull = asyncio.ensure_future(self._pull_async())
+        self._behind.append(pull)
+        if pull.done():  # an eager task factory ran it to its end already
+            self._read_deeper()
+
+    def _next_ahead(self) -> None:
+        """The item read ahead was taken: the next one held becomes it, and reading
+        goes on if fewer than ``read_ahead`` items are held now."""
+        if self._awaited is self.ahead:
+            self._awaited = None
+        self.ahead = self._behind.popleft() if self._behind else None
+        self._read_deeper()
+
+    def _read_deeper(self) -> None:
+        """The last pull already has its item (a sound one, not the end): start the
+        next if fewer than ``read_ahead`` are held."""
+        last = self._behind[-1] if self._behind else self.ahead
+        if (
+            last is None or not last.done() or last.get_loop().is_closed()
+            or 1 + len(self._behind) >= self._depth or self._async is None
+            or self.draining or self.exhausted or self.lost is not None
+            or not self.read_ahead_allowed or not _holds_an_item(last)
+            or last.cancelled() or last.exception() is not None
+        ):  # fmt: skip
+            return
+        self._pull_behind()
+
+    def _read_on(self, pull: asyncio.Future[Any] | None, taken: Taken) -> None:
+        """``pull`` has its item (``taken``): if it is the newest, start the next pull
+        now when fewer than ``read_ahead`` items are held, not counting one a caller
+        still waits for.  Called in the pull's own task, the next pull runs before
+        that caller is woken (tasks start in FIFO order): the source's next wait
+        starts a loop cycle after the build, not after the caller's iteration has
+        started."""
+        newest = self._behind[-1] if self._behind else self.ahead
+        if pull is None or pull is not newest:  # handed over or closed meanwhile
+            return
+        awaited = self._awaited is self.ahead and self._still_wanted()
+        if (
+            1 + len(self._behind) - awaited >= self._depth or taken[0] is END
+            or self.draining or self.exhausted or self.lost is not None
+            or not self.read_ahead_allowed
+        ):  # fmt: skip
+            return
+        self._pull_behind()
+
+    def _read_on_when_done(self, pull: asyncio.Future[Any]) -> None:
+        """:meth:`_read_on` for a pull handed over by a parked feed (``reset()``):
+        its task reads on for that feed, so this feed does once it is done."""
+        if not (pull.cancelled() or pull.exception() is not None):
+            self._read_on(pull, pull.result())
+
+    def close(self) -> bool:
+        """Stop a pull under way (the pipeline is reset or shut down); whether one was
+        (its cancellation, thrown into an async generator, finishes it)."""
+        cut = False
+        for ahead in self.hand_over_ahead():
+            if ahead.done():
+                if not ahead.cancelled():
+                    ahead.exception()  # retrieved: no "never retrieved" warning
+            else:
+                cut = ahead.cancel() or cut
+        return cut
+
+    async def _pull_async(self) -> Taken:
+        assert self._async is not None
+        # (Under trio the bridge's stand-in holds the caller's generator.)
+        source = getattr(self._async, "source", self._async)
+        if self._read_any and inspect.isasyncgen(source) and source.ag_frame is None:
+            self.lost = (
+                "this async generator was closed between two pulls without having ended: "
+                "the event loop that first iterated it shut down (asyncio.run() and "
+                "aiopipe.run() close the async generators their loop iterated when they "
+                "return), or it was aclose()d"
+            )
+            raise PipelineStateError(
+                f"{self.lost}. Any items it had left cannot be read: keep every progress() "
+                f"over an async source inside one asyncio.run()/aiopipe.run(), or call "
+                f"pipe.blocking(), whose calls share one loop"
+            )
+        try:
+            item = await anext(self._async, END)
+        except asyncio.CancelledError:
+            # The cancellation was thrown into an async generator's frame: unless it
+            # caught it, the generator is finished and its remaining items gone.
+            if inspect.isasyncgen(source) and source.ag_frame is None:
+                self.lost = "a cancelled progress() closed this async generator mid-pull"
+            raise
+        except BaseException:  # the source's own error: it may end a generator
+            self._read_any = False
+            raise
+        self._read_any = item is not END
+        taken = self._checked(item)
+        if not self._pulled_inline:  # else read by the caller's own call, never ahead
+            self._read_on(asyncio.current_task(), taken)
+        return taken
+
+
+
+def _always() -> bool:
+    return True
+
+
+def _holds_an_item(future: asyncio.Future[Any] | None) -> bool:
+    """Whether ``future`` (a read ahead) holds, or will hold, an item of the source."""
+    if future is None:
+        return False
+    return not future.done() or future.cancelled() or future.exception() is not None or (
+        future.result()[0] is not END
+    )
+
+
+def _problem_of(check_batch: Callable[[Any], None] | None, batch: Any) -> BaseException | None:
+    """Why ``batch`` must be refused, if it must.  Runs when the batch is read (ahead,
+    while an iteration runs), not on the critical path into the ring."""
+    if check_batch is not None:
+        try:
+            check_batch(batch)
+        except Exception as exc:
+            return exc
+    return None
