@@ -25,7 +25,9 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -57,7 +59,7 @@ from hstu_tasks import (  # noqa: E402
     quiet_torchrec,
 )
 from hstu_tasks.megatron import megatron_available  # noqa: E402
-from hstu_tasks.runners import run_pipeline  # noqa: E402
+from hstu_tasks.runners import RunResult, run_pipeline  # noqa: E402
 
 
 def on_the_loop(task: Any) -> str:
@@ -65,11 +67,18 @@ def on_the_loop(task: Any) -> str:
     return "loop"
 
 
+#: The plain loop on a thread of its own (by default on a GPU only: see its entry below).
+ON_A_THREAD = "none, on a thread"
 #: The row that asks for 20 steps a call (``progress_many``: the lanes chain them).
 CHAINED = "aiopipe, 20 steps a call"
 # name: (pipeline, thread map or "kk" for the shuffler, data parallel)
 CONFIGS: dict[str, tuple[str, Any, str]] = {
     "none": ("none", None, "torch"),
+    # The plain loop run by a thread of its own while the main thread waits: whether a
+    # step's host work is slower off the main thread before any engine (a lane's floor).
+    # On a CPU it also pays for a second OpenMP pool, which the engine releases before
+    # its lanes compute (performance.md, "Compute on lane threads at full CPU speed").
+    ON_A_THREAD: ("none", "thread", "torch"),
     "torchrec": ("torchrec", None, "torch"),
     "aiopipe": ("aiopipe", None, "torch"),
     "aiopipe-prefetch": ("aiopipe-prefetch", None, "torch"),
@@ -82,6 +91,24 @@ CONFIGS: dict[str, tuple[str, Any, str]] = {
 }
 if torch.cuda.is_available() and megatron_available():
     CONFIGS["aiopipe, Megatron DDP"] = ("aiopipe", None, "megatron")
+
+
+def on_a_thread(run: Callable[[], RunResult]) -> RunResult:
+    """``run()`` on a new thread (the current CUDA device goes with it), waited for."""
+    done: list[RunResult] = []
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def body() -> None:
+        if device is not None:
+            torch.cuda.set_device(device)
+        done.append(run())
+
+    thread = threading.Thread(target=body, name="plain-loop")
+    thread.start()
+    thread.join()
+    if not done:
+        raise RuntimeError("the plain loop on a thread failed (its traceback is above)")
+    return done[0]
 
 
 def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> None:
@@ -107,6 +134,8 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
             if thread_map == "kk":  # balance the attention workload across ranks
                 result = run_pipeline(mode, setup, data, shuffler=KarmarkarKarpShuffler(),
                                       tracer=tracer)  # fmt: skip
+            elif thread_map == "thread":
+                result = on_a_thread(lambda: run_pipeline(mode, setup, data))
             else:
                 chained = 20 if name == CHAINED else 1
                 result = run_pipeline(mode, setup, data, thread_map=thread_map,  # type: ignore[arg-type]
@@ -141,8 +170,10 @@ def main() -> None:
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
     parser.add_argument("--replicate-tables", action="store_true",
                         help="no torchrec sharding (and no torchrec row)")
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
-                        metavar="NAME", help=f"rows to run (default: all of {list(CONFIGS)})")
+    default = [name for name in CONFIGS if name != ON_A_THREAD or torch.cuda.is_available()]
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=default, metavar="NAME",
+                        help=f"rows to run, of {list(CONFIGS)} (default: all, "
+                             f"{ON_A_THREAD!r} on a GPU only)")  # fmt: skip
     parser.add_argument("--engine-time", action="store_true",
                         help="trace the aiopipe rows: the engine's host time per step")
     args = vars(parser.parse_args())

@@ -169,7 +169,7 @@ def bench(ctx: Context, name: str, *args: str) -> Step:
 # The last rows: the io/compute lanes, the default until the first GPU runs, and 20
 # steps asked for a call (progress_many: the lanes chain them).
 HSTU_ROWS = ("none", "aiopipe", "aiopipe-prefetch", "aiopipe, io/compute lanes",
-             "aiopipe, 20 steps a call")  # fmt: skip
+             "aiopipe, 20 steps a call", "none, on a thread")  # fmt: skip
 
 
 def hstu_steps(ctx: Context) -> list[Step]:
@@ -187,6 +187,9 @@ def read_hstu(outputs: list[str], ctx: Context) -> Reading:
                           f"{rates[HSTU_ROWS[3]] / rates['none']:.3f}x"))
     figures.append(at_least(f"HSTU {HSTU_ROWS[4]} x the plain loop",
                             rates[HSTU_ROWS[4]] / rates["none"], 1.0))
+    # What a lane's thread costs before any engine: the plain loop off the main thread.
+    figures.append(Figure(f"HSTU {HSTU_ROWS[5]} x the plain loop",
+                          f"{rates[HSTU_ROWS[5]] / rates['none']:.3f}x"))
     share = result["engine_share"]
     figures.append(Figure("engine host time per step (tracer), share of the step",
                           f"{100 * share:.2f} % ({result['engine_host_ms']:.3f} ms of "
