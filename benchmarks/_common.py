@@ -230,6 +230,20 @@ def engine_host_ms(spans: Sequence[Any], skip: int = 5) -> tuple[float, float]:
     return gaps / steps / 1e6, (end - start) / steps / 1e6
 
 
+def task_body_ms(spans: Sequence[Any], skip: int = 5) -> dict[str, float]:
+    """Each task's body time per step in ms (host time on the thread that ran it, an
+    ``async def`` body's suspended time left out), from a tracer's spans of one run
+    (the first ``skip`` iterations left out)."""
+    first = min(span.iteration for span in spans) + skip
+    totals: dict[str, int] = collections.defaultdict(int)
+    iterations = set()
+    for span in spans:
+        if span.iteration >= first and not span.failed:
+            totals[span.task] += span.duration_ns - span.await_ns
+            iterations.add(span.iteration)
+    return {task: total / len(iterations) / 1e6 for task, total in totals.items()}
+
+
 def step_boundaries_us(spans: Sequence[Any]) -> list[float]:
     """Each boundary between two iterations on the busiest lane thread (the most body
     time), in us: from one iteration's last body to the next iteration's first, less

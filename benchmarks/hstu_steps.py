@@ -43,6 +43,7 @@ from _common import (  # noqa: E402
     report_and_leave,
     spawn_ranks,
     spread,
+    task_body_ms,
 )
 
 from aiopipe import Tracer  # noqa: E402
@@ -120,6 +121,7 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
     samples: dict[str, list[float]] = {name: [] for name in chosen}
     busy: dict[str, list[float]] = {name: [] for name in chosen}
     engine: dict[str, list[list[float]]] = {}  # name: [engine ms, step ms] per round
+    bodies: dict[str, list[dict[str, float]]] = {}  # name: {task: body ms a step} per round
     for repeat in range(args["repeats"] + 1):  # the first round warms up
         round_name = f"round {repeat}/{args['repeats']}" + (" (warm-up)" if not repeat else "")
         for name, (mode, thread_map, data_parallel) in chosen.items():
@@ -147,9 +149,11 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
                 busy[name].append(cores_busy)
                 if tracer is not None:
                     engine.setdefault(name, []).append(list(engine_host_ms(tracer.spans)))
+                    bodies.setdefault(name, []).append(task_body_ms(tracer.spans))
             if rank == 0:
                 progress(f"{round_name}: {name} {rate:.2f} steps/s")
-    report_and_leave(rank, out, {"steps_per_s": samples, "busy": busy, "engine": engine})
+    report_and_leave(rank, out, {"steps_per_s": samples, "busy": busy, "engine": engine,
+                                 "bodies": bodies})  # fmt: skip
 
 
 def machine_busy(seconds: float, cpu_seconds: float) -> float:
@@ -208,6 +212,7 @@ def main() -> None:
     payload = {"args": args, "steps_per_s": medians, "samples": samples, "busy": busy}
     if report["engine"]:
         payload.update(engine_report(report["engine"]))
+        payload["bodies_ms"] = bodies_report(report["bodies"], 1e3 / medians["none"])
     print_json("hstu_steps", payload)
 
 
@@ -225,6 +230,21 @@ def engine_report(engine: dict[str, list[list[float]]]) -> dict[str, Any]:
     return {"engine_host": {name: list(value) for name, value in shares.items()},
             "engine_row": worst, "engine_share": share, "engine_host_ms": host,
             "engine_step_ms": step}  # fmt: skip
+
+
+def bodies_report(bodies: dict[str, list[dict[str, float]]], plain_ms: float
+                  ) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Print each traced row's task bodies per step (medians of the rounds) beside the
+    plain loop's whole step: how much of a row's step its tasks' own work is."""
+    medians = {}
+    for name, rounds in bodies.items():
+        tasks = {task: statistics.median(r.get(task, 0.0) for r in rounds) for task in rounds[0]}
+        medians[name] = tasks
+        listed = ", ".join(f"{task} {ms:.3f}" for task, ms in
+                           sorted(tasks.items(), key=lambda item: -item[1]))  # fmt: skip
+        print(f"task bodies per step, {name}: {sum(tasks.values()):.3f} ms (the plain loop's "
+              f"whole step: {plain_ms:.3f} ms): {listed}")  # fmt: skip
+    return medians
 
 
 if __name__ == "__main__":
