@@ -108,17 +108,20 @@ class IterationDriver:
                 if reads_ahead:
                     # Read the next batch while this iteration runs.  A task first hands
                     # its work to the lanes (tasks start in FIFO order).
+                    handle, stepped = None if in_task else self._handle, False
                     try:
                         if in_task:
                             await asyncio.sleep(0)
                         feed.read_ahead()
                         if feed.reads_in_a_task and not in_task:
                             await asyncio.sleep(0)  # the pull's first step: the fetch starts
+                            stepped = True
                     except BaseException:  # cancelled, or the source raised KeyboardInterrupt
                         self.guard_lanes()
                         raise
                     finally:
-                        if not in_task:
+                        if handle is not None:
+                            handle.release_lanes(stepped=stepped)
                             yield_cpu_to_lanes()
             self._chain.ask(feed, more)
             await self.wait_ended()  # guards the lanes too if the caller leaves

@@ -21,6 +21,7 @@ models need one on one rank too); a chunk's time is the slowest rank's.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import multiprocessing
 import resource
@@ -46,6 +47,44 @@ def repeat(step: Callable[[], object]) -> Run:
     def run(n: int) -> None:
         for _ in range(n):
             step()
+
+    return run
+
+
+def add_cycle_arguments(parser: argparse.ArgumentParser, latency_ms: float,
+                        compute_ms: float) -> None:  # fmt: skip
+    """The options of a benchmark that times a wait of ``--latency-ms`` beside a step of
+    ``--compute-ms`` (a model of ``--width``) in chunks (``online_cycle``, ``async_task``)."""
+    parser.add_argument("--latency-ms", type=float, default=latency_ms)
+    parser.add_argument("--compute-ms", type=float, default=compute_ms)
+    parser.add_argument("--width", type=int, default=None,
+                        help="the model's width (default: calibrated to --compute-ms); fixed, "
+                             "runs of two trees compare alike")  # fmt: skip
+    parser.add_argument("--chunk", type=int, default=50, help="steps per timed chunk")
+    parser.add_argument("--rounds", type=int, default=3, help="chunks per row and process")
+    parser.add_argument("--processes", type=int, default=2, help="fresh process sets")
+
+
+def check_cycle_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse the values of :func:`add_cycle_arguments` that cannot run."""
+    if min(args.chunk, args.rounds, args.processes, args.width or 1) < 1 or args.latency_ms <= 0:
+        parser.error("--chunk, --rounds, --processes and --width must be >= 1, "
+                     "--latency-ms above 0")  # fmt: skip
+
+
+def progress_calls(pipe: Any, source: Any) -> Run:
+    """``run(n)``: ``n`` awaited ``pipe.progress(source)`` calls, on one event loop kept
+    from chunk to chunk (the pipeline keeps its lanes and state between calls)."""
+    from aiopipe._core.loops import LoopRunner
+
+    runner = LoopRunner()
+
+    async def steps_of(n: int) -> None:
+        for _ in range(n):
+            await pipe.progress(source)
+
+    def run(n: int) -> None:
+        runner.run(steps_of, n)
 
     return run
 

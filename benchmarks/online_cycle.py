@@ -38,7 +38,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _chunks import time_in_chunks  # noqa: E402
+from _chunks import (  # noqa: E402
+    add_cycle_arguments,
+    check_cycle_arguments,
+    progress_calls,
+    time_in_chunks,
+)
 from _common import print_json, print_table, with_spread  # noqa: E402
 
 ROWS = ("prefetch thread", "aiopipe async", "aiopipe async, 2 ahead")
@@ -118,7 +123,6 @@ def build_row(
 
     else:
         from aiopipe import basic
-        from aiopipe._core.loops import LoopRunner
 
         async def source() -> Any:
             generator = torch.Generator().manual_seed(1)
@@ -139,14 +143,7 @@ def build_row(
 
         pipe = basic(net, opt, loss_fn=matrix.loss_fn, forward=matrix.forward,
                      read_ahead=2 if row.endswith("2 ahead") else 1)  # fmt: skip
-        batches, runner = source(), LoopRunner()
-
-        async def steps_of(n: int) -> None:
-            for _ in range(n):
-                await pipe.progress(batches)
-
-        def run(n: int) -> None:
-            runner.run(steps_of, n)
+        run = progress_calls(pipe, source())
 
     def report() -> dict[str, float]:
         timed = list(zip(waits[WARM_UP:], builds[WARM_UP:]))
@@ -162,20 +159,11 @@ def build_row(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--latency-ms", type=float, default=3.0)
-    parser.add_argument("--compute-ms", type=float, default=2.4)
-    parser.add_argument("--width", type=int, default=None,
-                        help="the model's width (default: calibrated to --compute-ms); fixed, "
-                             "runs of two trees compare alike")  # fmt: skip
+    add_cycle_arguments(parser, latency_ms=3.0, compute_ms=2.4)
     parser.add_argument("--wait", choices=("timer", "socket"), default="timer",
                         help="how the source waits: a sleep, or a request to a server")
-    parser.add_argument("--chunk", type=int, default=50, help="steps per timed chunk")
-    parser.add_argument("--rounds", type=int, default=3, help="chunks per row and process")
-    parser.add_argument("--processes", type=int, default=2, help="fresh process sets")
     args = parser.parse_args()
-    if min(args.chunk, args.rounds, args.processes, args.width or 1) < 1 or args.latency_ms <= 0:
-        parser.error("--chunk, --rounds, --processes and --width must be >= 1, "
-                     "--latency-ms above 0")  # fmt: skip
+    check_cycle_arguments(parser, args)
     import online_matrix as matrix
 
     width = args.width or matrix.calibrate(args.compute_ms)

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from _chunks import nothing_to_report, paired, time_in_chunks  # noqa: E402
 from _common import OTHER, print_json, print_table, spread  # noqa: E402
 
-from aiopipe import SchedulablePipeline, basic  # noqa: E402
+from aiopipe import basic  # noqa: E402
 from aiopipe._core.loops import LoopRunner
 
 CONFIGS = {

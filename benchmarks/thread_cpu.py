@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 

@@ -80,6 +80,7 @@ async def main() -> None:
         "aiopipe, fetch on the step's stream": lambda: pipelined(args.steps, latency_s, "default"),
         "aiopipe, fetch on stream 'io'": lambda: pipelined(args.steps, latency_s, "io"),
     }
+    await plain_loop(5, latency_s)  # untimed: a process's first torch steps are slow
     losses = {}
     for name, run in runs.items():
         with warnings.catch_warnings(record=True) as caught:

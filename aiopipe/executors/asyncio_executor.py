@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._core.lanes import LOOP_LANE, Lane, LanePool, call_on_lane, yield_cpu_to_lanes
-from .._core.log import executor_log
-from .._core.loops import task_quiet_if_left
+from .._core.lanes import LOOP_LANE, Lane, LanePool, yield_cpu_to_lanes
 from .._core.malloc import keep_freed_memory
 from .._core.openmp import release_thread_pool
 from .._core.tickets import TicketLock, TicketStatistics
@@ -37,6 +34,8 @@ from ..plan import ExecutionPlan
 from .base import Iteration
 from .layout import StageLayout, build_layout
 from .order_check import CollectiveOrderCheck
+from .loop_bodies import begin_heads, hand_to_loop, start_body, wait_on_lane
+from .slow_waits import slow_ticket_warning, warn_slow_wait
 from .stage import IterationHandle, StageRun
 
 __all__ = (
@@ -147,7 +146,9 @@ class AsyncExecutor:
         the iteration's end is handled in the callback that wakes the loop, two loop cycles
         sooner than a task awaiting :meth:`run_iteration` would (docs/performance.md).
         ``yield_cpu=False``: the caller has loop work to start first, and calls
-        :func:`~aiopipe._core.lanes.yield_cpu_to_lanes` itself.
+        :func:`~aiopipe._core.lanes.yield_cpu_to_lanes` itself, after
+        :meth:`IterationHandle.release_lanes` (lanes that wait for the loop to begin
+        the iteration's ``async def`` bodies wait for that too).
 
         ``after``: the handle of the iteration running now.  The new one is queued
         behind it, and the lane that ends it starts the new one at once, with no round
@@ -211,19 +212,28 @@ class AsyncExecutor:
         self, iteration: Iteration, active: tuple[int, ...],
         on_done: Callable[[BaseException | None], None] | None = None, yield_cpu: bool = True,
     ) -> StageRun:  # fmt: skip
-        """Hand the stage's thread chains to their lanes; :meth:`_finish_stage` runs
-        the loop's chain and waits for the lanes (or ``on_done`` is called, see
-        :meth:`start_iteration`)."""
+        """Hand the stage's thread chains to their lanes and start the ``async def``
+        bodies heading a chain; :meth:`_finish_stage` runs the loop's chain and waits
+        for the lanes (or ``on_done`` is called, see :meth:`start_iteration`).
+
+        A body heading a chain starts here, on the loop, rather than when its lane (or
+        the loop's chain) reaches it: with every core busy with the lanes' compute, a
+        loop woken later gets a core only milliseconds later, and a fetch one batch
+        ahead would start only once the step it should overlap has ended.  The loop
+        then keeps its CPU (no yield to the lanes) to run those bodies' first steps."""
         layout = self._layout(active)
         waker = self._waker = LoopWaker.for_running_loop(self._waker)
         lanes = [self._lane_pool.get(name) for name, _ in layout.thread_chains]  # may start threads
         self._tickets.reset(waker)
         run = iteration.stage = StageRun(iteration, layout, waker, self._tickets, on_done)
-        for lane, (_, chain) in zip(lanes, layout.thread_chains):
-            lane.submit(functools.partial(self._run_thread_chain, run, lane, chain))
+        if layout.async_heads:
+            self._begin_with_heads(run, lanes, release=yield_cpu)
+        else:
+            for lane, (_, chain) in zip(lanes, layout.thread_chains):
+                lane.submit(functools.partial(self._run_thread_chain, run, lane, chain))
         if self._compute_off_loop:
             release_thread_pool()
-        if lanes and yield_cpu:
+        if lanes and yield_cpu and not run.heads:
             # Let a lane just woken have this CPU and the GIL before the loop goes on
             # with its own Python.  With no idle core (a lane's OpenMP workers spin
             # between regions) the loop thread would otherwise keep both, and the
@@ -264,8 +274,11 @@ class AsyncExecutor:
                 await run.threads_done
         except BaseException as exc:
             run.fail(exc)
-            for task in run.async_tasks:
-                task.cancel()
+            for task in list(run.async_tasks):
+                if task.get_loop().is_closed():  # collected on a closed loop: nothing runs it
+                    task.get_coro().close()
+                else:
+                    task.cancel()
             # Running bodies finish first.  Cancel scopes (anyio, trio-style) deliver
             # the cancellation again at every await: keep waiting through those.
             while (still_running := run.renew_threads_done()) is not None:
@@ -289,8 +302,20 @@ class AsyncExecutor:
         iteration, layout = run.iteration, run.layout
         is_async = iteration.plan.is_async
         slow_s = self.slow_wait_s
-        slow_ticket = self._slow_ticket_warning(run)
+        slow_ticket = slow_ticket_warning(self._lane_of, run, slow_s)
+        heads = run.heads
         for i in chain:
+            if heads and i in heads:  # started with the stage: no wait, no ticket before it
+                head = heads[i]
+                try:
+                    await head.task  # type: ignore[misc]
+                    if head.error is not None:  # an interrupt: raised here, as if run inline
+                        raise head.error
+                except Exception as exc:
+                    run.fail(exc)
+                    return
+                run.finish_task(i)
+                continue
             ticket = layout.tickets.get(i)
             cross_preds = layout.cross_preds.get(i, ())
             if iteration.tracing and (cross_preds or ticket is not None):
@@ -300,7 +325,7 @@ class AsyncExecutor:
                 if slow_s is None or flag.is_set():
                     await flag.wait()  # set on failure too: never waits forever
                     continue
-                timer = run.waker.loop.call_later(slow_s, self._warn_slow_wait, run, i, p, slow_s)
+                timer = run.waker.loop.call_later(slow_s, warn_slow_wait, self._lane_of, run, i, p, slow_s)
                 try:
                     await flag.wait()
                 finally:
@@ -326,9 +351,18 @@ class AsyncExecutor:
         iteration, layout = run.iteration, run.layout
         is_async = iteration.plan.is_async
         slow_s = self.slow_wait_s
-        slow_ticket = self._slow_ticket_warning(run)
+        slow_ticket = slow_ticket_warning(self._lane_of, run, slow_s)
+        heads = run.heads
         try:
             for i in chain:
+                if heads and i in heads:  # started with the stage: wait for it, even failed
+                    try:
+                        wait_on_lane(lane, heads[i])
+                    except BaseException as exc:
+                        run.fail(exc)
+                        return
+                    run.finish_task(i)
+                    continue
                 ticket = layout.tickets.get(i)
                 cross_preds = layout.cross_preds.get(i, ())
                 if iteration.tracing and (cross_preds or ticket is not None):
@@ -336,7 +370,7 @@ class AsyncExecutor:
                 for p in cross_preds:
                     # set on failure too; a timeout only reports a long wait
                     if not run.flags[p].wait_blocking(slow_s):
-                        self._warn_slow_wait(run, i, p, slow_s)
+                        warn_slow_wait(self._lane_of, run, i, p, slow_s)
                         run.flags[p].wait_blocking()
                 if run.failed:
                     return
@@ -344,7 +378,7 @@ class AsyncExecutor:
                     if ticket is not None:
                         run.tickets.acquire_blocking(ticket, slow_s, slow_ticket)
                     if is_async[i]:
-                        self._hand_to_loop(run, lane, i)
+                        hand_to_loop(run, lane, i)
                     else:
                         iteration.invoke(i)
                 except TicketAbortedError:
@@ -360,59 +394,25 @@ class AsyncExecutor:
             if waker is not None:
                 lane.wake_after_item(waker)
 
-    # -- long waits --------------------------------------------------------------------
+    # -- async bodies heading a chain ---------------------------------------------------
 
-    def _warn_slow_wait(self, run: StageRun, index: int, pred: int, seconds: float | None) -> None:
-        names = run.iteration.plan.order
-        executor_log.warning(
-            "%s: task %r (iteration %d, lane %r) has waited %g s for task %r on lane %r; "
-            "still waiting", run.iteration.pipeline, names[index].name, run.iteration.number,
-            self._lane_of[index], seconds, names[pred].name, self._lane_of[pred],
-        )  # fmt: skip
+    def _begin_with_heads(self, run: StageRun, lanes: list[Lane], release: bool) -> None:
+        """Start the stage's ``async def`` bodies heading a chain on the loop, and its
+        other chains on their lanes only once the loop has run the first steps of those
+        bodies (up to their first ``await``).  Woken at once, the lanes' compute would
+        keep the loop from those steps -- the GIL, every core -- until it ended.
+        ``release=False``: the caller lets the lanes go (:meth:`IterationHandle.release_lanes`)."""
+        begun = begin_heads(run, lanes)
+        for lane, (_, chain) in zip(lanes, run.layout.thread_chains):
+            # A lane whose chain a body heads waits for that body anyway.
+            runner = self._run_thread_chain if chain[0] in run.heads else self._run_after_heads
+            lane.submit(functools.partial(runner, run, lane, chain))
+        for index, body in run.heads.items():
+            start_body(run, index, body)
+        if release:
+            run.waker.loop.call_soon(begun.set)  # after the bodies' first steps (tasks run FIFO)
 
-    def _slow_ticket_warning(self, run: StageRun) -> Callable[[int], None] | None:
-        """What a ticket wait calls once it has lasted ``slow_wait_s`` (if anything)."""
-        if not run.layout.tickets or self.slow_wait_s is None:
-            return None
-        return functools.partial(self._warn_slow_ticket, run, self.slow_wait_s)
-
-    def _warn_slow_ticket(self, run: StageRun, seconds: float | None, ticket: int) -> None:
-        plan, index = run.iteration.plan, run.layout.collectives[ticket]
-        holder = plan.order[run.layout.collectives[ticket - 1]].name if ticket else "none"
-        executor_log.warning(
-            "%s: task %r (iteration %d, lane %r) has waited %g s for collective ticket %d "
-            "(the collective before it, %r, has not finished submitting); still waiting",
-            run.iteration.pipeline, plan.order[index].name, run.iteration.number,
-            self._lane_of[index], seconds, ticket, holder,
-        )  # fmt: skip
-
-    # -- async bodies on thread lanes --------------------------------------------------
-
-    def _hand_to_loop(self, run: StageRun, lane: Lane, index: int) -> None:
-        """From ``lane``'s thread: run async task ``index`` on the loop, serving its
-        ``run_on_lane`` calls here until it finishes; re-raise its error."""
-        done = object()
-        outcome: list[BaseException] = []
-        lane_runner = functools.partial(call_on_lane, run.waker, lane)
-
-        async def body() -> None:
-            try:
-                if not run.failed:
-                    await run.iteration.invoke_async(index, lane_runner)
-            except BaseException as exc:
-                outcome.append(exc)
-            finally:
-                lane.post(done)
-
-        def start() -> None:
-            task = task_quiet_if_left(body(), run.waker.loop)
-            run.async_tasks.add(task)
-            task.add_done_callback(run.async_tasks.discard)
-
-        try:
-            run.waker.loop.call_soon_threadsafe(start)
-        except RuntimeError as exc:  # loop closed: nothing will ever run the body
-            raise PipelineStateError("the event loop closed during the progress") from exc
-        lane.run_pending_until(done)
-        if outcome:
-            raise outcome[0]
+    def _run_after_heads(self, run: StageRun, lane: Lane, chain: tuple[int, ...]) -> None:
+        """Runs on ``lane``'s thread, once the loop has begun the bodies heading chains."""
+        run.heads_begun.wait()  # type: ignore[union-attr]
+        self._run_thread_chain(run, lane, chain)

@@ -29,6 +29,7 @@ thread).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -319,7 +320,8 @@ class Iteration:
         finally:
             if annotator is not None:
                 annotator.end(handle)
-            CURRENT.reset(token)
+            with contextlib.suppress(ValueError):  # closed outside its task: that context is gone
+                CURRENT.reset(token)
 
     # -- tracing (only with a tracer) ----------------------------------------------------
 

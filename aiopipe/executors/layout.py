@@ -21,6 +21,9 @@ class StageLayout:
     flagged: tuple[int, ...]  # tasks some other lane waits for
     tickets: dict[int, int]  # empty when all collectives share one lane
     collectives: tuple[int, ...]  # nccl tasks, topological order
+    #: ``async def`` bodies at the head of a chain, waiting for no other lane and
+    #: issuing no collective: the loop starts them with the stage (AsyncExecutor).
+    async_heads: tuple[int, ...] = ()
 
 
 def build_layout(
@@ -48,6 +51,9 @@ def build_layout(
         (lane for lane in chains if lane != LOOP_LANE),
         key=lambda lane: (min(plan.lookahead[i] for i in chains[lane]), chains[lane][0]),
     )
+    heads = (chain[0] for chain in chains.values())
+    async_heads = tuple(sorted(i for i in heads if plan.is_async[i] and i not in cross_preds
+                               and not plan.nccl[i]))  # fmt: skip
     return StageLayout(
         thread_chains=tuple((lane, tuple(chains[lane])) for lane in by_urgency),
         loop_chain=tuple(chains.get(LOOP_LANE, ())),
@@ -55,4 +61,5 @@ def build_layout(
         flagged=tuple(sorted({p for preds in cross_preds.values() for p in preds})),
         tickets={i: k for k, i in enumerate(collectives)} if needs_lock else {},
         collectives=collectives,
+        async_heads=async_heads,
     )

@@ -15,6 +15,7 @@ from .._core.tickets import TicketLock
 from .._core.waker import LoopWaker, settle_future
 from .base import Iteration
 from .layout import StageLayout
+from .loop_bodies import LoopBody
 
 __all__ = ("IterationHandle", "StageRun", "StartFast")
 
@@ -23,8 +24,9 @@ class StageRun:
     """Shared state of one stage of one iteration, between the loop and the lanes."""
 
     __slots__ = (
-        "async_tasks", "error", "failed", "finished", "gate", "layout", "lock", "on_done",
-        "outstanding", "flags", "iteration", "successor", "threads_done", "tickets", "waker",
+        "async_tasks", "error", "failed", "finished", "gate", "heads", "heads_begun", "layout",
+        "lock", "on_done", "outstanding", "flags", "iteration", "successor", "threads_done",
+        "tickets", "waker",
     )  # fmt: skip
 
     def __init__(
@@ -48,6 +50,12 @@ class StageRun:
             waker.loop.create_future() if layout.thread_chains and on_done is None else None
         )
         self.async_tasks: set[asyncio.Task[None]] = set()
+        #: The ``async def`` bodies heading a chain (``layout.async_heads``) that the
+        #: loop started with the stage, by task index; set before the lanes get it.
+        self.heads: dict[int, LoopBody] = {}
+        #: With ``heads``: set once the loop has run their first steps; the other
+        #: chains' lanes wait for it.
+        self.heads_begun: Latch | None = None
         #: For a stage queued behind another (:meth:`queue_behind`): that one's
         #: ``finished``, set once it has handed over; the lanes wait for it.
         self.gate: Latch | None = None
@@ -144,6 +152,10 @@ class StageRun:
         tasks = list(self.async_tasks)
         for task in tasks:
             task.get_coro().close()
+        for head in self.heads.values():
+            head.finish()  # a body closed before its first step never reached its own
+        if self.heads_begun is not None:
+            self.heads_begun.set()  # the loop's call that would set it is gone
         return bool(tasks)
 
     def finish_task(self, index: int) -> None:
@@ -188,6 +200,19 @@ class IterationHandle:
     @property
     def waker(self) -> LoopWaker:
         return self._run.waker
+
+    def release_lanes(self, *, stepped: bool) -> None:
+        """Let the lanes go that wait for the loop to begin the iteration's ``async
+        def`` bodies heading a chain (started with ``yield_cpu=False``): now, if the
+        loop has run a step since the start (``stepped``), else once it has run those
+        bodies' first steps.  Nothing if there are none."""
+        begun = self._run.heads_begun
+        if begun is None or begun.is_set():
+            return
+        if stepped:
+            begun.set()
+        else:
+            self._run.waker.loop.call_soon(begun.set)
 
     @property
     def error(self) -> BaseException | None:

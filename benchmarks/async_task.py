@@ -1,0 +1,169 @@
+"""An ``async def`` fetch task one batch ahead of a synchronous torch step: does the
+fetch of batch k+1 start when step k starts?
+
+The fetch is a task of the pipeline (``lookahead=1``, a stream of its own, as
+``examples/async_fetch.py`` writes it), not a source: it awaits ``--latency-ms``,
+then builds a batch.  The training step is a synchronous task on its own lane.  Rows:
+
+* ``plain loop``: await the fetch, then step (nothing overlaps);
+* ``prefetch thread``: a thread sleeps and builds, a queue of two, the step in front
+  (the hand-written reference);
+* ``aiopipe, fetch on its stream's lane``: the default thread map, lane ``"io"``;
+* ``aiopipe, fetch on the loop``: ``thread_map`` puts the fetch on lane ``"loop"``.
+
+Each row runs in processes of its own, timed in alternating chunks
+(``_chunks.time_in_chunks``).  Besides the time a step, each aiopipe row reports the
+median *fetch lag*: from the start of step k to the start of the fetch of batch k+1,
+which the same iteration runs.  Overlapped, it is near 0; serialised, it is the step.
+
+    ./dev bench async_task [--latency-ms 4] [--compute-ms 2] [--width W] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import itertools
+import queue
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from _chunks import (  # noqa: E402
+    add_cycle_arguments,
+    check_cycle_arguments,
+    progress_calls,
+    time_in_chunks,
+)
+from _common import print_json, print_table, with_spread  # noqa: E402
+
+ROWS = ("plain loop", "prefetch thread", "aiopipe, fetch on its stream's lane",
+        "aiopipe, fetch on the loop")  # fmt: skip
+WARM_UP = 20  # untimed steps before a worker's first chunk; its stamps are left out
+
+
+def build_row(row: str, rank: int, *, width: int, latency_s: float) -> tuple[Any, Any]:
+    """The chunk worker's ``run(n)`` for ``row`` and its report (the median fetch lag)."""
+    import online_matrix as matrix
+
+    from aiopipe import Pipeline, Task, TaskContext
+    from aiopipe._core.loops import LoopRunner
+
+    net, opt = matrix.model(width)
+    fetch_starts: dict[int, float] = {}  # batch index: when its fetch started
+    fetch_waits: dict[int, float] = {}  # batch index: how long its awaited latency took
+    step_starts: dict[int, float] = {}  # batch index: when its step started
+
+    async def fetch(index: int) -> Any:
+        fetch_starts[index] = start = time.perf_counter()
+        await asyncio.sleep(latency_s)
+        fetch_waits[index] = time.perf_counter() - start
+        return matrix._batch(torch.Generator().manual_seed(index))
+
+    def step(index: int, batch: Any) -> None:
+        step_starts[index] = time.perf_counter()
+        opt.zero_grad()
+        matrix.loss_fn(matrix.forward(net, batch), batch).backward()
+        opt.step()
+
+    indices = itertools.count()
+    if row == "plain loop":
+        runner = LoopRunner()
+
+        async def steps_of(n: int) -> None:
+            for _ in range(n):
+                index = next(indices)
+                step(index, await fetch(index))
+
+        def run(n: int) -> None:
+            runner.run(steps_of, n)
+
+    elif row == "prefetch thread":
+        ready: queue.Queue[Any] = queue.Queue(2)
+
+        def fetch_forever() -> None:
+            for index in indices:
+                time.sleep(latency_s)
+                ready.put((index, matrix._batch(torch.Generator().manual_seed(index))))
+
+        threading.Thread(target=fetch_forever, daemon=True).start()
+
+        def run(n: int) -> None:
+            for _ in range(n):
+                step(*ready.get())
+
+    else:
+
+        async def fetch_task(ctx: TaskContext) -> None:
+            index = ctx.slots["batch_cpu"]
+            ctx.slots.set("batch", (index, await fetch(index)))
+
+        def train(ctx: TaskContext) -> None:
+            step(*ctx.slots["batch"])
+
+        on_loop = row.endswith("on the loop")
+        pipe = Pipeline(
+            [Task.from_fn("fetch", fetch_task, lookahead=1, stream="io", writes=("batch",)),
+             Task.from_fn("train", train, reads=("batch",))],
+            thread_map={"fetch": "loop", "train": "default"} if on_loop else None,
+            expect_result=False,
+        )  # fmt: skip
+
+        run = progress_calls(pipe, indices)
+
+    def report() -> dict[str, float]:
+        lags = [fetch_starts[k + 1] - step_starts[k] for k in sorted(step_starts)
+                if k >= WARM_UP and k + 1 in fetch_starts]  # fmt: skip
+        waits = [wait for k, wait in fetch_waits.items() if k >= WARM_UP]
+        return {"fetch_lag_ms": 1e3 * statistics.median(lags),
+                "fetch_wait_ms": 1e3 * statistics.median(waits)} if lags else {}  # fmt: skip
+
+    return run, report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_cycle_arguments(parser, latency_ms=4.0, compute_ms=2.0)
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), metavar="ROW",
+                        help=f"rows to run (default: all of {list(ROWS)})")
+    args = parser.parse_args()
+    check_cycle_arguments(parser, args)
+    import online_matrix as matrix
+
+    width = args.width or matrix.calibrate(args.compute_ms)
+    step_ms = matrix.step_ms(width)
+    build = functools.partial(build_row, width=width, latency_s=args.latency_ms / 1e3)
+    chunks = time_in_chunks(build, args.rows, chunk=args.chunk, rounds=args.rounds,
+                            processes=args.processes, warm_up=WARM_UP,
+                            settle=matrix.SETTLE)  # fmt: skip
+    ideal = max(args.latency_ms, step_ms)
+    rows = []
+    for row in args.rows:
+        reports = [r for r in chunks.reports[row] if r]
+        median = statistics.median(chunks.ms[row])
+        cells = [with_spread([r[key] for r in reports], 2) if reports else "--"
+                 for key in ("fetch_wait_ms", "fetch_lag_ms")]  # fmt: skip
+        if not row.startswith("aiopipe"):
+            cells[1] = "--"
+        rows.append([row, with_spread(chunks.ms[row], 2), f"{ideal / median:.3f}", *cells])
+    print_table(
+        f"an async def fetch task ({args.latency_ms:g} ms awaited) beside a {step_ms:.2f} ms "
+        f"step (width {width}), {args.processes} process sets of {args.rounds} chunks of "
+        f"{args.chunk} steps",
+        ["row", "ms / step", "x the ideal max(fetch, step)", "the awaited latency took (ms)",
+         "fetch lag after its step starts (ms)"],
+        rows,
+    )
+    print_json("async_task", {"args": vars(args), "width": width, "step_ms": step_ms,
+                              "ms": chunks.ms, "reports": chunks.reports})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

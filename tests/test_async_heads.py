@@ -1,0 +1,192 @@
+"""An ``async def`` body at the head of a chain (nothing before it on its lane, no
+wait on another lane) starts on the loop with its iteration, before the other lanes
+start their chains: a fetch one batch ahead is under way while the step it should
+overlap runs, however busy the lanes keep the cores.  Its failures, cancellation and
+``run_on_lane`` behave as for any ``async def`` body."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+from conftest import collect
+
+from aiopipe import Pipeline, Task, TaskContext
+
+#: Where the fetch runs: its stream's lane (a lane thread hands it to the loop), or the loop.
+THREAD_MAPS = pytest.mark.parametrize(
+    "thread_map", [None, {"fetch": "loop", "train": "default"}], ids=["io-lane", "loop"]
+)
+
+
+def fetch_and_train(fetch: Any, train: Any, thread_map: Any) -> Pipeline:
+    """``fetch`` reads batch k+1 (``lookahead=1``, stream ``"io"``) while ``train`` steps
+    on batch k (lane ``"default"``)."""
+    return Pipeline(
+        [Task.from_fn("fetch", fetch, lookahead=1, stream="io", writes=("batch",)),
+         Task.from_fn("train", train, reads=("batch",), writes=("step_result",))],
+        thread_map=thread_map,
+    )  # fmt: skip
+
+
+def echo_batch(ctx: TaskContext) -> None:
+    ctx.slots.set("step_result", ctx.slots["batch"])
+
+
+@THREAD_MAPS
+async def test_the_fetch_of_the_next_batch_has_begun_when_the_step_starts(thread_map: Any) -> None:
+    began: set[int] = set()  # the batches whose fetch has reached its first await
+    seen: list[tuple[int, bool]] = []  # each step: (its batch, had the next fetch begun?)
+
+    async def fetch(ctx: TaskContext) -> None:
+        began.add(ctx.slots["batch_cpu"])
+        await asyncio.sleep(0)
+        ctx.slots.set("batch", ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch"]
+        seen.append((batch, batch + 1 in began))
+        echo_batch(ctx)
+
+    async with fetch_and_train(fetch, train, thread_map) as pipe:
+        assert await collect(pipe, iter(range(6))) == list(range(6))
+    # Every step but the last (there is no batch 6) started with the next fetch begun.
+    assert [batch for batch, begun in seen if not begun] == [5]
+
+
+@THREAD_MAPS
+async def test_a_failing_fetch_fails_its_progress_with_its_own_error(thread_map: Any) -> None:
+    async def fetch(ctx: TaskContext) -> None:
+        await asyncio.sleep(0)
+        if ctx.slots["batch_cpu"] == 3:
+            raise ValueError("no features for batch 3")
+        ctx.slots.set("batch", ctx.slots["batch_cpu"])
+
+    results: list[Any] = []
+    async with fetch_and_train(fetch, echo_batch, thread_map) as pipe:
+        source = iter(range(6))
+        with pytest.raises(ValueError, match="no features for batch 3"):
+            while True:
+                results.append(await pipe.progress(source))
+    # The step on batch 2 shares the failed iteration: whether it ran before the
+    # failure was known is timing (its result then comes first).  Nothing else comes.
+    assert results in ([0, 1], [0, 1, 2])
+
+
+@THREAD_MAPS
+async def test_a_call_cancelled_while_the_fetch_waits_loses_and_repeats_nothing(
+    thread_map: Any,
+) -> None:
+    waiting, go_on = asyncio.Event(), asyncio.Event()
+
+    async def fetch(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 3 and not go_on.is_set():
+            waiting.set()
+            await go_on.wait()
+        ctx.slots.set("batch", ctx.slots["batch_cpu"])
+
+    async with fetch_and_train(fetch, echo_batch, thread_map) as pipe:
+        source = iter(range(6))
+        results = [await pipe.progress(source) for _ in range(2)]
+        call = asyncio.create_task(pipe.progress(source))
+        await waiting.wait()  # the iteration fetching batch 3 (and stepping on 2) is under way
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            results.append(await call)
+        go_on.set()
+        results += await collect(pipe, source)
+    assert results == list(range(6))
+
+
+async def test_run_on_lane_from_a_fetch_heading_its_lane_runs_on_that_lane() -> None:
+    threads: list[str] = []
+
+    async def fetch(ctx: TaskContext) -> None:
+        threads.append(await ctx.run_on_lane(lambda: threading.current_thread().name))
+        ctx.slots.set("batch", ctx.slots["batch_cpu"])
+
+    async with fetch_and_train(fetch, echo_batch, None) as pipe:
+        assert await collect(pipe, iter(range(4))) == list(range(4))
+    assert threads == ["aiopipe-lane-io"] * 4
+
+
+def test_the_blocking_form_starts_the_fetch_before_the_step_too() -> None:
+    began: set[int] = set()
+    late: list[int] = []
+
+    async def fetch(ctx: TaskContext) -> None:
+        began.add(ctx.slots["batch_cpu"])
+        await asyncio.sleep(0)
+        ctx.slots.set("batch", ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch"] + 1 not in began:
+            late.append(ctx.slots["batch"])
+        echo_batch(ctx)
+
+    with fetch_and_train(fetch, train, None).blocking() as pipe:
+        source = iter(range(5))
+        assert [pipe.progress(source) for _ in range(5)] == list(range(5))
+    assert late == [4]
+
+
+INTERRUPTED_HEAD = """
+import asyncio
+from aiopipe import Pipeline, Task, TaskContext
+
+def case(error, fetch_lane):
+    steps = []
+
+    async def fetch(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch_cpu"]
+        if batch == 2 and not steps.count("raised"):
+            steps.append("raised")
+            raise {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[error]()
+        await asyncio.sleep(0)
+        ctx.slots.set("batch", batch)
+
+    def train(ctx: TaskContext) -> None:
+        steps.append(ctx.slots["batch"])
+        ctx.slots.set("step_result", ctx.slots["batch"])
+
+    pipe = Pipeline(
+        [Task.from_fn("fetch", fetch, lookahead=1, stream="io", writes=("batch",)),
+         Task.from_fn("train", train, reads=("batch",), writes=("step_result",))],
+        thread_map={"fetch": fetch_lane, "train": "default"},
+    ).blocking()
+    source = iter(range(5))
+    first = pipe.progress(source)
+    try:
+        while True:
+            pipe.progress(source)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        print(error, fetch_lane, "interrupted by", type(exc).__name__, flush=True)
+    pipe.reset()  # nothing of the interrupted call is left to run on
+    print(error, fetch_lane, "first", first, "then", list(pipe.results(iter(range(3)))), flush=True)
+    pipe.shutdown()
+
+for error in ("KeyboardInterrupt", "SystemExit"):
+    for fetch_lane in ("io", "loop"):
+        case(error, fetch_lane)
+"""
+
+
+def test_an_interrupt_in_a_fetch_heading_its_chain_leaves_nothing_stuck() -> None:
+    """The body raises before its first ``await``, while the step's lane waits for
+    the loop to let it go: the interrupt reaches the caller, and the lanes are free
+    for ``reset()`` and the next calls (no hang: a child that hung would time out)."""
+    out = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_HEAD], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for error in ("KeyboardInterrupt", "SystemExit"):
+        for lane in ("io", "loop"):
+            assert f"{error} {lane} interrupted by {error}" in lines
+            assert f"{error} {lane} first 0 then [0, 1, 2]" in lines
+    assert "never retrieved" not in out.stderr
