@@ -284,7 +284,8 @@ class FetchAhead(AsyncIterator[T]):
             self._keys_failed = False
             raise problem
         if isinstance(problem, _NotAwaitable):  # a bug, not a failed key (`except FetchError`
-            raise problem  # would skip every key)
+            # would skip every key); raised as the public class, without the marker's name
+            raise ConfigurationTypeError(*problem.args) from None
         self._failed.append(entry.index)
         raise FetchError(entry.key, entry.index, problem) from problem
 

@@ -195,7 +195,7 @@ def _compute_loss(
             output = forward(model, batch)
         elif loss_fn is not None and two_args and _is_pair(batch):
             inputs, target = batch  # the common (inputs, target) form
-            return loss_fn(model(inputs), target)
+            return _call_loss_fn(loss_fn, model(inputs), target)
         else:
             try:
                 output = model(batch)
@@ -205,9 +205,20 @@ def _compute_loss(
                 raise
         if loss_fn is None:
             return _loss_of_output(output)
-        return loss_fn(output, batch) if two_args else loss_fn(output)
+        return _call_loss_fn(loss_fn, output, batch) if two_args else _call_loss_fn(loss_fn, output)
 
     return run
+
+
+def _call_loss_fn(loss_fn: Callable[..., Any], *args: Any) -> Any:
+    """``loss_fn(*args)``; its error says it came from ``loss_fn``, which the engine
+    would otherwise report only as task ``forward``'s."""
+    try:
+        return loss_fn(*args)
+    except Exception as exc:
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note("aiopipe: raised by loss_fn, which basic() calls in its task 'forward'")
+        raise
 
 
 def _backward(loss: torch.Tensor) -> None:

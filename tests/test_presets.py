@@ -214,6 +214,25 @@ async def test_one_argument_loss_fn_and_default_forward() -> None:
     assert len(results) == 3 and all(r.ndim == 0 for r in results)
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python >= 3.11")
+@pytest.mark.parametrize("two_args", [False, True])
+async def test_an_error_in_loss_fn_says_it_came_from_loss_fn(two_args: bool) -> None:
+    model, opt = make(0, "sgd")
+
+    def broken(output: torch.Tensor, *target: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad loss")
+
+    loss = broken if two_args else (lambda output: broken(output))
+    batch = batches(1) if two_args else [torch.randn(4, 8)]  # (inputs, target), or inputs
+    pipe = basic(model, opt, loss_fn=loss)
+    async with pipe:
+        with pytest.raises(ValueError, match="bad loss") as caught:
+            await pipe.progress(iter(batch))
+    notes = caught.value.__notes__
+    assert notes[0] == "aiopipe: raised by loss_fn, which basic() calls in its task 'forward'"
+    assert "raised by task 'forward' on batch 0" in notes[1]  # the engine's own, after it
+
+
 async def test_a_loss_that_is_not_a_tensor_is_a_clear_error() -> None:
     model, opt = make(0, "sgd")
     pipe = basic(model, opt, loss_fn=lambda out: "nope")
