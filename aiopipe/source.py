@@ -268,4 +268,8 @@ class Feed(Pulls):
                     f"{self.lost}: the rest of its items cannot be read"
                 )
             return await self.take()
+        if isinstance(ahead.exception(), (KeyboardInterrupt, SystemExit)):
+            # asyncio raised it out of the event loop from the pull's task when the
+            # source raised it: delivered once already.  The source gave no item: pull again.
+            return await self.take()
         return ahead.result()  # type: ignore[no-any-return]

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from conftest import collect
 
-from aiopipe import Pipeline, Task, TaskContext
+from aiopipe import Pipeline, PipelineStateError, Task, TaskContext
+from aiopipe.executors.loop_bodies import LoopBody
 
 #: Where the fetch runs: its stream's lane (a lane thread hands it to the loop), or the loop.
 THREAD_MAPS = pytest.mark.parametrize(
@@ -190,3 +191,25 @@ def test_an_interrupt_in_a_fetch_heading_its_chain_leaves_nothing_stuck() -> Non
             assert f"{error} {lane} interrupted by {error}" in lines
             assert f"{error} {lane} first 0 then [0, 1, 2]" in lines
     assert "never retrieved" not in out.stderr
+
+
+class PostedTo:
+    """A lane's ``post``, recorded."""
+
+    def __init__(self) -> None:
+        self.posted: list[object] = []
+
+    def post(self, marker: object) -> None:
+        self.posted.append(marker)
+
+
+def test_a_body_whose_loop_closed_before_it_started_lets_its_lane_go_with_an_error() -> None:
+    lane = PostedTo()
+    never_ran = LoopBody(lane)  # type: ignore[arg-type]
+    error = never_ran.abandon()  # the stage fails with it, before its other lanes go
+    assert lane.posted == [never_ran]
+    assert isinstance(error, PipelineStateError) and never_ran.error is error  # not a success
+    ended = LoopBody(lane)  # type: ignore[arg-type]
+    ended.finish()
+    assert ended.abandon() is None  # after its own end: nothing more, no error made up
+    assert lane.posted == [never_ran, ended] and ended.error is None

@@ -352,3 +352,35 @@ async def test_a_left_chain_no_longer_has_the_next_fetch_started_for_it() -> Non
         gates.release.set()
         source.open(2, 3)
         assert [r async for r in pipe.results(source.items)] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("fetch_lane", ["io", "loop"])
+@pytest.mark.parametrize("first_on_its_lane", [True, False])
+async def test_chained_steps_with_an_async_def_body_on_a_lane_run_to_the_end(
+    fetch_lane: str, first_on_its_lane: bool
+) -> None:
+    """A lane that waits for its ``async def`` body serves only that body's calls: the
+    next step's chain, queued behind on the same lane, used to be run inside the wait,
+    where it waited for the running step to end -- which waited for it (a hang)."""
+
+    def mark(ctx: TaskContext) -> None:
+        ctx.slots.set("marked", ctx.slots["batch_cpu"])
+
+    async def fetch(ctx: TaskContext) -> None:
+        on_lane = await ctx.run_on_lane(lambda: ctx.slots["batch_cpu"])
+        await asyncio.sleep(0)
+        ctx.slots.set("batch", on_lane)
+
+    def train(ctx: TaskContext) -> None:
+        ctx.slots.set("step_result", ctx.slots["batch"])
+
+    tasks = [Task.from_fn("fetch", fetch, lookahead=1, stream="io", writes=("batch",)),
+             Task.from_fn("train", train, reads=("batch",), writes=("step_result",))]  # fmt: skip
+    if not first_on_its_lane:  # a sync task before it on its lane: handed over, not started
+        tasks.insert(0, Task.from_fn("mark", mark, lookahead=1, stream="io", writes=("marked",)))
+    lanes = {"mark": fetch_lane, "fetch": fetch_lane, "train": "default"}
+    async with Pipeline(tasks, thread_map=lanes) as pipe:
+        source, results = iter(range(12)), []
+        while len(results) < 12:
+            results += await asyncio.wait_for(pipe.progress_many(source, 4), 30)
+    assert results == list(range(12))

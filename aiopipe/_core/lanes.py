@@ -9,6 +9,7 @@ is policy, in :mod:`aiopipe.lanes`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import queue
 import sys
@@ -80,11 +81,18 @@ class Lane:
         self.name = name
         self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._wakes: list[LoopWaker] = []  # for after the running work item (this thread only)
+        # Work items set aside by run_pending_until, run next (this thread only).
+        self._set_aside: collections.deque[object] = collections.deque()
         self._thread = threading.Thread(target=self._main, name=f"{LANE_THREAD_PREFIX}{name}", daemon=True)
         self._thread.start()
 
     def submit(self, work: Callable[[], object]) -> None:
         self.queue.put(work)
+
+    def submit_call(self, work: Callable[[], object]) -> None:
+        """Queue ``work`` as a call for the ``async def`` body this lane may be waiting
+        for (:meth:`run_pending_until` runs it at once)."""
+        self.queue.put(_Call(work))
 
     def wake_after_item(self, waker: LoopWaker) -> None:
         """From this lane's thread: wake ``waker``'s loop once the running work item
@@ -102,9 +110,12 @@ class Lane:
         self.queue.put(marker)
 
     def run_pending_until(self, done: object) -> None:
-        """From inside this lane's thread: run queued work until ``done`` is dequeued
-        (used while an ``async def`` task of this lane runs on the loop and may hand
-        synchronous calls back to its lane)."""
+        """From inside this lane's thread: run the calls queued for it
+        (:meth:`submit_call`) until ``done`` is dequeued -- used while an ``async def``
+        task of this lane runs on the loop and may hand synchronous calls back to its
+        lane.  Other work queued meanwhile (a later iteration's chain, queued behind
+        the running one) is set aside and runs after the running work item: run here,
+        inside it, it would wait for that item to end, which waits for ``done``."""
         while True:
             item = self.queue.get()
             if item is done:
@@ -112,16 +123,22 @@ class Lane:
             if item is _STOP:
                 self.queue.put(_STOP)  # let the thread's main loop see it
                 raise PipelineStateError(f"lane {self.name!r} stopped while a task was running")
-            item()  # type: ignore[operator]
-            self._send_wakes()
+            if type(item) is _Call:
+                item()
+                self._send_wakes()
+            else:
+                self._set_aside.append(item)
 
     def _main(self) -> None:
         _lower_this_threads_priority(LANE_NICE)
+        set_aside = self._set_aside
         while True:
-            item = self.queue.get()
+            item = set_aside.popleft() if set_aside else self.queue.get()
             if item is _STOP:
                 return
-            item()  # type: ignore[operator]
+            if not callable(item):  # a body's end, posted after its waiter had gone
+                continue
+            item()
             # Drop the reference before waking the loop and blocking again: a finished
             # work item must not keep its executor (and so this lane) alive.
             del item
@@ -186,6 +203,18 @@ def _post_stop(lanes: dict[str, Lane]) -> None:
         lane.queue.put(_STOP)
 
 
+class _Call:
+    """A call queued for an ``async def`` body's lane (:meth:`Lane.submit_call`)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()
+
+
 async def call_on_lane(waker: LoopWaker, lane: Lane, fn: Callable[[], Any]) -> Any:
     """Run ``fn()`` on ``lane``'s thread and await its result from the loop."""
     return await start_on_lane(waker, lane, fn)
@@ -204,5 +233,5 @@ def start_on_lane(waker: LoopWaker, lane: Lane, fn: Callable[[], Any]) -> asynci
         else:
             waker.resolve(future, None, result)
 
-    lane.submit(work)
+    lane.submit_call(work)
     return future

@@ -45,6 +45,19 @@ class LoopBody:
             self.posted = True
             self.lane.post(self)
 
+    def abandon(self) -> BaseException | None:
+        """The loop that runs the body closed: let the lane go on, with an error if
+        the body never ran (closed before its first step, it never reached its own
+        ``finish``; its lane must not go on as if it had succeeded).  That error, or
+        ``None``."""
+        never_ran = None
+        if not self.posted and self.error is None:
+            never_ran = self.error = PipelineStateError(
+                "the event loop closed before this task's async def body started"
+            )
+        self.finish()
+        return never_ran
+
 
 def begin_heads(run: StageRun, lanes: list[Lane]) -> Latch:
     """On the loop, before the lanes get the stage: a :class:`LoopBody` in

@@ -153,7 +153,9 @@ class StageRun:
         for task in tasks:
             task.get_coro().close()
         for head in self.heads.values():
-            head.finish()  # a body closed before its first step never reached its own
+            never_ran = head.abandon()
+            if never_ran is not None:
+                self.fail(never_ran)  # before the other lanes go: their tasks are skipped
         if self.heads_begun is not None:
             self.heads_begun.set()  # the loop's call that would set it is gone
         return bool(tasks)
