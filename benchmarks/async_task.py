@@ -16,7 +16,11 @@ Each row runs in processes of its own, timed in alternating chunks
 median *fetch lag*: from the start of step k to the start of the fetch of batch k+1,
 which the same iteration runs.  Overlapped, it is near 0; serialised, it is the step.
 
+``--wait socket`` waits as a client does, on a request to a server (``online_cycle``'s:
+a process of its own that answers each byte after ``--latency-ms``), not on a timer.
+
     ./dev bench async_task [--latency-ms 4] [--compute-ms 2] [--width W] [--rounds 3]
+                           [--wait timer|socket]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import asyncio
 import functools
 import itertools
 import queue
+import socket
 import statistics
 import sys
 import threading
@@ -49,8 +54,11 @@ ROWS = ("plain loop", "prefetch thread", "aiopipe, fetch on its stream's lane",
 WARM_UP = 20  # untimed steps before a worker's first chunk; its stamps are left out
 
 
-def build_row(row: str, rank: int, *, width: int, latency_s: float) -> tuple[Any, Any]:
-    """The chunk worker's ``run(n)`` for ``row`` and its report (the median fetch lag)."""
+def build_row(
+    row: str, rank: int, *, width: int, latency_s: float, port: int | None = None
+) -> tuple[Any, Any]:
+    """The chunk worker's ``run(n)`` for ``row`` and its report (the median fetch lag).
+    With ``port``, each wait is a request to ``online_cycle``'s server there."""
     import online_matrix as matrix
 
     from aiopipe import Pipeline, Task, TaskContext
@@ -61,9 +69,24 @@ def build_row(row: str, rank: int, *, width: int, latency_s: float) -> tuple[Any
     fetch_waits: dict[int, float] = {}  # batch index: how long its awaited latency took
     step_starts: dict[int, float] = {}  # batch index: when its step started
 
+    streams: list[Any] = []  # the connection to the server, opened on the first fetch
+
+    async def wait() -> None:
+        if port is None:
+            await asyncio.sleep(latency_s)
+            return
+        if not streams:
+            streams.extend(await asyncio.open_connection("127.0.0.1", port))
+            streams[1].transport.get_extra_info("socket").setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+            )
+        reader, writer = streams
+        writer.write(b"x")
+        assert await reader.readexactly(1) == b"x"
+
     async def fetch(index: int) -> Any:
         fetch_starts[index] = start = time.perf_counter()
-        await asyncio.sleep(latency_s)
+        await wait()
         fetch_waits[index] = time.perf_counter() - start
         return matrix._batch(torch.Generator().manual_seed(index))
 
@@ -89,8 +112,15 @@ def build_row(row: str, rank: int, *, width: int, latency_s: float) -> tuple[Any
         ready: queue.Queue[Any] = queue.Queue(2)
 
         def fetch_forever() -> None:
+            conn = None if port is None else socket.create_connection(("127.0.0.1", port))
+            if conn is not None:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for index in indices:
-                time.sleep(latency_s)
+                if conn is None:
+                    time.sleep(latency_s)
+                else:
+                    conn.sendall(b"x")
+                    assert conn.recv(1) == b"x"
                 ready.put((index, matrix._batch(torch.Generator().manual_seed(index))))
 
         threading.Thread(target=fetch_forever, daemon=True).start()
@@ -133,13 +163,19 @@ def main() -> None:
     add_cycle_arguments(parser, latency_ms=4.0, compute_ms=2.0)
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS), metavar="ROW",
                         help=f"rows to run (default: all of {list(ROWS)})")
+    parser.add_argument("--wait", choices=("timer", "socket"), default="timer",
+                        help="how the fetch waits: a sleep, or a request to a server "
+                             "(online_cycle's)")  # fmt: skip
     args = parser.parse_args()
     check_cycle_arguments(parser, args)
+    import online_cycle
     import online_matrix as matrix
 
     width = args.width or matrix.calibrate(args.compute_ms)
     step_ms = matrix.step_ms(width)
-    build = functools.partial(build_row, width=width, latency_s=args.latency_ms / 1e3)
+    latency_s = args.latency_ms / 1e3
+    port = online_cycle.start_server(latency_s) if args.wait == "socket" else None
+    build = functools.partial(build_row, width=width, latency_s=latency_s, port=port)
     chunks = time_in_chunks(build, args.rows, chunk=args.chunk, rounds=args.rounds,
                             processes=args.processes, warm_up=WARM_UP,
                             settle=matrix.SETTLE)  # fmt: skip
@@ -154,7 +190,8 @@ def main() -> None:
             cells[1] = "--"
         rows.append([row, with_spread(chunks.ms[row], 2), f"{ideal / median:.3f}", *cells])
     print_table(
-        f"an async def fetch task ({args.latency_ms:g} ms awaited) beside a {step_ms:.2f} ms "
+        f"an async def fetch task ({args.latency_ms:g} ms awaited, {args.wait}) beside a "
+        f"{step_ms:.2f} ms "
         f"step (width {width}), {args.processes} process sets of {args.rounds} chunks of "
         f"{args.chunk} steps",
         ["row", "ms / step", "x the ideal max(fetch, step)", "the awaited latency took (ms)",
