@@ -325,7 +325,9 @@ class AsyncExecutor:
                 if slow_s is None or flag.is_set():
                     await flag.wait()  # set on failure too: never waits forever
                     continue
-                timer = run.waker.loop.call_later(slow_s, warn_slow_wait, self._lane_of, run, i, p, slow_s)
+                timer = run.waker.loop.call_later(
+                    slow_s, warn_slow_wait, self._lane_of, run, i, p, slow_s
+                )
                 try:
                     await flag.wait()
                 finally:
