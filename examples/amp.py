@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from aiopipe import SchedulablePipeline, basic
+from aiopipe import basic
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

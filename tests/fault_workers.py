@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import hstu_tasks.pipeline as hstu_pipeline

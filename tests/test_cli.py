@@ -17,7 +17,7 @@ import pytest
 
 import aiopipe
 import aiopipe.cli
-from aiopipe import Pipeline, Schedule
+from aiopipe import Schedule
 from aiopipe.cli import TargetError, load_target, main, parse_thread_map
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -173,10 +173,10 @@ class LanePool:
     def get(self, name: str) -> Lane:
         if self._forks != _forks and self._lanes:
             raise PipelineStateError(
-                f"this pipeline's lane threads were started before this process was "
-                f"fork()ed, and fork() does not copy threads: work handed to them would wait "
-                f"forever. Build the pipeline in the child process (or fork before the "
-                f"first progress, or use the 'spawn' start method)"
+                "this pipeline's lane threads were started before this process was "
+                "fork()ed, and fork() does not copy threads: work handed to them would wait "
+                "forever. Build the pipeline in the child process (or fork before the "
+                "first progress, or use the 'spawn' start method)"
             )
         lane = self._lanes.get(name)
         if lane is None:

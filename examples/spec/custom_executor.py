@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from aiopipe import Executor, SchedulablePipeline, SequentialExecutor, basic
+from aiopipe import Executor, SequentialExecutor, basic
 from aiopipe.executors import Iteration
 from aiopipe.plan import ExecutionPlan
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from aiopipe import SchedulablePipeline, basic
+from aiopipe import basic
 
 import toy
 from toy import train_plain  # the specification's loop, unpipelined

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from aiopipe import SchedulablePipeline, basic
+from aiopipe import basic
 
 import toy
 

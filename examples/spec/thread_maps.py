@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from aiopipe import AsyncExecutor, SchedulablePipeline, Task, ThreadMap, basic
+from aiopipe import AsyncExecutor, Task, ThreadMap, basic
 
 import toy
 from toy import train_plain  # the specification's loop, unpipelined
