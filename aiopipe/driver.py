@@ -108,7 +108,8 @@ class IterationDriver:
                 if reads_ahead:
                     # Read the next batch while this iteration runs.  A task first hands
                     # its work to the lanes (tasks start in FIFO order).
-                    handle, stepped = None if in_task else self._handle, False
+                    handle = None if in_task else self._handle  # a fast-path start
+                    stepped = False  # the loop has run a step since the start
                     try:
                         if in_task:
                             await asyncio.sleep(0)

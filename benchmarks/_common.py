@@ -200,6 +200,12 @@ def report_and_leave(rank: int, out: str, payload: Any) -> None:
     leave_and_exit(0)
 
 
+def _settled_spans(spans: Sequence[Any], skip: int) -> list[Any]:
+    """The spans that ran to their end, the first ``skip`` iterations left out."""
+    first = min(span.iteration for span in spans) + skip
+    return [span for span in spans if span.iteration >= first and not span.failed]
+
+
 def engine_host_ms(spans: Sequence[Any], skip: int = 5) -> tuple[float, float]:
     """``(engine ms, step ms)`` per step, from a tracer's spans of one run (the first
     ``skip`` iterations left out).
@@ -210,11 +216,9 @@ def engine_host_ms(spans: Sequence[Any], skip: int = 5) -> tuple[float, float]:
     starting the next iteration, waking up.  The engine's host time is the rest of
     those gaps; a step is the time from one iteration's last body on that thread to
     the next one's."""
-    first = min(span.iteration for span in spans) + skip
     by_thread: dict[str, list[Any]] = collections.defaultdict(list)
-    for span in spans:
-        if span.iteration >= first and not span.failed:
-            by_thread[span.thread].append(span)
+    for span in _settled_spans(spans, skip):
+        by_thread[span.thread].append(span)
     busiest = max(by_thread.values(), key=lambda s: sum(x.duration_ns for x in s), default=[])
     chain = sorted(busiest, key=lambda span: span.start_ns)
     ends: dict[int, int] = {}
@@ -234,13 +238,11 @@ def task_body_ms(spans: Sequence[Any], skip: int = 5) -> dict[str, float]:
     """Each task's body time per step in ms (host time on the thread that ran it, an
     ``async def`` body's suspended time left out), from a tracer's spans of one run
     (the first ``skip`` iterations left out)."""
-    first = min(span.iteration for span in spans) + skip
     totals: dict[str, int] = collections.defaultdict(int)
     iterations = set()
-    for span in spans:
-        if span.iteration >= first and not span.failed:
-            totals[span.task] += span.duration_ns - span.await_ns
-            iterations.add(span.iteration)
+    for span in _settled_spans(spans, skip):
+        totals[span.task] += span.duration_ns - span.await_ns
+        iterations.add(span.iteration)
     return {task: total / len(iterations) / 1e6 for task, total in totals.items()}
 
 
