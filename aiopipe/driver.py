@@ -31,7 +31,7 @@ from typing import Any
 from ._core.lanes import yield_cpu_to_lanes
 from ._core.log import pipeline_log
 from ._core.nvtx import Annotator
-from ._core.loops import task_quiet_if_left
+from ._core.loops import close_if_unstarted, task_quiet_if_left
 from ._core.watch import LaneWatch, describe_wait
 from .chain import StepChain
 from .context import TaskContext
@@ -345,6 +345,12 @@ class IterationDriver:
         running, current = self.running, self._current
         if running is None or not running.get_loop().is_closed():
             return False
+        if close_if_unstarted(running):  # the loop closed before the task's first step
+            self.running = self._handle = self._current = None
+            self._chain.forget()  # (a task's iteration never has steps queued behind it)
+            pipeline_log.info("%s: an iteration left unstarted on a closed event loop is "
+                              "started again", self._pipeline)  # fmt: skip
+            return True
         number = -1
         if current is not None:
             iteration = current[1]
@@ -372,6 +378,8 @@ class IterationDriver:
         self._chain.drop(current[0] if current is not None else None)  # asked for by the caller who left
         if handle is None or running is None or current is None or self._guarded is running:
             return  # a task's iteration, none, or guarded already (by an earlier caller)
+        if running.get_loop().is_closed():
+            return  # nothing to guard on a closed loop; the next call ends it (_finish_orphan)
         self._guarded = running
         describe = functools.partial(describe_wait, self._pipeline, current[1], self._lane_names)
         LaneWatch(handle, describe).guard(running, self._guards)

@@ -4,9 +4,11 @@ iteration, cancel-safe."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 
 from ._core.log import pipeline_log
+from ._core.loops import close_if_unstarted, task_quiet_if_left
 from ._core.waker import wait_settled
 from .context import CURRENT, Running, TaskContext
 from .plan import ExecutionPlan
@@ -28,10 +30,23 @@ class TaskInits:
         it running (the next call waits for it, never runs an init twice); a failure
         is raised, and the next call retries the inits not yet done."""
         running = self._running
+        if running is not None and not running.done() and running.get_loop().is_closed():
+            self._left_on_a_closed_loop(running)
+            running = None
         if running is None or (running.done() and (running.cancelled() or running.exception())):
-            running = self._running = asyncio.ensure_future(self._init_tasks())
+            running = self._running = task_quiet_if_left(self._init_tasks())
         await wait_settled(running)
         running.result()
+
+    def _left_on_a_closed_loop(self, running: asyncio.Future[None]) -> None:
+        """The loop running the inits was closed under them: those not done run again
+        (an ``async def init`` stopped at an ``await`` there starts over)."""
+        if not close_if_unstarted(running):
+            pipeline_log.warning(
+                "%s: init() was left unfinished on an event loop that was closed; the "
+                "inits not done run again", self._pipeline,
+            )  # fmt: skip
+        self._running = None
 
     async def _init_tasks(self) -> None:
         for task in self._plan.order:
@@ -43,7 +58,9 @@ class TaskInits:
                 if inspect.isawaitable(result):
                     await result
             finally:
-                CURRENT.reset(token)
+                # An init left on a closed loop is closed later, in another context.
+                with contextlib.suppress(ValueError):
+                    CURRENT.reset(token)
             self._done_tasks.add(task.name)
         self.done = True
         pipeline_log.info("%s: init() of %d tasks done; up to %d batches will be in flight",

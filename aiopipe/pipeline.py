@@ -15,6 +15,7 @@ collect them in :mod:`~aiopipe.collect`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterable, Iterable, Mapping
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._core.log import lanes_summary, next_pipeline_name, pipeline_log
+from ._core.loops import close_awaited
 from ._core.nvtx import resolve_annotator
 from .collect import collect_drain, collect_steps
 from .context import TaskContext
@@ -36,7 +38,7 @@ from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores
 from .schedule import Schedule
-from .source import Feed
+from .source import Counts, Feed
 from .sources import OneBatch, Source
 from .statistics import PipelineStatistics
 from .streams import StreamPool
@@ -110,7 +112,9 @@ class SchedulablePipeline:
             read_ahead=read_ahead_depth(options.get("read_ahead", True)),
             check_batch=options.get("check_batch"),
         )  # fmt: skip
-        self._busy = False
+        # The loop of the call in progress (progress, progress_many, drain), if any.
+        self._busy: asyncio.AbstractEventLoop | None = None
+        self._busy_task: asyncio.Task[Any] | None = None  # (its task)
         self._closed = False
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
@@ -152,18 +156,19 @@ class SchedulablePipeline:
 
     def statistics(self) -> PipelineStatistics:
         feed = self._feeds.shown
+        counts = feed.counts if feed else Counts()
         return PipelineStatistics(
-            pulled=feed.pulled if feed else 0,
-            returned=feed.returned if feed else 0,
+            pulled=counts.pulled,
+            returned=counts.returned,
             in_flight=feed.in_flight if feed else 0,
             iteration=feed.iteration if feed else 0,
             exhausted=feed.exhausted if feed else False,
             broken=self._driver.failures.broken,
             closed=self._closed,
-            refused=feed.refused if feed else 0,
-            applied=feed.applied if feed else 0,
+            refused=counts.refused,
+            applied=counts.applied,
             discarded=self._feeds.discarded,
-            position=feed.position if feed else 0,
+            position=counts.position,
         )
 
     # -- the progress contract -------------------------------------------------------
@@ -180,7 +185,7 @@ class SchedulablePipeline:
         if in_trio():  # the engine needs asyncio: hand the call to the bridge (interop.py)
             source = self._trio_source(source)
             return await self._trio.call(SchedulablePipeline.progress, self, source)
-        self._begin_call()
+        call = self._begin_call()
         try:
             produced, result = await self._next_of(source)
             if not produced:
@@ -188,7 +193,7 @@ class SchedulablePipeline:
                 raise StopAsyncIteration
             return result
         finally:
-            self._busy = False
+            self._end_call(call)
 
     @needs_event_loop
     async def progress_many(self, source: Source, steps: int) -> list[Any]:
@@ -213,13 +218,13 @@ class SchedulablePipeline:
         if in_trio():  # as in progress(): the call runs on the bridge
             many = SchedulablePipeline.progress_many
             return await self._trio.call(many, self, self._trio_source(source), steps)
-        self._begin_call()
+        call = self._begin_call()
         try:
             next_of = functools.partial(self._next_of, source)
             return await collect_steps(next_of, steps, self._driver, self._feeds,
                                        self._on_source_end)  # fmt: skip
         finally:
-            self._busy = False
+            self._end_call(call)
 
     @needs_event_loop
     async def step(self, batch: Any) -> Any:
@@ -258,11 +263,10 @@ class SchedulablePipeline:
     async def drain(self) -> list[Any]:
         """Stop pulling from the current source and finish the batches in flight
         (a batch already read ahead included); return their results.  The source is
-        then forgotten: passing it again continues with its next batch, passing
-        another one starts afresh.  Either way ``statistics()`` counts afresh, its
-        ``position`` included: read the position before ``drain()`` returns to a
-        caller that goes on (``wait_idle()`` then ``statistics()``, plus the results
-        ``drain`` returned) and add it to later ones to checkpoint the same source.
+        then done with: passing it again continues with its next batch, and
+        ``statistics()`` counts on (its ``position`` stays the position in that
+        source, for a checkpoint); passing another one, or the same one after its
+        end (a new pass), starts afresh, counts and all.
         Cancel-safe like ``progress``: results finished
         by an interrupted ``drain`` are returned by the next call.  If a batch's task
         fails, ``drain`` raises that error; the results of steps applied before it
@@ -270,11 +274,11 @@ class SchedulablePipeline:
         ``reset()`` asked for."""
         if in_trio():  # as in progress()
             return await self._trio.call(SchedulablePipeline.drain, self)
-        self._begin_call()
+        call = self._begin_call()
         try:
             return await collect_drain(self._driver, self._feeds, self.name)
         finally:
-            self._busy = False
+            self._end_call(call)
 
     async def aclose(self) -> None:
         """Wait for an iteration still running (its caller was cancelled), then shut
@@ -318,7 +322,7 @@ class SchedulablePipeline:
         but not yet returned are dropped too; ``applied`` still counts them).  An item
         read ahead that no task touched is kept: the next ``progress`` on the same
         source takes it first."""
-        if self._busy:
+        if self._call_in_progress():
             raise PipelineStateError("cannot reset while a progress is running")
         self._driver.refuse_while_running("reset()")
         feed = self._feeds.current
@@ -332,7 +336,7 @@ class SchedulablePipeline:
         """Stop the executor's threads.  Idempotent; the pipeline is unusable after."""
         if self._closed:
             return
-        if self._busy:
+        if self._call_in_progress():
             raise PipelineStateError("cannot shut down while a progress is running")
         self._driver.refuse_while_running("shutdown()")
         pipeline_log.debug("%s: shut down", self.name)
@@ -365,13 +369,36 @@ class SchedulablePipeline:
         self._driver.failures.raise_pending()
         self._driver.failures.raise_if_broken()
 
-    def _begin_call(self) -> None:
+    def _begin_call(self) -> asyncio.AbstractEventLoop:
         self._check_usable()
-        if self._busy:
+        if self._call_in_progress():
             raise PipelineStateError(
                 "another progress() is already running on this pipeline; await it first"
             )
-        self._busy = True
+        self._busy = loop = asyncio.get_running_loop()
+        self._busy_task = asyncio.current_task()
+        return loop
+
+    def _end_call(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._busy is loop:  # (always, bar a call abandoned on a closed loop)
+            self._busy = self._busy_task = None
+
+    def _call_in_progress(self) -> bool:
+        """A call is under way; not one whose event loop was stopped and closed while
+        it waited: that one can never resume, and the next call takes over."""
+        loop, task = self._busy, self._busy_task
+        if loop is None:
+            return False
+        if not loop.is_closed():
+            return True
+        pipeline_log.warning("%s: a call was left waiting on an event loop that was closed; "
+                             "the next call goes on from where it stopped", self.name)  # fmt: skip
+        self._busy = self._busy_task = None
+        if task is not None:
+            # Now, not whenever it is collected: its way out gives back what it had
+            # collected and takes back the steps queued for it (collect.py, chain.py).
+            close_awaited(task, _CALLS, self)
+        return False
 
     def _on_source_end(self) -> None:
         """Called once the last result of a source has been returned (presets hook)."""
@@ -401,3 +428,11 @@ class SchedulablePipeline:
             f"<SchedulablePipeline tasks={len(self._plan)} in_flight={stats.in_flight} "
             f"executor={self._executor!r}>"
         )
+
+
+#: The code of the calls that hold the pipeline while they run (``_begin_call``).
+_CALLS = frozenset(
+    getattr(call, "__wrapped__", call).__code__
+    for call in (SchedulablePipeline.progress, SchedulablePipeline.progress_many,
+                 SchedulablePipeline.drain)
+)  # fmt: skip

@@ -13,20 +13,22 @@ tickets -- and then raises ``KeyboardInterrupt``, as ``asyncio.run`` does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import os
 import signal
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Coroutine
-from types import FrameType
+from collections.abc import Callable, Collection, Coroutine
+from types import CodeType, FrameType
 from typing import Any, TypeVar
 
 from ..errors import PipelineStateError
 
 __all__ = (
-    "LoopRunner", "finish_loop", "new_event_loop", "runner_owns", "task_quiet_if_left",
-    "uvloop_enabled",
+    "LoopRunner", "close_awaited", "close_if_unstarted", "finish_loop", "new_event_loop",
+    "runner_owns", "task_quiet_if_left", "uvloop_enabled",
 )  # fmt: skip
 
 T = TypeVar("T")
@@ -214,3 +216,32 @@ def task_quiet_if_left(
     task = (loop or asyncio.get_running_loop()).create_task(coro)
     task._log_destroy_pending = False  # type: ignore[attr-defined]
     return task
+
+
+def close_if_unstarted(task: asyncio.Future[Any]) -> bool:
+    """Close the coroutine of a task left on a closed loop before its first step:
+    nothing of it ran, and collected unclosed it would warn "coroutine ... was never
+    awaited".  Whether it was such a task (a started one is left as it is)."""
+    get_coro = getattr(task, "get_coro", None)
+    coro = get_coro() if get_coro is not None else None
+    if not inspect.iscoroutine(coro) or inspect.getcoroutinestate(coro) != inspect.CORO_CREATED:
+        return False
+    coro.close()
+    return True
+
+
+def close_awaited(task: asyncio.Future[Any], codes: Collection[CodeType], owner: object) -> bool:
+    """Close the coroutine that ``task`` (left waiting on a closed loop) awaits,
+    through any depth, whose code is one of ``codes`` and whose ``self`` is
+    ``owner``: its ``finally`` clauses and handlers run now, on the caller's thread,
+    not whenever the garbage collector gets to it.  Whether one was found."""
+    get_coro = getattr(task, "get_coro", None)
+    coro = get_coro() if get_coro is not None else None
+    while inspect.iscoroutine(coro):
+        frame = coro.cr_frame
+        if coro.cr_code in codes and frame is not None and frame.f_locals.get("self") is owner:
+            with contextlib.suppress(Exception):  # its way out, not the caller's concern
+                coro.close()
+            return True
+        coro = coro.cr_await
+    return False

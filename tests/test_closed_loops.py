@@ -1,0 +1,173 @@
+"""A call left waiting on an event loop that was stopped and closed by hand (not
+cancelled first): it can never resume.  The next call, on another loop, takes over
+from where it stopped -- nothing lost or repeated, nothing warned about later when
+the dead call is collected."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import warnings
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from aiopipe import Pipeline, PipelineStateError, Task, TaskContext
+
+EXECUTORS = {"lanes": {}, "sequential": {"executor": "sequential"},
+             "loop": {"thread_map": {"train": "loop"}}}  # fmt: skip
+
+
+def gated(steps: list[int], gate_at: int, started: threading.Event,
+          release: threading.Event) -> Task:  # fmt: skip
+    """``train`` records its batch; at batch ``gate_at`` it waits for ``release``."""
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch_cpu"]
+        if batch == gate_at and not release.is_set():
+            started.set()
+            assert release.wait(10)
+        steps.append(batch)
+        ctx.slots.set("step_result", batch)
+
+    return Task.from_fn("train", train, writes=("step_result",))
+
+
+def stop_when(
+    call: Callable[[], Coroutine[Any, Any, Any]], ready: Callable[[list[Any]], bool]
+) -> list[Any]:
+    """Run ``call`` as a task on a loop of its own; stop and close that loop as soon
+    as ``ready(returned)`` holds, checked once a loop cycle from the first (after the
+    task's first step), without cancelling anything.  What ``call`` returned, if it
+    did before."""
+    loop, returned = asyncio.new_event_loop(), []
+
+    async def run() -> None:
+        returned.append(await call())
+
+    def check() -> None:
+        if ready(returned):
+            loop.stop()
+        else:
+            loop.call_soon(check)
+
+    task = loop.create_task(run())
+    task._log_destroy_pending = False  # type: ignore[attr-defined]  # left so on purpose
+    loop.call_soon(check)
+    loop.run_forever()
+    loop.close()
+    return returned
+
+
+def the_rest(pipe: Pipeline, source: Any) -> list[Any]:
+    async def rest() -> list[Any]:
+        async with pipe:
+            return [result async for result in pipe.results(source)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "coroutine ... was never awaited"
+        results = asyncio.run(rest())
+        gc.collect()  # the dead call and what it held: collected quietly
+    return results
+
+
+@pytest.mark.parametrize(
+    ("executor", "when"),
+    [*((executor, "at once") for executor in EXECUTORS), ("lanes", "mid-step")],
+)
+def test_a_progress_left_on_a_closed_loop_lets_the_next_loop_go_on(
+    executor: str, when: str
+) -> None:
+    steps: list[int] = []
+    started, release = threading.Event(), threading.Event()
+    pipe = Pipeline([gated(steps, 1, started, release)], **EXECUTORS[executor])
+    source = iter(range(5))
+    assert stop_when(lambda: pipe.progress(source), bool) == [0]
+    # "at once": right after the call started batch 1's iteration (on the loop, as a
+    # task not yet run); "mid-step": while its body runs.
+    stopped = (lambda _: True) if when == "at once" else (lambda _: started.is_set())
+    assert stop_when(lambda: pipe.progress(source), stopped) == []
+    release.set()
+    assert the_rest(pipe, source) == [1, 2, 3, 4]
+    assert steps == [0, 1, 2, 3, 4]  # each step once
+
+
+@pytest.mark.parametrize("executor", ["sequential", "loop"])
+def test_a_body_left_mid_await_on_a_closed_loop_asks_for_reset(executor: str) -> None:
+    """A body that had begun on the closed loop can never end: the next call says
+    so (before, it was refused as "already running" until the dead call was
+    collected); reset() then starts afresh."""
+    entered = threading.Event()
+
+    async def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 1 and not entered.is_set():
+            entered.set()
+            await asyncio.Event().wait()  # never set: its loop is closed under it
+        ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+    task = Task.from_fn("train", train, writes=("step_result",))
+    pipe, source = Pipeline([task], **EXECUTORS[executor]), iter(range(4))
+    assert stop_when(lambda: pipe.progress(source), bool) == [0]
+    assert stop_when(lambda: pipe.progress(source), lambda _: entered.is_set()) == []
+
+    async def again() -> list[Any]:
+        async with pipe:
+            with pytest.raises(PipelineStateError, match=r"closed.*reset\(\)"):
+                await pipe.progress(source)
+            pipe.reset()
+            return [result async for result in pipe.results(iter(range(3)))]
+
+    assert asyncio.run(again()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("executor", ["lanes"])
+def test_a_progress_many_left_on_a_closed_loop_gives_its_results_back(executor: str) -> None:
+    steps: list[int] = []
+    started, release = threading.Event(), threading.Event()
+    pipe = Pipeline([gated(steps, 2, started, release)], **EXECUTORS[executor])
+    source = iter(range(5))
+    assert stop_when(lambda: pipe.progress_many(source, 4), lambda _: started.is_set()) == []
+    release.set()
+    assert the_rest(pipe, source) == [0, 1, 2, 3, 4]  # 0 and 1 were collected, not lost
+    assert steps == [0, 1, 2, 3, 4]
+
+
+def test_inits_left_on_a_closed_loop_run_on_the_next_one() -> None:
+    inits: list[str] = []
+    entered = threading.Event()
+
+    async def init(ctx: TaskContext) -> None:
+        inits.append("began")
+        entered.set()
+        await asyncio.sleep(0)  # the loop stops before this step ends
+        inits.append("ended")
+
+    task = Task.from_fn("train", lambda ctx: ctx.slots.set("step_result", ctx.slots["batch_cpu"]),
+                        init=init, writes=("step_result",))  # fmt: skip
+    pipe, source = Pipeline([task]), iter(range(3))
+    assert stop_when(lambda: pipe.progress(source), lambda _: entered.is_set()) == []
+    assert inits == ["began"]
+    assert the_rest(pipe, source) == [0, 1, 2]
+    assert inits == ["began", "began", "ended"]  # started over, ended once
+
+
+def test_a_busy_call_on_a_live_loop_is_still_refused() -> None:
+    started, release = threading.Event(), threading.Event()
+    pipe, source = Pipeline([gated([], 0, started, release)]), iter(range(3))
+
+    async def two_calls() -> str:
+        first = asyncio.ensure_future(pipe.progress(source))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        try:
+            await pipe.progress(source)
+        except Exception as exc:  # noqa: BLE001 - the refusal is the point
+            return str(exc)
+        finally:
+            release.set()
+            await first
+        return "not refused"
+
+    assert "already running" in asyncio.run(two_calls())
+    pipe.shutdown()
