@@ -34,7 +34,9 @@ from ..plan import ExecutionPlan
 from .base import Iteration
 from .layout import StageLayout, build_layout
 from .order_check import CollectiveOrderCheck
-from .loop_bodies import begin_heads, hand_to_loop, start_body, wait_on_lane
+from .loop_bodies import (
+    begin_heads, hand_to_loop, heads_whole_chain, serve_calls, start_body, wait_on_lane,
+)  # fmt: skip
 from .slow_waits import slow_ticket_warning, warn_slow_wait
 from .stage import IterationHandle, StageRun
 
@@ -406,6 +408,10 @@ class AsyncExecutor:
         ``release=False``: the caller lets the lanes go (:meth:`IterationHandle.release_lanes`)."""
         begun = begin_heads(run, lanes)
         for lane, (_, chain) in zip(lanes, run.layout.thread_chains):
+            whole = heads_whole_chain(run, chain)
+            if whole is not None:  # the body's end ends the chain: its lane serves calls
+                lane.submit(functools.partial(serve_calls, lane, whole))
+                continue
             # A lane whose chain a body heads waits for that body anyway.
             runner = self._run_thread_chain if chain[0] in run.heads else self._run_after_heads
             lane.submit(functools.partial(runner, run, lane, chain))
