@@ -239,3 +239,28 @@ async def test_a_fetch_that_is_its_lanes_whole_chain_ends_it_without_the_lane() 
         assert results == [1, 2] and not let_go.is_set()  # the lane was held throughout
         assert await collect(pipe, source) == [3, 4]  # batch 4's fetch let it go
     assert calls == ["aiopipe-lane-io"]
+
+
+async def test_run_on_lane_from_a_whole_chain_fetch_with_steps_queued_behind_it() -> None:
+    """``progress_many`` queues the next step on the fetch's lane while the fetch
+    runs on the loop: that lane must still run the fetch's ``run_on_lane`` calls,
+    not wait behind the queued step for the fetch's own end."""
+    threads: list[str] = []
+    release = asyncio.Event()
+
+    async def fetch(ctx: TaskContext) -> None:
+        await release.wait()  # the next step is queued by now (see below)
+        threads.append(await ctx.run_on_lane(lambda: threading.current_thread().name))
+        ctx.slots.set("batch", ctx.slots["batch_cpu"])
+
+    async with fetch_and_train(fetch, echo_batch, None) as pipe:
+        source = iter(range(6))
+        release.set()
+        assert await pipe.progress(source) == 0  # fetches 0 and 1: the lanes exist
+        release.clear()
+        many = asyncio.ensure_future(pipe.progress_many(source, 5))
+        for _ in range(100):  # until the step after the running one is queued
+            await asyncio.sleep(0)
+        release.set()
+        assert await asyncio.wait_for(many, 10) == [1, 2, 3, 4, 5]
+    assert threads == ["aiopipe-lane-io"] * 6

@@ -35,7 +35,7 @@ from .base import Iteration
 from .layout import StageLayout, build_layout
 from .order_check import CollectiveOrderCheck
 from .loop_bodies import (
-    begin_heads, hand_to_loop, heads_whole_chain, serve_calls, start_body, wait_on_lane,
+    begin_heads, hand_to_loop, heads_whole_chain, serve_before, start_body, wait_on_lane,
 )  # fmt: skip
 from .slow_waits import slow_ticket_warning, warn_slow_wait
 from .stage import IterationHandle, StageRun
@@ -257,6 +257,7 @@ class AsyncExecutor:
             return None
         iteration.stage = run
         for lane, (_, chain) in zip(lanes, layout.thread_chains):
+            serve_before(after.stage, lane)
             lane.submit(functools.partial(self._run_gated_chain, run, lane, chain))
         return run
 
@@ -408,9 +409,7 @@ class AsyncExecutor:
         ``release=False``: the caller lets the lanes go (:meth:`IterationHandle.release_lanes`)."""
         begun = begin_heads(run, lanes)
         for lane, (_, chain) in zip(lanes, run.layout.thread_chains):
-            whole = heads_whole_chain(run, chain)
-            if whole is not None:  # the body's end ends the chain: its lane serves calls
-                lane.submit(functools.partial(serve_calls, lane, whole))
+            if heads_whole_chain(run, chain):  # the body ends it: nothing for its lane
                 continue
             # A lane whose chain a body heads waits for that body anyway.
             runner = self._run_thread_chain if chain[0] in run.heads else self._run_after_heads

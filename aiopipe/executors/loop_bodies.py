@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .stage import StageRun
 
 __all__ = (
-    "LoopBody", "begin_heads", "hand_to_loop", "heads_whole_chain", "serve_calls", "start_body",
+    "LoopBody", "begin_heads", "hand_to_loop", "heads_whole_chain", "serve_before", "start_body",
     "wait_on_lane",
 )  # fmt: skip
 
@@ -35,7 +35,7 @@ class LoopBody:
     lane blocks in :meth:`Lane.run_pending_until` on this object, serving the body's
     ``run_on_lane`` calls, until :meth:`finish` posts it."""
 
-    __slots__ = ("_ends_chain", "error", "lane", "posted", "task")
+    __slots__ = ("_ends_chain", "error", "lane", "posted", "served", "task")
 
     def __init__(
         self, lane: Lane | None, ends_chain: Callable[[BaseException | None], None] | None = None
@@ -45,17 +45,24 @@ class LoopBody:
         self.error: BaseException | None = None
         self.posted = False
         #: For a body that is its lane's whole chain: ends that chain, from the body's
-        #: end (``ends_chain(error)``), so the stage's end never waits for the lane to
-        #: wake up and do it (on busy cores, 0.3-0.8 ms a step; docs/performance.md).
+        #: end (``ends_chain(error)``).  No lane waits for such a body: the lane, idle,
+        #: runs its ``run_on_lane`` calls as they come, and the stage's end never waits
+        #: for it to wake up (on busy cores, 0.3-1 ms a step; docs/performance.md).
         self._ends_chain = ends_chain
+        #: A lane serves its calls all the same (:func:`serve_calls`): it has work
+        #: queued behind that would block it first.  The body's end lets it go.
+        self.served = False
 
     def finish(self) -> None:
         """Let the waiting lane go on (once; on the loop's thread), after ending the
         lane's chain if the body is all of it."""
         if self.lane is not None and not self.posted:
             self.posted = True
-            if self._ends_chain is not None:
-                self._ends_chain(self.error)
+            ends_chain, self._ends_chain = self._ends_chain, None  # (it holds the stage)
+            if ends_chain is not None:
+                ends_chain(self.error)
+                if not self.served:
+                    return
             self.lane.post(self)
 
     def abandon(self) -> BaseException | None:
@@ -89,15 +96,25 @@ def begin_heads(run: StageRun, lanes: list[Lane]) -> Latch:
     return begun
 
 
-def heads_whole_chain(run: StageRun, chain: tuple[int, ...]) -> LoopBody | None:
-    """The body that is all of ``chain`` (its lane only serves its calls), if any."""
+def heads_whole_chain(run: StageRun, chain: tuple[int, ...]) -> bool:
+    """Whether ``chain`` is one body the loop began, which ends the chain itself:
+    its lane gets no work item for this stage."""
     body = run.heads.get(chain[0]) if len(chain) == 1 else None
-    return body if body is not None and body._ends_chain is not None else None
+    return body is not None and body._ends_chain is not None
 
 
-def serve_calls(lane: Lane, body: LoopBody) -> None:
-    """On ``lane``'s thread, for a body that is the lane's whole chain: serve its
-    ``run_on_lane`` calls until it has ended (the body's end ends the chain)."""
+def serve_before(run: StageRun, lane: Lane) -> None:
+    """On the loop, before queueing work on ``lane`` that may block it until ``run``
+    ends (a stage queued behind it): if a body of ``run`` that is ``lane``'s whole
+    chain is still running, have the lane serve its ``run_on_lane`` calls first --
+    blocked behind that work, the lane would never run them, and ``run`` never end."""
+    for body in run.heads.values():
+        if body.lane is lane and body._ends_chain is not None and not body.served:
+            body.served = True
+            lane.submit(functools.partial(_serve_calls, lane, body))
+
+
+def _serve_calls(lane: Lane, body: LoopBody) -> None:
     try:
         lane.run_pending_until(body)
     except PipelineStateError:  # the lane stops: nothing more to serve
