@@ -15,7 +15,6 @@ collect them in :mod:`~aiopipe.collect`.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterable, Iterable, Mapping
@@ -24,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._core.log import lanes_summary, next_pipeline_name, pipeline_log
-from ._core.loops import close_awaited
 from ._core.nvtx import resolve_annotator
+from .calls import CallGuard
 from .collect import collect_drain, collect_steps
 from .context import TaskContext
 from .driver import IterationDriver
@@ -112,9 +111,7 @@ class SchedulablePipeline:
             read_ahead=read_ahead_depth(options.get("read_ahead", True)),
             check_batch=options.get("check_batch"),
         )  # fmt: skip
-        # The loop of the call in progress (progress, progress_many, drain), if any.
-        self._busy: asyncio.AbstractEventLoop | None = None
-        self._busy_task: asyncio.Task[Any] | None = None  # (its task)
+        self._calls = CallGuard(self.name, self, _CALLS)  # progress, progress_many, drain
         self._closed = False
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
@@ -184,7 +181,8 @@ class SchedulablePipeline:
         if in_trio():  # the engine needs asyncio: hand the call to the bridge (interop.py)
             source = self._trio_source(source)
             return await self._trio.call(SchedulablePipeline.progress, self, source)
-        call = self._begin_call()
+        self._check_usable()
+        call = self._calls.begin()
         try:
             produced, result = await self._next_of(source)
             if not produced:
@@ -192,7 +190,7 @@ class SchedulablePipeline:
                 raise StopAsyncIteration
             return result
         finally:
-            self._end_call(call)
+            self._calls.end(call)
 
     @needs_event_loop
     async def progress_many(self, source: Source, steps: int) -> list[Any]:
@@ -217,13 +215,14 @@ class SchedulablePipeline:
         if in_trio():  # as in progress(): the call runs on the bridge
             many = SchedulablePipeline.progress_many
             return await self._trio.call(many, self, self._trio_source(source), steps)
-        call = self._begin_call()
+        self._check_usable()
+        call = self._calls.begin()
         try:
             next_of = functools.partial(self._next_of, source)
             return await collect_steps(next_of, steps, self._driver, self._feeds,
                                        self._on_source_end)  # fmt: skip
         finally:
-            self._end_call(call)
+            self._calls.end(call)
 
     @needs_event_loop
     async def step(self, batch: Any) -> Any:
@@ -274,11 +273,12 @@ class SchedulablePipeline:
         ``reset()`` asked for."""
         if in_trio():  # as in progress()
             return await self._trio.call(SchedulablePipeline.drain, self)
-        call = self._begin_call()
+        self._check_usable()
+        call = self._calls.begin()
         try:
             return await collect_drain(self._driver, self._feeds, self.name)
         finally:
-            self._end_call(call)
+            self._calls.end(call)
 
     async def aclose(self) -> None:
         """Wait for an iteration still running (its caller was cancelled), then shut
@@ -322,7 +322,7 @@ class SchedulablePipeline:
         but not yet returned are dropped too; ``applied`` still counts them).  An item
         read ahead that no task touched is kept: the next ``progress`` on the same
         source takes it first."""
-        if self._call_in_progress():
+        if self._calls.in_progress():
             raise PipelineStateError("cannot reset while a progress is running")
         self._driver.refuse_while_running("reset()")
         feed = self._feeds.current
@@ -336,7 +336,7 @@ class SchedulablePipeline:
         """Stop the executor's threads.  Idempotent; the pipeline is unusable after."""
         if self._closed:
             return
-        if self._call_in_progress():
+        if self._calls.in_progress():
             raise PipelineStateError("cannot shut down while a progress is running")
         self._driver.refuse_while_running("shutdown()")
         pipeline_log.debug("%s: shut down", self.name)
@@ -369,37 +369,6 @@ class SchedulablePipeline:
         self._driver.failures.raise_pending()
         self._driver.failures.raise_if_broken()
 
-    def _begin_call(self) -> asyncio.AbstractEventLoop:
-        self._check_usable()
-        if self._call_in_progress():
-            raise PipelineStateError(
-                "another progress() is already running on this pipeline; await it first"
-            )
-        self._busy = loop = asyncio.get_running_loop()
-        self._busy_task = asyncio.current_task()
-        return loop
-
-    def _end_call(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._busy is loop:  # (always, bar a call abandoned on a closed loop)
-            self._busy = self._busy_task = None
-
-    def _call_in_progress(self) -> bool:
-        """A call is under way; not one whose event loop was stopped and closed while
-        it waited: that one can never resume, and the next call takes over."""
-        loop, task = self._busy, self._busy_task
-        if loop is None:
-            return False
-        if not loop.is_closed():
-            return True
-        pipeline_log.warning("%s: a call was left waiting on an event loop that was closed; "
-                             "the next call goes on from where it stopped", self.name)  # fmt: skip
-        self._busy = self._busy_task = None
-        if task is not None:
-            # Now, not whenever it is collected: its way out gives back what it had
-            # collected and takes back the steps queued for it (collect.py, chain.py).
-            close_awaited(task, _CALLS, self)
-        return False
-
     def _on_source_end(self) -> None:
         """Called once the last result of a source has been returned (presets hook)."""
 
@@ -430,7 +399,7 @@ class SchedulablePipeline:
         )
 
 
-#: The code of the calls that hold the pipeline while they run (``_begin_call``).
+#: The code of the calls that hold the pipeline while they run (:class:`CallGuard`).
 _CALLS = frozenset(
     getattr(call, "__wrapped__", call).__code__
     for call in (SchedulablePipeline.progress, SchedulablePipeline.progress_many,

@@ -31,9 +31,10 @@ __all__ = (
 
 class LoopBody:
     """An ``async def`` body that runs on the loop for a lane's chain: its task, its
-    error, and the lane that waits for it (``None`` for the loop's own chain).  The
-    lane blocks in :meth:`Lane.run_pending_until` on this object, serving the body's
-    ``run_on_lane`` calls, until :meth:`finish` posts it."""
+    error, and its lane (``None`` for the loop's own chain).  The lane blocks in
+    :meth:`Lane.run_pending_until` on this object, serving the body's
+    ``run_on_lane`` calls, until :meth:`finish` posts it -- unless the body is the
+    lane's whole chain: then the body's end ends the chain, and no lane waits."""
 
     __slots__ = ("_ends_chain", "error", "lane", "posted", "served", "task")
 
@@ -49,8 +50,8 @@ class LoopBody:
         #: runs its ``run_on_lane`` calls as they come, and the stage's end never waits
         #: for it to wake up (on busy cores, 0.3-1 ms a step; docs/performance.md).
         self._ends_chain = ends_chain
-        #: A lane serves its calls all the same (:func:`serve_calls`): it has work
-        #: queued behind that would block it first.  The body's end lets it go.
+        #: Its lane serves its calls all the same (:func:`serve_before`): work queued
+        #: there would block it first.  The body's end lets it go.
         self.served = False
 
     def finish(self) -> None:

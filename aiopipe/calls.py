@@ -1,0 +1,62 @@
+"""``CallGuard``: the one call at a time -- ``progress``, ``progress_many`` or ``drain``
+-- that a pipeline runs, and what becomes of a call whose event loop was stopped and
+closed while it waited (not cancelled first): it can never resume, so the next call
+takes over instead of being refused for good."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Collection
+from types import CodeType
+from typing import Any
+
+from ._core.log import pipeline_log
+from ._core.loops import close_awaited
+from .errors import PipelineStateError
+
+__all__ = ("CallGuard",)
+
+
+class CallGuard:
+    """Which call of ``owner`` is under way: its loop and task.  ``codes``: the
+    code of the owner's calls, looked for in a dead call's awaits."""
+
+    __slots__ = ("_codes", "_loop", "_name", "_owner", "_task")
+
+    def __init__(self, name: str, owner: object, codes: Collection[CodeType]) -> None:
+        self._name, self._codes = name, codes
+        self._owner = weakref.ref(owner)  # (no cycle through the pipeline)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[Any] | None = None
+
+    def begin(self) -> asyncio.AbstractEventLoop:
+        """Enter a call; refused while another is under way.  The token to end it."""
+        if self.in_progress():
+            raise PipelineStateError(
+                "another progress() is already running on this pipeline; await it first"
+            )
+        self._loop = loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        return loop
+
+    def end(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is loop:  # (always, bar a call left on a closed loop, closed late)
+            self._loop = self._task = None
+
+    def in_progress(self) -> bool:
+        """A call is under way; not one whose event loop was stopped and closed while
+        it waited, which the caller takes over."""
+        loop, task = self._loop, self._task
+        if loop is None:
+            return False
+        if not loop.is_closed():
+            return True
+        pipeline_log.warning("%s: a call was left waiting on an event loop that was closed; "
+                             "the next call goes on from where it stopped", self._name)  # fmt: skip
+        self._loop = self._task = None
+        if task is not None:
+            # Now, not whenever it is collected: its way out gives back what it had
+            # collected and takes back the steps queued for it (collect.py, chain.py).
+            close_awaited(task, self._codes, self._owner())
+        return False
