@@ -36,6 +36,7 @@ class Feeds:
         self._read_ahead, self._check_batch = read_ahead, check_batch
         self.current: Feed | None = None
         self._parked: Feed | None = None
+        self._drained: Feed | None = None  # the source last drain()ed: its counts go on
         #: Batches dropped untrained, since the pipeline was built.
         self.discarded = 0
         #: Async generators a cancelled fetch closed when their feed was dropped.
@@ -46,8 +47,12 @@ class Feeds:
 
     @property
     def shown(self) -> Feed | None:
-        """The feed ``statistics()`` describes: the current one, else the parked one."""
-        return self.current if self.current is not None else self._parked
+        """The feed ``statistics()`` describes: the current one, else the parked one,
+        else the one last drained."""
+        for feed in (self.current, self._parked, self._drained):
+            if feed is not None:
+                return feed
+        return None
 
     def seed_first(self, contents: Mapping[str, Any], refused: int) -> None:
         """Seed the next source's first batch (``seed_first_batch``), refused while a
@@ -118,6 +123,9 @@ class Feeds:
             source, read_ahead=self._read_ahead, check_batch=self._check_batch,
             seed=self._seed, refused=self._seed_refused, ahead=ahead,
         )  # fmt: skip
+        drained, self._drained = self._drained, None
+        if drained is not None and drained.source is source and not drained.ended:
+            new_feed.counts_before = drained.counts  # the same source goes on
         self.seed(None)
         # step() adopts a one-batch source per call: those only at DEBUG
         level = logging.DEBUG if isinstance(source, OneBatch) else logging.INFO
@@ -140,8 +148,12 @@ class Feeds:
         self.current = None
 
     def forget(self) -> None:
-        """The current source is done with (``drain()``): its next use starts afresh."""
-        self.current = None
+        """The current source is done with (``drain()``): its next use starts a new
+        feed, which counts on from this one if the source had not ended (passed again
+        after its end, an iterator such as a persistent ``DataLoader``'s starts a new
+        pass)."""
+        if self.current is not None:
+            self._drained, self.current = self.current, None
 
     def close(self) -> None:
         """Stop any pull under way (the pipeline shuts down)."""

@@ -37,7 +37,7 @@ from .interop import TrioBridge, in_trio, needs_event_loop
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores
 from .schedule import Schedule
-from .source import Feed
+from .source import Counts, Feed
 from .sources import OneBatch, Source
 from .statistics import PipelineStatistics
 from .streams import StreamPool
@@ -153,18 +153,19 @@ class SchedulablePipeline:
 
     def statistics(self) -> PipelineStatistics:
         feed = self._feeds.shown
+        counts = feed.counts if feed else Counts()
         return PipelineStatistics(
-            pulled=feed.pulled if feed else 0,
-            returned=feed.returned if feed else 0,
+            pulled=counts.pulled,
+            returned=counts.returned,
             in_flight=feed.in_flight if feed else 0,
             iteration=feed.iteration if feed else 0,
             exhausted=feed.exhausted if feed else False,
             broken=self._driver.failures.broken,
             closed=self._closed,
-            refused=feed.refused if feed else 0,
-            applied=feed.applied if feed else 0,
+            refused=counts.refused,
+            applied=counts.applied,
             discarded=self._feeds.discarded,
-            position=feed.position if feed else 0,
+            position=counts.position,
         )
 
     # -- the progress contract -------------------------------------------------------
@@ -261,11 +262,10 @@ class SchedulablePipeline:
     async def drain(self) -> list[Any]:
         """Stop pulling from the current source and finish the batches in flight
         (a batch already read ahead included); return their results.  The source is
-        then forgotten: passing it again continues with its next batch, passing
-        another one starts afresh.  Either way ``statistics()`` counts afresh, its
-        ``position`` included: read the position before ``drain()`` returns to a
-        caller that goes on (``wait_idle()`` then ``statistics()``, plus the results
-        ``drain`` returned) and add it to later ones to checkpoint the same source.
+        then done with: passing it again continues with its next batch, and
+        ``statistics()`` counts on (its ``position`` stays the position in that
+        source, for a checkpoint); passing another one, or the same one after its
+        end (a new pass), starts afresh, counts and all.
         Cancel-safe like ``progress``: results finished
         by an interrupted ``drain`` are returned by the next call.  If a batch's task
         fails, ``drain`` raises that error; the results of steps applied before it

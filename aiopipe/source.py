@@ -22,7 +22,7 @@ import asyncio
 import bisect
 import collections
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import BadBatchError, ConfigurationTypeError, PipelineStateError
 from .pulls import Pulls
@@ -32,7 +32,17 @@ from .task import BATCH_SLOT
 if TYPE_CHECKING:
     from .ring import SlotStore
 
-__all__ = ("Feed",)
+__all__ = ("Counts", "Feed")
+
+
+class Counts(NamedTuple):
+    """A feed's counts, as ``statistics()`` reports them."""
+
+    pulled: int = 0
+    returned: int = 0
+    applied: int = 0
+    refused: int = 0
+    position: int = 0
 
 
 class Feed(Pulls):
@@ -40,9 +50,9 @@ class Feed(Pulls):
 
     __slots__ = (
         "_async", "_check_batch", "_depth", "_pulled_inline", "_refused_after", "_seed",
-        "_sync", "abandoned", "discarded", "draining", "exhausted", "iteration",
-        "outbox", "pulled", "read_ahead_allowed", "refused", "results_dropped", "returned",
-        "source", "top_pulled",
+        "_sync", "abandoned", "counts_before", "discarded", "draining", "ended",
+        "exhausted", "iteration", "outbox", "pulled", "read_ahead_allowed", "refused",
+        "results_dropped", "returned", "source", "top_pulled",
     )  # fmt: skip
 
     def __init__(
@@ -79,6 +89,8 @@ class Feed(Pulls):
         #: The next internal iteration to run.
         self.iteration = 0
         self.exhausted = False
+        #: The source itself ended (not only a ``drain()`` that stopped reading it).
+        self.ended = False
         #: ``drain()`` was called: take what was already read, read nothing new.
         self.draining = False
         #: Items the pipeline refused (``BadBatchError``).  ``refused`` at
@@ -106,6 +118,8 @@ class Feed(Pulls):
         #: How many items may be held ahead (``True``: one).
         self._depth = int(read_ahead)
         self.read_ahead_allowed = self._depth > 0 and not self._pulled_inline
+        #: The counts of the same source's feeds before a ``drain()``: it goes on.
+        self.counts_before = Counts()
         self._init_pulls(ahead)
 
     @property
@@ -126,6 +140,16 @@ class Feed(Pulls):
         items with no unapplied batch before them."""
         applied = self.applied
         return applied + bisect.bisect_right(self._refused_after, applied)
+
+    @property
+    def counts(self) -> Counts:
+        """Every count of the source so far, those before a ``drain()`` included."""
+        before = self.counts_before
+        return Counts(
+            before.pulled + self.pulled, before.returned + self.returned,
+            before.applied + self.applied, before.refused + self.refused,
+            before.position + self.position,
+        )  # fmt: skip
 
     def put_back(self, results: list[Any]) -> None:
         """Results handed out by a call that was interrupted: returned first by the
@@ -193,7 +217,7 @@ class Feed(Pulls):
                 return
             batch, problem = await self.take()
             if batch is END:
-                self.exhausted = True
+                self.exhausted = self.ended = True
                 return
             if problem is not None:
                 self._refuse(problem)

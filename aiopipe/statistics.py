@@ -23,7 +23,9 @@ class PipelineStatistics:
     refused item are still in flight.)
     ``discarded`` counts the batches dropped untrained since the pipeline was built,
     by ``reset()`` or because a ``results()`` loop was left early and another source
-    came (not in any position: a resumed run reads them again)."""
+    came (not in any position: a resumed run reads them again).
+    After ``drain()`` the counts are the drained source's; passed again, that source
+    counts on from them (another source, or the same one after its end, from 0)."""
 
     pulled: int
     returned: int

@@ -552,3 +552,50 @@ async def test_reset_after_a_failure_keeps_the_item_read_ahead() -> None:
         pipe.reset()
         assert pipe.statistics().discarded == 1  # batch 1, whose step failed
         assert [r async for r in pipe.results(source)] == [2]
+
+
+async def test_the_same_source_after_a_drain_counts_on_and_another_starts_afresh() -> None:
+    def refuse_3(item: Any) -> None:
+        if item == 3:
+            raise BadBatchError("3 is refused")
+
+    pipe = Pipeline([Task.from_fn("train", echo)], check_batch=refuse_3)
+    source = iter(range(8))
+    async with pipe:
+        assert [await pipe.progress(source) for _ in range(2)] == [0, 1]
+        assert await pipe.drain() == [2]  # the batch read ahead, finished
+        after = pipe.statistics()
+        assert (after.position, after.returned, after.in_flight) == (3, 3, 0)  # shown still
+        with pytest.raises(BadBatchError):
+            await pipe.progress(source)  # 3 is refused: the position counts it
+        assert await pipe.progress(source) == 4
+        stats = pipe.statistics()
+        assert (stats.position, stats.returned, stats.refused) == (5, 4, 1)
+        await pipe.drain()
+        assert [r async for r in pipe.results(iter(range(2)))] == [0, 1]
+        assert pipe.statistics().position == 2  # another source: afresh
+
+
+async def test_an_iterator_passed_again_after_its_end_and_a_drain_counts_afresh() -> None:
+    class Epochs:
+        """One iterator object for every pass, reset by ``iter()`` (as a persistent
+        DataLoader's is)."""
+
+        def __init__(self) -> None:
+            self.items: list[int] = []
+
+        def __iter__(self) -> Epochs:
+            self.items = [0, 1, 2]
+            return self
+
+        def __next__(self) -> int:
+            if not self.items:
+                raise StopIteration
+            return self.items.pop(0)
+
+    epochs = Epochs()
+    async with Pipeline([Task.from_fn("train", echo)]) as pipe:
+        for _ in range(2):
+            assert [r async for r in pipe.results(iter(epochs))] == [0, 1, 2]
+            await pipe.drain()
+            assert pipe.statistics().position == 3  # each pass from 0

@@ -138,6 +138,15 @@ class FeedModel:
     draining: bool = False
     discarded: int = 0  # batches dropped untrained (reset(), an abandoned loop)
     results_dropped: int = 0  # results of applied steps dropped with them
+    ended: bool = False  # the source itself ended (not only a drain that stopped reading)
+    # The counts of the same source before a drain() -- pulled, returned, applied,
+    # refused, position -- which this feed counts on from; and whether the engine has
+    # no feed of its own for it yet (after the drain, until a call passes the source).
+    before: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+    detached: bool = False
+    # The source had ended: the statistics show its counts until a call passes it
+    # again, which starts a new pass from 0.
+    afresh_on_adopt: bool = False
 
     @property
     def held_ahead(self) -> bool:
@@ -209,9 +218,19 @@ class FeedModel:
         high = good_at[self.applied] if self.applied < len(good_at) else len(self.items)
         return low, high
 
+    def totals(self) -> tuple[int, int, int, int, int]:
+        """The counts ``statistics()`` shows, those before a drain() included; the
+        position exact only once drained (every item taken done with)."""
+        own = (self.pulled, self.returned, self.applied, self.refused, self.pulls)
+        return tuple(b + o for b, o in zip(self.before, own))  # type: ignore[return-value]
+
     def _pull(self) -> None:
-        if (self.draining and not self.ahead) or self.pulls == len(self.items):
+        if self.draining and not self.ahead:
             self.exhausted, self.ahead = True, False
+            return
+        if self.pulls == len(self.items):
+            self.exhausted = self.ended = True
+            self.ahead = False
             return
         item = self.items[self.pulls]
         self.pulls += 1
@@ -391,6 +410,10 @@ class PipelineMachine(RuleBasedStateMachine):
 
     def adopted(self) -> None:
         """A call passed the current source, or the pipeline forgot the previous one."""
+        feed = self.feed
+        feed.detached = False
+        if feed.afresh_on_adopt:  # a new pass of a source that had ended
+            feed.before, feed.afresh_on_adopt = (0, 0, 0, 0, 0), False
         if self.shown is not None:
             if self.parked and self.source is not self.parked_source:
                 self.discarded += int(self.parked_ahead)  # read ahead, never taken
@@ -398,12 +421,18 @@ class PipelineMachine(RuleBasedStateMachine):
             self.shown = None
         self.parked = self.abandoned = False
 
-    def next_feed(self) -> None:
-        """The pipeline forgot the source (a drain, a reset): a new feed starts where
-        the source stands."""
+    def next_feed(self, drained: bool = False, passed: bool = False) -> None:
+        """The pipeline forgot the source (a drain, a new pipeline): a new feed starts
+        where the source stands.  After a ``drain()`` it counts on from the old one's
+        counts, unless the source had ended (the counts are shown until a call passes
+        it again; ``passed``: this call does)."""
         self.adopted()
-        self.done_before += self.feed.good[:self.feed.applied]
+        old = self.feed
+        self.done_before += old.good[:old.applied]
         self.feed = FeedModel(self.counter.labels[self.counter.given:], self.bad, self.READ_AHEAD)
+        if drained and not (old.ended and passed):
+            self.feed.before, self.feed.detached = old.totals(), not passed
+            self.feed.afresh_on_adopt = old.ended
 
     # -- calling the pipeline ------------------------------------------------------------
 
@@ -452,7 +481,8 @@ class PipelineMachine(RuleBasedStateMachine):
         try:
             expected = feed.next_result()
             if expected is None and feed.draining:
-                self.next_feed()  # the interrupted drain is over: the source goes on
+                # the interrupted drain is over: the source goes on
+                self.next_feed(drained=True, passed=True)
                 expected = self.feed.next_result()
         except Refused as refused:
             return refused
@@ -579,7 +609,7 @@ class PipelineMachine(RuleBasedStateMachine):
                 return
             assert self.call("drain") == expected
             self.accounted += expected
-            self.next_feed()
+            self.next_feed(drained=True)
 
     @precondition(lambda self: not self.busy or self.parked)
     @rule(refused=REFUSED, kind=st.integers(0, 1))
@@ -809,6 +839,9 @@ class PipelineMachine(RuleBasedStateMachine):
         self.parked_source, self.parked_ahead = self.source, feed.held_ahead
         self.feed = FeedModel(feed.items[feed.pulls:], self.bad, self.READ_AHEAD,
                               ahead=feed.held_ahead)  # fmt: skip
+        if feed.detached:  # drained: the engine had no feed to drop, its counts go on
+            self.feed.before, self.feed.detached = feed.before, True
+            self.feed.afresh_on_adopt = feed.afresh_on_adopt
 
     def after_shutdown(self) -> None:
         """A new pipeline goes on with the source after what it gave: the batches in
@@ -826,7 +859,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.open_gates()
         self.run(self.pipe.wait_idle())
         stats, feed = self.pipe.statistics(), self.shown or self.feed
-        position = stats.position
+        position = stats.position - feed.before[4]  # the position in this feed's items
         low, high = feed.position_range()
         assert low <= position <= high
         if self.shown is not None and not (self.parked and self.source is self.parked_source):
@@ -887,16 +920,17 @@ class PipelineMachine(RuleBasedStateMachine):
         assert self.pipe.idle or self.held or feed.pending
         if self.held:
             assert not self.pipe.idle
-        assert (stats.returned, stats.pulled, stats.refused) == (feed.returned, feed.pulled,
-                                                                 feed.refused)  # fmt: skip
+        pulled, returned, applied, refused, position = feed.before  # before a drain()
+        assert (stats.returned, stats.pulled, stats.refused) == (
+            returned + feed.returned, pulled + feed.pulled, refused + feed.refused)
         assert stats.in_flight == feed.in_flight
         assert stats.discarded == self.discarded
         if self.pipe.idle:
-            assert stats.applied == feed.applied
-            assert self.trained == self.done_before + feed.good[:stats.applied]
+            assert stats.applied == applied + feed.applied
+            assert self.trained == self.done_before + feed.good[:feed.applied]
             assert len(self.trained) - len(self.accounted) == len(feed.pending)
             low, high = feed.position_range()
-            assert low <= stats.position <= high
+            assert low <= stats.position - position <= high
 
     def teardown(self) -> None:
         self.open_gates()
@@ -1068,6 +1102,9 @@ class SparseDistMachine(RuleBasedStateMachine):
         self.feed_start = 0  # where the engine's feed of this source started
         self.ended = False  # progress() reported the end of this source
         self.done_before = list(self.trained)
+        # After a drain(): the steps and the index the next feed starts from, if the
+        # engine starts the source afresh (it counts on unless the source had ended).
+        self.drained_at: tuple[list[int], int] | None = None
         self.passed = False  # a call passed this source (else the engine shows the last one)
 
     def run(self, coroutine: Any) -> Any:
@@ -1095,6 +1132,7 @@ class SparseDistMachine(RuleBasedStateMachine):
         """The engine forgot the source's feed: the next one starts where it stands."""
         assert self.trained == self.accounted  # every applied step's result came out
         self.done_before, self.feed_start = list(self.trained), self.next
+        self.drained_at = None
 
     # -- rules ---------------------------------------------------------------------------
 
@@ -1172,7 +1210,9 @@ class SparseDistMachine(RuleBasedStateMachine):
         self.accounted += drained
         self.next += len(drained)
         assert self.counter.given == self.next  # every batch taken came out
-        self.forgot_feed()
+        assert self.trained == self.accounted  # every applied step's result came out
+        # statistics() shows the drained feed until a call passes the source again.
+        self.drained_at, self.passed = (list(self.trained), self.next), False
 
     @rule()
     def reset(self) -> None:
@@ -1214,6 +1254,15 @@ class SparseDistMachine(RuleBasedStateMachine):
             return
         stats = engine.statistics()
         assert stats.discarded == 0  # reset() tears the engine down; nothing abandons a source
+        if self.drained_at is not None:
+            # A call passed the source after a drain(): the engine counts on (the
+            # source had not ended: tests/test_stateful.py's PipelineMachine checks
+            # which), or afresh; the steps since the drain tell which.
+            trained_then, next_then = self.drained_at
+            self.drained_at = None
+            since = len(self.trained) - len(trained_then)
+            if stats.applied + stats.refused == since != len(self.trained) - len(self.done_before):
+                self.done_before, self.feed_start = trained_then, next_then
         steps = self.trained[len(self.done_before):]  # applied from this feed
         assert stats.applied + stats.refused == len(steps)
         assert steps == self.counter.labels[self.feed_start:self.feed_start + len(steps)]
