@@ -89,6 +89,22 @@ def progress_calls(pipe: Any, source: Any) -> Run:
     return run
 
 
+def progress_many_calls(pipe: Any, source: Any) -> Run:
+    """``run(n)``: one awaited ``pipe.progress_many(source, n)`` call (the lanes chain
+    its steps), on one event loop kept from chunk to chunk."""
+    from aiopipe._core.loops import LoopRunner
+
+    runner = LoopRunner()
+
+    async def steps_of(n: int) -> None:
+        assert len(await pipe.progress_many(source, n)) == n
+
+    def run(n: int) -> None:
+        runner.run(steps_of, n)
+
+    return run
+
+
 def nothing_to_report() -> dict[str, Any]:
     return {}
 

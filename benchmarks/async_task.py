@@ -9,7 +9,9 @@ then builds a batch.  The training step is a synchronous task on its own lane.  
 * ``prefetch thread``: a thread sleeps and builds, a queue of two, the step in front
   (the hand-written reference);
 * ``aiopipe, fetch on its stream's lane``: the default thread map, lane ``"io"``;
-* ``aiopipe, fetch on the loop``: ``thread_map`` puts the fetch on lane ``"loop"``.
+* ``aiopipe, fetch on the loop``: ``thread_map`` puts the fetch on lane ``"loop"``;
+* ``aiopipe, its stream's lane, progress_many``: the default lanes, a whole chunk
+  asked for in one ``progress_many`` call (the lanes chain its steps).
 
 Each row runs in processes of its own, timed in alternating chunks
 (``_chunks.time_in_chunks``).  Besides the time a step, each aiopipe row reports the
@@ -45,12 +47,13 @@ from _chunks import (  # noqa: E402
     add_cycle_arguments,
     check_cycle_arguments,
     progress_calls,
+    progress_many_calls,
     time_in_chunks,
 )
 from _common import print_json, print_table, with_spread  # noqa: E402
 
 ROWS = ("plain loop", "prefetch thread", "aiopipe, fetch on its stream's lane",
-        "aiopipe, fetch on the loop")  # fmt: skip
+        "aiopipe, fetch on the loop", "aiopipe, its stream's lane, progress_many")  # fmt: skip
 WARM_UP = 20  # untimed steps before a worker's first chunk; its stamps are left out
 
 
@@ -146,7 +149,10 @@ def build_row(
             expect_result=False,
         )  # fmt: skip
 
-        run = progress_calls(pipe, indices)
+        if row.endswith("progress_many"):  # a whole chunk a call: the lanes chain its steps
+            run = progress_many_calls(pipe, indices)
+        else:
+            run = progress_calls(pipe, indices)
 
     def report() -> dict[str, float]:
         lags = [fetch_starts[k + 1] - step_starts[k] for k in sorted(step_starts)

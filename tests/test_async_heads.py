@@ -264,3 +264,109 @@ async def test_run_on_lane_from_a_whole_chain_fetch_with_steps_queued_behind_it(
         release.set()
         assert await asyncio.wait_for(many, 10) == [1, 2, 3, 4, 5]
     assert threads == ["aiopipe-lane-io"] * 6
+
+
+# -- steps queued behind the running one (progress_many) ------------------------------------
+
+#: The fetch on its own lane, or heading a longer chain there (then a sync task after it).
+QUEUED_LAYOUTS = pytest.mark.parametrize("layout", ["whole chain", "heading a chain"])
+
+
+def fetch_then_train(fetch: Any, train: Any, layout: str) -> Pipeline:
+    if layout == "whole chain":
+        return fetch_and_train(fetch, train, None)
+
+    def unpack(ctx: TaskContext) -> None:
+        ctx.slots.set("batch", ctx.slots["fetched"])
+
+    return Pipeline(
+        [Task.from_fn("fetch", fetch, lookahead=1, stream="io", writes=("fetched",)),
+         Task.from_fn("unpack", unpack, lookahead=1, stream="io", reads=("fetched",),
+                      writes=("batch",)),
+         Task.from_fn("train", train, reads=("batch",), writes=("step_result",))],
+    )  # fmt: skip
+
+
+@QUEUED_LAYOUTS
+async def test_chained_steps_start_the_next_fetch_before_each_step(layout: str) -> None:
+    """A step queued behind the running one starts its fetch on the loop first, as a
+    step begun by the loop does: its other lanes wait for the fetch's first step."""
+    began: set[int] = set()
+    seen: list[tuple[int, bool]] = []
+    slot = "batch" if layout == "whole chain" else "fetched"
+
+    async def fetch(ctx: TaskContext) -> None:
+        began.add(ctx.slots["batch_cpu"])
+        await asyncio.sleep(0)
+        ctx.slots.set(slot, ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch"]
+        seen.append((batch, batch + 1 in began))
+        echo_batch(ctx)
+
+    async with fetch_then_train(fetch, train, layout) as pipe:
+        source = iter(range(8))
+        assert await pipe.progress_many(source, 8) == list(range(8))
+        assert await pipe.progress_many(source, 8) == []
+    assert [batch for batch, begun in seen if not begun] == [7]
+
+
+@QUEUED_LAYOUTS
+async def test_a_step_failing_with_the_next_queued_skips_it_and_hangs_nothing(
+    layout: str,
+) -> None:
+    slot = "batch" if layout == "whole chain" else "fetched"
+    fetched: list[int] = []
+
+    async def fetch(ctx: TaskContext) -> None:
+        fetched.append(ctx.slots["batch_cpu"])
+        await asyncio.sleep(0)
+        ctx.slots.set(slot, ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch"] == 3:
+            raise ValueError("step 3 fails")
+        echo_batch(ctx)
+
+    async with fetch_then_train(fetch, train, layout) as pipe:
+        source, results = iter(range(8)), []
+        with pytest.raises(ValueError, match="step 3 fails"):
+            while True:  # the steps applied before the failure come out first
+                results += await asyncio.wait_for(pipe.progress_many(source, 8), 10)
+        assert results == [0, 1, 2]
+        pipe.reset()
+        assert await collect(pipe, iter(range(3))) == [0, 1, 2]
+    # The step queued behind the failed one never started: batch 5 was never fetched.
+    assert 5 not in fetched
+
+
+@QUEUED_LAYOUTS
+async def test_chained_steps_cancelled_while_a_fetch_waits_lose_and_repeat_nothing(
+    layout: str,
+) -> None:
+    waiting, go_on = asyncio.Event(), asyncio.Event()
+    slot = "batch" if layout == "whole chain" else "fetched"
+    steps: list[int] = []
+
+    async def fetch(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 4 and not go_on.is_set():
+            waiting.set()
+            await go_on.wait()
+        ctx.slots.set(slot, ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        steps.append(ctx.slots["batch"])
+        echo_batch(ctx)
+
+    async with fetch_then_train(fetch, train, layout) as pipe:
+        source = iter(range(8))
+        call = asyncio.ensure_future(pipe.progress_many(source, 8))
+        await waiting.wait()  # batch 4's fetch, in the step on batch 3: step 4 may be queued
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        go_on.set()
+        results = await asyncio.wait_for(pipe.progress_many(source, 8), 10)
+        results += await collect(pipe, source)
+    assert results == list(range(8)) and steps == list(range(8))

@@ -253,10 +253,14 @@ class AsyncExecutor:
         layout = self._layout(active)
         lanes = [self._lane_pool.get(name) for name, _ in layout.thread_chains]
         run = StageRun(iteration, layout, after.waker, self._tickets, on_done)
+        if layout.async_heads:  # started by the loop once `after` ends (start_queued_heads)
+            begin_heads(run, lanes)
         if not run.queue_behind(after.stage):
             return None
         iteration.stage = run
         for lane, (_, chain) in zip(lanes, layout.thread_chains):
+            if heads_whole_chain(run, chain):  # the body ends it: nothing for its lane
+                continue
             serve_before(after.stage, lane)
             lane.submit(functools.partial(self._run_gated_chain, run, lane, chain))
         return run
@@ -266,6 +270,8 @@ class AsyncExecutor:
         gate = run.gate
         if gate is not None:
             gate.wait()
+        if run.heads and chain[0] not in run.heads:  # as _run_after_heads
+            run.heads_begun.wait()  # type: ignore[union-attr]
         self._run_thread_chain(run, lane, chain)
 
     async def _finish_stage(self, run: StageRun) -> None:
@@ -361,6 +367,8 @@ class AsyncExecutor:
         try:
             for i in chain:
                 if heads and i in heads:  # started with the stage: wait for it, even failed
+                    if run.failed and not run.heads_started:
+                        return  # a queued stage skipped: the loop never started it
                     try:
                         wait_on_lane(lane, heads[i])
                     except BaseException as exc:
@@ -408,6 +416,7 @@ class AsyncExecutor:
         keep the loop from those steps -- the GIL, every core -- until it ended.
         ``release=False``: the caller lets the lanes go (:meth:`IterationHandle.release_lanes`)."""
         begun = begin_heads(run, lanes)
+        run.heads_started = True  # below
         for lane, (_, chain) in zip(lanes, run.layout.thread_chains):
             if heads_whole_chain(run, chain):  # the body ends it: nothing for its lane
                 continue

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from .stage import StageRun
 
 __all__ = (
-    "LoopBody", "begin_heads", "hand_to_loop", "heads_whole_chain", "serve_before", "start_body",
-    "wait_on_lane",
+    "LoopBody", "begin_heads", "drop_unstarted_heads", "hand_to_loop", "heads_whole_chain",
+    "serve_before", "start_body", "start_queued_heads", "wait_on_lane",
 )  # fmt: skip
 
 
@@ -132,6 +132,42 @@ def _end_whole_chain(run: StageRun, index: int, error: BaseException | None) -> 
     waker = run.thread_chain_finished()
     if waker is not None:
         waker.wake()
+
+
+def start_queued_heads(run: StageRun) -> None:
+    """On the loop, once the stage before ``run`` (queued behind it by
+    ``progress_many``) has ended: start ``run``'s bodies heading a chain, and let
+    its other lanes go once their first steps have run, as for a stage begun by the
+    loop (``AsyncExecutor._begin_with_heads``).  Nothing if ``run`` was skipped."""
+    if run.heads_started:
+        return
+    if run.failed:  # skipped meanwhile (the loop shuts down): nothing will run them
+        drop_unstarted_heads(run)
+        return
+    run.heads_started = True
+    for index, body in run.heads.items():
+        start_body(run, index, body)
+    run.waker.loop.call_soon(run.heads_begun.set)  # type: ignore[union-attr]
+
+
+def drop_unstarted_heads(run: StageRun) -> None:
+    """``run`` is skipped before its bodies heading a chain started: nothing will run
+    them.  A chain that is one such body ends here; a lane whose chain one heads
+    passes it by (``run.failed`` and not ``run.heads_started``); the other lanes stop
+    waiting for them."""
+    for body in run.heads.values():
+        if body.posted:
+            continue
+        if body._ends_chain is not None:  # (its end, less the failure: skipped already)
+            body.posted, body._ends_chain = True, None
+            waker = run.thread_chain_finished()
+            if waker is not None:
+                waker.wake()
+        else:  # a lane that waits for it already goes on with the stage's error
+            body.error = body.error or run.error
+            body.finish()
+    if run.heads_begun is not None:
+        run.heads_begun.set()
 
 
 def start_body(run: StageRun, index: int, body: LoopBody) -> None:

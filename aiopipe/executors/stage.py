@@ -15,7 +15,7 @@ from .._core.tickets import TicketLock
 from .._core.waker import LoopWaker, settle_future
 from .base import Iteration
 from .layout import StageLayout
-from .loop_bodies import LoopBody
+from .loop_bodies import LoopBody, drop_unstarted_heads, start_queued_heads
 
 __all__ = ("IterationHandle", "StageRun", "StartFast")
 
@@ -24,7 +24,8 @@ class StageRun:
     """Shared state of one stage of one iteration, between the loop and the lanes."""
 
     __slots__ = (
-        "async_tasks", "error", "failed", "finished", "gate", "heads", "heads_begun", "layout",
+        "async_tasks", "error", "failed", "finished", "gate", "heads", "heads_begun",
+        "heads_started", "layout",
         "lock", "on_done", "outstanding", "flags", "iteration", "successor", "threads_done",
         "tickets", "waker",
     )  # fmt: skip
@@ -53,6 +54,9 @@ class StageRun:
         #: The ``async def`` bodies heading a chain (``layout.async_heads``) that the
         #: loop started with the stage, by task index; set before the lanes get it.
         self.heads: dict[int, LoopBody] = {}
+        #: The loop has started ``heads`` (for a stage queued behind another: only
+        #: once that one has ended; :func:`~.loop_bodies.start_queued_heads`).
+        self.heads_started = False
         #: With ``heads``: set once the loop has run their first steps; the other
         #: chains' lanes wait for it.
         self.heads_begun: Latch | None = None
@@ -99,6 +103,13 @@ class StageRun:
         for flag in self.flags.values():
             flag.set()
 
+    def skip_queued(self, exc: BaseException) -> None:
+        """Skip a stage queued behind another that will never start: its ``async
+        def`` bodies heading a chain, which the loop was to start, are dropped too."""
+        self.skip(exc)
+        if self.heads and not self.heads_started:
+            drop_unstarted_heads(self)
+
     def thread_chain_finished(self) -> LoopWaker | None:
         """A lane's chain of this stage has ended; the waker to wake once the lane has
         let go of its work item (:meth:`Lane.wake_after_item`), ``None`` if no wake-up
@@ -117,6 +128,10 @@ class StageRun:
             wake = self.waker.post(settle_future, future, None, None)
         else:  # a iteration started by start_iteration: its callback
             wake = self.on_done is not None and self.waker.post(self.on_done, self.error)
+        if successor is not None and successor.heads and not successor.failed:
+            # The successor's bodies heading a chain start on the loop, right after
+            # this end is handled there; its other lanes wait for their first steps.
+            wake = self.waker.post(start_queued_heads, successor) or wake
         # After the iteration's end is queued: a waiter finds it on the loop, and the
         # lanes start the successor (gated on it) only now, so the loop ends them in order.
         self.finished.set()
@@ -128,13 +143,13 @@ class StageRun:
         (``Iteration.finish``) and a fresh ticket sequence -- or, if this one failed,
         skip the next one entirely (none of its tasks starts)."""
         if self.failed:
-            successor.skip(_NotStarted("the iteration before it failed"))
+            successor.skip_queued(_NotStarted("the iteration before it failed"))
             return
         try:
             self.iteration.finish()
             successor.tickets.reset(successor.waker)
         except BaseException as exc:  # the device failed: the next one must not run
-            successor.skip(exc)
+            successor.skip_queued(exc)
 
     def renew_threads_done(self) -> asyncio.Future[None] | None:
         """A fresh future for the lanes still running (cancelling the task that
@@ -228,7 +243,7 @@ class IterationHandle:
         successor = self._run.detach_successor()
         if successor is None:
             return False
-        successor.skip(reason)
+        successor.skip_queued(reason)
         return True
 
     def abort(self, exc: BaseException) -> None:
