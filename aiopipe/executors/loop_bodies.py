@@ -163,6 +163,8 @@ def drop_unstarted_heads(run: StageRun) -> None:
             waker = run.thread_chain_finished()
             if waker is not None:
                 waker.wake()
+            if body.served and body.lane is not None:  # a lane serving its calls goes on
+                body.lane.post(body)
         else:  # a lane that waits for it already goes on with the stage's error
             body.error = body.error or run.error
             body.finish()
