@@ -171,3 +171,45 @@ def test_a_busy_call_on_a_live_loop_is_still_refused() -> None:
 
     assert "already running" in asyncio.run(two_calls())
     pipe.shutdown()
+
+
+def test_chained_steps_with_an_async_fetch_left_on_a_closed_loop_go_on() -> None:
+    """``progress_many`` with a fetch the loop starts for each step, the step after
+    the running one queued: the loop stopped and closed mid-step leaves nothing that
+    waits for it; the next loop goes on."""
+    steps: list[int] = []
+    started, release = threading.Event(), threading.Event()
+
+    async def fetch(ctx: TaskContext) -> None:
+        await asyncio.sleep(0)
+        ctx.slots.set("batch", ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch"]
+        if batch == 2 and not release.is_set():
+            started.set()
+            assert release.wait(10)
+        steps.append(batch)
+        ctx.slots.set("step_result", batch)
+
+    pipe = Pipeline(
+        [Task.from_fn("fetch", fetch, lookahead=1, stream="io", writes=("batch",)),
+         Task.from_fn("train", train, reads=("batch",), writes=("step_result",))],
+    )  # fmt: skip
+    source = iter(range(6))
+    assert stop_when(lambda: pipe.progress_many(source, 6), lambda _: started.is_set()) == []
+    release.set()
+
+    async def rest() -> list[Any]:
+        async with pipe:
+            try:
+                return [result async for result in pipe.results(source)]
+            except PipelineStateError:  # the step on the closed loop cannot end: reset()
+                pipe.reset()
+                return [result async for result in pipe.results(iter(range(2)))]
+
+    results = asyncio.run(asyncio.wait_for(rest(), 20))
+    if results == [0, 1]:  # reset: a fresh source after the steps that ran
+        assert steps == [0, 1, 2, 0, 1]  # the step queued behind batch 2's never ran
+    else:
+        assert results == [0, 1, 2, 3, 4, 5] and steps == results
