@@ -222,8 +222,7 @@ def close_if_unstarted(task: asyncio.Future[Any]) -> bool:
     """Close the coroutine of a task left on a closed loop before its first step:
     nothing of it ran, and collected unclosed it would warn "coroutine ... was never
     awaited".  Whether it was such a task (a started one is left as it is)."""
-    get_coro = getattr(task, "get_coro", None)
-    coro = get_coro() if get_coro is not None else None
+    coro = _coro_of(task)
     if not inspect.iscoroutine(coro) or inspect.getcoroutinestate(coro) != inspect.CORO_CREATED:
         return False
     coro.close()
@@ -235,8 +234,7 @@ def close_awaited(task: asyncio.Future[Any], codes: Collection[CodeType], owner:
     through any depth, whose code is one of ``codes`` and whose ``self`` is
     ``owner``: its ``finally`` clauses and handlers run now, on the caller's thread,
     not whenever the garbage collector gets to it.  Whether one was found."""
-    get_coro = getattr(task, "get_coro", None)
-    coro = get_coro() if get_coro is not None else None
+    coro = _coro_of(task)
     while inspect.iscoroutine(coro):
         frame = coro.cr_frame
         if coro.cr_code in codes and frame is not None and frame.f_locals.get("self") is owner:
@@ -245,3 +243,8 @@ def close_awaited(task: asyncio.Future[Any], codes: Collection[CodeType], owner:
             return True
         coro = coro.cr_await
     return False
+
+
+def _coro_of(task: asyncio.Future[Any]) -> object:
+    get_coro = getattr(task, "get_coro", None)  # a task's; another future has none
+    return get_coro() if get_coro is not None else None

@@ -17,7 +17,6 @@ the same path before ``CancelledError`` propagates.
 from __future__ import annotations
 
 import asyncio
-import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,9 +33,8 @@ from ..plan import ExecutionPlan
 from .base import Iteration
 from .layout import StageLayout, build_layout
 from .order_check import CollectiveOrderCheck
-from .loop_bodies import (
-    begin_heads, hand_to_loop, heads_whole_chain, serve_before, start_body, wait_on_lane,
-)  # fmt: skip
+from .handover import hand_over
+from .loop_bodies import begin_heads, hand_to_loop, start_heads, wait_on_lane
 from .slow_waits import slow_ticket_warning, warn_slow_wait
 from .stage import IterationHandle, StageRun
 
@@ -229,10 +227,10 @@ class AsyncExecutor:
         self._tickets.reset(waker)
         run = iteration.stage = StageRun(iteration, layout, waker, self._tickets, on_done)
         if layout.async_heads:
-            self._begin_with_heads(run, lanes, release=yield_cpu)
-        else:
-            for lane, (_, chain) in zip(lanes, layout.thread_chains):
-                lane.submit(functools.partial(self._run_thread_chain, run, lane, chain))
+            begin_heads(run, lanes)
+        hand_over(run, lanes, self._run_thread_chain)
+        if run.heads:  # ``yield_cpu=False``: the caller lets the other lanes go
+            start_heads(run, release=yield_cpu)
         if self._compute_off_loop:
             release_thread_pool()
         if lanes and yield_cpu and not run.heads:
@@ -253,26 +251,15 @@ class AsyncExecutor:
         layout = self._layout(active)
         lanes = [self._lane_pool.get(name) for name, _ in layout.thread_chains]
         run = StageRun(iteration, layout, after.waker, self._tickets, on_done)
-        if layout.async_heads:  # started by the loop once `after` ends (start_queued_heads)
+        if layout.async_heads:
+            # Before it is linked (the stage before may end at once and look for them);
+            # the loop starts them once that one ends (start_queued_heads).
             begin_heads(run, lanes)
         if not run.queue_behind(after.stage):
             return None
         iteration.stage = run
-        for lane, (_, chain) in zip(lanes, layout.thread_chains):
-            if heads_whole_chain(run, chain):  # the body ends it: nothing for its lane
-                continue
-            serve_before(after.stage, lane)
-            lane.submit(functools.partial(self._run_gated_chain, run, lane, chain))
+        hand_over(run, lanes, self._run_thread_chain, after=after.stage)
         return run
-
-    def _run_gated_chain(self, run: StageRun, lane: Lane, chain: tuple[int, ...]) -> None:
-        """Runs on ``lane``'s thread, once the stage before ``run`` has handed over."""
-        gate = run.gate
-        if gate is not None:
-            gate.wait()
-        if run.heads and chain[0] not in run.heads:  # as _run_after_heads
-            run.heads_begun.wait()  # type: ignore[union-attr]
-        self._run_thread_chain(run, lane, chain)
 
     async def _finish_stage(self, run: StageRun) -> None:
         layout = run.layout
@@ -406,29 +393,3 @@ class AsyncExecutor:
             waker = run.thread_chain_finished()
             if waker is not None:
                 lane.wake_after_item(waker)
-
-    # -- async bodies heading a chain ---------------------------------------------------
-
-    def _begin_with_heads(self, run: StageRun, lanes: list[Lane], release: bool) -> None:
-        """Start the stage's ``async def`` bodies heading a chain on the loop, and its
-        other chains on their lanes only once the loop has run the first steps of those
-        bodies (up to their first ``await``).  Woken at once, the lanes' compute would
-        keep the loop from those steps -- the GIL, every core -- until it ended.
-        ``release=False``: the caller lets the lanes go (:meth:`IterationHandle.release_lanes`)."""
-        begun = begin_heads(run, lanes)
-        run.heads_started = True  # below
-        for lane, (_, chain) in zip(lanes, run.layout.thread_chains):
-            if heads_whole_chain(run, chain):  # the body ends it: nothing for its lane
-                continue
-            # A lane whose chain a body heads waits for that body anyway.
-            runner = self._run_thread_chain if chain[0] in run.heads else self._run_after_heads
-            lane.submit(functools.partial(runner, run, lane, chain))
-        for index, body in run.heads.items():
-            start_body(run, index, body)
-        if release:
-            run.waker.loop.call_soon(begun.set)  # after the bodies' first steps (tasks run FIFO)
-
-    def _run_after_heads(self, run: StageRun, lane: Lane, chain: tuple[int, ...]) -> None:
-        """Runs on ``lane``'s thread, once the loop has begun the bodies heading chains."""
-        run.heads_begun.wait()  # type: ignore[union-attr]
-        self._run_thread_chain(run, lane, chain)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "LoopBody", "begin_heads", "drop_unstarted_heads", "hand_to_loop", "heads_whole_chain",
-    "serve_before", "start_body", "start_queued_heads", "wait_on_lane",
+    "serve_before", "start_body", "start_heads", "start_queued_heads", "wait_on_lane",
 )  # fmt: skip
 
 
@@ -138,16 +138,24 @@ def start_queued_heads(run: StageRun) -> None:
     """On the loop, once the stage before ``run`` (queued behind it by
     ``progress_many``) has ended: start ``run``'s bodies heading a chain, and let
     its other lanes go once their first steps have run, as for a stage begun by the
-    loop (``AsyncExecutor._begin_with_heads``).  Nothing if ``run`` was skipped."""
+    loop (``AsyncExecutor._begin_stage``).  Nothing if ``run`` was skipped."""
     if run.heads_started:
         return
     if run.failed:  # skipped meanwhile (the loop shuts down): nothing will run them
         drop_unstarted_heads(run)
         return
+    start_heads(run)
+
+
+def start_heads(run: StageRun, *, release: bool = True) -> None:
+    """On the loop: start ``run``'s bodies heading a chain (:func:`begin_heads`) and,
+    with ``release``, let its other lanes go once their first steps have run (the
+    callback queued behind their tasks: tasks run FIFO)."""
     run.heads_started = True
     for index, body in run.heads.items():
         start_body(run, index, body)
-    run.waker.loop.call_soon(run.heads_begun.set)  # type: ignore[union-attr]
+    if release:
+        run.waker.loop.call_soon(run.heads_begun.set)  # type: ignore[union-attr]
 
 
 def drop_unstarted_heads(run: StageRun) -> None:
