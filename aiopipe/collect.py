@@ -28,8 +28,9 @@ async def collect_steps(
     results: list[Any] = []
     try:
         while len(results) < steps:
-            if results and driver.failures.pending:
-                break  # raised by the next call, after these results
+            feed = feeds.current
+            if results and driver.failures.pending and not (feed is not None and feed.outbox):
+                break  # raised by the next call, after these results and those waiting
             produced, result = await next_of(steps - len(results) - 1)
             if not produced:
                 if not results:

@@ -207,6 +207,24 @@ async def test_a_failing_step_returns_the_steps_before_it_then_raises() -> None:
         assert gates.checked == list(range(8))
 
 
+async def test_results_before_a_failure_come_out_together_when_it_is_known_first() -> None:
+    # Steps 0 and 1 end while their caller sleeps; it leaves with step 2 held on the
+    # lane, and step 2 then fails: the next call finds two results and the failure.
+    gates = Gates(hold_at=2, fail_at=2)
+    async with Pipeline([Task.from_fn("step", gates)]) as pipe:
+        source = iter(range(8))
+        call = asyncio.ensure_future(pipe.progress_many(source, 5))
+        await in_a_thread(gates.reached)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        gates.release.set()
+        await pipe.wait_idle()
+        assert await pipe.progress_many(source, 5) == [0, 1]  # both, not one a call
+        with pytest.raises(ValueError, match="batch 2 is bad"):
+            await pipe.progress_many(source, 5)
+
+
 def test_the_blocking_form_chains_too() -> None:
     with Pipeline(lookahead_tasks(echo)).blocking() as pipe:
         source = iter(range(9))
