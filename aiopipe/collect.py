@@ -29,8 +29,9 @@ async def collect_steps(
     try:
         while len(results) < steps:
             feed = feeds.current
-            if results and driver.failures.pending and not (feed is not None and feed.outbox):
-                break  # raised by the next call, after these results and those waiting
+            waiting = feed is not None and bool(feed.outbox)  # steps finished before it
+            if results and driver.failures.pending and not waiting:
+                break  # the next call raises the failure
             produced, result = await next_of(steps - len(results) - 1)
             if not produced:
                 if not results:
