@@ -30,8 +30,9 @@ async def collect_steps(
         while len(results) < steps:
             feed = feeds.current
             waiting = feed is not None and bool(feed.outbox)  # steps finished before it
-            if results and driver.failures.pending and not waiting:
-                break  # the next call raises the failure
+            failures = driver.failures
+            if results and not waiting and (failures.pending or failures.broken is not None):
+                break  # the next call raises the failure, or asks for reset()
             produced, result = await next_of(steps - len(results) - 1)
             if not produced:
                 if not results:

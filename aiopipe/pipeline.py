@@ -208,7 +208,9 @@ class SchedulablePipeline:
         queued behind it that has not started is taken back (its batch is read again
         next), and the results of finished steps, those already collected included,
         are returned by the next call.  If a step fails after others have finished,
-        their results are returned and the next call raises the failure."""
+        their results -- every one finished before it, those a failed ``drain()`` or
+        an interrupted call left waiting included -- are returned, and the next call
+        raises the failure (or asks for ``reset()``, as ``progress`` would)."""
         if isinstance(steps, bool) or not isinstance(steps, int):
             raise ConfigurationTypeError(f"steps must be an int, got {steps!r}")
         if steps < 1:

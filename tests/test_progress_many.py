@@ -27,6 +27,10 @@ def echo(ctx: TaskContext) -> None:
     ctx.slots.set("step_result", ctx.slots["batch_cpu"])
 
 
+def echo_ahead(ctx: TaskContext) -> None:
+    ctx.slots.set("ahead", ctx.slots["batch_cpu"])
+
+
 async def in_a_thread(event: threading.Event) -> None:
     """Wait for a lane body to reach its gate without blocking the loop."""
     assert await asyncio.get_running_loop().run_in_executor(None, event.wait, 10)
@@ -223,6 +227,44 @@ async def test_results_before_a_failure_come_out_together_when_it_is_known_first
         assert await pipe.progress_many(source, 5) == [0, 1]  # both, not one a call
         with pytest.raises(ValueError, match="batch 2 is bad"):
             await pipe.progress_many(source, 5)
+
+
+async def test_results_waiting_after_a_failed_drain_come_out_before_reset_is_asked() -> None:
+    # drain() raises step 4's failure; the steps before it (2 and 3, applied) wait.
+    # progress_many returns them, as progress() would, and only then asks for reset().
+    gates = Gates(fail_at=4)
+    tasks = [Task.from_fn("prep", echo_ahead, lookahead=2, writes=("ahead",)),
+             Task.from_fn("step", gates, reads=("ahead",))]  # fmt: skip
+    async with Pipeline(tasks) as pipe:
+        source = iter(range(10))
+        assert await pipe.progress_many(source, 2) == [0, 1]
+        with pytest.raises(ValueError, match="batch 4 is bad"):
+            await pipe.drain()
+        assert await pipe.progress_many(source, 3) == [2, 3]
+        with pytest.raises(PipelineStateError, match="reset"):
+            await pipe.progress_many(source, 3)
+        assert gates.ran == [0, 1, 2, 3, 4]
+
+
+def test_results_given_back_by_an_interrupted_call_come_out_before_reset_is_asked() -> None:
+    # A KeyboardInterrupt from step 3's body: steps 0-2 were applied and their results
+    # given back; the next progress_many returns them, the one after asks for reset().
+    interrupted: list[int] = []
+
+    def step(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch_cpu"]
+        if batch == 3 and not interrupted:
+            interrupted.append(batch)
+            raise KeyboardInterrupt
+        echo(ctx)
+
+    with Pipeline([Task.from_fn("step", step)], executor="sequential").blocking() as pipe:
+        source = iter(range(10))
+        with pytest.raises(KeyboardInterrupt):
+            pipe.progress_many(source, 5)
+        assert pipe.progress_many(source, 5) == [0, 1, 2]
+        with pytest.raises(PipelineStateError, match="reset"):
+            pipe.progress_many(source, 5)
 
 
 def test_the_blocking_form_chains_too() -> None:
