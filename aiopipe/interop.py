@@ -134,6 +134,9 @@ class TrioBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: weakref.finalize[Any, Any] | None = None
         self._closed = False
+        #: The stand-in last made: the same source passed again gets it back (the
+        #: pipeline knows a source by identity; it may hold an item, ``kept``).
+        self._stand_in: _CallerSource | None = None
 
     async def call(self, fn: Callable[..., Awaitable[T]], /, *args: Any) -> T:
         """``await fn(*args)`` on the bridge loop, from a trio task.  Async iterators
@@ -156,12 +159,16 @@ class TrioBridge:
     def source_for(self, source: Source, current: Source | None) -> Source:
         """What the bridge loop should be given for ``source``: an async iterator is
         replaced by a stand-in that the trio caller pulls -- the same stand-in as
-        ``current`` (the pipeline's source) when that already stands for ``source``,
-        because the pipeline recognises its source by identity."""
+        ``current`` (the pipeline's source) or as the last call's when that already
+        stands for ``source``, because the pipeline recognises its source by identity."""
         if isinstance(current, _CallerSource) and current.source is source:
             return current
+        last = self._stand_in
+        if last is not None and last.source is source:  # after a drain(), say: it goes on
+            return last
         if isinstance(source, AsyncIterator):
-            return _CallerSource(source)
+            self._stand_in = _CallerSource(source)
+            return self._stand_in
         return source
 
     def close(self) -> None:
@@ -292,11 +299,12 @@ class _Call:
         if self._task is not None:
             self._task.cancel()
 
-    async def pull(self, source: AsyncIterator[Any]) -> Any:
-        """From the bridged task: the next item of ``source``, pulled by the caller."""
+    def pull(self, source: AsyncIterator[Any]) -> asyncio.Future[Any]:
+        """From the bridged task: ask the caller for the next item of ``source``; the
+        future gets it (or the source's error)."""
         future = self._loop.create_future()
         self._post((source, future))
-        return await future
+        return future
 
     def _post(self, message: object) -> None:
         try:
@@ -321,12 +329,15 @@ class _CallerSource:
     """Stands, on the bridge loop, for an async iterator of the trio caller: each
     item is pulled by the trio task awaiting the current call."""
 
-    __slots__ = ("source",)
+    __slots__ = ("kept", "source")
     #: Pulled by the trio caller during its own call, so never read ahead between calls.
     pulled_inline = True
 
     def __init__(self, source: AsyncIterator[Any]) -> None:
         self.source = source
+        #: A pull that had its item (or the source's error) when its call was
+        #: cancelled: the next pull hands that out.
+        self.kept: asyncio.Future[Any] | None = None
 
     def __aiter__(self) -> _CallerSource:
         return self
@@ -337,7 +348,17 @@ class _CallerSource:
             raise PipelineStateError(
                 "this source belongs to a trio caller and can only be pulled during its calls"
             )
-        item = await call.pull(self.source)
+        pulled, self.kept = self.kept, None
+        if pulled is None:
+            pulled = call.pull(self.source)
+        try:
+            item = await pulled
+        except asyncio.CancelledError:
+            # The caller took the item from its source, then was cancelled before this
+            # task resumed (the item reaches the loop first, the cancellation after).
+            if pulled.done() and not pulled.cancelled():
+                self.kept = pulled
+            raise
         if item is END:
             raise StopAsyncIteration
         return item

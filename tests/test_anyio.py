@@ -13,6 +13,7 @@ The tests are plain functions that call ``anyio.run`` themselves: with
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -25,6 +26,7 @@ from aiopipe import Pipeline, PipelineStateError, SchedulablePipeline, Task, Tas
 from aiopipe.dag import TaskGraph
 from aiopipe.errors import AsyncLibraryError
 from aiopipe.gpu import wait_for_event
+from aiopipe import interop
 from aiopipe.interop import current_trio
 
 BACKENDS = {
@@ -326,6 +328,69 @@ async def test_asyncio_only_apis_say_so_under_trio(library: str) -> None:
     with pytest.raises(AsyncLibraryError, match="TaskGraph"):
         async with TaskGraph():
             pass
+
+
+def test_an_item_a_trio_caller_took_just_before_its_cancellation_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The trio caller takes item 1 from its source, and its call is cancelled before
+    # the bridge loop's task resumes with it: the bridge loop is held until the
+    # cancellation is queued there behind the item.  Item 1 comes out next, after a
+    # drain() too (the source passed again is the same one).
+    cancel_queued = threading.Event()
+    queue_cancel = interop._Call.cancel
+
+    def cancel(call: Any) -> None:
+        queue_cancel(call)
+        cancel_queued.set()
+
+    monkeypatch.setattr(interop._Call, "cancel", cancel)
+
+    async def main(library: str) -> None:
+        trio = current_trio()
+        assert trio is not None
+        loops: list[asyncio.AbstractEventLoop] = []
+        trained: list[int] = []
+        on_item_1: list[Callable[[], None]] = []
+
+        class Source:
+            def __init__(self) -> None:
+                self.items = [0, 1, 2, 3]
+
+            def __aiter__(self) -> Source:
+                return self
+
+            async def __anext__(self) -> int:
+                await trio.lowlevel.checkpoint()
+                if not self.items:
+                    raise StopAsyncIteration
+                item = self.items.pop(0)
+                if item == 1:
+                    on_item_1[0]()
+                return item
+
+        async def step(ctx: TaskContext) -> None:
+            loops.append(asyncio.get_running_loop())  # the bridge's loop
+            trained.append(ctx.slots["batch_cpu"])
+            ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+        source = Source()
+        async with Pipeline([Task.from_fn("step", step, writes=("step_result",))]) as pipe:
+            assert await pipe.progress(source) == 0
+            with trio.CancelScope() as scope:
+
+                def hold_the_loop_and_cancel() -> None:
+                    loops[0].call_soon_threadsafe(cancel_queued.wait, 10)
+                    scope.cancel()
+
+                on_item_1.append(hold_the_loop_and_cancel)
+                await pipe.progress(source)
+            assert scope.cancelled_caught
+            assert await pipe.drain() == []  # nothing in flight; the source is let go
+            assert [r async for r in pipe.results(source)] == [1, 2, 3]  # passed again
+        assert trained == [0, 1, 2, 3]
+
+    run_on("trio", main)
 
 
 def test_trio_inside_a_task_body_is_a_clear_error() -> None:
