@@ -149,9 +149,9 @@ class Feeds:
 
     def forget(self) -> None:
         """The current source is done with (``drain()``): its next use starts a new
-        feed, which counts on from this one if the source had not ended (passed again
-        after its end, an iterator such as a persistent ``DataLoader``'s starts a new
-        pass)."""
+        feed, which counts on from this one unless a call was handed the source's end
+        (passed again after that, an iterator such as a persistent ``DataLoader``'s
+        starts a new pass)."""
         if self.current is not None:
             self._drained, self.current = self.current, None
 

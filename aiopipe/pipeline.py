@@ -266,8 +266,8 @@ class SchedulablePipeline:
         (a batch already read ahead included); return their results.  The source is
         then done with: passing it again continues with its next batch, and
         ``statistics()`` counts on (its ``position`` stays the position in that
-        source, for a checkpoint); passing another one, or the same one after its
-        end (a new pass), starts afresh, counts and all.
+        source, for a checkpoint); passing another one, or the same one after a
+        call was handed its end (a new pass), starts afresh, counts and all.
         Cancel-safe like ``progress``: results finished
         by an interrupted ``drain`` are returned by the next call.  If a batch's task
         fails, ``drain`` raises that error; the results of steps applied before it
@@ -383,7 +383,10 @@ class SchedulablePipeline:
         produced, result = await self._driver.next_result(feed, more)
         if not produced and feed.draining:
             self._feeds.forget()
-            produced, result = await self._driver.next_result(self._adopt(source))
+            feed = self._adopt(source)
+            produced, result = await self._driver.next_result(feed)
+        if not produced:
+            feed.ended = True  # handed to the caller: the same source again is a new pass
         return produced, result
 
     def _trio_source(self, source: Source) -> Source:

@@ -89,7 +89,9 @@ class Feed(Pulls):
         #: The next internal iteration to run.
         self.iteration = 0
         self.exhausted = False
-        #: The source itself ended (not only a ``drain()`` that stopped reading it).
+        #: The source's end was handed to a caller (``StopAsyncIteration``, an empty
+        #: ``progress_many``), not only read -- by a read-ahead that a ``drain()``
+        #: then took, say: passed again, the same source is a new pass.
         self.ended = False
         #: ``drain()`` was called: take what was already read, read nothing new.
         self.draining = False
@@ -217,7 +219,7 @@ class Feed(Pulls):
                 return
             batch, problem = await self.take()
             if batch is END:
-                self.exhausted = self.ended = True
+                self.exhausted = True
                 return
             if problem is not None:
                 self._refuse(problem)

@@ -25,7 +25,8 @@ class PipelineStatistics:
     by ``reset()`` or because a ``results()`` loop was left early and another source
     came (not in any position: a resumed run reads them again).
     After ``drain()`` the counts are the drained source's; passed again, that source
-    counts on from them (another source, or the same one after its end, from 0)."""
+    counts on from them (another source, or the same one after a call was handed its
+    end, from 0)."""
 
     pulled: int
     returned: int

@@ -576,6 +576,21 @@ async def test_the_same_source_after_a_drain_counts_on_and_another_starts_afresh
         assert pipe.statistics().position == 2  # another source: afresh
 
 
+@pytest.mark.parametrize("read_ahead", [True, False])
+async def test_a_source_whose_end_only_a_drain_saw_counts_on(read_ahead: bool) -> None:
+    # Every item trained, then drain(): with the read-ahead on, the end was read ahead
+    # and taken by the drain, but no call was handed it.  Passed again, the source
+    # counts on either way: a checkpoint of the position there resumes at its end.
+    async with Pipeline([Task.from_fn("train", echo)], read_ahead=read_ahead) as pipe:
+        source = iter(range(5))
+        assert [await pipe.progress(source) for _ in range(5)] == list(range(5))
+        assert await pipe.drain() == []
+        with pytest.raises(StopAsyncIteration):
+            await pipe.progress(source)
+        stats = pipe.statistics()
+        assert (stats.position, stats.returned) == (5, 5)
+
+
 async def test_an_iterator_passed_again_after_its_end_and_a_drain_counts_afresh() -> None:
     class Epochs:
         """One iterator object for every pass, reset by ``iter()`` (as a persistent

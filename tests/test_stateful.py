@@ -138,7 +138,7 @@ class FeedModel:
     draining: bool = False
     discarded: int = 0  # batches dropped untrained (reset(), an abandoned loop)
     results_dropped: int = 0  # results of applied steps dropped with them
-    ended: bool = False  # the source itself ended (not only a drain that stopped reading)
+    ended: bool = False  # a call was handed the source's end (not only a drain reading it)
     # The counts of the same source before a drain() -- pulled, returned, applied,
     # refused, position -- which this feed counts on from; and whether the engine has
     # no feed of its own for it yet (after the drain, until a call passes the source).
@@ -229,7 +229,7 @@ class FeedModel:
             self.exhausted, self.ahead = True, False
             return
         if self.pulls == len(self.items):
-            self.exhausted = self.ended = True
+            self.exhausted = True
             self.ahead = False
             return
         item = self.items[self.pulls]
@@ -486,6 +486,8 @@ class PipelineMachine(RuleBasedStateMachine):
                 expected = self.feed.next_result()
         except Refused as refused:
             return refused
+        if expected is None:
+            self.feed.ended = True  # the same source passed again after a drain(): a new pass
         return expected
 
     def expect_progress(self) -> None:
