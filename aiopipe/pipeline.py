@@ -324,6 +324,8 @@ class SchedulablePipeline:
         but not yet returned are dropped too; ``applied`` still counts them).  An item
         read ahead that no task touched is kept: the next ``progress`` on the same
         source takes it first."""
+        if self._closed:
+            raise PipelineStateError("the pipeline has been shut down: there is nothing to reset")
         if self._calls.in_progress():
             raise PipelineStateError("cannot reset while a progress is running")
         self._driver.refuse_while_running("reset()")

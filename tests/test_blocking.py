@@ -206,6 +206,10 @@ def test_a_blocking_progress_never_formats_its_result() -> None:
     assert len(results) == 5 and _CountedRepr.formatted == 0
 
 
+def echo_index(ctx: TaskContext) -> None:
+    ctx.slots.set("step_result", ctx.batch_index)
+
+
 def test_a_second_blocking_call_from_another_thread_is_refused() -> None:
     # The task body runs on a lane thread while the main thread's call is under way.
     refused: list[PipelineStateError] = []
@@ -222,6 +226,45 @@ def test_a_second_blocking_call_from_another_thread_is_refused() -> None:
         blocking.append(pipe)
         assert list(pipe.results(range(2))) == [0, 1]
     assert len(refused) == 2 and "one call at a time" in str(refused[0])
+
+
+def test_a_second_thread_calling_as_the_first_call_begins_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first call is held while it makes its event loop -- after it was let in, before
+    # its task exists -- and a second thread calls then: refused, and the first call's
+    # result is not lost.
+    from aiopipe._core import loops
+
+    making, second_done = threading.Event(), threading.Event()
+    make_loop = loops.new_event_loop
+
+    def held_new_event_loop(**options: Any) -> asyncio.AbstractEventLoop:
+        if threading.current_thread() is threading.main_thread():
+            making.set()
+            assert second_done.wait(10)
+        return make_loop(**options)
+
+    monkeypatch.setattr(loops, "new_event_loop", held_new_event_loop)
+    second: list[BaseException] = []
+    with Pipeline([Task.from_fn("step", echo_index, writes=("step_result",))]).blocking() as pipe:
+        source = iter(range(3))
+
+        def call_too() -> None:
+            assert making.wait(10)
+            try:
+                pipe.progress(source)
+            except BaseException as exc:  # noqa: BLE001 -- the test inspects it
+                second.append(exc)
+            second_done.set()
+
+        thread = threading.Thread(target=call_too)
+        thread.start()
+        assert pipe.progress(source) == 0
+        thread.join(10)
+        assert len(second) == 1 and isinstance(second[0], PipelineStateError)
+        assert "one call at a time" in str(second[0])
+        assert list(pipe.results(source)) == [1, 2]
 
 
 def test_the_blocking_form_reports_the_statistics_of_its_pipeline() -> None:

@@ -310,6 +310,8 @@ async def test_shutdown_is_idempotent_and_final(recorder: Recorder) -> None:
     pipe.shutdown()
     with pytest.raises(PipelineStateError, match="shut down"):
         await pipe.progress(iter(range(3)))
+    with pytest.raises(PipelineStateError, match="shut down"):
+        pipe.reset()  # as every other call: it said nothing before
 
 
 async def test_concurrent_progress_calls_are_refused(recorder: Recorder) -> None:

@@ -75,6 +75,9 @@ class LoopRunner:
         self._interrupts = 0
         self._closed = False
         self._task: asyncio.Task[Any] | None = None  # the call under way
+        # Held by the call under way: a second thread's call is refused, never let onto
+        # a loop running in another thread (checking ``_task`` alone left a window).
+        self._calling = threading.Lock()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -91,11 +94,17 @@ class LoopRunner:
                 "the blocking API was called from inside a running event loop; in async "
                 "code use 'await pipe.progress(...)' instead"
             )
-        if self._task is not None:  # another thread's call is under way on this loop
+        if not self._calling.acquire(blocking=False):  # another thread's call is under way
             raise PipelineStateError(
                 "the blocking API is already running a call on this pipeline (from another "
                 "thread); one call at a time"
             )
+        try:
+            return self._run(fn, args)
+        finally:
+            self._calling.release()
+
+    def _run(self, fn: Callable[..., Coroutine[Any, Any, T]], args: tuple[Any, ...]) -> T:
         loop = self.loop
 
         async def call() -> T:  # fn(*args) is made inside the loop: coroutine APIs check
