@@ -289,10 +289,23 @@ def _shape_mismatch(path: Path, state: dict[str, Any]) -> str | None:
     for key, shape in _global_shapes(state):
         entry = saved.get(key)
         if entry is None:  # DCP: "Missing key in checkpoint state_dict", and a traceback
-            return f"it has no {key!r} (written for another model or optimizer?)"
+            return _missing(key, saved)
         if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != shape:
             return f"{key!r} has global shape {tuple(entry.size)} there, {shape} here"
     return None
+
+
+def _missing(key: str, saved: dict[str, Any]) -> str:
+    """Why the checkpoint lacks ``key``, said as precisely as its keys allow."""
+    # torch.optim keys its state by parameter number: ``<name>.state.<n>.<buffer>``
+    optimizer, _, per_parameter = key.partition(".state.")
+    if per_parameter[:1].isdigit() and not any(k.startswith(f"{optimizer}.state.") for k in saved):
+        return (
+            f"it has no {key!r}: the optimizer had no state yet when it was saved (before "
+            f"its first step). Load it into an optimizer that has none either -- without "
+            f"materialize_optimizer_state()"
+        )
+    return f"it has no {key!r} (written for another model or optimizer?)"
 
 
 def _resharding_planner() -> Any:

@@ -176,6 +176,25 @@ def test_a_checkpoint_of_another_optimizer_is_refused_naming_what_it_lacks(
         manager.load(1, state(model, adam))
 
 
+def test_a_checkpoint_from_before_the_first_step_says_so_and_loads_without_state(
+    tmp_path: Path,
+) -> None:
+    """Saved before the optimizer's first step (every early call cancelled, say): it
+    has no optimizer state, so an optimizer given some by materialize_optimizer_state
+    cannot take it -- the error says why; one left without state loads it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    manager = CheckpointManager(tmp_path)
+    manager.save(0, state(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)))
+    fresh = torch.nn.Linear(4, 3)
+    materialized = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    materialize_optimizer_state(materialized)
+    with pytest.raises(CheckpointError, match="no state yet when it was saved"):
+        manager.load(0, state(fresh, materialized))
+    manager.load(0, state(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)))
+    assert torch.equal(fresh.weight, model.weight)
+
+
 def test_a_checkpoint_that_cannot_be_read_raises_checkpoint_error(tmp_path: Path) -> None:
     # torch reports it with its CheckpointException, a BaseException: not past our family
     model, optimizer = model_and_adam(0)
