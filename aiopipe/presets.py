@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from ._core.log import pipeline_log
 from .context import TaskContext
 from .errors import ConfigurationError, ConfigurationTypeError
 from .executors import Executor, resolve_executor
@@ -236,13 +237,33 @@ class BasicPipeline(Pipeline):
     ``drain()`` is not the source's end: a partial group keeps its accumulated
     gradients and is completed by the next batches ``progress`` pulls."""
 
-    def __init__(self, *args: Any, finish: Callable[[], None] | None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, finish: Callable[[], None] | None,
+        after_reset: Callable[[], tuple[int, int] | None] | None = None, **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self._finish = finish
+        self._after_reset = after_reset
 
     def _on_source_end(self) -> None:
         if self._finish is not None:
             self._finish()
+
+    def reset(self) -> None:
+        """:meth:`SchedulablePipeline.reset`.  With ``grad_accumulation=k``, a batch
+        whose ``backward`` ran before its step failed has added to the gradients of
+        the group under way, and nothing can take that back out: the group's
+        gradients are dropped (a WARNING names the batches) and the next batch starts
+        a new group.  A group no failed batch touched is kept."""
+        super().reset()
+        dropped = self._after_reset() if self._after_reset is not None else None
+        if dropped is not None:
+            pipeline_log.warning(
+                "%s: reset(): batch %d of the source failed after its backward had added to "
+                "the gradients of the accumulation group under way; the group's gradients "
+                "(of the %d applied batch(es) before it) were dropped, and the next batch "
+                "starts a new group", self.name, *dropped,
+            )  # fmt: skip
 
 
 def basic(
@@ -295,6 +316,9 @@ def basic(
     apply_step: Callable[[OptimizerT], object] = optimizer_step_fn or _optimizer_step
     moves = prefetch or memcpy_stream
     pending = {"batches": 0}  # micro-batches since the last optimizer step
+    # The batch whose backward ran last and has not been counted yet (a failure after
+    # its backward leaves its gradients mixed into the group's).
+    unsettled: dict[str, int | None] = {"batch": None}
 
     def h2d(ctx: TaskContext) -> None:
         ctx.slots.set("batch_device", move_to_device(ctx.slots["batch_cpu"], device, True))
@@ -310,14 +334,27 @@ def basic(
 
     def backward(ctx: TaskContext) -> None:
         loss = _loss_tensor(ctx.slots["loss"])
+        unsettled["batch"] = ctx.batch_index
         back_propagate(loss / grad_accumulation if grad_accumulation > 1 else loss)
 
     def optimizer_step(ctx: TaskContext) -> None:
-        pending["batches"] += 1
-        if pending["batches"] == grad_accumulation:
+        if pending["batches"] + 1 == grad_accumulation:
             apply_step(optimizer)
             pending["batches"] = 0
+        else:
+            pending["batches"] += 1
+        unsettled["batch"] = None
         ctx.slots.set("step_result", _detach(ctx.slots["loss"]))
+
+    def after_reset() -> tuple[int, int] | None:
+        """Drop a group whose gradients a failed batch's backward added to: that
+        batch and how many batches' gradients were dropped, if so."""
+        failed, unsettled["batch"] = unsettled["batch"], None
+        if failed is None or not pending["batches"]:
+            return None  # clean, or the group's first batch: its zero_grad comes next
+        dropped, pending["batches"] = pending["batches"], 0
+        optimizer.zero_grad()
+        return failed, dropped
 
     def finish() -> None:  # a trailing partial accumulation group still updates
         if pending["batches"]:
@@ -347,5 +384,6 @@ def basic(
         executor=resolve_executor(executor, thread_map, default_thread_map=lanes, device=device),
         device=device,
         finish=finish if grad_accumulation > 1 else None,
+        after_reset=after_reset if grad_accumulation > 1 else None,
         **options,
     )

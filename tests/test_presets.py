@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -189,6 +189,57 @@ async def test_drain_leaves_a_partial_accumulation_group_to_the_next_batches() -
     assert len(rest) == 3
     expected_params = plain_loop(data, "sgd", accumulate=3)[1]  # steps after 3 and 6
     for got, want in zip(model.parameters(), expected_params):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("executor", ["sequential", "async"])
+@pytest.mark.parametrize("fails_in", ["forward", "backward"])
+async def test_reset_after_a_failed_batch_keeps_or_drops_its_accumulation_group(
+    executor: str, fails_in: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Groups of 3; batch 4 fails, with batch 3 of its group applied.  Failing in
+    # forward it touched no gradient: the group goes on with batches 5 and 6.  Failing
+    # after its backward it added to the group's gradients, which reset() then drops
+    # (and says so): batches 5-7 make the next group.
+    data = batches(9)
+    model, opt = make(0, "sgd")
+    calls = {"forward": 0, "backward": 0}  # bodies run once per batch, in order
+
+    def fail_at_batch_4(where: str) -> None:
+        calls[where] += 1
+        if where == fails_in and calls[where] == 5:
+            raise ValueError("batch 4 is bad")
+
+    def forward_failing(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+        fail_at_batch_4("forward")
+        return forward(model, batch)
+
+    def backward_failing(loss: torch.Tensor) -> None:
+        loss.backward()
+        fail_at_batch_4("backward")
+
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward_failing,
+                 backward_fn=backward_failing, grad_accumulation=3, executor=executor)  # fmt: skip
+    batches_in = iter(data)
+    async with pipe:
+        assert len([await pipe.progress(batches_in) for _ in range(4)]) == 4
+        with pytest.raises(ValueError, match="batch 4 is bad"):
+            await pipe.progress(batches_in)
+        pipe.reset()
+        assert len(await collect(pipe, batches_in)) == 4  # batches 5-8
+    dropped = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
+    groups = [[0, 1, 2], [3, 5, 6], [7, 8]] if fails_in == "forward" else [[0, 1, 2], [5, 6, 7], [8]]
+    assert len(dropped) == (fails_in == "backward")
+    if dropped:
+        assert "batch 4 of the source failed after its backward" in dropped[0]
+        assert "(of the 1 applied batch(es) before it)" in dropped[0]
+    reference, reference_opt = make(0, "sgd")
+    for group in groups:
+        reference_opt.zero_grad()
+        for i in group:
+            (loss_fn(forward(reference, data[i]), data[i]) / 3).backward()
+        reference_opt.step()
+    for got, want in zip(model.parameters(), reference.parameters()):
         assert torch.equal(got, want)
 
 
