@@ -202,6 +202,82 @@ async def test_back_pressure_waits_then_times_out_clearly() -> None:
     assert issubclass(BackPressureTimeout, TimeoutError)
 
 
+async def test_a_cancelled_awaiter_of_a_handle_cancels_nothing_else() -> None:
+    # One awaiter of a running task is cancelled: the task runs on, another awaiter
+    # and a consumer of its output get what they would have, and its room comes back.
+    started, release = threading.Event(), threading.Event()
+    x = torch.zeros(2)
+
+    def produce(out: torch.Tensor) -> str:
+        started.set()
+        assert release.wait(10)
+        out.fill_(3)
+        return "produced"
+
+    async with TaskGraph(max_in_flight=2, submit_timeout_s=5) as graph:
+        handle = await graph.submit(produce, OUTPUT(x), lane="a")
+        consumer = await graph.submit(lambda t: float(t.sum()), INPUT(x), lane="b")
+        cancelled = asyncio.ensure_future(_await(handle))
+        other = asyncio.ensure_future(_await(handle))
+        assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        await asyncio.sleep(0)  # both awaiters wait on the handle
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert not handle.done()  # the task still runs
+        release.set()
+        assert await other == "produced" and await handle == "produced"
+        assert await consumer == 6.0
+        assert graph.statistics().in_flight == 0
+        await (await graph.submit(lambda: None))  # room for more
+
+
+async def _await(handle: object) -> object:
+    return await handle  # type: ignore[misc]
+
+
+async def test_scopes_opened_by_two_tasks_at_once_keep_their_own_tasks() -> None:
+    # A opens a scope, then B opens one; A submits a task, then B a failing one; A
+    # leaves first.  A's scope waits for A's task and raises nothing; B's raises B's
+    # failure (one stack shared by both put A's task in B's scope, and A raised it).
+    steps = {name: asyncio.Event() for name in ("a_in", "b_in", "a_sent", "b_sent", "a_out")}
+    outcomes: dict[str, object] = {}
+
+    def boom() -> None:
+        raise ValueError("b's task failed")
+
+    async with TaskGraph() as graph:
+
+        async def a() -> None:
+            async with graph.scope():
+                steps["a_in"].set()
+                await steps["b_in"].wait()
+                handle = await graph.submit(lambda: "a's", lane="a")
+                steps["a_sent"].set()
+                await steps["b_sent"].wait()
+            outcomes["a"], outcomes["a_done"] = None, handle.done()
+            steps["a_out"].set()
+
+        async def b() -> None:
+            await steps["a_in"].wait()
+            try:
+                async with graph.scope():
+                    steps["b_in"].set()
+                    await steps["a_sent"].wait()
+                    await graph.submit(boom, lane="b")
+                    steps["b_sent"].set()
+                    await steps["a_out"].wait()
+                outcomes["b"] = None
+            except BaseException as exc:  # noqa: BLE001 -- inspected below
+                outcomes["b"] = exc
+
+        await asyncio.gather(a(), b())
+    assert outcomes["a"] is None and outcomes["a_done"] is True
+    errors = outcomes["b"]
+    assert isinstance(errors, BaseExceptionGroup)
+    assert [str(e) for e in errors.exceptions] == ["b's task failed"]
+
+
 async def test_submit_outside_the_graph_is_an_error() -> None:
     graph = TaskGraph()
     with pytest.raises(GraphError, match="async with"):

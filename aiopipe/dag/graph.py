@@ -45,9 +45,10 @@ from ..errors import (
     attach_origin,
 )
 from .._core.lanes import LOOP_LANE, Lane, LanePool
-from .._core.waker import LoopWaker
+from .._core.waker import LoopWaker, wait_settled
 from ..interop import needs_event_loop, running_loop
 from .members import MemberFailure, run_async_members, run_sync_members
+from .scopes import Scope, innermost_scope
 from .tags import Tagged
 from .tensor_map import TensorKey, TensorMap
 
@@ -107,7 +108,9 @@ class TaskHandle:
         return self._node.done.done()
 
     def __await__(self) -> Any:
-        yield from self._node.done.__await__()
+        # Not the shared future itself: a cancelled awaiter would cancel it for the
+        # task, its other awaiters and its consumers.
+        yield from wait_settled(self._node.done).__await__()
         node = self._node
         if node.error is not None:
             raise node.error
@@ -178,7 +181,7 @@ class TaskGraph:
 
     async def __aexit__(self, *exc_info: object) -> None:
         try:
-            await self._close_scope(raise_failures=exc_info[0] is None)
+            await self._close_scope(self._scopes[0], raise_failures=exc_info[0] is None)
         except Exception:  # the graph's failures, raised once every task is done
             self._lanes.shutdown()
             raise
@@ -189,17 +192,17 @@ class TaskGraph:
             raise
         self._lanes.shutdown()  # every task is done: the lanes stop at once
 
-    def scope(self) -> _Scope:
+    def scope(self) -> Scope:
         """A nested scope: leaving it waits for its tasks and forgets them."""
-        return _Scope(self)
+        return Scope(self)
 
-    async def _close_scope(self, raise_failures: bool) -> None:
-        nodes = self._scopes[-1]
+    async def _close_scope(self, nodes: dict[Node, None], raise_failures: bool) -> None:
         try:  # tasks still running may submit more into this scope
             while pending := [node.done for node in nodes if not node.done.done()]:
                 await asyncio.wait(pending)
         finally:
-            self._scopes.pop()
+            # by identity: scopes of other tasks may have opened after this one
+            self._scopes[:] = [open_ for open_ in self._scopes if open_ is not nodes]
             self._tensors.forget(set(nodes))
         errors = [node.error for node in nodes if node.error is not None]
         if errors and raise_failures:
@@ -281,7 +284,7 @@ class TaskGraph:
                     values.append(arg)
             calls.append(tuple(values))
         await self._wait_for_room()
-        scope = self._scopes[-1]
+        scope = innermost_scope(self, self._scopes)
         node = Node(name or str(getattr(fn, "__name__", "task")), self._submissions, scope,
                      self._waker.loop)  # fmt: skip
         self._submissions += 1
@@ -397,19 +400,5 @@ class TaskGraph:
 async def _first_failure(producers: list[Node]) -> Node | None:
     """Wait for every producer; the first that failed, if any."""
     for producer in producers:
-        await producer.done  # never raises
+        await wait_settled(producer.done)  # never raises; a cancelled consumer cancels nothing
     return next((p for p in producers if p.failed), None)
-
-
-class _Scope:
-    def __init__(self, graph: TaskGraph) -> None:
-        self._graph = graph
-
-    async def __aenter__(self) -> TaskGraph:
-        if not self._graph._scopes:
-            raise GraphError("graph.scope() outside 'async with TaskGraph()'")
-        self._graph._scopes.append({})
-        return self._graph
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self._graph._close_scope(raise_failures=exc_info[0] is None)
