@@ -34,7 +34,8 @@ class CallGuard:
         """Enter a call; refused while another is under way.  The token to end it."""
         if self.in_progress():
             raise PipelineStateError(
-                "another progress() is already running on this pipeline; await it first"
+                "another call (progress(), progress_many(), drain() or step()) is already "
+                "running on this pipeline; await it first"
             )
         self._loop = loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()

@@ -326,6 +326,8 @@ async def test_concurrent_progress_calls_are_refused(recorder: Recorder) -> None
         await asyncio.sleep(0)
         with pytest.raises(PipelineStateError, match="already running"):
             await pipe.progress(source)
+        with pytest.raises(PipelineStateError, match=r"step\(\)\) is already running"):
+            await pipe.step(7)  # the message names every call it may be
         gate.set()
         assert await first is None
 
