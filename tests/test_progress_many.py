@@ -68,6 +68,17 @@ class Gates:
             self.read.set()
 
 
+async def cancel_while_held(pipe: Pipeline, source: Any, gates: Gates) -> None:
+    """A ``progress_many(source, 5)`` cancelled once a step is held at its gate; the
+    step is then let go."""
+    call = asyncio.ensure_future(pipe.progress_many(source, 5))
+    await in_a_thread(gates.reached)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    gates.release.set()
+
+
 def held_at_1_then_says_2() -> tuple[Gates, threading.Event, Any]:
     """A step body held at batch 1, and the event it sets when batch 2 runs."""
     gates, next_ran = Gates(hold_at=1), threading.Event()
@@ -164,12 +175,7 @@ async def test_a_cancelled_call_takes_back_the_queued_step_and_loses_nothing() -
     gates = Gates(hold_at=2, after_read=3)
     async with Pipeline([Task.from_fn("step", gates)], check_batch=gates.check) as pipe:
         source = iter(range(8))
-        call = asyncio.ensure_future(pipe.progress_many(source, 5))
-        await in_a_thread(gates.reached)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        gates.release.set()
+        await cancel_while_held(pipe, source, gates)
         await pipe.wait_idle()
         assert gates.ran == [0, 1, 2]  # step 3 was taken back: it never ran
         assert pipe.statistics().applied == 3
@@ -184,12 +190,7 @@ async def test_a_cancelled_call_whose_queued_step_started_returns_it_next() -> N
     gates = Gates(hold_at=3)
     async with Pipeline([Task.from_fn("step", gates)]) as pipe:
         source = iter(range(6))
-        call = asyncio.ensure_future(pipe.progress_many(source, 5))
-        await in_a_thread(gates.reached)  # step 3 started on the lane on its own
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        gates.release.set()
+        await cancel_while_held(pipe, source, gates)  # step 3 started on the lane on its own
         assert await pipe.progress_many(source, 10) == list(range(6))
         assert gates.ran == list(range(6))
 
@@ -217,12 +218,7 @@ async def test_results_before_a_failure_come_out_together_when_it_is_known_first
     gates = Gates(hold_at=2, fail_at=2)
     async with Pipeline([Task.from_fn("step", gates)]) as pipe:
         source = iter(range(8))
-        call = asyncio.ensure_future(pipe.progress_many(source, 5))
-        await in_a_thread(gates.reached)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        gates.release.set()
+        await cancel_while_held(pipe, source, gates)
         await pipe.wait_idle()
         assert await pipe.progress_many(source, 5) == [0, 1]  # both, not one a call
         with pytest.raises(ValueError, match="batch 2 is bad"):
