@@ -85,9 +85,9 @@ class StepChain:
         self._more = 0
 
     def drop(self, feed: Feed | None) -> None:
-        """The caller left: queue nothing more, and take the queued iteration back if
-        it cannot have started (its batch is read ahead again); one that may have
-        started runs on."""
+        """The caller left (or the loop closed): queue nothing more, and take the
+        queued iteration back if none of its tasks can have started (its batch is read
+        ahead again); one that may have started runs on."""
         self._more = 0
         queued, handle = self.queued, self._driver.handle
         if queued is None or handle is None or not handle.drop_queued(_NOT_ASKED):

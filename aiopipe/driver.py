@@ -353,6 +353,7 @@ class IterationDriver:
             return True
         number = -1
         if current is not None:
+            self._chain.drop(current[0])  # one that cannot start must not hold its lanes
             iteration = current[1]
             number = iteration.number
             handle = IterationHandle.of(iteration)

@@ -213,3 +213,49 @@ def test_chained_steps_with_an_async_fetch_left_on_a_closed_loop_go_on() -> None
         assert steps == [0, 1, 2, 0, 1]  # the step queued behind batch 2's never ran
     else:
         assert results == [0, 1, 2, 3, 4, 5] and steps == results
+
+
+@pytest.mark.parametrize("then", ["go on", "reset"])
+def test_a_queued_step_whose_fetch_the_closed_loop_never_started_is_taken_back(then: str) -> None:
+    """The step queued behind batch 2's waits for its ``async def`` fetch, which the
+    loop was to start once batch 2's step ended; the loop closed first, and the lanes
+    ended batch 2's step before any other loop ran.  The queued step is taken back
+    (its batch runs again), not left holding its lane: the next loop goes on with
+    every step, or, reset, runs new steps (it hung before)."""
+    steps: list[int] = []
+    started, release = threading.Event(), threading.Event()
+
+    async def fetch(ctx: TaskContext) -> None:  # ends in its first step
+        ctx.slots.set("batch", ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch"]
+        if batch == 2 and not release.is_set():
+            started.set()
+            assert release.wait(10)
+        steps.append(batch)
+        ctx.slots.set("step_result", batch)
+
+    pipe = Pipeline(
+        [Task.from_fn("fetch", fetch, lookahead=1, stream="io", writes=("batch",)),
+         Task.from_fn("train", train, reads=("batch",), writes=("step_result",))],
+    )  # fmt: skip
+    source = iter(range(6))
+    assert stop_when(lambda: pipe.progress_many(source, 6), lambda _: started.is_set()) == []
+    handle = pipe._driver.handle  # batch 2's step, with the next one queued behind it
+    assert handle is not None and pipe._driver._chain.queued is not None
+    release.set()
+    assert handle.wait(10)  # the lanes end it, and the queued step's gate opens
+    if then == "reset":
+        pipe.reset()
+        source = iter(range(10, 12))
+
+    async def rest() -> list[Any]:
+        async with pipe:
+            return [result async for result in pipe.results(source)]
+
+    results = asyncio.run(asyncio.wait_for(rest(), 20))
+    if then == "reset":
+        assert results == [10, 11] and steps == [0, 1, 2, 10, 11]
+    else:
+        assert results == [0, 1, 2, 3, 4, 5] and steps == results

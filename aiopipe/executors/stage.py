@@ -78,16 +78,22 @@ class StageRun:
         return True
 
     def detach_successor(self) -> StageRun | None:
-        """Take back the stage queued behind this one, if this one has not ended yet
-        (so the queued stage has not started): the caller fails it, and its lanes pass
-        its chains by once this one has ended.  ``None`` if there is none or it may
-        have started."""
+        """Take back the stage queued behind this one if none of its tasks can have
+        started: this one has not ended yet, or the successor :meth:`never_starts`.
+        The caller fails it, and its lanes pass its chains by.  ``None`` if there is
+        none or it may have started."""
         with self.lock:
             successor = self.successor
-            if successor is None or self.outstanding == 0:
+            if successor is None or not (self.outstanding or successor.never_starts()):
                 return None
             self.successor = None
         return successor
+
+    def never_starts(self) -> bool:
+        """Whether this stage's lanes wait for ``async def`` bodies heading chains that
+        the loop was to start, and the loop closed first: none of its tasks ran, and
+        none will (its lanes would wait for ever)."""
+        return bool(self.heads) and not self.heads_started and self.waker.loop.is_closed()
 
     def fail(self, exc: BaseException) -> None:
         self.skip(exc)
