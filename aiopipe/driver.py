@@ -376,7 +376,8 @@ class IterationDriver:
         """A fast-path iteration's caller left early (cancelled): make a loop shutting
         down wait for the iteration (:meth:`LaneWatch.guard`)."""
         running, handle, current = self.running, self._handle, self._current
-        self._chain.drop(current[0] if current is not None else None)  # asked for by the caller who left
+        # The steps queued for the caller who left:
+        self._chain.drop(current[0] if current is not None else None)
         if handle is None or running is None or current is None or self._guarded is running:
             return  # a task's iteration, none, or guarded already (by an earlier caller)
         if running.get_loop().is_closed():
