@@ -5,7 +5,8 @@ source replaces it: refused while batches of the old one are in flight, unless i
 ``results()`` loop was left early (they are then discarded, untrained).  ``reset()``
 discards the batches in flight and *parks* the feed: its counts stay visible in
 ``statistics()`` and an item it read ahead, untouched by any task, goes to the next
-feed of the same source.  Every batch dropped untrained is counted.
+feed of the same source, which counts on from them (its position past the batches
+dropped, which that run skips).  Every batch dropped untrained is counted.
 """
 
 from __future__ import annotations
@@ -111,10 +112,11 @@ class Feeds:
             self.discard()
             feed = None
         ahead: list[Any] = []
-        parked = self._parked
+        parked, goes_on_from = self._parked, None
         if parked is not None:
             if feed is None and parked.source is source:  # reset() kept what it read ahead
                 ahead = parked.hand_over_ahead()
+                goes_on_from = parked
             self._drop(parked)
             self._parked = None
         if feed is not None:
@@ -126,6 +128,9 @@ class Feeds:
         drained, self._drained = self._drained, None
         if drained is not None and drained.source is source and not drained.ended:
             new_feed.counts_before = drained.counts  # the same source goes on
+        elif goes_on_from is not None and not goes_on_from.ended:
+            # The same source goes on after reset(): past the batches it dropped too.
+            new_feed.counts_before = goes_on_from.counts_past_taken
         self.seed(None)
         # step() adopts a one-batch source per call: those only at DEBUG
         level = logging.DEBUG if isinstance(source, OneBatch) else logging.INFO

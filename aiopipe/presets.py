@@ -329,13 +329,22 @@ def basic(
 
     def forward_task(ctx: TaskContext) -> None:
         # non_blocking: a blocking copy would make the host wait for the GPU every step.
-        batch = ctx.slots["batch_device"] if moves else move_to_device(ctx.slots["batch_cpu"], device, True)
+        slots = ctx.slots
+        batch = slots["batch_device"] if moves else move_to_device(slots["batch_cpu"], device, True)
         ctx.slots.set("loss", compute_loss(batch))
 
     def backward(ctx: TaskContext) -> None:
         loss = _loss_tensor(ctx.slots["loss"])
-        unsettled["batch"] = ctx.batch_index
-        back_propagate(loss / grad_accumulation if grad_accumulation > 1 else loss)
+        if grad_accumulation == 1:
+            back_propagate(loss)
+            return
+        if loss.requires_grad:  # else no backward can add to the gradients
+            # Unsettled once the backward reaches the loss, not before: a backward_fn
+            # that fails first leaves the group's gradients as they were.
+            batch = ctx.batch_index
+            began = lambda grad: unsettled.update(batch=batch)  # noqa: E731
+            loss.register_hook(began)  # type: ignore[no-untyped-call]
+        back_propagate(loss / grad_accumulation)
 
     def optimizer_step(ctx: TaskContext) -> None:
         if pending["batches"] + 1 == grad_accumulation:

@@ -153,6 +153,13 @@ class Feed(Pulls):
             before.position + self.position,
         )  # fmt: skip
 
+    @property
+    def counts_past_taken(self) -> Counts:
+        """:attr:`counts`, the position past every item taken (a batch dropped
+        untrained included): where the same source goes on after ``reset()``."""
+        before = self.counts_before.position
+        return self.counts._replace(position=before + self.pulled + self.refused)
+
     def put_back(self, results: list[Any]) -> None:
         """Results handed out by a call that was interrupted: returned first by the
         next call, in order."""

@@ -23,10 +23,12 @@ class PipelineStatistics:
     refused item are still in flight.)
     ``discarded`` counts the batches dropped untrained since the pipeline was built,
     by ``reset()`` or because a ``results()`` loop was left early and another source
-    came (not in any position: a resumed run reads them again).
-    After ``drain()`` the counts are the drained source's; passed again, that source
+    came (not in the position: a run resumed from it reads them again).
+    After ``drain()`` or ``reset()`` the counts are that source's; passed again, it
     counts on from them (another source, or the same one after a call was handed its
-    end, from 0)."""
+    end, from 0).  After ``reset()`` its position then counts on past the batches
+    ``reset()`` dropped: that run skips them, and a run resumed from a later
+    checkpoint must not train again the steps applied before them."""
 
     pulled: int
     returned: int

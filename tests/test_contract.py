@@ -554,6 +554,33 @@ async def test_reset_after_a_failure_keeps_the_item_read_ahead() -> None:
         assert [r async for r in pipe.results(source)] == [2]
 
 
+@pytest.mark.parametrize("read_ahead", [True, False])
+async def test_after_reset_the_same_source_counts_on_past_the_batch_dropped(
+    read_ahead: bool,
+) -> None:  # fmt: skip
+    # 0-3 applied, 4 fails and reset() drops it, 5 and 6 applied: a checkpoint at the
+    # position resumes at 7 -- counted from 0 again, it resumed at 2 and trained 2
+    # and 3 twice.
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 4:
+            raise RuntimeError("bad step")
+        echo(ctx)
+
+    source = iter(range(10))
+    async with Pipeline([Task.from_fn("train", train)], read_ahead=read_ahead) as pipe:
+        assert [await pipe.progress(source) for _ in range(4)] == [0, 1, 2, 3]
+        with pytest.raises(RuntimeError, match="bad step"):
+            await pipe.progress(source)
+        pipe.reset()
+        assert pipe.statistics().position == 4  # resumed here, 4 is trained again
+        assert [await pipe.progress(source) for _ in range(2)] == [5, 6]
+        await pipe.wait_idle()
+        stats = pipe.statistics()
+        assert (stats.position, stats.applied, stats.discarded) == (7, 6, 1)
+    async with Pipeline([Task.from_fn("train", train)]) as resumed:
+        assert [r async for r in resumed.results(iter(range(10)[stats.position:]))] == [7, 8, 9]
+
+
 async def test_the_same_source_after_a_drain_counts_on_and_another_starts_afresh() -> None:
     def refuse_3(item: Any) -> None:
         if item == 3:

@@ -193,17 +193,18 @@ async def test_drain_leaves_a_partial_accumulation_group_to_the_next_batches() -
 
 
 @pytest.mark.parametrize("executor", ["sequential", "async"])
-@pytest.mark.parametrize("fails_in", ["forward", "backward"])
+@pytest.mark.parametrize("fails_in", ["forward", "backward_fn before", "backward"])
 async def test_reset_after_a_failed_batch_keeps_or_drops_its_accumulation_group(
     executor: str, fails_in: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Groups of 3; batch 4 fails, with batch 3 of its group applied.  Failing in
-    # forward it touched no gradient: the group goes on with batches 5 and 6.  Failing
-    # after its backward it added to the group's gradients, which reset() then drops
-    # (and says so): batches 5-7 make the next group.
+    # forward, or in backward_fn before it calls loss.backward(), it touched no
+    # gradient: the group goes on with batches 5 and 6.  Failing after its backward it
+    # added to the group's gradients, which reset() then drops (and says so):
+    # batches 5-7 make the next group.
     data = batches(9)
     model, opt = make(0, "sgd")
-    calls = {"forward": 0, "backward": 0}  # bodies run once per batch, in order
+    calls = {"forward": 0, "backward_fn before": 0, "backward": 0}  # once per batch, in order
 
     def fail_at_batch_4(where: str) -> None:
         calls[where] += 1
@@ -215,6 +216,7 @@ async def test_reset_after_a_failed_batch_keeps_or_drops_its_accumulation_group(
         return forward(model, batch)
 
     def backward_failing(loss: torch.Tensor) -> None:
+        fail_at_batch_4("backward_fn before")
         loss.backward()
         fail_at_batch_4("backward")
 
@@ -228,7 +230,7 @@ async def test_reset_after_a_failed_batch_keeps_or_drops_its_accumulation_group(
         pipe.reset()
         assert len(await collect(pipe, batches_in)) == 4  # batches 5-8
     dropped = [r.getMessage() for r in caplog.records if "were dropped" in r.getMessage()]
-    groups = [[0, 1, 2], [3, 5, 6], [7, 8]] if fails_in == "forward" else [[0, 1, 2], [5, 6, 7], [8]]
+    groups = [[0, 1, 2], [5, 6, 7], [8]] if fails_in == "backward" else [[0, 1, 2], [3, 5, 6], [7, 8]]
     assert len(dropped) == (fails_in == "backward")
     if dropped:
         assert "batch 4 of the source failed after its backward" in dropped[0]

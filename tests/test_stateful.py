@@ -844,6 +844,8 @@ class PipelineMachine(RuleBasedStateMachine):
         if feed.detached:  # drained: the engine had no feed to drop, its counts go on
             self.feed.before, self.feed.detached = feed.before, True
             self.feed.afresh_on_adopt = feed.afresh_on_adopt
+        elif not feed.ended:  # passed again, it counts on, past the batches dropped
+            self.feed.before = feed.totals()
 
     def after_shutdown(self) -> None:
         """A new pipeline goes on with the source after what it gave: the batches in
