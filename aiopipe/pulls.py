@@ -18,6 +18,7 @@ import inspect
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from ._core.loops import close_left
 from ._core.waker import wait_settled
 from .errors import PipelineStateError
 from .sources import END, Taken
@@ -161,7 +162,7 @@ class Pulls:
     def close(self) -> bool:
         """Stop a pull under way (the pipeline is reset or shut down); whether one was
         (its cancellation, thrown into an async generator, finishes it)."""
-        cut = False
+        cut = self.drop_dead_pulls()
         for ahead in self.hand_over_ahead():
             if ahead.done():
                 if not ahead.cancelled():
@@ -169,6 +170,31 @@ class Pulls:
             else:
                 cut = ahead.cancel() or cut
         return cut
+
+    def drop_dead_pulls(self) -> bool:
+        """Forget the pull left pending on an event loop stopped and closed under it
+        (not cancelled): nothing can end it.  Its coroutine is closed now; an async
+        generator it waited in is finished by that, and :attr:`lost` says so; another
+        source is pulled again, as after a pull cancelled with its loop.  Whether
+        there was one."""
+        pulls = [pull for pull in (self.ahead, *self._behind) if pull is not None]
+        live = [pull for pull in pulls if pull.done() or not pull.get_loop().is_closed()]
+        if len(live) == len(pulls):
+            return False
+        for pull in pulls:
+            if pull not in live:
+                close_left(pull)
+        if self._awaited is not None and self._awaited not in live:
+            self._awaited = None
+        self.ahead = live[0] if live else None
+        self._behind = collections.deque(live[1:])
+        source = getattr(self._async, "source", self._async)
+        if inspect.isasyncgen(source) and source.ag_frame is None and self.lost is None:
+            self.lost = (
+                "the event loop this async generator's pull waited on was stopped and "
+                "closed (not cancelled); closing that pull finished the generator"
+            )
+        return True
 
     async def _pull_async(self) -> Taken:
         assert self._async is not None
@@ -187,7 +213,11 @@ class Pulls:
                 f"pipe.blocking(), whose calls share one loop"
             )
         try:
-            item = await anext(self._async, END)
+            # The generator's own step is awaited here, not through anext()'s wrapper:
+            # close_left finds it (a pull left on a loop closed by hand).
+            item = await self._async.__anext__()
+        except StopAsyncIteration:
+            item = END
         except asyncio.CancelledError:
             # The cancellation was thrown into an async generator's frame: unless it
             # caught it, the generator is finished and its remaining items gone.

@@ -279,6 +279,8 @@ class Feed(Pulls):
         """The next item (read ahead or pulled now), or :data:`END`, with what is
         wrong with it.  Cancelling the caller leaves a pull under way running; the
         item waits for the next call."""
+        if self.drop_dead_pulls() and self.lost is not None and self.ahead is None:
+            raise PipelineStateError(f"{self.lost}: the rest of its items cannot be read")
         if self.ahead is None:
             if self._sync is not None:
                 # Never through a thread: StopIteration crossing a future hangs

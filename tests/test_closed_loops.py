@@ -9,7 +9,7 @@ import asyncio
 import gc
 import threading
 import warnings
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -18,6 +18,10 @@ from aiopipe import Pipeline, PipelineStateError, Task, TaskContext
 
 EXECUTORS = {"lanes": {}, "sequential": {"executor": "sequential"},
              "loop": {"thread_map": {"train": "loop"}}}  # fmt: skip
+
+
+def echo(ctx: TaskContext) -> None:
+    ctx.slots.set("step_result", ctx.slots["batch_cpu"])
 
 
 def gated(steps: list[int], gate_at: int, started: threading.Event,
@@ -259,3 +263,72 @@ def test_a_queued_step_whose_fetch_the_closed_loop_never_started_is_taken_back(t
         assert results == [10, 11] and steps == [0, 1, 2, 10, 11]
     else:
         assert results == [0, 1, 2, 3, 4, 5] and steps == results
+
+
+class ItemsWaitingOnce:
+    """Items 0..n-1 of an async iterator (a class, not a generator); the first pull
+    of item 1 waits for an event nobody sets, and ``pulling`` says it does."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.next_item, self.pulling = n, 0, threading.Event()
+
+    def __aiter__(self) -> ItemsWaitingOnce:
+        return self
+
+    async def __anext__(self) -> int:
+        item = self.next_item
+        if item == self.n:
+            raise StopAsyncIteration
+        if item == 1 and not self.pulling.is_set():
+            self.pulling.set()
+            await asyncio.Event().wait()  # its loop is stopped and closed meanwhile
+        self.next_item += 1
+        return item
+
+
+def test_a_pull_left_on_a_closed_loop_is_pulled_again_by_the_next() -> None:
+    """The read-ahead of item 1 waits when the loop is stopped and closed: nothing
+    can end that pull.  The next loop closes it and pulls again (every later call
+    raised a bare RuntimeError before, and reset() and shutdown() too)."""
+    source = ItemsWaitingOnce(4)
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    ready = lambda returned: bool(returned) and source.pulling.is_set()  # noqa: E731
+    assert stop_when(lambda: pipe.progress(source), ready) == [0]
+    assert the_rest(pipe, source) == [1, 2, 3]
+
+
+def test_an_async_generator_whose_pull_a_closed_loop_left_is_said_lost() -> None:
+    """The same for an async generator: closing the pull finishes the generator (its
+    ``finally`` runs now), so the next call says its items cannot be read;
+    ``reset()`` and another source go on, and ``shutdown()`` works."""
+    pulling, closed = threading.Event(), []
+
+    async def items() -> AsyncIterator[int]:
+        try:
+            for item in range(4):
+                if item == 1:
+                    pulling.set()
+                    await asyncio.Event().wait()  # its loop is stopped and closed meanwhile
+                yield item
+        finally:
+            closed.append(True)
+
+    source = items()
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    ready = lambda returned: bool(returned) and pulling.is_set()  # noqa: E731
+    assert stop_when(lambda: pipe.progress(source), ready) == [0]
+
+    async def again() -> list[Any]:
+        with pytest.raises(PipelineStateError, match="stopped and closed.*cannot be read"):
+            await pipe.progress(source)
+        assert closed == [True]
+        with pytest.raises(PipelineStateError, match="cannot be read"):
+            await pipe.progress(source)  # and so on, until another source
+        pipe.reset()
+        return [result async for result in pipe.results(iter(range(2)))]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert asyncio.run(again()) == [0, 1]
+        pipe.shutdown()
+        gc.collect()

@@ -27,7 +27,8 @@ from typing import Any, TypeVar
 from ..errors import PipelineStateError
 
 __all__ = (
-    "LoopRunner", "close_awaited", "close_if_unstarted", "finish_loop", "new_event_loop",
+    "LoopRunner", "close_awaited", "close_if_unstarted", "close_left", "finish_loop",
+    "new_event_loop",
     "runner_owns", "task_quiet_if_left", "uvloop_enabled",
 )  # fmt: skip
 
@@ -236,6 +237,25 @@ def close_if_unstarted(task: asyncio.Future[Any]) -> bool:
         return False
     coro.close()
     return True
+
+
+def close_left(task: asyncio.Future[Any]) -> None:
+    """Close the coroutine of ``task``, left pending on a closed loop (stopped and
+    closed by hand, not cancelled): its ``finally`` clauses run now, on the caller's
+    thread; nothing else would ever run them.  Collected, the task says nothing: the
+    caller tells what was lost."""
+    coro = _coro_of(task)
+    if not inspect.iscoroutine(coro):
+        return
+    task._log_destroy_pending = False  # type: ignore[attr-defined]
+    awaited: Any = coro.cr_await
+    if type(awaited).__name__ == "async_generator_asend":
+        # An async generator's step: its close() would leave the generator marked
+        # running for good (CPython 3.11); thrown in, GeneratorExit finishes it.
+        with contextlib.suppress(BaseException):
+            awaited.throw(GeneratorExit)
+    with contextlib.suppress(Exception):  # its way out, not the caller's concern
+        coro.close()
 
 
 def close_awaited(task: asyncio.Future[Any], codes: Collection[CodeType], owner: object) -> bool:
