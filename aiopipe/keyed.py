@@ -37,6 +37,7 @@ from .errors import (
     AsyncLibraryError, ConfigurationError, ConfigurationTypeError, FetchError, PipelineStateError,
 )  # fmt: skip
 from .interop import in_trio
+from ._core.loops import close_left
 from ._core.waker import wait_settled
 from .sources import END, not_a_source
 
@@ -265,9 +266,11 @@ class FetchAhead(AsyncIterator[T]):
         for entry in self._window:
             future = entry.future
             if future.get_loop() is not loop and (future.cancelled() or not future.done()):
+                _close_if_left(future)
                 entry.future = self._start(entry.key)
         pull = self._key_pull
         if pull is not None and pull.get_loop() is not loop and not pull.done():
+            _close_if_left(pull)
             self._key_pull = None  # its loop closed before the pull ended
 
     # -- handing out -----------------------------------------------------------------------
@@ -374,3 +377,11 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 def _cancel_quietly(future: asyncio.Future[Any]) -> None:
     future.add_done_callback(_retrieve)
     future.cancel()
+
+
+def _close_if_left(future: asyncio.Future[Any]) -> None:
+    """A fetch or key pull still pending on a loop stopped and closed by hand (not
+    cancelled): closed now, its ``finally`` clauses run, and no "Task was destroyed
+    but it is pending!" later."""
+    if not future.done() and future.get_loop().is_closed():
+        close_left(future)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from aiopipe import Pipeline, PipelineStateError, Task, TaskContext
+from aiopipe import Pipeline, PipelineStateError, Task, TaskContext, fetch_ahead
 
 EXECUTORS = {"lanes": {}, "sequential": {"executor": "sequential"},
              "loop": {"thread_map": {"train": "loop"}}}  # fmt: skip
@@ -332,3 +332,29 @@ def test_an_async_generator_whose_pull_a_closed_loop_left_is_said_lost() -> None
         assert asyncio.run(again()) == [0, 1]
         pipe.shutdown()
         gc.collect()
+
+
+def test_fetches_left_on_a_closed_loop_are_closed_and_fetched_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """``fetch_ahead``'s fetch of key 1 waits when the loop is stopped and closed: the
+    next loop closes it (its ``finally`` runs then, not at collection with asyncio's
+    "Task was destroyed but it is pending!") and fetches the key again."""
+    waiting, ended = threading.Event(), []
+
+    async def fetch(key: int) -> int:
+        try:
+            if key == 1 and not waiting.is_set():
+                waiting.set()
+                await asyncio.Event().wait()  # its loop is stopped and closed meanwhile
+            return key
+        finally:
+            ended.append(key)
+
+    source = fetch_ahead(range(4), fetch, in_flight=2)
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    ready = lambda returned: bool(returned) and waiting.is_set()  # noqa: E731
+    assert stop_when(lambda: pipe.progress(source), ready) == [0]
+    assert the_rest(pipe, source) == [1, 2, 3]
+    assert sorted(ended) == [0, 1, 1, 2, 3]  # key 1's first fetch closed, then fetched again
+    assert "destroyed but it is pending" not in caplog.text
