@@ -328,16 +328,30 @@ class IterationDriver:
             return
         feed, iteration = current
         self._chain.drop(feed)
-        # Bodies on the dead loop, and a task's part of the iteration, can never end.
-        lost = handle.abandon_loop(None if fast else loop_closed_error(iteration.number))
+        again = handle.take_back_unbegun()  # nothing of it ran: it starts again
+        # Else bodies on the dead loop, and a task's part of the iteration, can never end.
+        lost = not again and handle.abandon_loop(
+            None if fast else loop_closed_error(iteration.number)
+        )
         if not handle.wait(0):
             await asyncio.get_running_loop().run_in_executor(None, handle.wait)
         if self._current is not current:
             return  # another call ended it meanwhile
-        if fast and not lost:
+        if again:
+            iteration.stage = None
+            self._start_again()
+        elif fast and not lost:
             self._end(feed, iteration, handle.error)
         else:
             self.abandon_orphan()
+
+    def _start_again(self) -> None:
+        """Forget the iteration under way, none of whose tasks ran on the closed loop
+        it was started on: the next call starts it again, its batch still in the ring."""
+        self.running = self._handle = self._current = None
+        self._chain.forget()
+        pipeline_log.info("%s: an iteration left unstarted on a closed event loop is "
+                          "started again", self._pipeline)  # fmt: skip
 
     def abandon_orphan(self) -> bool:
         """Forget an iteration left on a closed event loop, unfinished (the pipeline is
@@ -346,10 +360,7 @@ class IterationDriver:
         if running is None or not running.get_loop().is_closed():
             return False
         if close_if_unstarted(running):  # the loop closed before the task's first step
-            self.running = self._handle = self._current = None
-            self._chain.forget()  # (a task's iteration never has steps queued behind it)
-            pipeline_log.info("%s: an iteration left unstarted on a closed event loop is "
-                              "started again", self._pipeline)  # fmt: skip
+            self._start_again()  # (a task's iteration never has steps queued behind it)
             return True
         number = -1
         if current is not None:

@@ -358,3 +358,31 @@ def test_fetches_left_on_a_closed_loop_are_closed_and_fetched_again(
     assert the_rest(pipe, source) == [1, 2, 3]
     assert sorted(ended) == [0, 1, 1, 2, 3]  # key 1's first fetch closed, then fetched again
     assert "destroyed but it is pending" not in caplog.text
+
+
+def test_a_step_whose_async_fetch_the_closed_loop_never_began_starts_again() -> None:
+    """The loop is stopped and closed right after the call handed batch 1's step to
+    the lanes, before its ``async def`` fetch (a head of lane "io") took a step: the
+    other lane waits for that fetch, so nothing of the step ran, and the next loop
+    starts it again (it asked for reset() before, as for a fetch left mid-await)."""
+    began: list[int] = []
+    steps: list[int] = []
+
+    async def fetch(ctx: TaskContext) -> None:
+        began.append(ctx.slots["batch_cpu"])
+        ctx.slots.set("batch", ctx.slots["batch_cpu"])
+
+    def train(ctx: TaskContext) -> None:
+        steps.append(ctx.slots["batch"])
+        ctx.slots.set("step_result", ctx.slots["batch"])
+
+    pipe = Pipeline(
+        [Task.from_fn("fetch", fetch, lookahead=1, stream="io", writes=("batch",)),
+         Task.from_fn("train", train, reads=("batch",), writes=("step_result",))],
+    )  # fmt: skip
+    source = iter(range(5))
+    assert stop_when(lambda: pipe.progress(source), bool) == [0]
+    assert stop_when(lambda: pipe.progress(source), lambda _: True) == []
+    assert began == [0, 1]  # batch 2's fetch had not begun
+    assert the_rest(pipe, source) == [1, 2, 3, 4]
+    assert steps == [0, 1, 2, 3, 4] and began == [0, 1, 2, 3, 4]  # each once

@@ -28,8 +28,7 @@ from ..errors import PipelineStateError
 
 __all__ = (
     "LoopRunner", "close_awaited", "close_if_unstarted", "close_left", "finish_loop",
-    "new_event_loop",
-    "runner_owns", "task_quiet_if_left", "uvloop_enabled",
+    "new_event_loop", "runner_owns", "task_quiet_if_left", "unstarted", "uvloop_enabled",
 )  # fmt: skip
 
 T = TypeVar("T")
@@ -228,14 +227,19 @@ def task_quiet_if_left(
     return task
 
 
+def unstarted(task: asyncio.Future[Any]) -> bool:
+    """Whether ``task`` is a task whose coroutine has not taken its first step."""
+    coro = _coro_of(task)
+    return inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED
+
+
 def close_if_unstarted(task: asyncio.Future[Any]) -> bool:
     """Close the coroutine of a task left on a closed loop before its first step:
     nothing of it ran, and collected unclosed it would warn "coroutine ... was never
     awaited".  Whether it was such a task (a started one is left as it is)."""
-    coro = _coro_of(task)
-    if not inspect.iscoroutine(coro) or inspect.getcoroutinestate(coro) != inspect.CORO_CREATED:
+    if not unstarted(task):
         return False
-    coro.close()
+    _coro_of(task).close()  # type: ignore[attr-defined]
     return True
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .._core.flags import Latch, OneShotFlag
+from .._core.loops import close_if_unstarted, unstarted
 from .._core.tickets import TicketLock
 from .._core.waker import LoopWaker, settle_future
 from .base import Iteration
@@ -166,6 +167,24 @@ class StageRun:
             self.threads_done = self.waker.loop.create_future()
             return self.threads_done
 
+    def take_back_unbegun(self) -> bool:
+        """The loop closed before this stage's ``async def`` bodies heading chains took
+        their first steps: none of its tasks ran (the other chains' lanes wait for
+        those steps), so the iteration may start again on another loop.  If so, close
+        those bodies unstarted and let the lanes pass the stage by; whether it was."""
+        begun = self.heads_begun
+        if not (
+            self.heads and self.heads_started and begun is not None and not begun.is_set()
+            and self.waker.loop.is_closed()
+            and all(body.task is not None and unstarted(body.task) for body in self.heads.values())
+        ):  # fmt: skip
+            return False
+        for body in self.heads.values():
+            close_if_unstarted(body.task)  # type: ignore[arg-type]
+        self.heads_started = False  # as for a queued stage skipped before they started
+        self.skip_queued(_NotStarted("the event loop closed before it began"))
+        return True
+
     def close_loop_bodies(self) -> bool:
         """The loop closed under this stage: nothing will resume its ``async def``
         bodies.  Close their coroutines, so the lanes waiting for them go on; whether
@@ -207,6 +226,10 @@ class IterationHandle:
         """A handle on the stage of ``iteration`` that the lanes run now, if any."""
         run = iteration.stage
         return cls(run) if isinstance(run, StageRun) else None
+
+    def take_back_unbegun(self) -> bool:
+        """See :meth:`StageRun.take_back_unbegun`."""
+        return self._run.take_back_unbegun()
 
     def abandon_loop(self, exc: BaseException | None) -> bool:
         """The loop closed under the iteration: close its ``async def`` bodies (they
