@@ -177,7 +177,10 @@ class Pulls:
         generator it waited in is finished by that, and :attr:`lost` says so; another
         source is pulled again, as after a pull cancelled with its loop.  Whether
         there was one."""
-        pulls = [pull for pull in (self.ahead, *self._behind) if pull is not None]
+        ahead = self.ahead
+        if ahead is None or ahead.done() and not self._behind:  # the usual case, cheaply
+            return False
+        pulls = [pull for pull in (ahead, *self._behind) if pull is not None]
         live = [pull for pull in pulls if pull.done() or not pull.get_loop().is_closed()]
         if len(live) == len(pulls):
             return False
