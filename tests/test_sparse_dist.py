@@ -519,8 +519,9 @@ def test_reset_and_shutdown_refused_mid_step_leave_every_batch_in_flight() -> No
                     second.cancel()
                     with pytest.raises(asyncio.CancelledError):
                         await second
-                    for refused in (pipe.reset, pipe.shutdown):
-                        with pytest.raises(PipelineStateError, match="still running"):
+                    for refused in (pipe.reset, pipe.shutdown):  # each names itself
+                        match = rf"cannot call {refused.__name__}\(\) while .* still running"
+                        with pytest.raises(PipelineStateError, match=match):
                             refused()
                 finally:
                     gate.set()
@@ -530,10 +531,15 @@ def test_reset_and_shutdown_refused_mid_step_leave_every_batch_in_flight() -> No
         assert [float(loss.detach()) for loss, _, _ in results] == expected
 
 
-def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch() -> None:
+@pytest.mark.parametrize("eval_pass", [None, "pull done", "pull waiting"])
+def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch(
+    eval_pass: str | None,
+) -> None:  # fmt: skip
     """The bootstrap takes the source's first batch (torchrec traces the model on it);
     a caller cancelled while that pull waits leaves it running, and the next call
-    takes its batch: the epoch keeps all its batches."""
+    takes its batch: the epoch keeps all its batches -- also when an eval pipeline
+    traced the model meanwhile, the pull done or still waiting (the batch was lost,
+    or the engine pulled the source beside that pull: "already running")."""
     with one_rank_group():
         batches = list(SyntheticDLRMData(SMALL, 4))
         expected, _, setup = plain_run_and_an_untrained_twin(batches)
@@ -554,8 +560,13 @@ def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch() -
                 first.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await first
-                release.set()
-                return await collect(pipe, source)
+                if eval_pass == "pull done":
+                    release.set()
+                async with pipe.eval_pipeline() as evaluator:  # open: the model stays traced
+                    if eval_pass is not None:  # traces the model; changes no parameter
+                        assert len(await collect(evaluator, iter(batches[:2]))) == 2
+                    release.set()
+                    return await collect(pipe, source)
 
         results = asyncio.run(run())
         assert [float(loss.detach()) for loss, _, _ in results] == expected

@@ -259,6 +259,9 @@ class SparseDistBase(Generic[ResultT]):
         every rank resets together."""
         if self._closed:
             raise PipelineStateError(f"the {self._spec.what} has been shut down")
+        engine = self._shared.engines.get(self)
+        if engine is not None:
+            engine.reset()  # refused, naming reset(), while a step runs on: nothing changes
         self._teardown()
         self._kept = self._refused = None
         self._drop_first_pull()
@@ -308,10 +311,13 @@ class SparseDistBase(Generic[ResultT]):
             seed: dict[str, Any] | None = None
             if not self._shared.installed:
                 seed = spec.rewrite_and_seed(await self._first_batch(source))
-            elif self._kept is not None or self._refused_from(source):
-                # Another pipeline traced the model since this one's bootstrap failed:
-                # the batch it kept (or the one after those it refused) is still next.
+            elif self._kept is not None or self._refused_from(source) or self._pulling(source):
+                # Another pipeline traced the model since this one's bootstrap failed
+                # or was cancelled: the batch it kept, the one its pull is taking (or
+                # the one after those it refused) is still next.
                 seed = {"batch_cpu": await self._first_batch(source)}
+            else:
+                self._drop_first_pull()  # another source's, as _first_batch would
             if seed is not None:
                 engine.seed_first_batch(seed, refused=self._refused_from(source))
         except BaseException:
@@ -375,6 +381,10 @@ class SparseDistBase(Generic[ResultT]):
         if self._first_pull is not None:
             self._first_pull[1].close()
             self._first_pull = None
+
+    def _pulling(self, source: Source) -> bool:
+        """A cancelled bootstrap's pull of ``source``'s first batch runs on, or has it."""
+        return self._first_pull is not None and self._first_pull[0] is source
 
     def _refused_from(self, source: Source) -> int:
         """First batches of ``source`` refused before the engine existed."""
