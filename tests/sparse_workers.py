@@ -301,6 +301,56 @@ def check_a_source_raising_on_one_rank(rank: int) -> None:
     with pytest.raises(expected[0], match=expected[1]):
         asyncio.run(train())
     assert len(outputs) == 1  # the fourth batch is read two steps ahead, in the second call
+    check_going_on_after_one_rank_raised(rank)
+
+
+class RaisingOnce:
+    """The items, but the fourth read raises once; read again, it goes on."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items, self.read, self.raised = items, 0, False
+
+    def __iter__(self) -> RaisingOnce:
+        return self
+
+    def __next__(self) -> Any:
+        if self.read == 3 and not self.raised:
+            self.raised = True
+            raise ValueError("the loader failed once")
+        if self.read == len(self.items):
+            raise StopIteration
+        self.read += 1
+        return self.items[self.read - 1]
+
+
+def check_going_on_after_one_rank_raised(rank: int) -> None:
+    """Rank 0's source raises once and goes on; both ranks call again with the same
+    source: they go on in step, and rank 1 trains the item it had read when rank 0
+    raised (it was dropped, and the ranks then trained different batches)."""
+    batches = data(rank, UNEVEN[1])
+    plain = build_dlrm_training(CONFIG, "sgd", seed=3)
+    reference = SparseDistPipeline(plain.model, plain.optimizer, plain.device)
+    assert len(asyncio.run(_collect_in(reference, iter(batches)))) == len(batches)
+    setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
+    source = RaisingOnce(batches) if rank == 0 else iter(batches)
+    errors: list[str] = []
+
+    async def train() -> int:
+        steps = 0
+        async with pipe:
+            while True:
+                try:
+                    await pipe.progress(source)
+                    steps += 1
+                except StopAsyncIteration:
+                    return steps
+                except (ValueError, PipelineStateError) as exc:
+                    errors.append(str(exc))
+
+    assert asyncio.run(train()) == len(batches)
+    assert len(errors) == 1 and ("once" if rank == 0 else "item is kept") in errors[0]
+    assert parameter_digest(setup.model) == parameter_digest(plain.model)
 
 
 async def _async_items(items: Any) -> Any:

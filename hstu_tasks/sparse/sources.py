@@ -43,7 +43,9 @@ def ended_together(source: Source, group: Any) -> Source:
     ranks agree on each item with a gloo all-reduce of one number, started when the
     item is read, one item ahead, and waited for when it is handed on: by then it is
     done.  A longer rank reads one item beyond the common end and drops it.  A source
-    that raises on one rank raises ``PipelineStateError`` on the others."""
+    that raises on one rank raises ``PipelineStateError`` on the others, which keep the
+    item they had read: called again, every rank goes on from where it stood, still
+    in step (the raising rank's source read again), or ends the epoch there."""
     if isinstance(source, AsyncIterator):
         return _AsyncEndedTogether(source, group)
     if not isinstance(source, Iterator):
@@ -110,27 +112,68 @@ class _Agreement:
         self.work = group.allreduce([self.flag], _MIN)
 
     def verdict(self) -> Any:
-        """Once ``work`` is done: the item to hand on, or ``_END``; an error raised."""
+        """Once ``work`` is done: the item to hand on, or ``_END``; an error raised
+        (another rank's: :class:`_ElsewhereRaised`, for the caller to keep the item)."""
         if self.error is not None:
             raise self.error
         agreed = int(self.flag.item())
         if agreed == _RAISED:
-            raise PipelineStateError("another rank's source raised (that rank raises its "
-                                     "error); every rank ends the epoch with it")  # fmt: skip
+            raise _ElsewhereRaised(self.item)
         return self.item if agreed == _HAS_ITEM else _END
 
 
-class _EndedTogether(Iterator[Any]):
-    def __init__(self, source: Iterator[Any], group: Any) -> None:
-        self._source, self._group = source, group
+class _ElsewhereRaised(Exception):
+    """Another rank's source raised where this one read ``item``."""
+
+    def __init__(self, item: Any) -> None:
+        super().__init__()
+        self.item = item
+
+    def told(self) -> PipelineStateError:
+        return PipelineStateError(
+            "another rank's source raised (that rank raises its error); this rank's next "
+            "item is kept: calling progress() again with the same source on every rank "
+            "goes on in step, or end the epoch on every rank"
+        )
+
+
+class _AgreedItems:
+    """What both wrappers share: the agreement under way one item ahead, the item kept
+    when another rank's source raised, and whether the agreed end was reached."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
         self._next: _Agreement | None = None
+        self._kept: list[Any] = []  # [item] agreed on again before anything is read
         self._over = False
 
-    def _read(self) -> _Agreement:
+    def _agree(self, item: Any, error: Exception | None) -> _Agreement:
+        return _Agreement(item, error, self._group)
+
+    def _hand_on(self, agreement: _Agreement) -> Any:
+        """The agreed item, or ``_END`` (the wrapper is then over)."""
         try:
-            return _Agreement(next(self._source, _END), None, self._group)
+            item = agreement.verdict()
+        except _ElsewhereRaised as elsewhere:
+            self._kept = [elsewhere.item]
+            raise elsewhere.told() from None
+        if item is _END:
+            self._over = True
+        return item
+
+
+class _EndedTogether(_AgreedItems, Iterator[Any]):
+    def __init__(self, source: Iterator[Any], group: Any) -> None:
+        super().__init__(group)
+        self._source = source
+
+    def _read(self) -> _Agreement:
+        if self._kept:
+            return self._agree(self._kept.pop(), None)
+        try:
+            return self._agree(next(self._source, _END), None)
         except Exception as exc:  # agreed on, raised when its turn comes
-            return _Agreement(_END, exc, self._group)
+            return self._agree(_END, exc)
 
     def __next__(self) -> Any:
         if self._over:
@@ -138,25 +181,25 @@ class _EndedTogether(Iterator[Any]):
         agreement = self._next or self._read()
         self._next = None
         agreement.work.wait()  # started one item ago: done (but the first)
-        item = agreement.verdict()
+        item = self._hand_on(agreement)
         if item is _END:
-            self._over = True
             raise StopIteration
         self._next = self._read()  # the next item's agreement runs while this one trains
         return item
 
 
-class _AsyncEndedTogether(AsyncIterator[Any]):
+class _AsyncEndedTogether(_AgreedItems, AsyncIterator[Any]):
     def __init__(self, source: AsyncIterator[Any], group: Any) -> None:
-        self._source, self._group = source, group
-        self._next: _Agreement | None = None
-        self._over = False
+        super().__init__(group)
+        self._source = source
 
     async def _read(self) -> _Agreement:
+        if self._kept:
+            return self._agree(self._kept.pop(), None)
         try:
-            return _Agreement(await anext(self._source, _END), None, self._group)
+            return self._agree(await anext(self._source, _END), None)
         except Exception as exc:
-            return _Agreement(_END, exc, self._group)
+            return self._agree(_END, exc)
 
     async def __anext__(self) -> Any:
         if self._over:
@@ -165,9 +208,8 @@ class _AsyncEndedTogether(AsyncIterator[Any]):
         self._next = None
         if not agreement.work.is_completed():  # the first: off the event loop's thread
             await asyncio.get_running_loop().run_in_executor(None, agreement.work.wait)
-        item = agreement.verdict()
+        item = self._hand_on(agreement)
         if item is _END:
-            self._over = True
             raise StopAsyncIteration
         self._next = await self._read()
         return item
