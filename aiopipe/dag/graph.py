@@ -27,11 +27,9 @@ group task can spread over several lanes (``aiopipe.dag.members``).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,13 +39,13 @@ from ..errors import (
     ConfigurationError,
     ConfigurationTypeError,
     GraphError,
-    PoisonedError,
     attach_origin,
 )
 from .._core.lanes import LOOP_LANE, Lane, LanePool
-from .._core.waker import LoopWaker, wait_settled
+from .._core.waker import LoopWaker
 from ..interop import needs_event_loop, running_loop
-from .members import MemberFailure, run_async_members, run_sync_members
+from .members import MemberFailure, is_async_callable, run_async_members, run_sync_members
+from .nodes import GraphStatistics, Node, TaskHandle, first_failure
 from .scopes import Scope, innermost_scope
 from .tags import Tagged
 from .tensor_map import TensorKey, TensorMap
@@ -55,84 +53,7 @@ from .tensor_map import TensorKey, TensorMap
 if sys.version_info < (3, 11):  # the standard library has it from 3.11
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ("GraphStatistics", "Node", "TaskGraph", "TaskHandle")
-
-
-class Node:
-    """One submitted task (a group counts as one)."""
-
-    __slots__ = ("done", "error", "name", "poisoned_by", "result", "scope", "submission", "writes")
-
-    def __init__(
-        self, name: str, submission: int, scope: dict[Node, None], loop: asyncio.AbstractEventLoop
-    ) -> None:
-        self.name = name
-        self.submission = submission  # the graph's n-th submit, from 0
-        self.scope = scope  # the open scope it was submitted in
-        self.writes: list[TensorKey] = []  # tensor-map keys it became producer of
-        self.done: asyncio.Future[None] = loop.create_future()  # resolves, never raises
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.poisoned_by: Node | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None or self.poisoned_by is not None
-
-    def root_failure(self) -> Node:
-        node = self
-        while node.poisoned_by is not None:
-            node = node.poisoned_by
-        return node
-
-
-class TaskHandle:
-    """Await it for the task's result; raises its exception, or
-    :class:`PoisonedError` if a task it depends on failed."""
-
-    __slots__ = ("_node",)
-
-    def __init__(self, node: Node) -> None:
-        self._node = node
-
-    @property
-    def name(self) -> str:
-        return self._node.name
-
-    @property
-    def submission(self) -> int:
-        """Which submission of its graph this task was (from 0); failures name it."""
-        return self._node.submission
-
-    def done(self) -> bool:
-        return self._node.done.done()
-
-    def __await__(self) -> Any:
-        # Not the shared future itself: a cancelled awaiter would cancel it for the
-        # task, its other awaiters and its consumers.
-        yield from wait_settled(self._node.done).__await__()
-        node = self._node
-        if node.error is not None:
-            raise node.error
-        if node.poisoned_by is not None:
-            root = node.root_failure()
-            raise PoisonedError(
-                f"task {node.name!r} did not run: task {root.name!r} it depends on failed"
-            ) from root.error
-        return node.result
-
-
-@dataclass(frozen=True)
-class GraphStatistics:
-    """A snapshot of a :class:`TaskGraph`: nodes submitted but not finished, tensors
-    tagged, scopes open, buffers from :meth:`TaskGraph.alloc` still referenced, and
-    the lanes in use."""
-
-    in_flight: int
-    tracked_tensors: int
-    open_scopes: int
-    live_allocations: int
-    lanes: tuple[str, ...]
+__all__ = ("GraphStatistics", "TaskGraph", "TaskHandle")
 
 
 class TaskGraph:
@@ -170,27 +91,66 @@ class TaskGraph:
         self._room: asyncio.Condition | None = None
         self._waker: LoopWaker | None = None
         self._allocations: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        self._entered = False  # a graph's block runs once: its lanes stop at its end
+        self._root: dict[Node, None] = {}
+        self._closing = False  # the block was cancelled: its tasks are being cancelled
 
     # -- scopes --------------------------------------------------------------------
 
     async def __aenter__(self) -> TaskGraph:
+        if self._entered:
+            raise GraphError(
+                "this TaskGraph was entered already: a graph serves one 'async with' "
+                "block (its lanes stop at the block's end); build a new TaskGraph, or "
+                "use graph.scope() for a nested block"
+            )
+        self._entered = True
         self._waker = LoopWaker(running_loop("TaskGraph"))  # asyncio only: clear error on trio
         self._room = asyncio.Condition()
-        self._scopes.append({})
+        self._root = {}
+        self._scopes.append(self._root)
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
         try:
-            await self._close_scope(self._scopes[0], raise_failures=exc_info[0] is None)
+            if isinstance(exc, asyncio.CancelledError):
+                raise exc  # the block was cancelled: so are its tasks (below)
+            await self._close_scope(self._scopes[0], raise_failures=exc is None)
         except Exception:  # the graph's failures, raised once every task is done
             self._lanes.shutdown()
             raise
         except BaseException:
-            # Interrupted (cancelled) while bodies may still run: tell the lanes to stop
-            # after their current body, but never join them here, on the loop's thread.
+            # Cancelled (a timeout, say): so are the tasks waiting for their producers
+            # and the async def ones, as asyncio.TaskGroup's; a lane's body runs to its
+            # end, but the lanes are told to stop after it, never joined on the loop.
+            await self._cancel_tasks()
             self._lanes.shutdown(timeout=0)
             raise
         self._lanes.shutdown()  # every task is done: the lanes stop at once
+        failed = [node.error for node in self._root if node.error is not None]
+        if exc is not None and failed and isinstance(exc, Exception):
+            # The block raised: its error and the tasks' failures together, as
+            # asyncio.TaskGroup reports them.
+            raise BaseExceptionGroup(
+                f"the TaskGraph block raised, and {len(failed)} task(s) of the graph failed",
+                [exc, *failed],
+            ) from None
+
+    async def _cancel_tasks(self) -> None:
+        """Cancel every task of the graph still running and wait for them (their
+        handles then raise :class:`GraphError`); cancellations of this wait are held
+        off until then."""
+        self._closing = True
+        tasks = [task for task in self._tasks if not task.done()]
+        for task in tasks:
+            task.cancel()
+        while tasks := [task for task in tasks if not task.done()]:
+            try:
+                await asyncio.wait(tasks)
+            except asyncio.CancelledError:
+                continue
 
     def scope(self) -> Scope:
         """A nested scope: leaving it waits for its tasks and forgets them."""
@@ -200,13 +160,27 @@ class TaskGraph:
         try:  # tasks still running may submit more into this scope
             while pending := [node.done for node in nodes if not node.done.done()]:
                 await asyncio.wait(pending)
-        finally:
-            # by identity: scopes of other tasks may have opened after this one
-            self._scopes[:] = [open_ for open_ in self._scopes if open_ is not nodes]
-            self._tensors.forget(set(nodes))
+        except BaseException:
+            self._hand_to_outer_scope(nodes)  # left early: what it holds is not forgotten
+            raise
+        # by identity: scopes of other tasks may have opened after this one
+        self._scopes[:] = [open_ for open_ in self._scopes if open_ is not nodes]
+        self._tensors.forget(set(nodes))
         errors = [node.error for node in nodes if node.error is not None]
         if errors and raise_failures:
             raise BaseExceptionGroup(f"{len(errors)} task(s) of the graph failed", errors)
+
+    def _hand_to_outer_scope(self, nodes: dict[Node, None]) -> None:
+        """A scope left before its tasks were done (cancelled): they, and its failed
+        tasks, go to the scope around it, which waits for them, orders readers after
+        them and reports their failures (forgotten here, they would do neither)."""
+        self._scopes[:] = [open_ for open_ in self._scopes if open_ is not nodes]
+        if nodes is self._root or not self._scopes:
+            return  # the graph's own scope: its exit cancels what is left
+        outer = innermost_scope(self, self._scopes)
+        for node in list(nodes):
+            node.scope = outer
+            outer[node] = None
 
     # -- submission ------------------------------------------------------------------
 
@@ -266,7 +240,7 @@ class TaskGraph:
             raise ConfigurationTypeError(f"fn must be callable, got {fn!r}")
         # async def members run on the loop; sync ones need their lanes (refused here,
         # before the task counts, if they would exceed max_lanes)
-        placement = None if inspect.iscoroutinefunction(fn) else self._lane_threads(lane_names)
+        placement = None if is_async_callable(fn) else self._lane_threads(lane_names)
         calls: list[tuple[Any, ...]] = []
         reads: list[TensorKey] = []
         writes: list[TensorKey] = []
@@ -355,7 +329,7 @@ class TaskGraph:
     ) -> None:  # fmt: skip
         try:
             if producers:
-                failed = await _first_failure(producers)
+                failed = await first_failure(producers)
                 producers.clear()  # a running task keeps no producer (nor its result) alive
                 if failed is not None:
                     node.poisoned_by = failed
@@ -368,6 +342,14 @@ class TaskGraph:
             node.result = results if group else results[0]
         except MemberFailure as failure:
             self._record_failure(node, failure.error, failure.member if group else None)
+        except asyncio.CancelledError as exc:
+            if not self._closing:
+                self._record_failure(node, exc, None)
+            else:  # awaited, it would look as if the awaiter itself were cancelled
+                self._record_failure(node, GraphError(
+                    f"task {node.name!r} was cancelled with its TaskGraph's block before "
+                    f"it ended (a body already on a lane runs to its end)"
+                ), None)  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 - recorded, re-raised to awaiters
             self._record_failure(node, exc, None)
         finally:
@@ -385,7 +367,7 @@ class TaskGraph:
     def _record_failure(node: Node, error: BaseException, member: int | None) -> None:
         where = f"submission {node.submission}" + ("" if member is None else f", group member {member}")
         attach_origin(error, node.name, f"of a TaskGraph ({where})", aiopipe_submission=node.submission)
-        node.error = error
+        node.error, node.traceback = error, error.__traceback__
 
     def statistics(self) -> GraphStatistics:
         return GraphStatistics(
@@ -395,10 +377,3 @@ class TaskGraph:
             live_allocations=len(self._allocations),
             lanes=self._lanes.names(),
         )
-
-
-async def _first_failure(producers: list[Node]) -> Node | None:
-    """Wait for every producer; the first that failed, if any."""
-    for producer in producers:
-        await wait_settled(producer.done)  # never raises; a cancelled consumer cancels nothing
-    return next((p for p in producers if p.failed), None)

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import GraphError
 
 if TYPE_CHECKING:
-    from .graph import Node, TaskGraph
+    from .graph import TaskGraph
+    from .nodes import Node
 
 __all__ = ("Scope", "innermost_scope")
 

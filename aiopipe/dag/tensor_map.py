@@ -13,7 +13,7 @@ import torch
 from ..errors import ConfigurationTypeError
 
 if TYPE_CHECKING:
-    from .graph import Node
+    from .nodes import Node
 
 __all__ = ("TensorKey", "TensorMap")
 
