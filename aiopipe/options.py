@@ -1,6 +1,6 @@
 """``PipelineOptions``: the keyword options every pipeline constructor takes, the
-check that no other keyword came, and the reading of the one that needs it
-(``read_ahead``).
+check that no other keyword came, and the reading of those that need it
+(``read_ahead``, ``check_batch``).
 
 Declared once and passed on as ``**options``, so ``SchedulablePipeline``,
 ``Pipeline`` and the presets cannot drift apart.
@@ -9,6 +9,7 @@ Declared once and passed on as ``**options``, so ``SchedulablePipeline``,
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
@@ -16,7 +17,7 @@ from ._core.nvtx import Annotator
 from .errors import ConfigurationError, ConfigurationTypeError
 from .trace import Tracer
 
-__all__ = ("PipelineOptions", "check_option_names", "read_ahead_depth")
+__all__ = ("PipelineOptions", "check_option_names", "checked_batch_check", "read_ahead_depth")
 
 
 class PipelineOptions(TypedDict, total=False):
@@ -28,7 +29,8 @@ class PipelineOptions(TypedDict, total=False):
       span per task run.
     * ``check_batch(batch)`` may raise to refuse a malformed batch before it enters
       the ring: ``progress`` then raises :class:`~aiopipe.errors.BadBatchError` and
-      the batches in flight stay intact.
+      the batches in flight stay intact.  A plain function: one that is not callable,
+      or is ``async def``, is refused when the pipeline is built.
     * ``read_ahead`` (default ``True``): read the next batch while an iteration runs.
       A number ``N`` reads an async source up to ``N`` batches ahead (its pulls one
       after the other, each as soon as the one before has its item), for a source
@@ -61,6 +63,28 @@ def read_ahead_depth(value: object) -> int:
     if value < 0:
         raise ConfigurationError(f"read_ahead must be >= 0 batches, got {value}")
     return int(value)
+
+
+def checked_batch_check(value: object) -> Callable[[Any], None] | None:
+    """The ``check_batch`` option, refused now if it could not check a batch: not
+    callable (each batch would be refused as bad data), or ``async def`` (never
+    awaited, it would let every batch through)."""
+    if value is None:
+        return None
+    if not callable(value):
+        raise ConfigurationTypeError(
+            f"check_batch must be a function check_batch(batch) that raises to refuse a "
+            f"batch, got {value!r}"
+        )
+    if inspect.iscoroutinefunction(value) or inspect.iscoroutinefunction(
+        getattr(value, "__call__", None)
+    ):
+        raise ConfigurationTypeError(
+            "check_batch must be a plain function: it runs as each batch is read, and an "
+            "async def one would never be awaited (every batch would pass); check in an "
+            "async source, or in a task, instead"
+        )
+    return value
 
 
 def check_option_names(options: Mapping[str, object], where: str) -> None:

@@ -30,7 +30,7 @@ from .context import TaskContext
 from .driver import IterationDriver
 from .feeds import Feeds
 from .errors import ConfigurationError, ConfigurationTypeError, PipelineStateError
-from .options import check_option_names, read_ahead_depth
+from .options import check_option_names, checked_batch_check, read_ahead_depth
 from .executors import Executor, resolve_executor
 from .protocols import Results
 from .interop import TrioBridge, in_trio, needs_event_loop
@@ -109,7 +109,7 @@ class SchedulablePipeline:
         self._feeds = Feeds(
             self.name, lambda: retired.add_all(ring.reset()),
             read_ahead=read_ahead_depth(options.get("read_ahead", True)),
-            check_batch=options.get("check_batch"),
+            check_batch=checked_batch_check(options.get("check_batch")),
         )  # fmt: skip
         self._calls = CallGuard(self.name, self, _CALLS)  # progress, progress_many, drain
         self._closed = False

@@ -113,19 +113,52 @@ def _detach(value: Any) -> Any:
     return value
 
 
+def _check_step_parts(model: object, optimizer: object, loss_fn: object) -> None:
+    """Refuse, when ``basic()`` is called, parts that could only fail at the first
+    step (or, an ``async def`` loss, leave a coroutine never awaited there)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigurationTypeError(f"basic() takes a torch.nn.Module, got {_describe(model)}")
+    if not all(callable(getattr(optimizer, name, None)) for name in ("step", "zero_grad")):
+        raise ConfigurationTypeError(
+            f"basic() takes an optimizer (with step() and zero_grad()) after the model, "
+            f"got {_describe(optimizer)}"
+        )
+    if loss_fn is None:
+        return
+    if not callable(loss_fn):
+        raise ConfigurationTypeError(f"loss_fn must be callable, got {_describe(loss_fn)}")
+    if inspect.iscoroutinefunction(loss_fn):
+        raise ConfigurationTypeError(
+            "loss_fn must be a plain function returning the loss tensor, not async def: "
+            "the loss is back-propagated on the lane, where nothing awaits"
+        )
+    if _required_positional(loss_fn) > 2:
+        raise ConfigurationTypeError(
+            "loss_fn takes one argument (the output) or two (the output, and the target "
+            "or the batch); this one needs more"
+        )
+
+
+def _required_positional(fn: Callable[..., Any]) -> int:
+    """How many positional arguments ``fn`` needs (0 where its signature is unknown)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 0
+    return sum(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        for p in params
+    )
+
+
 def _loss_arity(loss_fn: LossFn) -> int:
     """1: ``loss_fn(output)``; 2: ``loss_fn(output, target_or_batch)``."""
     try:
         params = inspect.signature(loss_fn).parameters.values()
     except (TypeError, ValueError):
         return 1
-    positional = [
-        p for p in params
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-    ]  # fmt: skip
-    if any(p.kind is p.VAR_POSITIONAL for p in params) or len(positional) >= 2:
-        return 2
-    return 1
+    takes_any = any(p.kind is p.VAR_POSITIONAL for p in params)
+    return 2 if takes_any or _required_positional(loss_fn) >= 2 else 1
 
 
 def _is_pair(batch: Any) -> bool:
@@ -136,7 +169,8 @@ def _is_pair(batch: Any) -> bool:
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _loss_of_output(output: Any) -> torch.Tensor:
@@ -305,6 +339,7 @@ def basic(
     are those of every pipeline, :class:`~aiopipe.options.PipelineOptions`.
     """
     check_option_names(options, "basic()")
+    _check_step_parts(model, optimizer, loss_fn)
     if grad_accumulation < 1:
         raise ConfigurationError(f"grad_accumulation must be >= 1, got {grad_accumulation}")
     if device is None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import aiopipe
-from aiopipe import NoRunningLoopError, Pipeline, PipelineStateError, Task, TaskContext
+from aiopipe import ConfigurationError, ConfigurationTypeError, NoRunningLoopError, Pipeline
+from aiopipe import PipelineStateError, Task, TaskContext
 from aiopipe.dag import TaskGraph
 from aiopipe.presets import basic
 
@@ -128,3 +129,53 @@ async def test_the_blocking_form_inside_a_running_loop_is_refused() -> None:
         blocking.progress(iter(range(2)))
     assert asyncio.get_running_loop().is_running()
     blocking.pipeline.shutdown()
+
+
+@pytest.mark.parametrize("check", [5, "not a function"])
+def test_a_check_batch_that_cannot_be_called_is_refused_when_built(check: object) -> None:
+    # It was accepted, and then every batch was refused as bad data.
+    with pytest.raises(ConfigurationTypeError, match="check_batch must be a function"):
+        Pipeline([Task.from_fn("t", echo)], check_batch=check)  # type: ignore[arg-type]
+
+
+def test_an_async_check_batch_is_refused_when_built() -> None:
+    # Never awaited, it let every batch through (with a "never awaited" warning).
+    async def check(batch: object) -> None:
+        raise ValueError("refuse everything")
+
+    with pytest.raises(ConfigurationTypeError, match="async def one would never be awaited"):
+        Pipeline([Task.from_fn("t", echo)], check_batch=check)  # type: ignore[arg-type]
+
+
+def test_a_thread_map_naming_no_task_of_the_pipeline_is_refused() -> None:
+    # A misspelt name left its task on lane "default" without a word.
+    with pytest.raises(ConfigurationError, match=r"\['forwrd'\].*did you mean 'forward'"):
+        Pipeline([Task.from_fn("forward", echo)], thread_map={"forwrd": "compute"})
+
+
+@pytest.mark.parametrize(
+    ("model", "optimizer", "loss_fn", "says"),
+    [
+        (None, "opt", None, "takes a torch.nn.Module, got a NoneType"),
+        ("model", "model", None, "takes an optimizer"),
+        ("model", "opt", 5, "loss_fn must be callable, got an int"),
+        ("model", "opt", lambda output, target, extra: output, "takes one argument"),
+    ],
+)
+def test_basic_refuses_parts_that_could_only_fail_at_the_first_step(
+    model: Any, optimizer: Any, loss_fn: Any, says: str
+) -> None:
+    # They raised bare AttributeError/TypeError at the first step, or not at all.
+    linear = torch.nn.Linear(2, 1)
+    parts = {"model": linear, "opt": torch.optim.SGD(linear.parameters(), lr=0.1), None: None}
+    with pytest.raises(ConfigurationTypeError, match=says):
+        basic(parts[model], parts[optimizer], loss_fn=loss_fn)
+
+
+def test_basic_refuses_an_async_loss_fn_when_built() -> None:
+    async def loss(output: torch.Tensor) -> torch.Tensor:
+        return output.sum()
+
+    linear = torch.nn.Linear(2, 1)
+    with pytest.raises(ConfigurationTypeError, match="not async def"):
+        basic(linear, torch.optim.SGD(linear.parameters(), lr=0.1), loss_fn=loss)

@@ -435,7 +435,7 @@ async def test_chained_steps_with_an_async_def_body_on_a_lane_run_to_the_end(
     if not first_on_its_lane:  # a sync task before it on its lane: handed over, not started
         tasks.insert(0, Task.from_fn("mark", mark, lookahead=1, stream="io", writes=("marked",)))
     lanes = {"mark": fetch_lane, "fetch": fetch_lane, "train": "default"}
-    async with Pipeline(tasks, thread_map=lanes) as pipe:
+    async with Pipeline(tasks, thread_map=lambda task: lanes[task.name]) as pipe:
         source, results = iter(range(12)), []
         while len(results) < 12:
             results += await asyncio.wait_for(pipe.progress_many(source, 4), 30)
