@@ -179,3 +179,29 @@ def test_basic_refuses_an_async_loss_fn_when_built() -> None:
     linear = torch.nn.Linear(2, 1)
     with pytest.raises(ConfigurationTypeError, match="not async def"):
         basic(linear, torch.optim.SGD(linear.parameters(), lr=0.1), loss_fn=loss)
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"max_in_flight": "5"}, "max_in_flight takes an int"),
+        ({"max_in_flight": 2.5}, "max_in_flight takes an int"),
+        ({"submit_timeout_s": "x"}, "submit_timeout_s takes a number"),
+        ({"submit_timeout_s": -1}, "submit_timeout_s must be >= 0"),
+        ({"default_lane": 5}, "default_lane takes a non-empty str"),
+    ],
+)
+def test_a_task_graph_refuses_options_of_the_wrong_kind(options: Any, says: str) -> None:
+    with pytest.raises((ConfigurationError, ConfigurationTypeError), match=says):
+        TaskGraph(**options)
+
+
+async def test_a_task_graph_refuses_submissions_of_the_wrong_kind() -> None:
+    async with TaskGraph() as graph:
+        with pytest.raises(ConfigurationTypeError, match="lane takes a non-empty str"):
+            await graph.submit(len, "ab", lane=5)  # type: ignore[arg-type]
+        with pytest.raises(ConfigurationTypeError, match="name takes a non-empty str"):
+            await graph.submit(len, "ab", name=5)  # type: ignore[arg-type]
+        for members in ([1, 2], "ab"):  # were a TypeError, and two one-letter members
+            with pytest.raises(ConfigurationTypeError, match="a sequence of its arguments"):
+                await graph.submit_group(len, members)  # type: ignore[arg-type]

@@ -72,8 +72,17 @@ class TaskGraph:
         max_lanes: int = 8,
         device: torch.device | str = "cpu",
     ) -> None:
+        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool):
+            raise ConfigurationTypeError(f"max_in_flight takes an int, got {max_in_flight!r}")
         if max_in_flight < 1:
             raise ConfigurationError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if not isinstance(submit_timeout_s, (int, float)) or isinstance(submit_timeout_s, bool):
+            raise ConfigurationTypeError(
+                f"submit_timeout_s takes a number of seconds, got {submit_timeout_s!r}"
+            )
+        if submit_timeout_s < 0:
+            raise ConfigurationError(f"submit_timeout_s must be >= 0, got {submit_timeout_s}")
+        _check_name("default_lane", default_lane)
         self.max_in_flight = max_in_flight
         self.submit_timeout_s = submit_timeout_s
         self.default_lane = default_lane
@@ -238,6 +247,16 @@ class TaskGraph:
             raise GraphError("submit outside 'async with TaskGraph()'")
         if not callable(fn):
             raise ConfigurationTypeError(f"fn must be callable, got {fn!r}")
+        if name is not None:
+            _check_name("name", name)
+        for lane_name in lane_names:
+            _check_name("lane", lane_name)
+        for member in members:
+            if isinstance(member, (str, bytes)) or not isinstance(member, Sequence):
+                raise ConfigurationTypeError(
+                    f"each member of a group is a sequence of its arguments (a tuple), got "
+                    f"{member!r}; for one argument write ({member!r},)"
+                )
         # async def members run on the loop; sync ones need their lanes (refused here,
         # before the task counts, if they would exceed max_lanes)
         placement = None if is_async_callable(fn) else self._lane_threads(lane_names)
@@ -377,3 +396,8 @@ class TaskGraph:
             live_allocations=len(self._allocations),
             lanes=self._lanes.names(),
         )
+
+
+def _check_name(what: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigurationTypeError(f"{what} takes a non-empty str, got {value!r}")
