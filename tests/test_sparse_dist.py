@@ -531,6 +531,33 @@ def test_reset_and_shutdown_refused_mid_step_leave_every_batch_in_flight() -> No
         assert [float(loss.detach()) for loss, _, _ in results] == expected
 
 
+@pytest.mark.parametrize("schedule", ["sparse-dist", "base"])
+def test_after_reset_the_same_source_counts_on_past_the_batches_dropped(schedule: str) -> None:
+    """reset() after 3 steps drops the batches in flight (those read ahead too); the
+    same source goes on.  The counts go on too: the position is past every item the
+    source gave, so a checkpoint there trains nothing twice (it counted from 0: the
+    position said 3 of 9 items at the end)."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 9))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+
+        async def run() -> tuple[Any, Any, int]:
+            source = iter(batches)
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                          schedule=schedule) as pipe:  # fmt: skip
+                for _ in range(3):
+                    await pipe.progress(source)
+                pipe.reset()
+                after_reset = pipe.statistics()
+                steps = len(await collect(pipe, source))
+                return after_reset, pipe.statistics(), steps
+
+        after_reset, at_end, steps = asyncio.run(run())
+        assert (after_reset.position, after_reset.applied) == (3, 3)  # resumed here: 3 again
+        dropped = 9 - 3 - steps
+        assert (at_end.position, at_end.applied, at_end.discarded) == (9, 3 + steps, dropped)
+
+
 @pytest.mark.parametrize("eval_pass", [None, "pull done", "pull waiting"])
 def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch(
     eval_pass: str | None,

@@ -29,6 +29,7 @@ from aiopipe.source import Feed
 from aiopipe.sources import END, Source
 from aiopipe.trace import resolve_tracer
 
+from .counts import CountsAcrossResets
 from .model import STREAMS, PipelinedModel
 from .spec import PipelineSpec
 
@@ -70,6 +71,7 @@ class SparseDistBase(Generic[ResultT]):
         # waits leaves it running, and the next bootstrap on that source takes its batch.
         self._first_pull: tuple[Source, Feed] | None = None
         self._ended_source: Source | None = None  # the source whose end progress() reported
+        self._counts = CountsAcrossResets()  # the same source going on after reset()
 
     # -- the progress contract ---------------------------------------------------------
 
@@ -94,11 +96,12 @@ class SparseDistBase(Generic[ResultT]):
         flight; ``refused`` counts the source's first items refused before then."""
         engine = self.engine
         if engine is not None:
-            return engine.statistics()
+            return self._counts.shown(engine.statistics())
         refused = self._refused[1] if self._refused is not None else 0
-        return PipelineStatistics(pulled=0, returned=0, in_flight=0, iteration=0, exhausted=False,
-                                  broken=None, closed=self._closed, refused=refused,
-                                  position=refused)  # fmt: skip
+        return self._counts.shown(PipelineStatistics(
+            pulled=0, returned=0, in_flight=0, iteration=0, exhausted=False, broken=None,
+            closed=self._closed, refused=refused, position=refused,
+        ))  # fmt: skip
 
     @needs_event_loop
     async def progress(self, source: Source) -> ResultT:
@@ -108,6 +111,7 @@ class SparseDistBase(Generic[ResultT]):
         if not self._shared.attached:
             raise PipelineStateError("the model is detached; call attach() first")
         with self._taking_turn("progress()"):
+            self._counts.passed(source)
             return await self._progress(self._spec.adapt(source))
 
     @needs_event_loop
@@ -120,6 +124,7 @@ class SparseDistBase(Generic[ResultT]):
         if not self._shared.attached:
             raise PipelineStateError("the model is detached; call attach() first")
         with self._taking_turn("progress_many()"):
+            self._counts.passed(source)
             results: list[ResultT] = await self._progress(self._spec.adapt(source), steps)
             return results
 
@@ -253,15 +258,18 @@ class SparseDistBase(Generic[ResultT]):
     def reset(self) -> None:
         """After a failed progress (the engine then refuses to go on; a cancelled one
         needs nothing, its iteration finishes and the next call returns its result):
-        drop this pipeline's batches in flight; the next ``progress`` starts afresh on
-        whatever source it gets.  The failed step may have applied part of its update:
-        resume from a checkpoint when the run must stay exact.  In a multi-rank job
-        every rank resets together."""
+        drop this pipeline's batches in flight (those read ahead too); the next
+        ``progress`` starts afresh on whatever source it gets.  The same source goes
+        on from where it stands, and ``statistics()`` counts on, past the batches
+        dropped (:class:`~hstu_tasks.sparse.counts.CountsAcrossResets`).  The failed
+        step may have applied part of its update: resume from a checkpoint when the
+        run must stay exact.  In a multi-rank job every rank resets together."""
         if self._closed:
             raise PipelineStateError(f"the {self._spec.what} has been shut down")
         engine = self._shared.engines.get(self)
         if engine is not None:
             engine.reset()  # refused, naming reset(), while a step runs on: nothing changes
+        self._counts.reset(engine.statistics() if engine is not None else None)
         self._teardown()
         self._kept = self._refused = None
         self._drop_first_pull()

@@ -1,0 +1,65 @@
+"""``CountsAcrossResets``: a source's counts kept across the engines ``reset()`` tears
+down, while the same source goes on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from aiopipe import PipelineStatistics
+from aiopipe.sources import Source
+
+__all__ = ("CountsAcrossResets",)
+
+
+class CountsAcrossResets:
+    """``reset()`` tears a sparse pipeline's engine down, and the next engine counts
+    from 0.  As after aiopipe's own ``reset()``, ``statistics()`` shows the torn-down
+    engine's counts until a call passes a source; if that is the same source, it
+    counts on from them, its position past the batches ``reset()`` dropped (that run
+    skips them, those read ahead included): a checkpoint taken later resumes after
+    every step trained, none twice."""
+
+    def __init__(self) -> None:
+        self._source: Source | None = None  # the source the last call passed
+        self._parked: PipelineStatistics | None = None  # shown until a call passes one
+        self._carried: tuple[Source, PipelineStatistics] | None = None
+        self._goes_on = False  # a call passed the carried source again
+
+    def passed(self, source: Source) -> None:
+        """A call passed ``source``: counts carried for another source are dropped."""
+        carried = self._carried
+        if carried is not None and carried[0] is not source:
+            self._carried = None
+        self._goes_on = carried is not None and carried[0] is source
+        self._parked, self._source = None, source
+
+    def reset(self, stats: PipelineStatistics | None) -> None:
+        """``reset()`` tears down the engine whose statistics, after its own reset (its
+        ring empty; ``in_flight`` the items it read ahead, dropped with it), are
+        ``stats`` (``None``: no engine since the last reset)."""
+        if stats is None:
+            return
+        total, held = self.shown(stats), stats.in_flight
+        self._parked, self._goes_on, self._carried = total, False, None
+        if self._source is None or stats.exhausted:
+            return  # passed again after its end, a source starts afresh
+        past = total.position - stats.position + stats.pulled + stats.refused + held
+        self._carried = (self._source, dataclasses.replace(
+            total, position=past, discarded=total.discarded + held, in_flight=0,
+        ))  # fmt: skip
+
+    def shown(self, stats: PipelineStatistics) -> PipelineStatistics:
+        """What ``statistics()`` shows: ``stats`` (the engine's, or a fresh pipeline's),
+        with the counts carried for the source going on; right after a reset, the
+        torn-down engine's."""
+        if self._parked is not None:
+            return dataclasses.replace(self._parked, closed=stats.closed)
+        if not self._goes_on or self._carried is None:
+            return stats
+        before = self._carried[1]
+        return dataclasses.replace(
+            stats, pulled=before.pulled + stats.pulled, returned=before.returned + stats.returned,
+            applied=before.applied + stats.applied, refused=before.refused + stats.refused,
+            position=before.position + stats.position,
+            discarded=before.discarded + stats.discarded,
+        )  # fmt: skip
