@@ -5,6 +5,8 @@ tasks' handles and failures then say.  Interleavings forced with events."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -205,3 +207,37 @@ async def test_async_callables_run_on_the_loop_and_a_hidden_one_is_refused() -> 
                 with pytest.raises(TaskDefinitionError, match="returned an awaitable"):
                     await hidden
     assert [type(exc) for exc in caught.value.exceptions] == [TaskDefinitionError]
+
+
+INTERRUPTED = """
+import asyncio
+from aiopipe.dag import TaskGraph
+
+def interrupted():
+    raise KeyboardInterrupt
+
+async def block(lane, group):
+    async with TaskGraph() as graph:
+        if group:
+            await graph.submit_group(interrupted, [(), ()], lane=lane)
+        else:
+            await graph.submit(interrupted, lane=lane)
+        await asyncio.Event().wait()  # the interrupt leaves the loop first
+
+for lane in ("loop", "a"):
+    for group in (False, True):
+        try:
+            asyncio.run(block(lane, group))
+        except KeyboardInterrupt:
+            print(lane, group, "left the loop")
+"""
+
+
+def test_a_keyboard_interrupt_in_a_task_leaves_the_loop_at_once() -> None:
+    # It was recorded as the task's failure and the program went on (here: for good).
+    # In a subprocess: an interrupt must not reach the test runner.
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.stdout.splitlines() == [
+        f"{lane} {group} left the loop" for lane in ("loop", "a") for group in (False, True)
+    ], done.stderr

@@ -361,6 +361,8 @@ class TaskGraph:
             node.result = results if group else results[0]
         except MemberFailure as failure:
             self._record_failure(node, failure.error, failure.member if group else None)
+            if isinstance(failure.error, (KeyboardInterrupt, SystemExit)):
+                raise failure.error from None
         except asyncio.CancelledError as exc:
             if not self._closing:
                 self._record_failure(node, exc, None)
@@ -371,6 +373,8 @@ class TaskGraph:
                 ), None)  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 - recorded, re-raised to awaiters
             self._record_failure(node, exc, None)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise  # out of the loop at once, as from any asyncio task (TaskGroup's too)
         finally:
             if not node.failed:  # nothing to report or poison: the graph lets go of it
                 node.scope.pop(node, None)
