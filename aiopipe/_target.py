@@ -162,7 +162,10 @@ def load_target(spec: str, *, tracer: Tracer | None = None) -> Target:
                     f"Name a function that builds the schedule by itself (one that calls "
                     f"this one with your arguments)"
                 ) from None
-        obj = obj(**kwargs)
+        try:
+            obj = obj(**kwargs)
+        except Exception as exc:  # the target's own error: a loading error, said so
+            raise TargetError(f"{spec} raised while building: {type(exc).__name__}: {exc}") from exc
     return _normalise(spec, obj)
 
 

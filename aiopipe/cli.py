@@ -324,3 +324,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipelineError as exc:
         print(f"aiopipe {argv[0]}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, TargetError) else 1
+    except OSError as exc:  # an output file that cannot be written (-o)
+        print(f"aiopipe {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2

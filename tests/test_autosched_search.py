@@ -282,3 +282,19 @@ def test_an_async_task_sharing_its_stream_may_get_one_of_its_own() -> None:
     assert result.best.score < 0.55 * result.baseline.score
     frozen = joint_search(schedule, model, thread_map="by_stream", frozen=("fetch",))
     assert dict(frozen.best.streams)["fetch"] == "default"
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 2, 3])
+def test_the_pick_keeps_no_more_batches_in_flight_than_allowed(max_in_flight: int) -> None:
+    # A candidate that kept the declared lookaheads (load two ahead) was never held to
+    # the limit: with max_in_flight=1 the pick kept three batches in flight.
+    schedule = Schedule.of(
+        [task("load", lookahead=2, stream="s2"), task("train", depends_on=("load",))],
+        stream_slots=("default", "s2"),
+    )
+    costs = CostModel(tasks={"load": TaskCost(host_ms=1.0), "train": TaskCost(host_ms=3.0)},
+                      engine=CHEAP)  # fmt: skip
+    found = joint_search(schedule, costs, thread_map={"load": "B", "train": "B"},
+                         max_threads=1, max_in_flight=max_in_flight)  # fmt: skip
+    assert found.schedule.max_lookahead + 1 <= max_in_flight
+    assert max(dict(found.best.lookaheads).values()) + 1 <= max_in_flight

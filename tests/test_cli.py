@@ -397,3 +397,33 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["trace", OVERLAP, "--progresses", "0", "-o", "x.json"])
     assert "--progresses: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_target_that_raises_while_building_is_a_loading_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It gave a raw traceback and exit status 1.
+    path = write_target(tmp_path, """
+        def broken():
+            raise RuntimeError("no data here")
+    """)  # fmt: skip
+    status, _, err = run_cli(capsys, "validate", f"{path}:broken")
+    assert status == 2
+    assert "raised while building: RuntimeError: no data here" in err
+
+
+@pytest.mark.parametrize("command", ["graph", "trace", "plan"])
+def test_an_output_file_that_cannot_be_written_is_said_so(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A raw FileNotFoundError traceback, after the whole run for trace and plan.
+    path = write_target(tmp_path, """
+        def tasks():
+            def step(ctx):
+                ctx.slots.set("step_result", ctx.batch_index)
+            return [Task.from_fn("step", step, writes=("step_result",))]
+    """)  # fmt: skip
+    missing = tmp_path / "no such folder" / "out.json"
+    extra = ["--no-calibrate", "--batches", "4"] if command == "plan" else []
+    status, _, err = run_cli(capsys, command, f"{path}:tasks", "-o", str(missing), *extra)
+    assert status == 2 and "no such folder" in err

@@ -148,11 +148,17 @@ def main(args: argparse.Namespace) -> int:
     try:
         target = load_target(args.target)
         thread_map = parse_thread_map(args.thread_map) if args.thread_map else target.thread_map
+        if args.output:
+            _check_writable(Path(args.output))  # before the profile and the search
         costs = _costs(args, target, thread_map)
         frozen = [name.strip() for name in args.frozen.split(",") if name.strip()]
     except (TargetError, CostModelError, OSError) as exc:
         print(f"aiopipe plan: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a task failed while the profile ran it
+        print(f"aiopipe plan: a task failed while profiling: {type(exc).__name__}: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     try:
         result = joint_search(
             target.schedule, costs, thread_map=thread_map, frozen=frozen,
@@ -173,3 +179,9 @@ def main(args: argparse.Namespace) -> int:
         print()
     print(json.dumps(payload, sort_keys=True))
     return 0
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse ``-o PATH`` now, not after a profile and a search, if its folder is missing."""
+    if not path.parent.is_dir():
+        raise OSError(f"cannot write {path}: no folder {path.parent}")

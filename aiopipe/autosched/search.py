@@ -153,6 +153,8 @@ class _Search:
         """Score with the lookaheads it has; ``None`` if illegal."""
         if c.threads > self.max_threads:
             return None
+        if max(lookahead for _, lookahead in c.lookaheads) + 1 > self.max_in_flight:
+            return None  # more batches in flight than allowed (normalise cuts them down)
         if not self.allow_loop and any(lane == LOOP_LANE for _, lane in c.thread_map):
             return None
         declared = self.schedule
