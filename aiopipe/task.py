@@ -270,7 +270,10 @@ class Task:
             )
         if self.nvtx_tag is not None and not isinstance(self.nvtx_tag, str):
             raise ConfigurationTypeError(f"Task {name!r}: nvtx_tag must be a string or None")
-        self.nccl = bool(self.nccl)
+        if not isinstance(self.nccl, bool):  # bool("no") would be True
+            raise ConfigurationTypeError(
+                f"Task {name!r}: nccl must be True or False, got {self.nccl!r}"
+            )
         self.reads = _normalise_slots(self.reads, "reads", name, self.lookahead)
         self.writes = _normalise_slots(self.writes, "writes", name, self.lookahead)
         self.depends_on = _normalise_names(self.depends_on, "depends_on", name)

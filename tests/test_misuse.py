@@ -205,3 +205,9 @@ async def test_a_task_graph_refuses_submissions_of_the_wrong_kind() -> None:
         for members in ([1, 2], "ab"):  # were a TypeError, and two one-letter members
             with pytest.raises(ConfigurationTypeError, match="a sequence of its arguments"):
                 await graph.submit_group(len, members)  # type: ignore[arg-type]
+
+
+def test_a_task_s_nccl_flag_takes_a_bool() -> None:
+    # bool("no") made it a collective task.
+    with pytest.raises(ConfigurationTypeError, match="nccl must be True or False"):
+        Task.from_fn("t", echo, nccl="no")  # type: ignore[arg-type]
