@@ -101,16 +101,24 @@ class Pulls:
     def _pull_in_task(self) -> None:
         """Pull the async source in a task of its own, which no cancelled caller
         cancels: the item is kept in :attr:`ahead` for whichever call takes it."""
-        self.ahead = pull = asyncio.ensure_future(self._pull_async())
+        self.ahead = pull = self._new_pull()
         if pull.done():  # an eager task factory ran it to its end already
             self._read_deeper()
 
     def _pull_behind(self) -> None:
         """Start the next pull, after those held."""
-        pull = asyncio.ensure_future(self._pull_async())
+        pull = self._new_pull()
         self._behind.append(pull)
         if pull.done():  # an eager task factory ran it to its end already
             self._read_deeper()
+
+    def _new_pull(self) -> asyncio.Future[Taken]:
+        """A pull in a task of its own.  Its error is raised by the call that takes it
+        (:meth:`Feed.take`), never lost; a script that ends first is not told twice
+        ("Task exception was never retrieved")."""
+        pull = asyncio.ensure_future(self._pull_async())
+        pull.add_done_callback(_retrieved)
+        return pull
 
     def _next_ahead(self) -> None:
         """The item read ahead was taken: the next one held becomes it, and reading
@@ -240,6 +248,11 @@ class Pulls:
 
 def _always() -> bool:
     return True
+
+
+def _retrieved(pull: asyncio.Future[Any]) -> None:
+    if not pull.cancelled():
+        pull.exception()
 
 
 def _holds_an_item(future: asyncio.Future[Any] | None) -> bool:

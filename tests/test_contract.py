@@ -641,3 +641,28 @@ async def test_an_iterator_passed_again_after_its_end_and_a_drain_counts_afresh(
             assert [r async for r in pipe.results(iter(epochs))] == [0, 1, 2]
             await pipe.drain()
             assert pipe.statistics().position == 3  # each pass from 0
+
+
+def test_one_asyncio_run_per_call_over_an_async_generator(caplog: pytest.LogCaptureFixture) -> None:
+    # Each run closes the generator it iterated: the next call still returns the batch
+    # read ahead, the one after says the generator was closed -- and a script ending
+    # after the second call is not told "Task exception was never retrieved" (it was).
+    async def items() -> AsyncIterator[int]:
+        for item in range(5):
+            await asyncio.sleep(0)
+            yield item
+
+    def two_calls() -> Pipeline:
+        pipe = Pipeline([Task.from_fn("train", echo)], executor="sequential")
+        assert asyncio.run(pipe.progress(source)) == 0
+        assert asyncio.run(pipe.progress(source)) == 1
+        return pipe
+
+    source = items()
+    pipe = two_calls()
+    with pytest.raises(PipelineStateError, match="closed between two pulls"):
+        asyncio.run(pipe.progress(source))
+    source = items()
+    two_calls()  # dropped, as at the end of a script, with the failed pull it holds
+    gc.collect()
+    assert "never retrieved" not in caplog.text
