@@ -33,7 +33,7 @@ from . import __version__, diagram
 from ._target import Target, TargetError, load_target, parse_thread_map
 from .errors import PipelineError, ScheduleValidationError
 from .executors import resolve_executor
-from .lanes import ThreadMap, resolve_lane
+from .lanes import ThreadMap, check_thread_map_names, resolve_lane
 from .edges import dependency_edges, infer_cross_stream_event_deps, topological_sort
 from .pipeline import SchedulablePipeline
 from .runner import run
@@ -45,7 +45,11 @@ __all__ = ("Target", "TargetError", "load_target", "main", "parse_thread_map")
 
 
 def _thread_map(args: argparse.Namespace, target: Target) -> ThreadMap:
-    return parse_thread_map(args.thread_map) if args.thread_map else target.thread_map
+    if not args.thread_map:
+        return target.thread_map
+    thread_map = parse_thread_map(args.thread_map)
+    check_thread_map_names(thread_map, [task.name for task in target.schedule.tasks])
+    return thread_map
 
 
 # -- validate -----------------------------------------------------------------------------

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import ConfigurationError
 from .executors import Executor, resolve_executor
-from .lanes import ThreadMap
+from .lanes import ThreadMap, check_thread_map_names
 from .pipeline import SchedulablePipeline
 from .schedule import Schedule
 from .streams import StreamPool
@@ -50,23 +48,7 @@ class Pipeline(SchedulablePipeline):
         **options: Unpack[PipelineOptions],
     ) -> None:
         schedule = Schedule.of(tasks)
-        _check_thread_map_names(thread_map, [task.name for task in schedule.tasks])
+        check_thread_map_names(thread_map, [task.name for task in schedule.tasks])
         if stream_pool is None:
             stream_pool = StreamPool.for_device(schedule.stream_slots, device)
         super().__init__(schedule, stream_pool, resolve_executor(executor, thread_map), **options)
-
-
-def _check_thread_map_names(thread_map: ThreadMap, names: list[str]) -> None:
-    """A thread map naming a task the pipeline does not have is refused: misspelt, the
-    task would run on lane ``"default"`` without a word."""
-    if not isinstance(thread_map, Mapping):
-        return
-    unknown = [name for name in thread_map if name not in names]
-    if unknown:
-        close = difflib.get_close_matches(unknown[0], names, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigurationError(
-            f"thread_map names task(s) {unknown} the pipeline does not have{hint}; its "
-            f"tasks are {names} (a map shared by pipelines of other tasks: pass a "
-            f"function task -> lane name instead)"
-        )

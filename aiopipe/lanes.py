@@ -8,6 +8,7 @@ threads themselves are plumbing (:mod:`aiopipe._core.lanes`).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Union
 
@@ -20,8 +21,8 @@ if TYPE_CHECKING:
     from .task import Task
 
 __all__ = (
-    "COMPUTE_LANE", "IO_LANE", "LOOP_LANE", "ThreadMap", "copies_on_io", "resolve_lane",
-    "thread_map_for_device",
+    "COMPUTE_LANE", "IO_LANE", "LOOP_LANE", "ThreadMap", "check_thread_map_names",
+    "copies_on_io", "resolve_lane", "thread_map_for_device",
 )  # fmt: skip
 
 #: Which lane thread runs each task: ``None`` / ``"by_stream"``, ``"per_task"``, a
@@ -85,3 +86,19 @@ def resolve_lane(task: Task, thread_map: ThreadMap) -> str:
             f"thread_map gave lane {lane!r} for task {task.name!r}; lanes are names"
         )
     return lane
+
+
+def check_thread_map_names(thread_map: ThreadMap, names: list[str]) -> None:
+    """Refuse a thread map that names a task the pipeline does not have (``names``):
+    misspelt, the task would run on lane ``"default"`` without a word."""
+    if not isinstance(thread_map, Mapping):
+        return
+    unknown = [name for name in thread_map if name not in names]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigurationError(
+            f"thread_map names task(s) {unknown} the pipeline does not have{hint}; its "
+            f"tasks are {names} (a map shared by pipelines of other tasks: pass a "
+            f"function task -> lane name instead)"
+        )

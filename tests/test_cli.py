@@ -427,3 +427,15 @@ def test_an_output_file_that_cannot_be_written_is_said_so(
     extra = ["--no-calibrate", "--batches", "4"] if command == "plan" else []
     status, _, err = run_cli(capsys, command, f"{path}:tasks", "-o", str(missing), *extra)
     assert status == 2 and "no such folder" in err
+
+
+def test_a_thread_map_naming_no_task_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It was accepted without a word, the misspelt task on lane "default".
+    path = write_target(tmp_path, """
+        def tasks():
+            return [Task.from_fn("step", lambda ctx: None)]
+    """)  # fmt: skip
+    status, _, err = run_cli(capsys, "validate", f"{path}:tasks", "--thread-map", "stpe=io")
+    assert status == 1 and "did you mean 'step'" in err
