@@ -41,6 +41,7 @@ from .errors import ConfigurationTypeError as ConfigurationTypeError
 from .errors import FetchError as FetchError
 from .errors import GraphError as GraphError
 from .errors import NoRunningLoopError as NoRunningLoopError
+from .errors import IgnoredReturnWarning as IgnoredReturnWarning
 from .errors import NoStepResultWarning as NoStepResultWarning
 from .errors import SerializedAwaitWarning as SerializedAwaitWarning
 from .errors import PipelineError as PipelineError
@@ -97,6 +98,7 @@ __all__ = (
     "FetchStatistics",
     "GraphError",
     "NoRunningLoopError",
+    "IgnoredReturnWarning",
     "NoStepResultWarning",
     "SerializedAwaitWarning",
     "Pipeline",

@@ -24,6 +24,7 @@ __all__ = (
     "FetchError",
     "GraphError",
     "NoRunningLoopError",
+    "IgnoredReturnWarning",
     "NoStepResultWarning",
     "SerializedAwaitWarning",
     "PipelineError",
@@ -138,6 +139,12 @@ def _short(value: object) -> str:
 class NoStepResultWarning(UserWarning):
     """A pipeline was built whose tasks never write ``step_result``, so ``progress``
     returns ``None`` for every batch; pass ``expect_result=False`` when that is meant."""
+
+
+class IgnoredReturnWarning(UserWarning):
+    """A task body returned a value, which the pipeline ignores: a task hands values
+    on through ``ctx.slots`` (the step's result as ``ctx.slots.set("step_result",
+    ...)``).  Said once per task."""
 
 
 class SerializedAwaitWarning(UserWarning):

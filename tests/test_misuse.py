@@ -211,3 +211,20 @@ def test_a_task_s_nccl_flag_takes_a_bool() -> None:
     # bool("no") made it a collective task.
     with pytest.raises(ConfigurationTypeError, match="nccl must be True or False"):
         Task.from_fn("t", echo, nccl="no")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_body_that_returns_its_value_is_told_once(kind: str) -> None:
+    # The value was dropped without a word, and every result was None.
+    def returns(ctx: TaskContext) -> int:
+        return ctx.slots["batch_cpu"] * 10  # type: ignore[no-any-return]
+
+    async def returns_async(ctx: TaskContext) -> int:
+        return ctx.slots["batch_cpu"] * 10  # type: ignore[no-any-return]
+
+    body = returns if kind == "sync" else returns_async
+    pipe = Pipeline([Task.from_fn("t", body, writes=("step_result",))])  # type: ignore[arg-type]
+    with pytest.warns(aiopipe.IgnoredReturnWarning, match="task 't' returned int") as told:
+        async with pipe:
+            assert [r async for r in pipe.results([1, 2, 3])] == [None, None, None]
+    assert len([w for w in told if w.category is aiopipe.IgnoredReturnWarning]) == 1

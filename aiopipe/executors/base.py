@@ -34,11 +34,13 @@ import inspect
 import logging
 import threading
 import time
+import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .._core.log import executor_log
 from ..context import CURRENT, LaneRunner, Running, TaskContext
-from ..errors import TaskDefinitionError, attach_origin
+from ..errors import IgnoredReturnWarning, TaskDefinitionError, attach_origin
 from ..plan import ActiveSet, ExecutionPlan
 from ..ring import BatchRing
 from .._core.lanes import lane_of_thread
@@ -46,6 +48,7 @@ from .._core.steps import AwaitClock
 
 if TYPE_CHECKING:
     from .._core.nvtx import Annotator
+    from ..task import Task
     from ..trace import Tracer
 
 __all__ = ("Executor", "Iteration", "annotate_failure")
@@ -263,13 +266,16 @@ class Iteration:
             else:
                 with annotator.push_pop(task.nvtx_tag or task.name):
                     result = task.run(self._ctx)
-            if result is not None and inspect.isawaitable(result):
-                if inspect.iscoroutine(result):
-                    result.close()
-                raise TaskDefinitionError(
-                    f"task {task.name!r} returned an awaitable from a synchronous body; "
-                    f"declare run/fn with 'async def' so it runs on the event loop"
-                )
+            if result is not None:
+                if inspect.isawaitable(result):
+                    if inspect.iscoroutine(result):
+                        result.close()
+                    raise TaskDefinitionError(
+                        f"task {task.name!r} returned an awaitable from a synchronous body; "
+                        f"declare run/fn with 'async def' so it runs on the event loop"
+                    )
+                # (typed None or an awaitable; a body may return anything all the same)
+                warn_ignored_return(task, result)  # type: ignore[unreachable]
             if plan.records_event[index]:
                 self._record(index)
             self.completed.append(index)
@@ -310,7 +316,9 @@ class Iteration:
             self._wait_events(index)
             if plan.device_syncs[index]:
                 self._device_syncs(index)
-            await task.run(self._ctx)  # type: ignore[misc]
+            result: object = await task.run(self._ctx)  # type: ignore[misc]
+            if result is not None:
+                warn_ignored_return(task, result)
             if plan.records_event[index]:
                 self._record(index)
             self.completed.append(index)
@@ -357,3 +365,22 @@ class Iteration:
         finish = tracer.gpu_event()
         stream.record_event(finish)
         tracer.append_gpu(raw, begin, finish)
+
+
+_TOLD_LOCK = threading.Lock()
+#: The tasks told that their body's return value is ignored: each is told once.
+_TOLD: weakref.WeakSet[Task] = weakref.WeakSet()
+
+
+def warn_ignored_return(task: Task, value: object) -> None:
+    """A body returned ``value``: the pipeline passes values on through slots only."""
+    with _TOLD_LOCK:  # lanes of one pipeline may ask at once
+        if task in _TOLD:
+            return
+        _TOLD.add(task)
+    warnings.warn(
+        f"task {task.name!r} returned {type(value).__name__}, which the pipeline ignores: a "
+        f"task hands values on through ctx.slots.set(...), the step's result as "
+        f"ctx.slots.set('step_result', ...)",
+        IgnoredReturnWarning, stacklevel=2,
+    )  # fmt: skip
