@@ -59,6 +59,8 @@ class CheckpointManager:
         if keep < 1:
             raise ConfigurationError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory} is a file, not a checkpoint directory")
         self.keep = keep
         self._group = process_group
 
@@ -223,7 +225,12 @@ class CheckpointManager:
         meta_file = self.path(step) / _META
         if not meta_file.is_file():
             raise CheckpointError(f"no complete checkpoint at {self.path(step)}")
-        body: dict[str, Any] = json.loads(meta_file.read_text())
+        try:
+            body = json.loads(meta_file.read_text())
+        except (OSError, ValueError) as exc:  # truncated, emptied, unreadable
+            raise CheckpointError(f"{meta_file} cannot be read: {exc}") from exc
+        if not isinstance(body, dict):
+            raise CheckpointError(f"{meta_file} holds no checkpoint record")
         return body
 
     # -- process group -----------------------------------------------------------------
@@ -274,6 +281,29 @@ def _global_shapes(state: Any, prefix: str = "") -> Iterator[tuple[str, tuple[in
         yield from _global_shapes(value, f"{prefix}.{key}" if prefix else str(key))
 
 
+def _leaf_keys(state: Any, prefix: str = "") -> Iterator[str]:
+    """The DCP key of every value in ``state`` that is not a container (tensors,
+    numbers, strings, ``None``)."""
+    if isinstance(state, dict):
+        items: Iterable[tuple[Any, Any]] = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        yield prefix
+        return
+    for key, value in items:
+        yield from _leaf_keys(value, f"{prefix}.{key}" if prefix else str(key))
+
+
+def _saved_somewhere(key: str, saved: dict[str, Any]) -> bool:
+    """Whether the checkpoint holds ``key``: itself, inside a value DCP saved whole
+    (a tuple of an optimizer's options), or flattened further than here."""
+    parts = key.split(".")
+    if any(".".join(parts[:end]) in saved for end in range(1, len(parts) + 1)):
+        return True
+    return any(name.startswith(f"{key}.") for name in saved)
+
+
 def _shape_mismatch(path: Path, state: dict[str, Any]) -> str | None:
     """The first tensor of ``state`` that the checkpoint lacks or whose global shape
     differs from the one saved, described; ``None`` when all match.  DCP would
@@ -286,6 +316,9 @@ def _shape_mismatch(path: Path, state: dict[str, Any]) -> str | None:
         saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as exc:  # an unreadable checkpoint: the load reports it with context
         return f"its metadata cannot be read ({exc})"
+    for key in _leaf_keys(state):  # options too (an optimizer's ``momentum``)
+        if not _saved_somewhere(key, saved):
+            return _missing(key, saved)
     for key, shape in _global_shapes(state):
         entry = saved.get(key)
         if entry is None:  # DCP: "Missing key in checkpoint state_dict", and a traceback

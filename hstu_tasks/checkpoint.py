@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from aiopipe.checkpoint import CheckpointManager, materialize_optimizer_state
+from aiopipe.checkpoint import CheckpointError, CheckpointManager, materialize_optimizer_state
 
 from .parallel import TrainingSetup
 
@@ -51,6 +51,14 @@ def dense_optimizer(setup: TrainingSetup) -> Any:
     return dense[0]
 
 
+def optimizer_options(setup: TrainingSetup) -> list[str]:
+    """The names of the dense optimizer's options (its first parameter group's keys):
+    what tells one optimizer from another (Adagrad has ``lr_decay``, SGD
+    ``momentum``), recorded with each checkpoint, compared on restore."""
+    groups = getattr(dense_optimizer(setup), "param_groups", None) or [{}]
+    return sorted(str(key) for key in groups[0] if key != "params")
+
+
 def restore_training(
     setup: TrainingSetup, manager: CheckpointManager, *, any_world_size: bool = False
 ) -> tuple[int, dict[str, Any]]:
@@ -64,6 +72,13 @@ def restore_training(
     step = manager.latest()
     if step is None:
         return 0, {}
+    saved = manager.describe(step).get("meta", {}).get("dense_optimizer_options")
+    if saved is not None and saved != optimizer_options(setup):
+        raise CheckpointError(
+            f"checkpoint step {step} was written with another optimizer: its options were "
+            f"{saved}, this job's are {optimizer_options(setup)} (its state would be "
+            f"dropped, or be missing)"
+        )
     dense = dense_optimizer(setup)
     materialize_optimizer_state(dense)  # Adam creates its moments lazily
     state = training_state(setup)
@@ -111,5 +126,6 @@ class JobCheckpoints:
         self.manager.save(position, training_state(setup), meta={
             "losses": losses, "world_size": world_size, "global_batch_size": global_batch_size,
             "samples_consumed": samples_consumed, "samples_sha256": samples_sha256(),
+            "dense_optimizer_options": optimizer_options(setup),
         })  # fmt: skip
         return True

@@ -176,6 +176,37 @@ def test_a_checkpoint_of_another_optimizer_is_refused_naming_what_it_lacks(
         manager.load(1, state(model, adam))
 
 
+def test_a_checkpoint_of_adam_resumed_with_sgd_is_refused_naming_an_option(
+    tmp_path: Path,
+) -> None:
+    """Written with Adam, resumed with SGD: the checkpoint lacks SGD's options. Only
+    tensors were compared, and torch's own traceback said so deep in DCP."""
+    model, adam = model_and_adam(0)
+    train(model, adam, range(2))
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, state(model, adam))
+    fresh, _ = model_and_adam(0)
+    sgd = torch.optim.SGD(fresh.parameters(), lr=0.1)  # no state: only its options differ
+    with pytest.raises(CheckpointError, match=r"it has no 'optimizer\.param_groups\.0\.\w+'"):
+        manager.load(1, state(fresh, sgd))
+
+
+def test_a_checkpoint_whose_record_is_truncated_or_a_file_for_a_directory_is_refused(
+    tmp_path: Path,
+) -> None:
+    # A JSONDecodeError traceback; a FileExistsError only at the first save.
+    model, optimizer = model_and_adam(0)
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, state(model, optimizer))
+    record = tmp_path / "step-00000001" / "aiopipe-meta.json"
+    record.write_text(record.read_text()[:20])
+    with pytest.raises(CheckpointError, match="aiopipe-meta.json cannot be read"):
+        manager.load(1, state(model, optimizer))
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint directory"):
+        CheckpointManager(tmp_path / "a-file")
+
+
 def test_a_checkpoint_from_before_the_first_step_says_so_and_loads_without_state(
     tmp_path: Path,
 ) -> None:
@@ -243,3 +274,24 @@ def test_saving_a_step_older_than_every_kept_one_is_refused(tmp_path: Path) -> N
     with pytest.raises(CheckpointError, match="older than the 2 checkpoint"):
         manager.save(3, state(model, optimizer))
     assert manager.complete_steps() == [5, 6]
+
+
+def test_a_training_checkpoint_of_another_optimizer_is_refused_by_its_options(
+    tmp_path: Path,
+) -> None:
+    """DLRM written with Adagrad, resumed with SGD: SGD keeps no state, so no tensor
+    was missing and the Adagrad state was dropped without a word.  The checkpoint
+    records the dense optimizer's options, and the restore compares them."""
+    from hstu_tasks import DLRMConfig, build_dlrm_training, restore_training
+    from hstu_tasks.checkpoint import optimizer_options, training_state
+    from one_rank import one_rank_group
+
+    config = DLRMConfig(num_embeddings=50, batch_size=4)
+    with one_rank_group():
+        adagrad = build_dlrm_training(config, "adagrad", seed=0)
+        manager = CheckpointManager(tmp_path)
+        manager.save(4, training_state(adagrad),
+                     meta={"dense_optimizer_options": optimizer_options(adagrad)})  # fmt: skip
+        with pytest.raises(CheckpointError, match="written with another optimizer"):
+            restore_training(build_dlrm_training(config, "sgd", seed=0), manager)
+        assert restore_training(build_dlrm_training(config, "adagrad", seed=0), manager)[0] == 4
