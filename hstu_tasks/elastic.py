@@ -252,8 +252,11 @@ class ResumableJob(Generic[BatchT_co]):
         alike: they read the same checkpoint)."""
         self.rank, self.world_size = rank, world_size
         every = args.checkpoint_every or CHECKPOINT_EVERY
-        self.checkpoints = (JobCheckpoints(args.checkpoint_dir, every)
-                            if args.checkpoint_dir else None)  # fmt: skip
+        try:
+            self.checkpoints = (JobCheckpoints(args.checkpoint_dir, every)
+                                if args.checkpoint_dir else None)  # fmt: skip
+        except CheckpointError as error:  # a record that cannot be read, a file, ...
+            raise SystemExit(f"{Path(sys.argv[0]).name}: {error}") from None
         if args.checkpoint_every is not None and not args.checkpoint_dir and rank == 0:
             print(f"{Path(sys.argv[0]).name}: note: --checkpoint-every writes nothing without "
                   f"--checkpoint-dir", file=sys.stderr)  # fmt: skip
