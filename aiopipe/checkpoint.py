@@ -265,34 +265,18 @@ class CheckpointManager:
         return f"CheckpointManager({str(self.directory)!r}, keep={self.keep})"
 
 
-def _global_shapes(state: Any, prefix: str = "") -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(DCP key, global shape) of every tensor in ``state``: keys joined with dots as
-    DCP flattens them; a sharded tensor's ``size()`` is its global shape."""
-    if isinstance(state, dict):
-        items: Iterable[tuple[Any, Any]] = state.items()
-    elif isinstance(state, (list, tuple)):
-        items = enumerate(state)
-    elif isinstance(state, torch.Tensor) or hasattr(state, "local_shards"):
-        yield prefix, tuple(state.size())
-        return
-    else:
-        return
-    for key, value in items:
-        yield from _global_shapes(value, f"{prefix}.{key}" if prefix else str(key))
-
-
-def _leaf_keys(state: Any, prefix: str = "") -> Iterator[str]:
-    """The DCP key of every value in ``state`` that is not a container (tensors,
-    numbers, strings, ``None``)."""
+def _leaves(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(DCP key, value) of every value in ``state`` that is no dict, list or tuple (a
+    sharded tensor is one): keys joined with dots as DCP flattens them."""
     if isinstance(state, dict):
         items: Iterable[tuple[Any, Any]] = state.items()
     elif isinstance(state, (list, tuple)):
         items = enumerate(state)
     else:
-        yield prefix
+        yield prefix, state
         return
     for key, value in items:
-        yield from _leaf_keys(value, f"{prefix}.{key}" if prefix else str(key))
+        yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
 
 
 def _saved_somewhere(key: str, saved: dict[str, Any]) -> bool:
@@ -316,13 +300,15 @@ def _shape_mismatch(path: Path, state: dict[str, Any]) -> str | None:
         saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as exc:  # an unreadable checkpoint: the load reports it with context
         return f"its metadata cannot be read ({exc})"
-    for key in _leaf_keys(state):  # options too (an optimizer's ``momentum``)
-        if not _saved_somewhere(key, saved):
-            return _missing(key, saved)
-    for key, shape in _global_shapes(state):
+    for key, value in _leaves(state):
+        if not isinstance(value, torch.Tensor) and not hasattr(value, "local_shards"):
+            if not _saved_somewhere(key, saved):  # an option (an optimizer's ``momentum``)
+                return _missing(key, saved)
+            continue
         entry = saved.get(key)
         if entry is None:  # DCP: "Missing key in checkpoint state_dict", and a traceback
             return _missing(key, saved)
+        shape = tuple(value.size())  # a sharded tensor's size() is its global shape
         if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != shape:
             return f"{key!r} has global shape {tuple(entry.size)} there, {shape} here"
     return None

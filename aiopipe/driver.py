@@ -32,6 +32,7 @@ from ._core.lanes import yield_cpu_to_lanes
 from ._core.log import pipeline_log
 from ._core.nvtx import Annotator
 from ._core.loops import close_if_unstarted, task_quiet_if_left
+from ._core.waker import mark_retrieved
 from ._core.watch import LaneWatch, describe_wait
 from .chain import StepChain
 from .context import TaskContext
@@ -207,7 +208,7 @@ class IterationDriver:
             # loop; the end was handled above, nobody needs the task's exception.
             task = asyncio.current_task()
             if task is not None:
-                task.add_done_callback(_retrieved)
+                task.add_done_callback(mark_retrieved)
             raise error
 
     def _lanes_finished(
@@ -406,8 +407,3 @@ class IterationDriver:
                 f"that started it was cancelled); 'await pipe.aclose()', or any call that "
                 f"awaits it first (progress, drain), finishes it"
             )
-
-
-def _retrieved(task: asyncio.Task[None]) -> None:
-    if not task.cancelled():
-        task.exception()

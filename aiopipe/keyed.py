@@ -38,7 +38,7 @@ from .errors import (
 )  # fmt: skip
 from .interop import in_trio
 from ._core.loops import close_left
-from ._core.waker import wait_settled
+from ._core.waker import mark_retrieved, wait_settled
 from .sources import END, not_a_source
 
 __all__ = ("FetchAhead", "FetchStatistics", "fetch_ahead")
@@ -163,7 +163,7 @@ class FetchAhead(AsyncIterator[T]):
         running = []
         for future in self._pending():
             if future.done():
-                _retrieve(future)
+                mark_retrieved(future)
             elif future.get_loop() is loop:  # (one of a closed loop never ends)
                 _cancel_quietly(future)
                 running.append(future)
@@ -186,7 +186,7 @@ class FetchAhead(AsyncIterator[T]):
             return  # __init__ refused its arguments
         for future in self._pending():
             if future.done():
-                _retrieve(future)
+                mark_retrieved(future)
                 continue
             with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs
                 future.get_loop().call_soon_threadsafe(_cancel_quietly, future)
@@ -266,11 +266,11 @@ class FetchAhead(AsyncIterator[T]):
         for entry in self._window:
             future = entry.future
             if future.get_loop() is not loop and (future.cancelled() or not future.done()):
-                _close_if_left(future)
+                close_left(future)
                 entry.future = self._start(entry.key)
         pull = self._key_pull
         if pull is not None and pull.get_loop() is not loop and not pull.done():
-            _close_if_left(pull)
+            close_left(pull)
             self._key_pull = None  # its loop closed before the pull ended
 
     # -- handing out -----------------------------------------------------------------------
@@ -368,20 +368,7 @@ def _settled(problem: BaseException) -> asyncio.Future[Any]:
     return future
 
 
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """Mark an outcome nobody will take as seen: no "never retrieved" report."""
-    if not future.cancelled():
-        future.exception()
-
 
 def _cancel_quietly(future: asyncio.Future[Any]) -> None:
-    future.add_done_callback(_retrieve)
+    future.add_done_callback(mark_retrieved)
     future.cancel()
-
-
-def _close_if_left(future: asyncio.Future[Any]) -> None:
-    """A fetch or key pull still pending on a loop stopped and closed by hand (not
-    cancelled): closed now, its ``finally`` clauses run, and no "Task was destroyed
-    but it is pending!" later."""
-    if not future.done() and future.get_loop().is_closed():
-        close_left(future)

@@ -9,12 +9,12 @@ Declared once and passed on as ``**options``, so ``SchedulablePipeline``,
 from __future__ import annotations
 
 import difflib
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
 
 from ._core.nvtx import Annotator
 from .errors import ConfigurationError, ConfigurationTypeError
+from .task import is_async_callable
 from .trace import Tracer
 
 __all__ = ("PipelineOptions", "check_option_names", "checked_batch_check", "read_ahead_depth")
@@ -76,9 +76,7 @@ def checked_batch_check(value: object) -> Callable[[Any], None] | None:
             f"check_batch must be a function check_batch(batch) that raises to refuse a "
             f"batch, got {value!r}"
         )
-    if inspect.iscoroutinefunction(value) or inspect.iscoroutinefunction(
-        getattr(value, "__call__", None)
-    ):
+    if is_async_callable(value):
         raise ConfigurationTypeError(
             "check_batch must be a plain function: it runs as each batch is read, and an "
             "async def one would never be awaited (every batch would pass); check in an "

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from ._core.loops import close_left
-from ._core.waker import wait_settled
+from ._core.waker import mark_retrieved, wait_settled
 from .errors import PipelineStateError
 from .sources import END, Taken
 
@@ -117,7 +117,7 @@ class Pulls:
         (:meth:`Feed.take`), never lost; a script that ends first is not told twice
         ("Task exception was never retrieved")."""
         pull = asyncio.ensure_future(self._pull_async())
-        pull.add_done_callback(_retrieved)
+        pull.add_done_callback(mark_retrieved)
         return pull
 
     def _next_ahead(self) -> None:
@@ -189,12 +189,9 @@ class Pulls:
         if ahead is None or ahead.done() and not self._behind:  # the usual case, cheaply
             return False
         pulls = [pull for pull in (ahead, *self._behind) if pull is not None]
-        live = [pull for pull in pulls if pull.done() or not pull.get_loop().is_closed()]
+        live = [pull for pull in pulls if not close_left(pull)]
         if len(live) == len(pulls):
             return False
-        for pull in pulls:
-            if pull not in live:
-                close_left(pull)
         if self._awaited is not None and self._awaited not in live:
             self._awaited = None
         self.ahead = live[0] if live else None
@@ -248,11 +245,6 @@ class Pulls:
 
 def _always() -> bool:
     return True
-
-
-def _retrieved(pull: asyncio.Future[Any]) -> None:
-    if not pull.cancelled():
-        pull.exception()
 
 
 def _holds_an_item(future: asyncio.Future[Any] | None) -> bool:

@@ -20,7 +20,7 @@ from .errors import ConfigurationError, ConfigurationTypeError, TaskDefinitionEr
 if TYPE_CHECKING:
     from .context import TaskContext
 
-__all__ = ("DataSlot", "SlotRef", "Task", "TaskBody")
+__all__ = ("DataSlot", "SlotRef", "Task", "TaskBody", "is_async_callable", "refuse_awaitable")
 
 #: Slots the engine itself fills: the pulled batch and the value ``progress`` returns.
 BATCH_SLOT = "batch_cpu"
@@ -385,3 +385,20 @@ class _FunctionTask(Task):
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self._fn)
+
+
+def is_async_callable(fn: object) -> bool:
+    """``async def`` functions, and objects whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)
+    )
+
+
+def refuse_awaitable(result: object, why: Callable[[], str]) -> None:
+    """Raise :class:`TaskDefinitionError` (``why()``) if a synchronous body returned an
+    awaitable -- an ``async`` function behind a plain one: nothing would await it.  A
+    coroutine is closed first, so it is not reported "never awaited" as well."""
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()
+        raise TaskDefinitionError(why())

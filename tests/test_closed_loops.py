@@ -9,7 +9,7 @@ import asyncio
 import gc
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -37,6 +37,35 @@ def gated(steps: list[int], gate_at: int, started: threading.Event,
         ctx.slots.set("step_result", batch)
 
     return Task.from_fn("train", train, writes=("step_result",))
+
+
+def recording_train(
+    steps: list[int], started: threading.Event | None = None,
+    release: threading.Event | None = None,
+) -> Callable[[TaskContext], None]:  # fmt: skip
+    """``train``: records its batch and returns it as the step's result; given the
+    events, it holds batch 2 (the first time) until ``release`` is set."""
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch"]
+        if started is not None and release is not None and batch == 2 and not release.is_set():
+            started.set()
+            assert release.wait(10)
+        steps.append(batch)
+        ctx.slots.set("step_result", batch)
+
+    return train
+
+
+def fetch_and_train(
+    fetch: Callable[[TaskContext], Awaitable[None]], train: Callable[[TaskContext], None]
+) -> Pipeline:
+    """An ``async def`` fetch one batch ahead on stream "io" (the head of its lane's
+    chain), then ``train`` on the default lane."""
+    return Pipeline(
+        [Task.from_fn("fetch", fetch, lookahead=1, stream="io", writes=("batch",)),
+         Task.from_fn("train", train, reads=("batch",), writes=("step_result",))],
+    )  # fmt: skip
 
 
 def stop_when(
@@ -188,18 +217,7 @@ def test_chained_steps_with_an_async_fetch_left_on_a_closed_loop_go_on() -> None
         await asyncio.sleep(0)
         ctx.slots.set("batch", ctx.slots["batch_cpu"])
 
-    def train(ctx: TaskContext) -> None:
-        batch = ctx.slots["batch"]
-        if batch == 2 and not release.is_set():
-            started.set()
-            assert release.wait(10)
-        steps.append(batch)
-        ctx.slots.set("step_result", batch)
-
-    pipe = Pipeline(
-        [Task.from_fn("fetch", fetch, lookahead=1, stream="io", writes=("batch",)),
-         Task.from_fn("train", train, reads=("batch",), writes=("step_result",))],
-    )  # fmt: skip
+    pipe = fetch_and_train(fetch, recording_train(steps, started, release))
     source = iter(range(6))
     assert stop_when(lambda: pipe.progress_many(source, 6), lambda _: started.is_set()) == []
     release.set()
@@ -232,18 +250,7 @@ def test_a_queued_step_whose_fetch_the_closed_loop_never_started_is_taken_back(t
     async def fetch(ctx: TaskContext) -> None:  # ends in its first step
         ctx.slots.set("batch", ctx.slots["batch_cpu"])
 
-    def train(ctx: TaskContext) -> None:
-        batch = ctx.slots["batch"]
-        if batch == 2 and not release.is_set():
-            started.set()
-            assert release.wait(10)
-        steps.append(batch)
-        ctx.slots.set("step_result", batch)
-
-    pipe = Pipeline(
-        [Task.from_fn("fetch", fetch, lookahead=1, stream="io", writes=("batch",)),
-         Task.from_fn("train", train, reads=("batch",), writes=("step_result",))],
-    )  # fmt: skip
+    pipe = fetch_and_train(fetch, recording_train(steps, started, release))
     source = iter(range(6))
     assert stop_when(lambda: pipe.progress_many(source, 6), lambda _: started.is_set()) == []
     handle = pipe._driver.handle  # batch 2's step, with the next one queued behind it
@@ -372,14 +379,7 @@ def test_a_step_whose_async_fetch_the_closed_loop_never_began_starts_again() -> 
         began.append(ctx.slots["batch_cpu"])
         ctx.slots.set("batch", ctx.slots["batch_cpu"])
 
-    def train(ctx: TaskContext) -> None:
-        steps.append(ctx.slots["batch"])
-        ctx.slots.set("step_result", ctx.slots["batch"])
-
-    pipe = Pipeline(
-        [Task.from_fn("fetch", fetch, lookahead=1, stream="io", writes=("batch",)),
-         Task.from_fn("train", train, reads=("batch",), writes=("step_result",))],
-    )  # fmt: skip
+    pipe = fetch_and_train(fetch, recording_train(steps))
     source = iter(range(5))
     assert stop_when(lambda: pipe.progress(source), bool) == [0]
     assert stop_when(lambda: pipe.progress(source), lambda _: True) == []

@@ -243,14 +243,16 @@ def close_if_unstarted(task: asyncio.Future[Any]) -> bool:
     return True
 
 
-def close_left(task: asyncio.Future[Any]) -> None:
-    """Close the coroutine of ``task``, left pending on a closed loop (stopped and
-    closed by hand, not cancelled): its ``finally`` clauses run now, on the caller's
+def close_left(task: asyncio.Future[Any]) -> bool:
+    """If ``task`` was left pending on a closed loop (stopped and closed by hand, not
+    cancelled), close its coroutine: its ``finally`` clauses run now, on the caller's
     thread; nothing else would ever run them.  Collected, the task says nothing: the
-    caller tells what was lost."""
+    caller tells what was lost.  Whether it was so left."""
+    if task.done() or not task.get_loop().is_closed():
+        return False
     coro = _coro_of(task)
     if not inspect.iscoroutine(coro):
-        return
+        return True
     task._log_destroy_pending = False  # type: ignore[attr-defined]
     awaited: Any = coro.cr_await
     if type(awaited).__name__ == "async_generator_asend":
@@ -260,6 +262,7 @@ def close_left(task: asyncio.Future[Any]) -> None:
             awaited.throw(GeneratorExit)
     with contextlib.suppress(Exception):  # its way out, not the caller's concern
         coro.close()
+    return True
 
 
 def close_awaited(task: asyncio.Future[Any], codes: Collection[CodeType], owner: object) -> bool:

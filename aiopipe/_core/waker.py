@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ("LoopWaker", "settle_future", "wait_settled")
+__all__ = ("LoopWaker", "mark_retrieved", "settle_future", "wait_settled")
 
 
 class LoopWaker:
@@ -196,3 +196,10 @@ async def wait_settled(future: asyncio.Future[Any]) -> None:
 
     future.add_done_callback(wake)
     await waiter
+
+
+def mark_retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark ``future``'s exception as seen (a done callback, say): raised to a caller
+    some other way, or owed to nobody, it is not reported "never retrieved" too."""
+    if not future.cancelled():
+        future.exception()

@@ -44,7 +44,8 @@ from ..errors import (
 from .._core.lanes import LOOP_LANE, Lane, LanePool
 from .._core.waker import LoopWaker
 from ..interop import needs_event_loop, running_loop
-from .members import MemberFailure, is_async_callable, run_async_members, run_sync_members
+from ..task import is_async_callable
+from .members import MemberFailure, run_async_members, run_sync_members
 from .nodes import GraphStatistics, Node, TaskHandle, first_failure
 from .scopes import Scope, innermost_scope
 from .tags import Tagged

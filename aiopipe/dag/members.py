@@ -12,39 +12,28 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._core.lanes import Lane, start_on_lane
 from .._core.waker import LoopWaker
-from ..errors import TaskDefinitionError
+from ..task import refuse_awaitable
 
-__all__ = ("MemberFailure", "is_async_callable", "run_async_members", "run_sync_members")
+__all__ = ("MemberFailure", "run_async_members", "run_sync_members")
 
 Call = tuple[Any, ...]
-
-
-def is_async_callable(fn: Callable[..., Any]) -> bool:
-    """``async def`` functions, and objects whose ``__call__`` is one."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)
-    )
 
 
 def _call_sync(fn: Callable[..., Any], call: Call, kwargs: dict[str, Any]) -> Any:
     """``fn(*call, **kwargs)``, refusing an awaitable (an ``async`` function hidden
     behind a plain one, a lambda say): run on a lane, it would never be awaited."""
     result = fn(*call, **kwargs)
-    if inspect.isawaitable(result):
-        if inspect.iscoroutine(result):
-            result.close()
-        raise TaskDefinitionError(
-            f"{getattr(fn, '__name__', fn)!r} returned an awaitable, so it ran as a plain "
-            f"function on a lane; submit an 'async def' function (or an object whose "
-            f"__call__ is one) to run it on the loop"
-        )
+    refuse_awaitable(result, lambda: (
+        f"{getattr(fn, '__name__', fn)!r} returned an awaitable, so it ran as a plain "
+        f"function on a lane; submit an 'async def' function (or an object whose "
+        f"__call__ is one) to run it on the loop"
+    ))  # fmt: skip
     return result
 
 

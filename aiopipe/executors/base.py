@@ -30,7 +30,6 @@ thread).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import threading
 import time
@@ -40,9 +39,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .._core.log import executor_log
 from ..context import CURRENT, LaneRunner, Running, TaskContext
-from ..errors import IgnoredReturnWarning, TaskDefinitionError, attach_origin
+from ..errors import IgnoredReturnWarning, attach_origin
 from ..plan import ActiveSet, ExecutionPlan
 from ..ring import BatchRing
+from ..task import refuse_awaitable
 from .._core.lanes import lane_of_thread
 from .._core.steps import AwaitClock
 
@@ -267,15 +267,11 @@ class Iteration:
                 with annotator.push_pop(task.nvtx_tag or task.name):
                     result = task.run(self._ctx)
             if result is not None:
-                if inspect.isawaitable(result):
-                    if inspect.iscoroutine(result):
-                        result.close()
-                    raise TaskDefinitionError(
-                        f"task {task.name!r} returned an awaitable from a synchronous body; "
-                        f"declare run/fn with 'async def' so it runs on the event loop"
-                    )
-                # (typed None or an awaitable; a body may return anything all the same)
-                warn_ignored_return(task, result)  # type: ignore[unreachable]
+                refuse_awaitable(result, lambda: (
+                    f"task {task.name!r} returned an awaitable from a synchronous body; "
+                    f"declare run/fn with 'async def' so it runs on the event loop"
+                ))  # fmt: skip
+                warn_ignored_return(task, result)
             if plan.records_event[index]:
                 self._record(index)
             self.completed.append(index)
