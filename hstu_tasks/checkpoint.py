@@ -4,6 +4,7 @@ into its backward and the dense optimizer -- of the HSTU and DLRM set-ups, throu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -119,9 +120,16 @@ class JobCheckpoints:
                     samples_sha256: Callable[[], str], last: bool = False) -> bool:  # fmt: skip
         """Checkpoint step ``position`` when it is a multiple of ``every`` or the job's
         ``last`` (a finished job started again then has nothing to redo);
-        ``samples_sha256`` is called only then (it is a collective)."""
+        ``samples_sha256`` is called only then (it is a collective).  A step whose
+        loss is not finite raises ``FloatingPointError`` instead, on every rank (the
+        losses are global): its state would poison every run resumed from it, and on
+        a GPU the loss watch checks a step's loss a few steps later."""
         if position % self.every and not last:
             return False
+        for step, loss in enumerate(losses, start=1):
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"the loss of step {step} is {loss}: no checkpoint "
+                                         f"written at step {position}")  # fmt: skip
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.manager.save(position, training_state(setup), meta={
             "losses": losses, "world_size": world_size, "global_batch_size": global_batch_size,

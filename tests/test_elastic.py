@@ -402,3 +402,12 @@ def test_checkpoint_every_without_a_directory_says_it_writes_nothing(
     job_of("--steps", "4", "--checkpoint-every", "2", rank=1)  # one rank says it
     job_of("--steps", "4")  # nothing asked, nothing said
     assert capsys.readouterr().err == ""
+
+
+def test_a_checkpoint_after_a_step_whose_loss_is_not_finite_is_refused(tmp_path: Path) -> None:
+    job = job_of("--steps", "4", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--checkpoint-every", "2")  # fmt: skip
+    job.after_step(1, setup=None, losses=lambda: [1.0])  # not due: nothing is checked or saved
+    with pytest.raises(FloatingPointError, match="loss of step 2 is nan: no checkpoint written"):
+        job.after_step(2, setup=None, losses=lambda: [1.0, float("nan")])
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
