@@ -60,14 +60,16 @@ def _on_compute_lane(task: Task) -> str:
 def resolve_lane(task: Task, thread_map: ThreadMap) -> str:
     """The lane of ``task`` under ``thread_map``.
 
-    ``None``/``"by_stream"``: the task's stream.  ``"per_task"``: its name.  A mapping:
+    ``None``/``"by_stream"``: the task's stream.  ``"per_task"``: its name.  (A stream
+    or task named ``"loop"`` gets lane ``"loop-stream"`` / ``"loop-task"``: a thread,
+    not the event loop.)  A mapping:
     ``thread_map[name]``, falling back to lane ``"default"``.  A callable:
     ``thread_map(task)``.
     """
     if thread_map is None or thread_map == "by_stream":
-        lane = task.stream
+        lane = _a_thread(task.stream, "stream")
     elif thread_map == "per_task":
-        lane = task.name
+        lane = _a_thread(task.name, "task")
     elif isinstance(thread_map, str):
         raise ConfigurationError(
             f"unknown thread_map {thread_map!r}; use 'by_stream', 'per_task', a dict "
@@ -86,6 +88,12 @@ def resolve_lane(task: Task, thread_map: ThreadMap) -> str:
             f"thread_map gave lane {lane!r} for task {task.name!r}; lanes are names"
         )
     return lane
+
+
+def _a_thread(name: str, kind: str) -> str:
+    """The lane named after a stream or a task: a thread, also for one named like the
+    reserved lane ``"loop"`` (a device stream's bodies would block the event loop)."""
+    return f"{name}-{kind}" if name == LOOP_LANE else name
 
 
 def check_thread_map_names(thread_map: ThreadMap, names: list[str]) -> None:

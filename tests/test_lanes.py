@@ -36,6 +36,21 @@ def test_resolve_lane_for_every_thread_map_form() -> None:
         resolve_lane(task, lambda t: 3)  # type: ignore[arg-type,return-value]
 
 
+async def test_a_stream_or_task_named_loop_gets_a_thread_unless_mapped_by_name(
+    recorder: Recorder,
+) -> None:
+    tasks = [recorder.task("copy", stream="loop"), recorder.task("loop", lookahead=0)]
+    assert [resolve_lane(t, "per_task") for t in tasks] == ["copy", "loop-task"]
+    assert [resolve_lane(t, None) for t in tasks] == ["loop-stream", "default"]
+    async with Pipeline(tasks, thread_map="per_task") as pipe:
+        await collect(pipe, iter(range(2)))
+    async with Pipeline(tasks) as pipe:  # by stream
+        await collect(pipe, iter(range(2)))
+    assert recorder.threads_of("copy") == {"aiopipe-lane-copy", "aiopipe-lane-loop-stream"}
+    assert recorder.threads_of("loop") == {"aiopipe-lane-loop-task", "aiopipe-lane-default"}
+    assert resolve_lane(tasks[0], {"copy": "loop"}) == "loop"  # asked for by name: the loop
+
+
 async def test_bodies_run_where_their_lane_says(recorder: Recorder) -> None:
     tasks = [
         recorder.task("io_task", lookahead=1, stream="memcpy"),
