@@ -53,8 +53,9 @@ class FetchStatistics:
 
     ``in_flight`` counts the fetches started whose batch (or error) has not been
     handed out yet, ``ready`` of them finished; ``delivered`` and ``failed`` count the
-    batches and the :class:`~aiopipe.FetchError` handed out, so ``keys_taken ==
-    in_flight + delivered + failed``."""
+    batches and the :class:`~aiopipe.FetchError` handed out (and the refusal of a
+    ``fetch`` that returned no awaitable), so ``keys_taken == in_flight + delivered +
+    failed``."""
 
     keys_taken: int
     in_flight: int
@@ -110,6 +111,11 @@ class FetchAhead(AsyncIterator[T]):
         #: Positions of the failed fetches, ascending (for :meth:`position`).
         self._failed: list[int] = []
         self._keys_done = self._keys_failed = self._closed = False
+        self._read_a_key = False  # async keys: one was read (and the generator not ended)
+        #: A key taken whose fetch could not be started (an interrupt): started first.
+        self._unstarted: Any = _NO_KEY
+        #: ``fetch`` returned no awaitable: raised again, no further key taken.
+        self._refused: ConfigurationTypeError | None = None
         self._lost: str | None = None
 
     async def __anext__(self) -> T:
@@ -117,13 +123,19 @@ class FetchAhead(AsyncIterator[T]):
         while True:
             if self._closed:
                 raise StopAsyncIteration
+            if self._refused is not None:
+                raise ConfigurationTypeError(*self._refused.args)
+            self._revive(loop)
             if self._lost is not None:
                 raise PipelineStateError(f"{self._lost}: the rest of the keys cannot be read")
-            self._revive(loop)
             self._refill()
             if self._window and self._window[0].future.done():
                 entry = self._window.popleft()
-                self._refill()  # its slot goes to the next key at once
+                try:
+                    self._refill()  # its slot goes to the next key at once
+                except BaseException:  # an interrupt in next(keys) or fetch(key):
+                    self._window.appendleft(entry)  # the batch is handed out next time
+                    raise
                 return self._outcome(entry)
             if not self._window and self._key_pull is None:
                 raise StopAsyncIteration
@@ -159,9 +171,12 @@ class FetchAhead(AsyncIterator[T]):
         """Cancel the fetches in flight and wait for them to end; their batches are
         dropped.  Iterating afterwards ends at once.  Idempotent."""
         self._closed = True
-        loop = asyncio.get_running_loop()
+        pending = self._pending()
+        if not pending:  # nothing started: no loop needed (under trio too)
+            return
+        loop = _asyncio_loop()
         running = []
-        for future in self._pending():
+        for future in pending:
             if future.done():
                 mark_retrieved(future)
             elif future.get_loop() is loop:  # (one of a closed loop never ends)
@@ -203,9 +218,14 @@ class FetchAhead(AsyncIterator[T]):
         while len(self._window) < self._limit and not (
             self._keys_done or self._keys_failed or self._closed or self._lost
         ):
+            if self._unstarted is not _NO_KEY:
+                self._take(self._unstarted)
+                continue
             if self._async is not None:
                 pull = self._key_pull
                 if pull is None:
+                    if self._keys_closed():
+                        return
                     self._key_pull = asyncio.ensure_future(_next_key(self._async))
                     # A weak reference: a pending pull must not keep a dropped self alive.
                     self._key_pull.add_done_callback(_notify(weakref.ref(self)))
@@ -234,15 +254,34 @@ class FetchAhead(AsyncIterator[T]):
         if problem is not None:
             self._fail_keys(problem)
         else:
-            self._take(pull.result())
+            key = pull.result()
+            self._read_a_key = key is not END
+            self._take(key)
+
+    def _keys_closed(self) -> bool:
+        """Whether the async generator of keys was closed between two pulls without
+        having ended (its loop shut down: ``asyncio.run`` closes the generators it
+        iterated): then its remaining keys are lost, said by the next call."""
+        keys = self._async
+        if self._read_a_key and inspect.isasyncgen(keys) and keys.ag_frame is None:
+            self._lost = (
+                "the async generator of keys was closed between two pulls without having "
+                "ended: the event loop that first iterated it shut down (asyncio.run() and "
+                "aiopipe.run() close it when they return; keep every call inside one, or "
+                "use pipe.blocking()), or it was aclose()d"
+            )
+        return self._lost is not None
 
     def _take(self, key: Any) -> None:
         if key is END:
             self._keys_done = True
             return
+        self._unstarted = key  # kept if fetch(key) is interrupted
+        future = self._start(key)
+        self._unstarted = _NO_KEY
         index = self._taken
         self._taken += 1
-        self._window.append(_Entry(index, key, self._start(key)))
+        self._window.append(_Entry(index, key, future))
 
     def _start(self, key: Any) -> asyncio.Future[Any]:
         try:
@@ -270,8 +309,13 @@ class FetchAhead(AsyncIterator[T]):
                 entry.future = self._start(entry.key)
         pull = self._key_pull
         if pull is not None and pull.get_loop() is not loop and not pull.done():
-            close_left(pull)
+            close_left(pull)  # a generator's step: closing it finishes the generator
             self._key_pull = None  # its loop closed before the pull ended
+            keys = self._async
+            if inspect.isasyncgen(keys) and keys.ag_frame is None:
+                self._lost = ("the event loop a pull of the async generator of keys waited "
+                              "on was stopped and closed (not cancelled); closing that pull "
+                              "finished the generator")  # fmt: skip
 
     # -- handing out -----------------------------------------------------------------------
 
@@ -286,10 +330,11 @@ class FetchAhead(AsyncIterator[T]):
         if entry.index is None:  # the keys' own error, raised unchanged
             self._keys_failed = False
             raise problem
-        if isinstance(problem, _NotAwaitable):  # a bug, not a failed key (`except FetchError`
-            # would skip every key); raised as the public class, without the marker's name
-            raise ConfigurationTypeError(*problem.args) from None
         self._failed.append(entry.index)
+        if isinstance(problem, _NotAwaitable):  # a bug, not a failed key (`except FetchError`
+            # would skip every key): raised again by every call, taking no further key
+            self._refused = ConfigurationTypeError(*problem.args)
+            raise self._refused from None
         raise FetchError(entry.key, entry.index, problem) from problem
 
 
@@ -322,7 +367,12 @@ def fetch_ahead(
 
 
 async def _next_key(keys: AsyncIterator[Any]) -> Any:
-    return await anext(keys, END)
+    try:
+        # The generator's own step, not anext()'s wrapper: close_left finds it (a pull
+        # left on a loop closed by hand).
+        return await keys.__anext__()
+    except StopAsyncIteration:
+        return END
 
 
 def _notify(owner: weakref.ref[FetchAhead[Any]]) -> Callable[[asyncio.Future[Any]], None]:
@@ -356,6 +406,9 @@ def _check_fetch(fetch: object) -> None:
         raise ConfigurationTypeError(
             f"fetch_ahead() takes an 'async def fetch(key)' returning one batch, got {fetch!r}"
         )
+
+
+_NO_KEY = object()
 
 
 class _NotAwaitable(ConfigurationTypeError):

@@ -17,7 +17,7 @@ import pytest
 
 from aiopipe import (
     AsyncLibraryError, ConfigurationError, ConfigurationTypeError, FetchAhead, FetchError,
-    Pipeline, Task, TaskContext, fetch_ahead,
+    Pipeline, PipelineStateError, Task, TaskContext, fetch_ahead,
 )  # fmt: skip
 
 #: A test fails within this many seconds instead of hanging on a gate never opened.
@@ -223,6 +223,99 @@ async def test_a_fetch_that_is_not_async_is_refused_with_the_fix() -> None:
         with pytest.raises(ConfigurationTypeError, match="define fetch with 'async def'") as caught:
             await anext(source)
         assert type(caught.value) is ConfigurationTypeError  # no private class in the traceback
+    stats = source.statistics()  # no further key taken; the counts add up
+    assert (stats.keys_taken, stats.in_flight, stats.failed) == (2, 1, 1)
+    assert stats.keys_taken == stats.in_flight + stats.delivered + stats.failed
+
+
+def test_an_interrupt_in_the_next_key_or_its_fetch_loses_no_batch_and_no_key() -> None:
+    """Ctrl-C while ``next(keys)`` blocks, or while a plain ``fetch`` wrapper runs,
+    right after a batch finished: that batch comes out next time, the key is fetched."""
+    interrupt = {"next": 1, "fetch": 2}  # at the 2nd key's next(), at fetch(2)
+
+    class Keys:  # an iterator an interrupt does not end (a generator would end)
+        def __init__(self) -> None:
+            self.keys = iter(range(4))
+
+        def __iter__(self) -> Keys:
+            return self
+
+        def __next__(self) -> int:
+            interrupt["next"] -= 1
+            if interrupt["next"] == -1:  # the second call: batch 0 has just finished
+                raise KeyboardInterrupt
+            return next(self.keys)
+
+    async def fetched(key: int) -> int:
+        return 10 * key
+
+    def fetch(key: int) -> Awaitable[int]:
+        if key == interrupt["fetch"]:
+            interrupt["fetch"] = -1
+            raise KeyboardInterrupt
+        return fetched(key)
+
+    source = fetch_ahead(Keys(), fetch, in_flight=1)
+    loop = asyncio.new_event_loop()
+    got: list[Any] = []
+    try:
+        while True:
+            try:
+                got.append(loop.run_until_complete(anext(source)))
+            except KeyboardInterrupt:
+                got.append("interrupt")
+            except StopAsyncIteration:
+                break
+    finally:
+        loop.close()
+    assert got == ["interrupt", 0, "interrupt", 10, 20, 30]  # batch 0, held back by the first
+    stats = source.statistics()
+    assert (stats.keys_taken, stats.delivered, stats.in_flight) == (4, 4, 0)
+
+
+def test_async_keys_closed_by_the_loop_of_an_earlier_call_are_said_lost() -> None:
+    """One ``asyncio.run`` per call: the first run's end closes the generator of keys,
+    whose remaining keys cannot be read; the next call says so instead of ending."""
+
+    async def keys() -> AsyncIterator[int]:
+        for key in range(6):
+            yield key
+
+    async def fetch(key: int) -> int:
+        return key
+
+    source = fetch_ahead(keys(), fetch, in_flight=2)
+    assert asyncio.run(anext(source)) == 0  # its end closes keys() (shutdown_asyncgens)
+    assert asyncio.run(anext(source)) == 1  # the key read before: its batch comes out
+    with pytest.raises(PipelineStateError, match="closed between two pulls"):
+        asyncio.run(anext(source))
+
+
+def test_a_key_pull_left_on_a_loop_closed_by_hand_is_said_lost() -> None:
+    gate: list[asyncio.Future[None]] = []
+
+    async def keys() -> AsyncIterator[int]:
+        for key in range(4):
+            if key == 1:
+                gate.append(asyncio.get_running_loop().create_future())
+                await gate[0]  # the pull of key 1 waits here when its loop is closed
+            yield key
+
+    async def fetch(key: int) -> int:
+        return key
+
+    source = fetch_ahead(keys(), fetch, in_flight=1)
+    loop = asyncio.new_event_loop()
+    assert loop.run_until_complete(anext(source)) == 0
+    while not gate:  # the pull of key 1 starts
+        loop.run_until_complete(asyncio.sleep(0))
+    loop.close()  # stopped and closed, not cancelled: the pull is left waiting
+
+    async def rest() -> list[int]:
+        return [batch async for batch in source]
+
+    with pytest.raises(PipelineStateError, match="stopped and closed"):
+        asyncio.run(rest())
 
 
 async def test_bad_arguments_are_refused_with_what_to_pass() -> None:
@@ -253,6 +346,9 @@ def test_under_trio_it_says_what_to_use_instead() -> None:
     async def main() -> None:
         with pytest.raises(AsyncLibraryError, match="memory channel"):
             await anext(fetch_ahead([1], fetch, in_flight=1))
+        with pytest.raises(AsyncLibraryError, match="memory channel"):  # not hidden by the exit
+            async with fetch_ahead([1], fetch, in_flight=1) as source:
+                await anext(source)
 
     trio.run(main)
 
