@@ -271,6 +271,7 @@ def end_together_worker(rank: int, port: int) -> None:
     for schedule in ("sparse-dist", "lite", "base", "fused", "semi-sync"):
         check_ending_together(rank, schedule)
     check_evaluation_ending_together(rank)
+    check_an_eval_pass_while_a_training_pull_waits(rank)
     check_a_source_raising_on_one_rank(rank)
     leave_and_exit(0)
 
@@ -382,6 +383,51 @@ def check_ending_together(rank: int, schedule: str) -> None:
         assert parameter_digest(setup.model) == expected, (schedule, form)
         # the longer rank read one batch beyond the common end, and no further
         assert len(list(source)) == UNEVEN[rank] - UNEVEN[1] - (1 if rank == 0 else 0)
+
+
+def check_an_eval_pass_while_a_training_pull_waits(rank: int, batches: int = 8) -> None:
+    """An async training source whose next batch arrives at once on rank 0 and only
+    after an evaluation pass on rank 1 (forced: rank 0 waits until the batch is out,
+    rank 1's source until the pass is over).  Each pipeline agrees on its batches in a
+    group of its own: with one group, rank 0's training agreement met rank 1's first
+    evaluation one, the passes went apart, and gloo aborted the job."""
+    plain = build_dlrm_training(CONFIG, "sgd", seed=3)
+    reference = SparseDistPipeline(plain.model, plain.optimizer, plain.device)
+    assert len(asyncio.run(_collect_in(reference, iter(data(rank, batches))))) == batches
+    setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+
+    async def scenario() -> tuple[int, int]:
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
+        evaluator = pipe.eval_pipeline()
+        evaluated, out = asyncio.Event(), {i: asyncio.Event() for i in range(batches)}
+
+        async def training() -> Any:
+            for i, batch in enumerate(data(rank, batches)):
+                if rank == 1 and i == GATED:
+                    await evaluated.wait()
+                out[i].set()  # the wrapper starts its agreement as soon as this is out
+                yield batch
+
+        source = training()
+        async with pipe:
+            for _ in range(2):  # the second starts the pull of the gated batch
+                await pipe.progress(source)
+            if rank == 0:  # its agreement is started: before the evaluation's
+                await asyncio.wait_for(out[GATED].wait(), 60)
+            outputs = await collect(evaluator, iter(data(rank, 3, seed=8)))
+            evaluated.set()
+            steps = 2 + len(await collect(pipe, source))
+            await evaluator.aclose()
+        return len(outputs), steps
+
+    assert asyncio.run(scenario()) == (3, batches)
+    assert parameter_digest(setup.model) == parameter_digest(plain.model)
+
+
+#: The batch of the training source the wrapper reads in the pull the second progress
+#: starts (the ring holds 0-2 after the first, whose read-ahead took 3 and, one
+#: beyond, 4).
+GATED = 5
 
 
 def check_evaluation_ending_together(rank: int) -> None:

@@ -52,8 +52,8 @@ from .schedules import pt2 as pt2
 from .schedules import semi_sync as semi_sync
 from .schedules import train_schedule as train_schedule
 from .sources import SourceWrappers as SourceWrappers
-from .sources import agreement_group as agreement_group
 from .sources import ended_together as ended_together
+from .sources import new_agreement_group as new_agreement_group
 from .sources import torchrec_results as torchrec_results
 from .staged import stage_tasks as stage_tasks
 from .staged import staged_pipeline as staged_pipeline
@@ -93,7 +93,6 @@ __all__ = (
     "SyntheticDLRMData",
     "TrainSchedule",
     "build_dlrm_training",
-    "agreement_group",
     "build_sparse_dist_tasks",
     "carries_torchrec_rewrite",
     "check_pipelineable",
@@ -103,6 +102,7 @@ __all__ = (
     "finish_input_dist_splits",
     "fused",
     "input_dist_pipelined",
+    "new_agreement_group",
     "pipelined_step_tasks",
     "pt2",
     "run_dlrm",

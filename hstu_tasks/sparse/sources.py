@@ -16,7 +16,7 @@ from aiopipe import PipelineStateError
 from aiopipe.sources import Source, not_a_source
 
 __all__ = (
-    "SourceWrappers", "StepsPerCall", "agreement_group", "ended_together", "results_by_call",
+    "SourceWrappers", "StepsPerCall", "ended_together", "new_agreement_group", "results_by_call",
     "torchrec_results", "without_last_two",
 )  # fmt: skip
 
@@ -53,18 +53,15 @@ def ended_together(source: Source, group: Any) -> Source:
     return _EndedTogether(source, group)
 
 
-_GROUP: list[Any] = []  # [the default group it was made in, the agreement group]
-
-
-def agreement_group() -> Any:
-    """A gloo group of every rank, for :func:`ended_together` only: its all-reduces
-    run on the event loop's thread, outside the tickets that order the lanes'
-    collectives, so they must not share a group with them.  Made once per default
-    group; every rank must ask for it at the same point (the first ``progress``)."""
-    world = dist.group.WORLD
-    if not _GROUP or _GROUP[0] is not world:
-        _GROUP[:] = [world, dist.new_group(backend="gloo")]
-    return _GROUP[1]
+def new_agreement_group() -> Any:
+    """A gloo group of every rank, for one pipeline's :func:`ended_together`.  Its
+    all-reduces run on the event loop's thread, outside the tickets that order the
+    lanes' collectives, so they must not share a group with them; nor with another
+    pipeline's: an async source's agreement is started whenever its item arrives, so
+    two pipelines' agreements in one group could meet in a different order on each
+    rank.  Every rank must make it at the same point (a pipeline's first
+    ``progress``)."""
+    return dist.new_group(backend="gloo")
 
 
 class SourceWrappers:

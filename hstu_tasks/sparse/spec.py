@@ -22,7 +22,7 @@ from torchrec.streamable import Pipelineable
 from aiopipe import Task
 from aiopipe.sources import Source
 
-from .sources import SourceWrappers, agreement_group, ended_together, without_last_two
+from .sources import SourceWrappers, ended_together, new_agreement_group, without_last_two
 
 __all__ = ("SHARED_REWRITE", "PipelineSpec", "check_pipelineable", "with_source_wrappers")
 
@@ -102,9 +102,13 @@ def with_source_wrappers(spec: PipelineSpec, end_together: bool | None,
     if not (together or drop_last_two):
         return spec
 
+    group: list[Any] = []  # [(the default group, this pipeline's agreement group)]
+
     def wrap(source: Source) -> Source:
         if together:
-            source = ended_together(source, agreement_group())
+            if not group or group[0][0] is not dist.group.WORLD:
+                group[:] = [(dist.group.WORLD, new_agreement_group())]
+            source = ended_together(source, group[0][1])
         return without_last_two(source) if drop_last_two else source
 
     wrappers = SourceWrappers(wrap)
