@@ -261,7 +261,8 @@ class SparseDistBase(Generic[ResultT]):
         drop this pipeline's batches in flight (those read ahead too); the next
         ``progress`` starts afresh on whatever source it gets.  The same source goes
         on from where it stands, and ``statistics()`` counts on, past the batches
-        dropped (:class:`~hstu_tasks.sparse.counts.CountsAcrossResets`).  The failed
+        dropped -- those ``end_together`` or ``execute_all_batches=False`` had read
+        ahead too (:class:`~hstu_tasks.sparse.counts.CountsAcrossResets`).  The failed
         step may have applied part of its update: resume from a checkpoint when the
         run must stay exact.  In a multi-rank job every rank resets together."""
         if self._closed:
@@ -269,11 +270,11 @@ class SparseDistBase(Generic[ResultT]):
         engine = self._shared.engines.get(self)
         if engine is not None:
             engine.reset()  # refused, naming reset(), while a step runs on: nothing changes
-        self._counts.reset(engine.statistics() if engine is not None else None)
+        wrapped = self._spec.forget_sources(self._counts.source)
+        self._counts.reset(engine.statistics() if engine is not None else None, wrapped)
         self._teardown()
         self._kept = self._refused = None
         self._drop_first_pull()
-        self._spec.forget_sources()
 
     def shutdown(self) -> None:
         if self._closed:

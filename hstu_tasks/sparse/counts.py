@@ -33,13 +33,19 @@ class CountsAcrossResets:
         self._goes_on = carried is not None and carried[0] is source
         self._parked, self._source = None, source
 
-    def reset(self, stats: PipelineStatistics | None) -> None:
+    @property
+    def source(self) -> Source | None:
+        """The source the last call passed."""
+        return self._source
+
+    def reset(self, stats: PipelineStatistics | None, wrapped: int = 0) -> None:
         """``reset()`` tears down the engine whose statistics, after its own reset (its
         ring empty; ``in_flight`` the items it read ahead, dropped with it), are
-        ``stats`` (``None``: no engine since the last reset)."""
+        ``stats`` (``None``: no engine since the last reset); ``wrapped`` items of the
+        source, read by its wrapper and never handed to the engine, are dropped too."""
         if stats is None:
             return
-        total, held = self.shown(stats), stats.in_flight
+        total, held = self.shown(stats), stats.in_flight + wrapped
         self._parked, self._goes_on, self._carried = total, False, None
         if self._source is None or stats.exhausted:
             return  # passed again after its end, a source starts afresh

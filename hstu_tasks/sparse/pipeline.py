@@ -89,9 +89,10 @@ def _with_training_hooks(spec: PipelineSpec, state: SparseDistState) -> Pipeline
         ended(source)
         state.accumulation.finish(state.optimizer)
 
-    def forget_and_restart() -> None:
-        forget_sources()
+    def forget_and_restart(source: Source | None) -> int:
+        wrapped = forget_sources(source)
         state.restart()
+        return wrapped
 
     return dataclasses.replace(spec, ended=ended_and_stepped, forget_sources=forget_and_restart)
 

@@ -85,9 +85,31 @@ class SourceWrappers:
             if wrapper is source:
                 del self._held[key]
 
-    def clear(self) -> None:
-        """``reset()``: forget every wrapper."""
+    def clear(self, source: Source | None = None) -> int:
+        """``reset()``: forget every wrapper; how many items the wrapper of ``source``
+        had read from it and not handed on (dropped with it)."""
+        held = self._held.get(id(source)) if source is not None else None
         self._held.clear()
+        return _items_held(held[1]) if held is not None else 0
+
+
+class _Holding:
+    """A wrapper that reads items of ``_source`` before handing them on."""
+
+    _source: Any
+
+    def held(self) -> int:
+        """Items read from the source and not handed on yet."""
+        raise NotImplementedError
+
+
+def _items_held(wrapper: Source) -> int:
+    """The items ``wrapper`` and the wrappers inside it hold."""
+    count = 0
+    while isinstance(wrapper, _Holding):
+        count += wrapper.held()
+        wrapper = wrapper._source
+    return count
 
 
 #: What a rank contributes to the agreement on one item (the minimum wins).
@@ -134,7 +156,7 @@ class _ElsewhereRaised(Exception):
         )
 
 
-class _AgreedItems:
+class _AgreedItems(_Holding):
     """What both wrappers share: the agreement under way one item ahead, the item kept
     when another rank's source raised, and whether the agreed end was reached."""
 
@@ -146,6 +168,10 @@ class _AgreedItems:
 
     def _agree(self, item: Any, error: Exception | None) -> _Agreement:
         return _Agreement(item, error, self._group)
+
+    def held(self) -> int:
+        ahead = self._next is not None and self._next.error is None and self._next.item is not _END
+        return len(self._kept) + ahead
 
     def _hand_on(self, agreement: _Agreement) -> Any:
         """The agreed item, or ``_END`` (the wrapper is then over)."""
@@ -212,9 +238,12 @@ class _AsyncEndedTogether(_AgreedItems, AsyncIterator[Any]):
         return item
 
 
-class _WithoutLastTwo(Iterator[Any]):
+class _WithoutLastTwo(_Holding, Iterator[Any]):
     def __init__(self, source: Iterator[Any]) -> None:
         self._source, self._held = source, collections.deque[Any]()
+
+    def held(self) -> int:
+        return len(self._held)
 
     def __next__(self) -> Any:
         while len(self._held) < 3:
@@ -222,9 +251,12 @@ class _WithoutLastTwo(Iterator[Any]):
         return self._held.popleft()
 
 
-class _AsyncWithoutLastTwo(AsyncIterator[Any]):
+class _AsyncWithoutLastTwo(_Holding, AsyncIterator[Any]):
     def __init__(self, source: AsyncIterator[Any]) -> None:
         self._source, self._held = source, collections.deque[Any]()
+
+    def held(self) -> int:
+        return len(self._held)
 
     async def __anext__(self) -> Any:
         while len(self._held) < 3:

@@ -50,6 +50,10 @@ def _nothing() -> None:
     pass
 
 
+def _no_wrapper(source: Source | None) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class PipelineSpec:
     """One kind of pipeline, as the base runs it.  The callables close over the
@@ -76,8 +80,9 @@ class PipelineSpec:
     adapt: Callable[[Source], Source] = _same_source
     #: ``progress`` reported the end of this (adapted) source.
     ended: Callable[[Source], None] = _source_ended
-    #: ``reset()``: forget the wrapper of every source.
-    forget_sources: Callable[[], None] = _nothing
+    #: ``reset()``: forget the wrapper of every source; how many items the wrapper of
+    #: the source given had read and not handed on (dropped with it).
+    forget_sources: Callable[[Source | None], int] = _no_wrapper
     #: No batch is in flight any more: the source ended, or ``drain()``.
     finished: Callable[[], None] = _nothing
     #: What ``shutdown()`` frees besides the engine, once.
