@@ -613,3 +613,38 @@ def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch(
 
         results = asyncio.run(run())
         assert [float(loss.detach()) for loss, _, _ in results] == expected
+
+
+def test_a_results_loop_left_early_leaves_its_partial_group_to_the_next_source() -> None:
+    """grad_accumulation=3: a results() loop left after 4 steps (the 4th a group of
+    one), then a new source of 7: its first two batches complete that group, as the
+    docs say (torchrec's wrapper counts on the same way); its in-flight batches are
+    not trained."""
+    k, first, second = 3, list(SyntheticDLRMData(SMALL, 9, seed=1)), list(
+        SyntheticDLRMData(SMALL, 7, seed=2))  # fmt: skip
+    with one_rank_group():
+        plain = build_dlrm_training(SMALL, "sgd", seed=3)
+        for i, batch in enumerate(first[:4] + second):  # one stream of groups of 3
+            if i % k == 0:
+                plain.optimizer.zero_grad()
+            loss, _ = plain.model(batch)
+            loss.backward()
+            if (i + 1) % k == 0 or i == 4 + len(second) - 1:
+                plain.optimizer.step()
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+
+        async def run() -> Any:
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                          grad_accumulation=k) as pipe:  # fmt: skip
+                steps = 0
+                async for _ in pipe.results(first):
+                    steps += 1
+                    if steps == 4:
+                        break
+                assert len(await collect(pipe, iter(second))) == len(second)
+                return pipe.statistics()
+
+        stats = asyncio.run(run())
+        # the first loop's batches in flight (two in the ring, one read ahead), untrained
+        assert (stats.discarded, stats.applied) == (3, len(second))
+        assert parameter_digest(setup.model) == parameter_digest(plain.model)
