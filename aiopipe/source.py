@@ -24,7 +24,7 @@ import collections
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .errors import BadBatchError, ConfigurationTypeError, PipelineStateError
+from .errors import BadBatchError, PipelineStateError
 from .pulls import Pulls
 from .sources import END, Source, Taken, not_a_source
 from .task import BATCH_SLOT
@@ -70,13 +70,6 @@ class Feed(Pulls):
             self._async = given
         elif isinstance(given, Iterator):
             self._sync = given
-        elif hasattr(given, "__iter__") or hasattr(given, "__aiter__"):
-            raise ConfigurationTypeError(
-                f"progress() takes an iterator, got the iterable {type(source).__name__}: "
-                f"create it once with iter(...) / aiter(...) and pass the same iterator on "
-                f"every call (a fresh iterator per call would restart the pipeline), or "
-                f"loop over results({type(source).__name__}), which does that for you"
-            )
         else:
             raise not_a_source("progress()", source)
         self.source = source

@@ -5,6 +5,7 @@ from an iterable for one pass (:func:`iterate`), the one-batch source behind
 from __future__ import annotations
 
 import inspect
+import reprlib
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import Any, Union
 
@@ -36,15 +37,25 @@ def iterate(items: Iterable[Any] | AsyncIterable[Any]) -> Source:
 def not_a_source(
     call: str, given: object, wanted: str = "a sync or async iterator"
 ) -> ConfigurationTypeError:
-    """The error for ``call`` given ``given`` instead of ``wanted``; a generator
-    function passed uncalled gets asked "did you mean gen()?"."""
+    """The error for ``call`` given ``given`` instead of ``wanted`` (its repr cut short:
+    a batch's tensors can run to pages); a generator function passed uncalled gets
+    asked "did you mean gen()?", an iterable where an iterator is wanted how to make
+    one."""
     if inspect.isgeneratorfunction(given) or inspect.isasyncgenfunction(given):
         kind = "an async generator" if inspect.isasyncgenfunction(given) else "a generator"
         name = getattr(given, "__name__", "gen")
         return ConfigurationTypeError(
             f"{call} takes {wanted}, got {kind} function: did you mean {name}()?"
         )
-    return ConfigurationTypeError(f"{call} takes {wanted}, got {given!r}")
+    if wanted.endswith("iterator") and (hasattr(given, "__iter__") or hasattr(given, "__aiter__")):
+        kind = type(given).__name__
+        return ConfigurationTypeError(
+            f"{call} takes an iterator, got the iterable {kind}: create it once with "
+            f"iter(...) / aiter(...) and pass the same iterator on every call (a fresh "
+            f"iterator per call would restart the pipeline), or loop over "
+            f"results({kind}), which does that for you"
+        )
+    return ConfigurationTypeError(f"{call} takes {wanted}, got {reprlib.repr(given)}")
 
 
 class OneBatch(Iterator[Any]):

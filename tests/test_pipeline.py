@@ -201,6 +201,13 @@ async def test_progress_refuses_an_iterable_and_names_results(recorder: Recorder
     async with three_stage(recorder, "async") as pipe:
         with pytest.raises(TypeError, match="takes an iterator, got the iterable list.*results\\(list\\)"):
             await pipe.progress([1, 2])
+        class Batch:  # a batch's repr can run to pages (tensors)
+            def __repr__(self) -> str:
+                return "tensor(...)" * 10_000
+
+        with pytest.raises(TypeError, match="takes a sync or async iterator, got ") as refused:
+            await pipe.progress(Batch())  # type: ignore[arg-type]
+        assert len(str(refused.value)) < 200
 
 
 async def test_a_generator_function_passed_uncalled_asks_did_you_mean(recorder: Recorder) -> None:

@@ -23,7 +23,7 @@ from hstu_tasks import SparseDistEvalPipeline, SyntheticHSTUData, build_dlrm_tra
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse.dlrm import evaluate_plainly, run_dlrm
 from hstu_tasks.sparse.model import input_dist_pipelined
-from hstu_tasks.sparse.sources import without_last_two
+from hstu_tasks.sparse.sources import ended_together, without_last_two
 from hstu_tasks.sparse.tasks import SPARSE_DIST_THREAD_MAP
 from one_rank import TINY_DATA, one_rank_group, tiny_training
 
@@ -53,6 +53,14 @@ def test_ranks_with_different_numbers_of_batches_end_the_epoch_together() -> Non
     """torchrec #1014: every schedule, train and eval, ends on the shortest rank's
     step on every rank, by default (the order check's test above turns it off)."""
     spawn(sparse_workers.end_together_worker)
+
+
+@pytest.mark.parametrize("wrap", [without_last_two, lambda source: ended_together(source, None)])
+def test_the_source_wrappers_refuse_an_iterable_as_the_engine_does(wrap: Any) -> None:
+    """A list of batches: the hint to make an iterator, not the batches' repr."""
+    with pytest.raises(TypeError, match="got the iterable list: create it once") as refused:
+        wrap([torch.zeros(1000)] * 50)
+    assert len(str(refused.value)) < 300
 
 
 @pytest.mark.parametrize("items", [0, 1, 2, 3, 5])
