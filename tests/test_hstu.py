@@ -190,7 +190,7 @@ def test_configs_refuse_what_cannot_run() -> None:
     with pytest.raises(ValueError, match="unknown thread_map"):  # before any batch is taken
         HSTUPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"), thread_map="bogus")
     for executor in (None, "async"):  # "async" is the default executor, named
-        with pytest.raises(ValueError, match=r"names no HSTU task \['foward'\]"):
+        with pytest.raises(ValueError, match=r"names task\(s\) \['foward'\].*mean 'forward'"):
             HSTUPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"),
                          thread_map={"foward": "x"}, executor=executor)  # fmt: skip
 

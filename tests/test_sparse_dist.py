@@ -656,3 +656,28 @@ def test_a_results_loop_left_early_leaves_its_partial_group_to_the_next_source()
         # the first loop's batches in flight (two in the ring, one read ahead), untrained
         assert (stats.discarded, stats.applied) == (3, len(second))
         assert parameter_digest(setup.model) == parameter_digest(plain.model)
+
+
+def test_wrong_arguments_are_refused_when_the_pipeline_is_built() -> None:
+    """Before any batch is taken: a misspelt task in thread_map (it ran on lane
+    "default"), an optimizer that is none, a forward that is no function, a model
+    that is no module, and flags given as strings ("no" counted as true)."""
+    with one_rank_group():
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+        model, optimizer, device = setup.model, setup.optimizer, setup.device
+        with pytest.raises(ValueError, match=r"names task\(s\) \['forwrd'\].*did you mean 'forward'"):
+            SparseDistPipeline(model, optimizer, device, thread_map={"forwrd": "compute"})
+        with pytest.raises(TypeError, match="steps an optimizer"):
+            SparseDistPipeline(model, None, device)
+        with pytest.raises(TypeError, match="custom_model_fwd must be a function"):
+            SparseDistPipeline(model, optimizer, device, custom_model_fwd=5)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+            SparseDistEvalPipeline(object(), None, device)  # type: ignore[arg-type]
+        for flag in ("execute_all_batches", "strict", "end_together"):
+            with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'no'"):
+                SparseDistPipeline(model, optimizer, device, **{flag: "no"})  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="fused must be True or False"):
+            SparseDistEvalPipeline(model, None, device, fused="yes")  # type: ignore[arg-type]
+        # the family's shared maps name tasks some schedules lack: still accepted
+        SparseDistPipeline(model, optimizer, device, schedule="base",
+                           thread_map=SPARSE_DIST_THREAD_MAP).shutdown()  # fmt: skip

@@ -24,7 +24,7 @@ from aiopipe import PipelineStatistics, Schedule, SchedulablePipeline, Tracer
 from aiopipe.executors import resolve_executor
 from aiopipe.protocols import Results
 from aiopipe.interop import needs_event_loop
-from aiopipe.lanes import ThreadMap, resolve_lane
+from aiopipe.lanes import ThreadMap, check_thread_map_names, resolve_lane
 from aiopipe.source import Feed
 from aiopipe.sources import END, Source
 from aiopipe.trace import resolve_tracer
@@ -58,7 +58,11 @@ class SparseDistBase(Generic[ResultT]):
         first = self._resolve_executor()
         self._next_executor: Executor | None = first
         if not self._given_instance and isinstance(first, AsyncExecutor):
-            for task in spec.build_tasks():
+            tasks = spec.build_tasks()
+            # A typo is refused; a map naming the family's other tasks may be shared.
+            check_thread_map_names(thread_map, list({**{t.name: 0 for t in tasks},
+                                                     **spec.default_thread_map}))  # fmt: skip
+            for task in tasks:
                 resolve_lane(task, first.thread_map)
         # One tracer for the pipeline's lifetime: detach/attach rebuilds keep adding to it.
         self._tracer = resolve_tracer(trace)

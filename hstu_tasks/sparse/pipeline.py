@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torchrec.distributed.train_pipeline.runtime_forwards import InSyncEmbeddingPipelinedForward
 
-from aiopipe import Task, Tracer
+from aiopipe import ConfigurationTypeError, Task, Tracer
 from aiopipe.lanes import ThreadMap
 from aiopipe.sources import Source
 
@@ -50,6 +50,19 @@ def _on_shared_rewrite(
 ) -> tuple[PipelinedModel, SparseDistState]:  # fmt: skip
     """The model's shared rewrite (installing ``forward_type``, or whatever the model's
     other pipelines install), and the state of a pipeline's tasks on it."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigurationTypeError(f"model must be a torch.nn.Module, got {model!r}")
+    if not evaluation and not all(
+        callable(getattr(optimizer, name, None)) for name in ("step", "zero_grad")
+    ):  # fmt: skip
+        raise ConfigurationTypeError(
+            f"a training pipeline steps an optimizer (step() and zero_grad()), got "
+            f"{optimizer!r}; evaluate with SparseDistEvalPipeline or eval_pipeline()"
+        )
+    if model_fwd is not None and not callable(model_fwd):
+        raise ConfigurationTypeError(
+            f"custom_model_fwd must be a function batch -> (losses, output), got {model_fwd!r}"
+        )
     device = torch.device(device)
     shared = PipelinedModel.of(model, device, pipelined_input_dist, forward_type)
     state = SparseDistState(
@@ -59,6 +72,14 @@ def _on_shared_rewrite(
         prefetches=shared.prefetches,
     )  # fmt: skip
     return shared, state
+
+
+def _check_flags(**flags: object) -> None:
+    """Refuse a flag that is not a bool (``None`` stands for "decide"): a string such
+    as ``"no"`` would count as true."""
+    for name, value in flags.items():
+        if value is not None and not isinstance(value, bool):
+            raise ConfigurationTypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _spec(what: str, shared: PipelinedModel, state: SparseDistState,
@@ -161,6 +182,8 @@ class SparseDistPipeline(SparseDistBase[Any]):
         end_together: bool | None = None,
         grad_accumulation: int = 1,
     ) -> None:
+        _check_flags(execute_all_batches=execute_all_batches, strict=strict,
+                     end_together=end_together, pipelined_input_dist=pipelined_input_dist)
         accumulation = GradAccumulation(grad_accumulation)
         chosen = train_schedule(schedule)
         if not execute_all_batches and not chosen.drops_last_two:
@@ -245,6 +268,9 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
         fused: bool = False,
         enable_embedding_lookup_prefetch: bool = False,
     ) -> None:
+        _check_flags(strict=strict, end_together=end_together, fused=fused,
+                     pipelined_input_dist=pipelined_input_dist,
+                     enable_embedding_lookup_prefetch=enable_embedding_lookup_prefetch)
         forward_type = InSyncEmbeddingPipelinedForward if fused else None
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, True,
                                            pipelined_input_dist, forward_type)  # fmt: skip
