@@ -256,12 +256,15 @@ def _holds_an_item(future: asyncio.Future[Any] | None) -> bool:
     )
 
 
-def _problem_of(check_batch: Callable[[Any], None] | None, batch: Any) -> BaseException | None:
-    """Why ``batch`` must be refused, if it must.  Runs when the batch is read (ahead,
-    while an iteration runs), not on the critical path into the ring."""
+def _problem_of(check_batch: Callable[[Any], object] | None, batch: Any) -> BaseException | None:
+    """Why ``batch`` must be refused, if it must: ``check_batch`` raised, or (written
+    as a predicate) returned ``False``.  Runs when the batch is read (ahead, while an
+    iteration runs), not on the critical path into the ring."""
     if check_batch is not None:
         try:
-            check_batch(batch)
+            verdict = check_batch(batch)
         except Exception as exc:
             return exc
+        if verdict is False:
+            return ValueError("check_batch returned False")
     return None

@@ -142,6 +142,28 @@ async def test_check_batch_refuses_malformed_batches(recorder: Recorder) -> None
     assert isinstance(errors[0], ValueError)  # callers catching ValueError still do
 
 
+async def test_a_check_batch_written_as_a_predicate_refuses_what_it_says_false_to(
+    recorder: Recorder,
+) -> None:
+    """``check_batch=lambda b: b < 99``: the batch it returns False for is refused (it
+    was trained, the predicate's answer ignored); True and None accept."""
+    def small(batch: int) -> bool | None:
+        return None if batch == 0 else batch < 99
+
+    pipe = Pipeline(tasks(recorder), thread_map=THREAD_MAP, check_batch=small)
+    async with pipe:
+        source, got, refused = iter([0, 1, 99, 2, 3]), [], []
+        while True:
+            try:
+                got.append(await pipe.progress(source))
+            except BadBatchError as exc:
+                refused.append(str(exc))
+            except StopAsyncIteration:
+                break
+    assert got == results_of([0, 1, 2, 3])
+    assert len(refused) == 1 and "check_batch returned False" in refused[0]
+
+
 async def test_switching_the_source_mid_flight_takes_nothing_from_it(pipe: Pipeline) -> None:
     first = iter(range(5))
     assert await pipe.progress(first) == "result-0"
