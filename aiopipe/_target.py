@@ -106,6 +106,11 @@ def _normalise(spec: str, value: Any) -> Target:
                 raise TargetError(f"{spec}: the second item of the pair must be an iterable "
                                   f"of batches, got {type(value[1]).__name__}")  # fmt: skip
             target.batches = value[1]
+    if target is None and isinstance(value, (list, tuple)) and not value:
+        raise TargetError(
+            f"{spec} gave an empty {type(value).__name__}: a schedule needs at least one "
+            f"Task; return the list of its Tasks (or a Schedule, or a SchedulablePipeline)"
+        )
     if target is None:
         raise TargetError(
             f"{spec} gave a {type(value).__name__}; expected a Schedule, a list of Tasks, a "

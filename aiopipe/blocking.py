@@ -29,6 +29,7 @@ from .sources import iterate
 
 if TYPE_CHECKING:
     from .sources import Source
+    from .trace import Tracer
 
 __all__ = ("BlockingPipeline",)
 
@@ -46,6 +47,13 @@ class BlockingPipeline:
     @property
     def pipeline(self) -> Any:
         return self._pipeline
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The wrapped pipeline's :class:`~aiopipe.trace.Tracer` (``None`` when tracing
+        is off), so ``pipe.tracer.save(...)`` works on either form."""
+        tracer: Tracer | None = getattr(self._pipeline, "tracer", None)
+        return tracer
 
     def progress(self, source: Source) -> Any:
         """Like ``await pipeline.progress(source)``; raises ``StopIteration`` at the end."""

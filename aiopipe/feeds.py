@@ -31,7 +31,7 @@ class Feeds:
 
     def __init__(
         self, name: str, reset_ring: Callable[[], None], *, read_ahead: int,
-        check_batch: Callable[[Any], None] | None,
+        check_batch: Callable[[Any], object] | None,
     ) -> None:  # fmt: skip
         self._name, self._reset_ring = name, reset_ring
         self._read_ahead, self._check_batch = read_ahead, check_batch

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from .errors import ConfigurationError, ConfigurationTypeError
+from .task import is_async_callable
 
 __all__ = ("check_step_parts", "compute_loss", "detach_result", "loss_tensor")
 
@@ -30,9 +31,10 @@ def detach_result(value: Any) -> Any:
     return value
 
 
-def check_step_parts(model: object, optimizer: object, loss_fn: object) -> None:
+def check_step_parts(model: object, optimizer: object, loss_fn: object, **hooks: object) -> None:
     """Refuse, when ``basic()`` is called, parts that could only fail at the first
-    step (or, an ``async def`` loss, leave a coroutine never awaited there)."""
+    step (or, ``async def``, leave a coroutine never awaited there: nothing would
+    train).  ``hooks``: ``forward=``, ``backward_fn=``, ... (``None``: not given)."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationTypeError(f"basic() takes a torch.nn.Module, got {_describe(model)}")
     if not all(callable(getattr(optimizer, name, None)) for name in ("step", "zero_grad")):
@@ -40,11 +42,14 @@ def check_step_parts(model: object, optimizer: object, loss_fn: object) -> None:
             f"basic() takes an optimizer (with step() and zero_grad()) after the model, "
             f"got {_describe(optimizer)}"
         )
+    for name, hook in hooks.items():
+        if hook is not None:
+            _check_plain_callable(name, hook)
     if loss_fn is None:
         return
     if not callable(loss_fn):
         raise ConfigurationTypeError(f"loss_fn must be callable, got {_describe(loss_fn)}")
-    if inspect.iscoroutinefunction(loss_fn):
+    if is_async_callable(loss_fn):
         raise ConfigurationTypeError(
             "loss_fn must be a plain function returning the loss tensor, not async def: "
             "the loss is back-propagated on the lane, where nothing awaits"
@@ -53,6 +58,20 @@ def check_step_parts(model: object, optimizer: object, loss_fn: object) -> None:
         raise ConfigurationTypeError(
             "loss_fn takes one argument (the output) or two (the output, and the target "
             "or the batch); this one needs more"
+        )
+
+
+def _check_plain_callable(name: str, hook: object) -> None:
+    if not callable(hook):
+        raise ConfigurationTypeError(
+            f"{name} must be callable, got {_describe(hook)}; pass a function or leave "
+            f"{name} out for the default"
+        )
+    if is_async_callable(hook):
+        raise ConfigurationTypeError(
+            f"{name} must be a plain function, not async def: basic() calls it on a lane "
+            f"thread, where nothing awaits, so its coroutine would never run (and nothing "
+            f"would train)"
         )
 
 

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Mapping
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
 from ._core.nvtx import Annotator
 from .errors import ConfigurationError, ConfigurationTypeError
 from .task import is_async_callable
-from .trace import Tracer
 
-__all__ = ("PipelineOptions", "check_option_names", "checked_batch_check", "read_ahead_depth")
+if TYPE_CHECKING:  # type-only: trace imports this module's checks
+    from .trace import Tracer
+
+__all__ = (
+    "PipelineOptions", "check_option_names", "checked_batch_check", "checked_count",
+    "checked_seconds", "read_ahead_depth",
+)  # fmt: skip
 
 
 class PipelineOptions(TypedDict, total=False):
@@ -27,9 +32,10 @@ class PipelineOptions(TypedDict, total=False):
       and the ``nvtx`` package are present, ``True``/``False``, or an annotator.
     * ``trace``: ``True`` (or a shared :class:`~aiopipe.trace.Tracer`) records a
       span per task run.
-    * ``check_batch(batch)`` may raise to refuse a malformed batch before it enters
-      the ring: ``progress`` then raises :class:`~aiopipe.errors.BadBatchError` and
-      the batches in flight stay intact.  A plain function: one that is not callable,
+    * ``check_batch(batch)`` may raise (or, written as a predicate, return ``False``)
+      to refuse a malformed batch before it enters the ring: ``progress`` then raises
+      :class:`~aiopipe.errors.BadBatchError` and the batches in flight stay intact;
+      ``None`` or ``True`` accepts it.  A plain function: one that is not callable,
       or is ``async def``, is refused when the pipeline is built.
     * ``read_ahead`` (default ``True``): read the next batch while an iteration runs.
       A number ``N`` reads an async source up to ``N`` batches ahead (its pulls one
@@ -47,7 +53,7 @@ class PipelineOptions(TypedDict, total=False):
 
     nvtx: bool | Annotator | None
     trace: bool | Tracer | None
-    check_batch: Callable[[Any], None] | None
+    check_batch: Callable[[Any], object] | None
     read_ahead: bool | int
     expect_result: bool
     name: str | None
@@ -65,7 +71,33 @@ def read_ahead_depth(value: object) -> int:
     return int(value)
 
 
-def checked_batch_check(value: object) -> Callable[[Any], None] | None:
+def checked_count(what: str, value: object, minimum: int = 1) -> int:
+    """``value`` as a whole number ``>= minimum``; a str, float or bool is refused
+    (``"2" < 1`` would fail later with a bare ``TypeError``, ``2.5`` count wrongly)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationTypeError(f"{what} takes an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ConfigurationError(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+@overload
+def checked_seconds(what: str, value: object, *, allow_none: Literal[False] = ...) -> float: ...
+@overload
+def checked_seconds(what: str, value: object, *, allow_none: bool) -> float | None: ...
+def checked_seconds(what: str, value: object, *, allow_none: bool = False) -> float | None:
+    """``value`` as a number of seconds ``>= 0`` (or ``None`` where ``allow_none``)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        off = " or None to turn it off" if allow_none else ""
+        raise ConfigurationTypeError(f"{what} takes a number of seconds{off}, got {value!r}")
+    if value < 0:
+        raise ConfigurationError(f"{what} must be >= 0 seconds, got {value}")
+    return value
+
+
+def checked_batch_check(value: object) -> Callable[[Any], object] | None:
     """The ``check_batch`` option, refused now if it could not check a batch: not
     callable (each batch would be refused as bad data), or ``async def`` (never
     awaited, it would let every batch through)."""
@@ -85,11 +117,20 @@ def checked_batch_check(value: object) -> Callable[[Any], None] | None:
     return value
 
 
+#: Keywords of the specification aiopipe dropped, and what to do instead (docs/migration.md).
+_RETIRED = {
+    "threaded": "task bodies run on lane threads by default, so drop it "
+    "(executor='sequential' runs every task inline on the loop instead)",
+}
+
+
 def check_option_names(options: Mapping[str, object], where: str) -> None:
     """Refuse a keyword that is not a :class:`PipelineOptions` name (a misspelt
     ``read_ahead`` would otherwise be ignored without a word)."""
     known = PipelineOptions.__annotations__
     for name in options:
+        if name in _RETIRED:
+            raise ConfigurationTypeError(f"{where} got {name}=, which is gone: {_RETIRED[name]}")
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -25,12 +25,12 @@ import torch
 
 from ._core.log import pipeline_log
 from .context import TaskContext
-from .errors import ConfigurationError
+from .errors import ConfigurationError, ConfigurationTypeError
 from .executors import Executor, resolve_executor
 from .facade import Pipeline
-from .lanes import ThreadMap, copies_on_io
+from .lanes import ThreadMap, check_thread_map_names, copies_on_io
 from .losses import check_step_parts, compute_loss, detach_result, loss_tensor
-from .options import check_option_names
+from .options import check_option_names, checked_count
 from .task import Task
 
 if TYPE_CHECKING:
@@ -100,6 +100,26 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     if callable(to):
         return to(device, non_blocking=non_blocking)
     return batch
+
+
+def _checked_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``, refused now if this machine has no such
+    device (torch's own error, later, is a bare ``AssertionError``)."""
+    try:
+        device = torch.device(device)
+    except RuntimeError as exc:  # an unknown device string
+        raise ConfigurationError(f"device {device!r} is not a torch device: {exc}") from None
+    except TypeError:
+        raise ConfigurationTypeError(
+            f"device takes a torch.device or a str such as 'cpu' or 'cuda:0', got {device!r}"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigurationError(
+            f"device {str(device)!r}: CUDA is not available on this machine "
+            f"(torch.cuda.is_available() is False); pass device='cpu', or leave device out "
+            f"to use the model's"
+        )
+    return device
 
 
 def _backward(loss: torch.Tensor) -> None:
@@ -185,13 +205,13 @@ def basic(
     are those of every pipeline, :class:`~aiopipe.options.PipelineOptions`.
     """
     check_option_names(options, "basic()")
-    check_step_parts(model, optimizer, loss_fn)
-    if grad_accumulation < 1:
-        raise ConfigurationError(f"grad_accumulation must be >= 1, got {grad_accumulation}")
+    check_step_parts(model, optimizer, loss_fn, forward=forward, backward_fn=backward_fn,
+                     optimizer_step_fn=optimizer_step_fn)  # fmt: skip
+    checked_count("grad_accumulation", grad_accumulation)
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
-    device = torch.device(device)
+    device = _checked_device(device)
     loss_of = compute_loss(model, loss_fn, forward)
     back_propagate: BackwardFn = backward_fn or _backward
     apply_step: Callable[[OptimizerT], object] = optimizer_step_fn or _optimizer_step
@@ -268,7 +288,9 @@ def basic(
     # stays free, and the lane runs torch at full speed (see aiopipe/_core/openmp.py).
     # On a CPU, one lane (see thread_map_for_device).
     copies = ["h2d"] if moves and copy_stream != "default" else []
-    lanes = copies_on_io(copies, [task.name for task in tasks])
+    names = [task.name for task in tasks]
+    check_thread_map_names(thread_map, names)  # a misspelt name would be ignored
+    lanes = copies_on_io(copies, names)
     return BasicPipeline(
         tasks,
         executor=resolve_executor(executor, thread_map, default_thread_map=lanes, device=device),

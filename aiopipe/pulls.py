@@ -35,7 +35,7 @@ class Pulls:
 
     # Feed's, read here.
     _async: AsyncIterator[Any] | None
-    _check_batch: Callable[[Any], None] | None
+    _check_batch: Callable[[Any], object] | None
     _depth: int
     _pulled_inline: bool
     draining: bool

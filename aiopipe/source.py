@@ -57,7 +57,7 @@ class Feed(Pulls):
 
     def __init__(
         self, source: Source, *, read_ahead: bool | int = True,
-        check_batch: Callable[[Any], None] | None = None,
+        check_batch: Callable[[Any], object] | None = None,
         seed: Mapping[str, Any] | None = None, refused: int = 0,
         ahead: Sequence[asyncio.Future[Any]] = (),
     ) -> None:  # fmt: skip

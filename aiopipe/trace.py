@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError
+from .errors import ConfigurationTypeError
+from .options import checked_count
 
 __all__ = (
     "Span", "Tracer", "merge_traces", "resolve_tracer", "several_pipelines", "track_name",
@@ -130,9 +131,7 @@ class Tracer:
         gpu_timing: bool = False,
         event_factory: Callable[[], Any] | None = None,
     ) -> None:
-        if max_spans < 1:
-            raise ConfigurationError(f"max_spans must be >= 1, got {max_spans}")
-        self.max_spans = max_spans
+        self.max_spans = checked_count("max_spans", max_spans)
         self.gpu_timing = gpu_timing
         self._event_factory = event_factory
         self._raw: collections.deque[RawSpan] = collections.deque(maxlen=max_spans)
@@ -320,6 +319,11 @@ class Tracer:
 
 def merge_traces(paths: Iterable[str | os.PathLike[str]], output: str | os.PathLike[str]) -> Path:
     """Join per-rank trace files into one (each rank keeps its own process row)."""
+    if isinstance(paths, (str, bytes, os.PathLike)):  # iterated, a str gives its characters
+        raise ConfigurationTypeError(
+            f"merge_traces takes a list of trace files, got the single path {paths!r}; "
+            f"pass [{str(paths)!r}]"
+        )
     events: list[Any] = []
     for path in paths:
         events.extend(json.loads(Path(path).read_text())["traceEvents"])

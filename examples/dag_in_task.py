@@ -7,10 +7,12 @@ reduces the rows it just wrote -- ordering comes from the tensors' tags, not fro
 the code.  One graph lives as long as the pipeline; a scope per batch keeps it from
 growing.
 
-    python examples/dag_in_task.py
+    python examples/dag_in_task.py [--batches 8]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -48,12 +50,26 @@ def batches(count: int) -> list[list[torch.Tensor]]:
     return [[torch.randn(16, generator=generator) for _ in range(2 + b % 4)] for b in range(count)]
 
 
-async def main() -> list[tuple[int, float]]:
+async def main(count: int = 8) -> list[tuple[int, float]]:
     tasks = [Task.from_fn("per_table", per_table, writes=("step_result",))]
     async with graph, Pipeline(tasks, executor="async") as pipe:
-        return [result async for result in pipe.results(iter(batches(8)))]
+        return [result async for result in pipe.results(iter(batches(count)))]
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 if __name__ == "__main__":
-    for tables, magnitude in aiopipe.run(main()):
+    parser = argparse.ArgumentParser(
+        description="A pipeline task that fans out a dynamic task graph per batch: one "
+        "graph task per table, then one that reduces their rows."
+    )
+    parser.add_argument("--batches", type=_positive, default=8, metavar="N",
+                        help="batches to run (default 8)")  # fmt: skip
+    args = parser.parse_args()
+    for tables, magnitude in aiopipe.run(main(args.batches)):
         print(f"{tables} tables -> |sum of normalised rows| = {magnitude:.3f}")

@@ -95,7 +95,8 @@ def train_plain(batches: list[Batch], seed: int) -> tuple[list[float], torch.nn.
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    summary = __doc__.split("\n\n")[0]  # the first paragraph: a whole sentence
+    parser = argparse.ArgumentParser(description=" ".join(summary.split()))
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--executor", choices=("async", "sequential"), default="async")

@@ -116,3 +116,39 @@ def test_plan_gives_an_awaiting_fetch_a_stream_of_its_own(
     assert "loop" != best["thread_map"]["train"]  # a sync step on the loop would hold the fetch
     assert best["latency_ms"] == pytest.approx(5.15, abs=0.1)
     assert plan["task_await_ms"] == {"fetch": 5.0}
+
+
+BROKEN = f"{Path(__file__).parents[1] / 'examples' / 'schedules.py'}:broken"
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--batches", "3", "argument --batches: must be >= 4, got 3"),
+    ("--batches", "many", "argument --batches: takes a whole number, got 'many'"),
+    ("--max-threads", "0", "argument --max-threads: must be >= 1, got 0"),
+    ("--max-in-flight", "0", "argument --max-in-flight: must be >= 1, got 0"),
+    ("--beam-width", "-1", "argument --beam-width: must be >= 1, got -1"),
+    ("--rounds", "0", "argument --rounds: must be >= 1, got 0"),
+])  # fmt: skip
+def test_plan_numbers_out_of_range_are_usage_errors(
+    target: str, flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --batches 3 was "a task failed while profiling: AutoschedError ..." and exit 1.
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", target, flag, value, "--no-calibrate"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"aiopipe plan: error: {message}"
+
+
+def test_plan_help_names_the_fewest_batches(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "at least 4" in " ".join(capsys.readouterr().out.split())
+
+
+def test_plan_of_a_schedule_that_breaks_a_rule_says_so_not_that_a_task_failed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", BROKEN, "--batches", "4", "--no-calibrate"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("aiopipe plan: [rule 7]") and "a task failed" not in err

@@ -304,6 +304,20 @@ def test_target_pair_needs_batches(tmp_path: Path) -> None:
         load_target(f"{target}:bad")
 
 
+def test_a_target_giving_an_empty_list_is_told_the_list_is_empty(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It said "gave a list; expected ... a list of Tasks".
+    target = write_target(tmp_path, """
+        def nothing():
+            return []
+    """)  # fmt: skip
+    status, _, err = run_cli(capsys, "validate", f"{target}:nothing")
+    assert status == 2
+    assert "gave an empty list: a schedule needs at least one Task" in err
+    assert "gave a list;" not in err
+
+
 def test_parse_thread_map() -> None:
     assert parse_thread_map("per_task") == "per_task"
     assert parse_thread_map('{"a": "io"}') == {"a": "io"}

@@ -116,6 +116,28 @@ async def test_values_reach_the_function_untagged_with_keywords() -> None:
     assert y.tolist() == [2.5, 2.5, 2.5]
 
 
+async def test_tagged_keyword_arguments_are_untagged_and_ordered_like_positional_ones() -> None:
+    x, total = torch.zeros(3), torch.zeros(3)
+    gate = threading.Event()
+
+    def fill(*, out: torch.Tensor) -> None:
+        gate.wait(5)
+        out.fill_(1.0)
+
+    def add(*, src: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        acc.add_(src)  # a Tagged here would raise: the value is the tensor itself
+        return acc.clone()
+
+    async with TaskGraph() as graph:
+        await graph.submit(fill, out=OUTPUT(x), lane="a")
+        first = await graph.submit(add, src=INPUT(x), acc=INOUT(total), lane="b")
+        second = await graph.submit(lambda *, t: t.clone(), t=INPUT(total), lane="c")
+        assert graph.statistics().tracked_tensors == 2  # x and total, from keywords
+        gate.set()
+        assert (await first).tolist() == [1.0, 1.0, 1.0]  # ran after fill's write
+        assert (await second).tolist() == [1.0, 1.0, 1.0]  # and after add's
+
+
 async def test_async_functions_run_on_the_loop() -> None:
     seen = []
 

@@ -53,6 +53,18 @@ def test_dag_in_task_orders_the_reduction_after_every_table() -> None:
     assert all(0 < m < 16 * 5 * 4 for m in magnitudes), magnitudes
 
 
+def test_quickstart_help_describes_it_in_a_whole_sentence() -> None:
+    # It used the docstring's first line: "... and check it against a".
+    out = " ".join(run("examples/quickstart.py", "--help").split())
+    assert "pipeline a small training loop with aiopipe, and check it against a plain loop." in out
+
+
+def test_dag_in_task_answers_help_without_running() -> None:
+    out = run("examples/dag_in_task.py", "--help")  # it ignored --help and ran
+    assert "usage: dag_in_task.py" in out and "--batches" in out and "tables ->" not in out
+    assert len(run("examples/dag_in_task.py", "--batches", "2").splitlines()) == 2
+
+
 @pytest.mark.distributed
 def test_train_hstu_demo_writes_its_report(tmp_path: Path) -> None:
     report = tmp_path / "run.json"

@@ -13,7 +13,9 @@ on the spot: ``N`` batches on the async executor, traced, plus a calibration of 
 engine's overheads.  The report is a table (per task: cost, lane, stream, lookahead
 and fire position, baseline -> pick) followed by one JSON line; ``--json`` prints
 only the JSON.  Exit status: 0 on success, 1 when the search finds no legal
-candidate or the schedule breaks a rule, 2 for loading and cost-file errors.
+candidate or the schedule breaks a rule (or a profiled task fails), 2 for
+command-line errors (``--batches`` below 4, a bound below 1), loading and cost-file
+errors.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from .._target import Target, TargetError, load_target, parse_thread_map
@@ -37,14 +40,34 @@ from .search import SearchResult, joint_search
 __all__ = ("add_arguments", "format_plan", "main", "report")
 
 
+#: The fewest batches a profile can measure (its first iterations are warm-up).
+MIN_BATCHES = 4
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number ``>= minimum``, else a usage error (exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``aiopipe plan``."""
     parser.add_argument("target", metavar="TARGET", help="MODULE:FUNC or FILE.py:FUNC")
     source = parser.add_argument_group("costs")
     source.add_argument("--costs", metavar="FILE",
                         help="a cost model JSON (default: profile now)")  # fmt: skip
-    source.add_argument("--batches", type=int, default=40, metavar="N",
-                        help="batches to profile without --costs (default 40)")  # fmt: skip
+    source.add_argument("--batches", type=_at_least(MIN_BATCHES), default=40, metavar="N",
+                        help=f"batches to profile without --costs, at least {MIN_BATCHES} "
+                             f"(default 40)")  # fmt: skip
     source.add_argument("--save-costs", metavar="FILE",
                         help="write the profiled cost model here")  # fmt: skip
     source.add_argument("--no-calibrate", action="store_true",
@@ -58,15 +81,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--no-loop", action="store_true",
                         help="never move a task onto the event loop's thread (keep it free "
                              "for async sources and serving)")  # fmt: skip
-    search.add_argument("--max-threads", type=int, default=4, metavar="N",
-                        help="lane threads a candidate may use (default 4)")  # fmt: skip
-    search.add_argument("--max-in-flight", type=int, default=5, metavar="N",
-                        help="batches in flight, max lookahead + 1, a candidate may keep "
-                             "(default 5)")  # fmt: skip
-    search.add_argument("--beam-width", type=int, default=4, metavar="N",
-                        help="candidates kept from one round to the next (default 4)")  # fmt: skip
-    search.add_argument("--rounds", type=int, default=6, metavar="N",
-                        help="search rounds at most; it stops earlier after two rounds "
+    search.add_argument("--max-threads", type=_at_least(1), default=4, metavar="N",
+                        help="lane threads a candidate may use, >= 1 (default 4)")  # fmt: skip
+    search.add_argument("--max-in-flight", type=_at_least(1), default=5, metavar="N",
+                        help="batches in flight, max lookahead + 1, a candidate may keep, "
+                             ">= 1 (default 5)")  # fmt: skip
+    search.add_argument("--beam-width", type=_at_least(1), default=4, metavar="N",
+                        help="candidates kept from one round to the next, >= 1 "
+                             "(default 4)")  # fmt: skip
+    search.add_argument("--rounds", type=_at_least(1), default=6, metavar="N",
+                        help="search rounds at most, >= 1; it stops earlier after two rounds "
                              "without a gain (default 6)")  # fmt: skip
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print only the JSON report")
@@ -76,8 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _costs(args: argparse.Namespace, target: Target, thread_map: ThreadMap) -> CostModel:
     if args.costs:
         return CostModel.load(args.costs)
-    if args.batches < 4:
-        raise AutoschedError(f"--batches must be >= 4 to profile, got {args.batches}")
+    if args.batches < MIN_BATCHES:  # argparse refuses it; a Namespace built by hand may not
+        raise AutoschedError(f"--batches must be >= {MIN_BATCHES} to profile, got {args.batches}")
 
     async def measure() -> CostModel:
         engine = EngineCosts() if args.no_calibrate else await calibrate_engine()
@@ -155,6 +179,9 @@ def main(args: argparse.Namespace) -> int:
     except (TargetError, CostModelError, OSError) as exc:
         print(f"aiopipe plan: {exc}", file=sys.stderr)
         return 2
+    except (AutoschedError, ScheduleValidationError) as exc:  # the schedule, not a task
+        print(f"aiopipe plan: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # a task failed while the profile ran it
         print(f"aiopipe plan: a task failed while profiling: {type(exc).__name__}: {exc}",
               file=sys.stderr)  # fmt: skip

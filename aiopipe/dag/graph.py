@@ -44,6 +44,7 @@ from ..errors import (
 from .._core.lanes import LOOP_LANE, Lane, LanePool
 from .._core.waker import LoopWaker
 from ..interop import needs_event_loop, running_loop
+from ..options import checked_count, checked_seconds
 from ..task import is_async_callable
 from .members import MemberFailure, run_async_members, run_sync_members
 from .nodes import GraphStatistics, Node, TaskHandle, first_failure
@@ -73,22 +74,12 @@ class TaskGraph:
         max_lanes: int = 8,
         device: torch.device | str = "cpu",
     ) -> None:
-        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool):
-            raise ConfigurationTypeError(f"max_in_flight takes an int, got {max_in_flight!r}")
-        if max_in_flight < 1:
-            raise ConfigurationError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        if not isinstance(submit_timeout_s, (int, float)) or isinstance(submit_timeout_s, bool):
-            raise ConfigurationTypeError(
-                f"submit_timeout_s takes a number of seconds, got {submit_timeout_s!r}"
-            )
-        if submit_timeout_s < 0:
-            raise ConfigurationError(f"submit_timeout_s must be >= 0, got {submit_timeout_s}")
+        self.max_in_flight = checked_count("max_in_flight", max_in_flight)
+        self.submit_timeout_s = checked_seconds("submit_timeout_s", submit_timeout_s)
         _check_name("default_lane", default_lane)
-        self.max_in_flight = max_in_flight
-        self.submit_timeout_s = submit_timeout_s
         self.default_lane = default_lane
         self.device = torch.device(device)
-        self._lanes = LanePool(max_lanes)
+        self._lanes = LanePool(checked_count("max_lanes", max_lanes))
         self._lane_by_name: dict[str, Lane | None] = {LOOP_LANE: None}  # None: on the loop
         self._tensors = TensorMap()
         # Per open scope, its unfinished and failed tasks in submission order (a task
@@ -199,7 +190,8 @@ class TaskGraph:
         self, fn: Callable[..., Any], /, *args: Any, lane: str | None = None,
         name: str | None = None, **kwargs: Any,
     ) -> TaskHandle:  # fmt: skip
-        """Submit ``fn(*args, **kwargs)``; tagged arguments are passed untagged."""
+        """Submit ``fn(*args, **kwargs)``; tagged arguments, positional or keyword,
+        order the task on their tensors and reach ``fn`` untagged."""
         return await self._submit(fn, [args], [lane or self.default_lane], name, kwargs, group=False)
 
     @needs_event_loop
@@ -261,22 +253,21 @@ class TaskGraph:
         # async def members run on the loop; sync ones need their lanes (refused here,
         # before the task counts, if they would exceed max_lanes)
         placement = None if is_async_callable(fn) else self._lane_threads(lane_names)
-        calls: list[tuple[Any, ...]] = []
         reads: list[TensorKey] = []
         writes: list[TensorKey] = []
-        for member in members:
-            values = []
-            for arg in member:
-                if isinstance(arg, Tagged):
-                    key = self._tensors.key(arg.value)  # refuses non-tensors before any change
-                    if arg.tag.reads:
-                        reads.append(key)
-                    if arg.tag.writes:
-                        writes.append(key)
-                    values.append(arg.value)
-                else:
-                    values.append(arg)
-            calls.append(tuple(values))
+
+        def untagged(arg: Any) -> Any:  # the plain value; a tag's tensor is tracked
+            if not isinstance(arg, Tagged):
+                return arg
+            key = self._tensors.key(arg.value)  # refuses non-tensors before any change
+            if arg.tag.reads:
+                reads.append(key)
+            if arg.tag.writes:
+                writes.append(key)
+            return arg.value
+
+        calls = [tuple(untagged(arg) for arg in member) for member in members]
+        kwargs = {key: untagged(value) for key, value in kwargs.items()}  # every member's
         await self._wait_for_room()
         scope = innermost_scope(self, self._scopes)
         node = Node(name or str(getattr(fn, "__name__", "task")), self._submissions, scope,

@@ -29,6 +29,7 @@ from .._core.tickets import TicketLock, TicketStatistics
 from .._core.waker import LoopWaker
 from ..errors import ConfigurationError, PipelineStateError, TicketAbortedError
 from ..lanes import ThreadMap, resolve_lane
+from ..options import checked_count, checked_seconds
 from ..plan import ExecutionPlan
 from .base import Iteration
 from .layout import StageLayout, build_layout
@@ -94,8 +95,9 @@ class AsyncExecutor:
         slow_wait_s: float | None = SLOW_WAIT_S,
     ) -> None:
         self.thread_map = thread_map
-        self.slow_wait_s = slow_wait_s
-        self._lane_pool = LanePool(max_lanes)
+        self.slow_wait_s = checked_seconds("slow_wait_s", slow_wait_s, allow_none=True)
+        self._lane_pool = LanePool(checked_count("max_lanes", max_lanes))
+        checked_count("check_collective_order", check_collective_order, minimum=0)
         self._tickets = TicketLock()
         self._order_check = (
             CollectiveOrderCheck(check_collective_order, process_group)
