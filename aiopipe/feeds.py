@@ -6,7 +6,9 @@ source replaces it: refused while batches of the old one are in flight, unless i
 discards the batches in flight and *parks* the feed: its counts stay visible in
 ``statistics()`` and an item it read ahead, untouched by any task, goes to the next
 feed of the same source, which counts on from them (its position past the batches
-dropped, which that run skips).  Every batch dropped untrained is counted.
+dropped, which that run skips).  The last source left before its end is remembered
+with its counts: passed again after other sources (``step()``, an evaluation pass),
+it counts on.  Every batch dropped untrained is counted.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from ._core.log import pipeline_log
 from .errors import PipelineStateError
-from .source import Feed
+from .source import Counts, Feed
 from .sources import OneBatch, Source
 
 __all__ = ("Feeds",)
@@ -37,7 +39,12 @@ class Feeds:
         self._read_ahead, self._check_batch = read_ahead, check_batch
         self.current: Feed | None = None
         self._parked: Feed | None = None
-        self._drained: Feed | None = None  # the source last drain()ed: its counts go on
+        self._drained: Feed | None = None  # shown by statistics() until the next source
+        # The last source left before its end (drained, its batches dropped by reset()
+        # and another source passed, or idle when another was passed) and its counts:
+        # passed again, even after other sources, it counts on from them.  Held weakly
+        # where it can be (a loader's iterator keeps its workers).
+        self._suspended: tuple[Callable[[], object], Counts] | None = None
         #: Batches dropped untrained, since the pipeline was built.
         self.discarded = 0
         #: Async generators a cancelled fetch closed when their feed was dropped.
@@ -117,20 +124,29 @@ class Feeds:
             if feed is None and parked.source is source:  # reset() kept what it read ahead
                 ahead = parked.hand_over_ahead()
                 goes_on_from = parked
+            else:  # its position past the items it read ahead too (dropped just below)
+                past = parked.counts_past_taken
+                self._suspend(parked, past._replace(position=past.position + parked.held_ahead))
             self._drop(parked)
             self._parked = None
         if feed is not None:
             self._drop(feed)
+            self._suspend(feed, feed.counts)  # idle: nothing read ahead
         new_feed = Feed(
             source, read_ahead=self._read_ahead, check_batch=self._check_batch,
             seed=self._seed, refused=self._seed_refused, ahead=ahead,
         )  # fmt: skip
-        drained, self._drained = self._drained, None
-        if drained is not None and drained.source is source and not drained.ended:
-            new_feed.counts_before = drained.counts  # the same source goes on
-        elif goes_on_from is not None and not goes_on_from.ended:
+        self._drained = None
+        suspended = self._suspended
+        if suspended is not None and suspended[0]() is source:
+            self._suspended = None
+        else:
+            suspended = None
+        if goes_on_from is not None and not goes_on_from.ended:
             # The same source goes on after reset(): past the batches it dropped too.
             new_feed.counts_before = goes_on_from.counts_past_taken
+        elif suspended is not None:
+            new_feed.counts_before = suspended[1]  # the same source goes on
         self.seed(None)
         # step() adopts a one-batch source per call: those only at DEBUG
         level = logging.DEBUG if isinstance(source, OneBatch) else logging.INFO
@@ -158,7 +174,14 @@ class Feeds:
         (passed again after that, an iterator such as a persistent ``DataLoader``'s
         starts a new pass)."""
         if self.current is not None:
+            self._suspend(self.current, self.current.counts)
             self._drained, self.current = self.current, None
+
+    def _suspend(self, feed: Feed, counts: Counts) -> None:
+        """``feed`` is left before its source's end: remember its counts for the source's
+        next use (one source at a time; ``step()``'s one-batch sources never go on)."""
+        if not feed.ended and not isinstance(feed.source, OneBatch):
+            self._suspended = (_reference(feed.source), counts)
 
     def close(self) -> None:
         """Stop any pull under way (the pipeline shuts down)."""
@@ -178,6 +201,15 @@ class Feeds:
                 self._name,
             )
             self._cut_off[feed.source] = None
+
+
+def _reference(source: Source) -> Callable[[], object]:
+    """A weak reference to ``source`` where it takes one, else a strong one (a list's
+    iterator: nothing else to keep alive)."""
+    try:
+        return weakref.ref(source)
+    except TypeError:
+        return lambda: source
 
 
 def _was_cut_off(cut_off: weakref.WeakKeyDictionary[Any, None], source: object) -> bool:

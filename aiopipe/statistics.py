@@ -26,8 +26,10 @@ class PipelineStatistics:
     came (not in the position: a run resumed from it reads them again).
     After ``drain()`` or ``reset()`` the counts are that source's; passed again, it
     counts on from them (another source, or the same one after a call was handed its
-    end, from 0).  After ``reset()`` its position then counts on past the batches
-    ``reset()`` dropped: that run skips them, and a run resumed from a later
+    end, from 0), also after other sources came between (``step()`` calls, an
+    evaluation pass): the last source left before its end is remembered.  After
+    ``reset()`` its position then counts on past the batches ``reset()`` dropped
+    (those read ahead too): that run skips them, and a run resumed from a later
     checkpoint must not train again the steps applied before them."""
 
     pulled: int

@@ -603,6 +603,30 @@ async def test_the_same_source_after_a_drain_counts_on_and_another_starts_afresh
         assert pipe.statistics().position == 2  # another source: afresh
 
 
+@pytest.mark.parametrize("left", ["drain", "reset", "idle"])
+async def test_a_source_passed_again_after_other_sources_counts_on(left: str) -> None:
+    """Training left (drained, reset, or idle without read-ahead), a step() and an
+    evaluation pass, then the training source again: its position counts on in that
+    source (it restarted from 0, and a run resumed there trained its steps twice)."""
+    pipe = Pipeline([Task.from_fn("train", echo)], read_ahead=left != "idle")
+    source = iter(range(10))
+    async with pipe:
+        assert [await pipe.progress(source) for _ in range(3)] == [0, 1, 2]
+        if left == "drain":
+            assert await pipe.drain() == [3]  # the batch read ahead, finished
+        elif left == "reset":
+            pipe.reset()  # drops the batch read ahead, 3
+        assert await pipe.step("other") == "other"
+        assert [r async for r in pipe.results(iter(["a", "b"]))] == ["a", "b"]
+        assert await pipe.progress(source) == (3 if left == "idle" else 4)
+        assert pipe.statistics().position == (4 if left == "idle" else 5)
+        if left != "idle":
+            assert await pipe.drain() == [5]
+        assert await pipe.step("other") == "other"  # step() sources are never remembered
+        assert await pipe.progress(source) == (4 if left == "idle" else 6)
+        assert pipe.statistics().position == (5 if left == "idle" else 7)
+
+
 @pytest.mark.parametrize("read_ahead", [True, False])
 async def test_a_source_whose_end_only_a_drain_saw_counts_on(read_ahead: bool) -> None:
     # Every item trained, then drain(): with the read-ahead on, the end was read ahead
