@@ -42,7 +42,13 @@ async def collect_steps(
         return results
     except BaseException as exc:
         if results and isinstance(exc, Exception) and not isinstance(exc, PipelineStateError):
-            driver.failures.defer(exc)  # the steps before it come out first
+            # The steps before it come out first; the source's own error (or refusal)
+            # is raised by the next call on that source, not by a step() of another.
+            feed = feeds.current
+            if feed is not None and exc is feed.raised:
+                feed.deferred = exc
+            else:
+                driver.failures.defer(exc)
             return results
         _give_back(feeds, results)
         raise

@@ -90,6 +90,7 @@ class IterationDriver:
             )
         if not self._inits.done:
             await self._inits.run()
+        feed.raise_deferred()  # left by a call that returned results first
         while True:
             if feed.outbox:
                 feed.returned += 1

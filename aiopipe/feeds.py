@@ -44,7 +44,8 @@ class Feeds:
         # and another source passed, or idle when another was passed) and its counts:
         # passed again, even after other sources, it counts on from them.  Held weakly
         # where it can be (a loader's iterator keeps its workers).
-        self._suspended: tuple[Callable[[], object], Counts] | None = None
+        # (Its error left for the next call on it goes with it.)
+        self._suspended: tuple[Callable[[], object], Counts, Exception | None] | None = None
         #: Batches dropped untrained, since the pipeline was built.
         self.discarded = 0
         #: Async generators a cancelled fetch closed when their feed was dropped.
@@ -147,6 +148,8 @@ class Feeds:
             new_feed.counts_before = goes_on_from.counts_past_taken
         elif suspended is not None:
             new_feed.counts_before = suspended[1]  # the same source goes on
+        if suspended is not None:
+            new_feed.deferred = suspended[2]
         self.seed(None)
         # step() adopts a one-batch source per call: those only at DEBUG
         level = logging.DEBUG if isinstance(source, OneBatch) else logging.INFO
@@ -181,7 +184,11 @@ class Feeds:
         """``feed`` is left before its source's end: remember its counts for the source's
         next use (one source at a time; ``step()``'s one-batch sources never go on)."""
         if not feed.ended and not isinstance(feed.source, OneBatch):
-            self._suspended = (_reference(feed.source), counts)
+            left = self._suspended
+            if left is not None and left[2] is not None:
+                pipeline_log.warning("%s: an earlier source's %r was never raised: other "
+                                     "sources came after it", self._name, left[2])  # fmt: skip
+            self._suspended = (_reference(feed.source), counts, feed.deferred)
 
     def close(self) -> None:
         """Stop any pull under way (the pipeline shuts down)."""

@@ -210,7 +210,9 @@ class SchedulablePipeline:
         are returned by the next call.  If a step fails after others have finished,
         their results -- every one finished before it, those a failed ``drain()`` or
         an interrupted call left waiting included -- are returned, and the next call
-        raises the failure (or asks for ``reset()``, as ``progress`` would)."""
+        raises the failure (or asks for ``reset()``, as ``progress`` would); a refused
+        item or the source's own error is raised by the next call on that source (a
+        ``step()`` of another batch between runs it)."""
         if isinstance(steps, bool) or not isinstance(steps, int):
             raise ConfigurationTypeError(f"steps must be an int, got {steps!r}")
         if steps < 1:

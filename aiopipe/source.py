@@ -50,9 +50,9 @@ class Feed(Pulls):
 
     __slots__ = (
         "_async", "_check_batch", "_depth", "_pulled_inline", "_refused_after", "_seed",
-        "_sync", "abandoned", "counts_before", "discarded", "draining", "ended",
-        "exhausted", "iteration", "outbox", "pulled", "read_ahead_allowed", "refused",
-        "results_dropped", "returned", "source", "top_pulled",
+        "_sync", "abandoned", "counts_before", "deferred", "discarded", "draining", "ended",
+        "exhausted", "iteration", "outbox", "pulled", "raised", "read_ahead_allowed",
+        "refused", "results_dropped", "returned", "source", "top_pulled",
     )  # fmt: skip
 
     def __init__(
@@ -88,6 +88,10 @@ class Feed(Pulls):
         self.ended = False
         #: ``drain()`` was called: take what was already read, read nothing new.
         self.draining = False
+        #: The last error a pull raised (the source's own, or a refusal), and one a
+        #: call that collected results first left to the next call on this source.
+        self.raised: Exception | None = None
+        self.deferred: Exception | None = None
         #: Items the pipeline refused (``BadBatchError``).  ``refused`` at
         #: construction: those an adapter refused before seeding the first batch.
         self.refused = refused
@@ -217,12 +221,16 @@ class Feed(Pulls):
             if self.draining and self.ahead is None:
                 self.exhausted = True  # drain(): nothing new is read
                 return
-            batch, problem = await self.take()
-            if batch is END:
-                self.exhausted = True
-                return
-            if problem is not None:
-                self._refuse(problem)
+            try:
+                batch, problem = await self.take()
+                if batch is END:
+                    self.exhausted = True
+                    return
+                if problem is not None:
+                    self._refuse(problem)
+            except Exception as exc:  # the source's: a call after results defers it here
+                self.raised = exc
+                raise
             top.set(BATCH_SLOT, batch)
         top.batch_index = self.pulled
         self.pulled += 1
@@ -257,6 +265,13 @@ class Feed(Pulls):
             self._behind.appendleft(self.ahead)
         self.ahead = future
         self.pulled -= 1
+
+    def raise_deferred(self) -> None:
+        """Raise, once, the error a call that returned results first left for the next
+        call on this source."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is not None:
+            raise deferred
 
     def _refuse(self, problem: BaseException) -> None:
         self.refused += 1

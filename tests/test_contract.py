@@ -627,6 +627,23 @@ async def test_a_source_passed_again_after_other_sources_counts_on(left: str) ->
         assert pipe.statistics().position == (5 if left == "idle" else 7)
 
 
+async def test_a_refusal_progress_many_left_for_later_is_raised_on_its_own_source() -> None:
+    """progress_many returns the steps before a refused item and leaves the refusal
+    to the next call: a step() of another batch between runs its batch (it raised the
+    old source's refusal, and its own batch was skipped), and the source's next call
+    raises it."""
+    pipe = Pipeline([Task.from_fn("train", echo)], check_batch=lambda item: item != 3)
+    source = iter(range(6))
+    async with pipe:
+        assert await pipe.progress_many(source, 5) == [0, 1, 2]
+        assert await pipe.step("eval") == "eval"
+        with pytest.raises(BadBatchError, match="after 3 taken"):
+            await pipe.progress(source)
+        assert await pipe.progress_many(source, 5) == [4, 5]
+        stats = pipe.statistics()
+        assert (stats.position, stats.refused) == (6, 1)
+
+
 @pytest.mark.parametrize("read_ahead", [True, False])
 async def test_a_source_whose_end_only_a_drain_saw_counts_on(read_ahead: bool) -> None:
     # Every item trained, then drain(): with the read-ahead on, the end was read ahead
