@@ -131,8 +131,8 @@ class Feeds:
             self._drop(parked)
             self._parked = None
         if feed is not None:
+            self._suspend(feed, feed.counts)  # idle: nothing read ahead (an error may be)
             self._drop(feed)
-            self._suspend(feed, feed.counts)  # idle: nothing read ahead
         new_feed = Feed(
             source, read_ahead=self._read_ahead, check_batch=self._check_batch,
             seed=self._seed, refused=self._seed_refused, ahead=ahead,
@@ -188,7 +188,8 @@ class Feeds:
             if left is not None and left[2] is not None:
                 pipeline_log.warning("%s: an earlier source's %r was never raised: other "
                                      "sources came after it", self._name, left[2])  # fmt: skip
-            self._suspended = (_reference(feed.source), counts, feed.deferred)
+            error = feed.deferred or feed.held_error()  # raised when it is passed again
+            self._suspended = (_reference(feed.source), counts, error)
 
     def close(self) -> None:
         """Stop any pull under way (the pipeline shuts down)."""

@@ -70,6 +70,14 @@ class Pulls:
         """Items read ahead (or being read), not yet placed in the ring."""
         return sum(map(_holds_an_item, (self.ahead, *self._behind)))
 
+    def held_error(self) -> Exception | None:
+        """The source's own error, read ahead and not raised yet."""
+        ahead = self.ahead
+        if ahead is None or not ahead.done() or ahead.cancelled():
+            return None
+        error = ahead.exception()
+        return error if isinstance(error, Exception) else None
+
     def hand_over_ahead(self) -> list[asyncio.Future[Any]]:
         """Give up the items read ahead, in order, for a new feed of the same source
         (``Feed(ahead=...)``), which takes them first."""
@@ -248,12 +256,14 @@ def _always() -> bool:
 
 
 def _holds_an_item(future: asyncio.Future[Any] | None) -> bool:
-    """Whether ``future`` (a read ahead) holds, or will hold, an item of the source."""
+    """Whether ``future`` (a read ahead) holds, or will hold, an item of the source: a
+    pull under way or cancelled (read again) does; the source's error, or its end,
+    does not (no batch is in flight behind it, none is dropped with it)."""
     if future is None:
         return False
-    return not future.done() or future.cancelled() or future.exception() is not None or (
-        future.result()[0] is not END
-    )
+    if not future.done() or future.cancelled():
+        return True
+    return future.exception() is None and future.result()[0] is not END
 
 
 def _problem_of(check_batch: Callable[[Any], object] | None, batch: Any) -> BaseException | None:

@@ -644,6 +644,38 @@ async def test_a_refusal_progress_many_left_for_later_is_raised_on_its_own_sourc
         assert (stats.position, stats.refused) == (6, 1)
 
 
+async def test_a_source_error_read_ahead_is_no_batch_and_waits_for_its_source() -> None:
+    """The source raises once while its next item is read ahead: that is no batch in
+    flight (it was counted one: another source was refused, and then counted a
+    discarded batch); a step() of another batch runs, and the error is raised by the
+    source's next call, which then goes on with the item it had not given."""
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.items, self.raised = iter(range(4)), False
+
+        def __iter__(self) -> Flaky:
+            return self
+
+        def __next__(self) -> int:
+            if not self.raised and self.items.__length_hint__() == 3:  # before item 1
+                self.raised = True
+                raise OSError("transient")
+            return next(self.items)
+
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    source = Flaky()
+    async with pipe:
+        assert await pipe.progress(source) == 0
+        assert pipe.statistics().in_flight == 0  # the error read ahead is no batch
+        assert await pipe.step("other") == "other"
+        with pytest.raises(OSError, match="transient"):
+            await pipe.progress(source)
+        assert [r async for r in pipe.results(source)] == [1, 2, 3]
+        stats = pipe.statistics()
+        assert (stats.position, stats.discarded) == (4, 0)
+
+
 @pytest.mark.parametrize("read_ahead", [True, False])
 async def test_a_source_whose_end_only_a_drain_saw_counts_on(read_ahead: bool) -> None:
     # Every item trained, then drain(): with the read-ahead on, the end was read ahead
