@@ -13,16 +13,17 @@ Each checkpoint is a ``torch.distributed.checkpoint`` directory, so sharded stat
 (torchrec's sharded tables and their fused optimizer state) is saved and loaded by
 every rank collectively.  It is written under a temporary name and renamed once
 every rank has finished, so a crash mid-save leaves a partial directory that
-:meth:`CheckpointManager.latest` ignores and the next save cleans up.
+:meth:`CheckpointManager.latest` ignores and the next save cleans up (a save that
+fails removes its own).  Pruned checkpoints are renamed before they are deleted, so
+a crash while pruning never leaves a broken one listed as complete.
 """
 
 from __future__ import annotations
 
 import json
+import numbers
 import os
-import re
 import shutil
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ._checkpoint_files import (
+    PARTIAL,
+    fsync_directory,
+    remove_checkpoint,
+    remove_leftovers,
+    shape_mismatch,
+    step_of,
+)
 from ._core.log import checkpoint_log
-from .errors import ConfigurationError, PipelineError
+from .errors import ConfigurationError, ConfigurationTypeError, PipelineError
 
 __all__ = ("CheckpointError", "CheckpointManager", "materialize_optimizer_state")
 
-_COMPLETE = re.compile(r"^step-(\d{8})$")
 _META = "aiopipe-meta.json"
 #: The suffix of a checkpoint moved aside while a re-save of its step commits.
 _ASIDE = ".replaced"
@@ -56,34 +64,47 @@ class CheckpointManager:
     def __init__(
         self, directory: str | os.PathLike[str], *, keep: int = 2, process_group: Any = None
     ) -> None:
-        if keep < 1:
-            raise ConfigurationError(f"keep must be >= 1, got {keep}")
+        self.keep = _whole_number("keep", keep, minimum=1)
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory} is a file, not a checkpoint directory")
-        self.keep = keep
         self._group = process_group
 
     # -- finding -----------------------------------------------------------------------
 
     def complete_steps(self) -> list[int]:
-        """Steps of the complete checkpoints on disk, oldest first."""
-        if not self.directory.is_dir():
+        """Steps of the complete checkpoints on disk, oldest first (none while the
+        directory does not exist; :class:`CheckpointError` when it cannot be read)."""
+        if not self.directory.exists():
             return []
-        if self._rank() == 0:  # rank 0 alone renames
-            self._recover()
+        if not self.directory.is_dir():  # "no checkpoint" would restart the job from scratch
+            raise CheckpointError(f"{self.directory} is a file, not a checkpoint directory")
         steps = []
-        for entry in self.directory.iterdir():
-            match = _COMPLETE.match(entry.name)
-            if match and (entry / _META).is_file():
-                steps.append(int(match.group(1)))
+        try:
+            if self._rank() == 0:  # rank 0 alone renames
+                self._recover()
+            for entry in self.directory.iterdir():
+                step = step_of(entry.name)
+                if step is not None and (entry / _META).is_file():
+                    steps.append(step)
+        except OSError as exc:
+            raise CheckpointError(f"the checkpoint directory cannot be read: {exc}") from exc
         return sorted(steps)
 
     def latest(self) -> int | None:
         """The newest complete checkpoint's step, agreed by every rank (rank 0 looks)."""
-        steps = self.complete_steps() if self._rank() == 0 else []
-        latest: int | None = self._from_rank_zero(steps[-1] if steps else None)
-        return latest
+        found: int | CheckpointError | None = None
+        if self._rank() == 0:
+            try:
+                steps = self.complete_steps()
+            except CheckpointError as exc:  # raised on every rank, not on rank 0 alone
+                found = exc
+            else:
+                found = steps[-1] if steps else None
+        found = self._from_rank_zero(found)
+        if isinstance(found, CheckpointError):
+            raise found
+        return found
 
     def path(self, step: int) -> Path:
         return self.directory / f"step-{step:08d}"
@@ -105,26 +126,30 @@ class CheckpointManager:
         """Write ``state`` (a nested dict of tensors, sharded tensors and plain objects)
         as the checkpoint of data position ``step``; ``meta`` is JSON kept beside it
         (rank 0's copy is the one written)."""
-        if step < 0:
-            raise ConfigurationError(f"step must be >= 0, got {step}")
+        step = _whole_number("step", step, minimum=0)
         refusal: PipelineError | None = None
-        if self._rank() == 0:  # rank 0 writes the meta and prunes: its verdict holds for all
-            refusal = self._refusal(step, meta)
+        # Rank 0 writes the meta and prunes: its verdict holds for all.  The broadcast
+        # also holds the other ranks back until the directory is ready.
+        if self._rank() == 0:
+            refusal = self._refusal(step, meta) or self._prepare()
         refusal = self._from_rank_zero(refusal)
         if refusal is not None:
             raise refusal
         final = self.path(step)
-        partial = self.directory / f"{final.name}.partial"
-        if self._rank() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)  # a crash of an earlier attempt
-        self._barrier()
+        partial = self.directory / f"{final.name}{PARTIAL}"
         try:
             from torch.distributed.checkpoint.state_dict_saver import save
 
             save(state, checkpoint_id=str(partial), process_group=self._group)
         except (Exception, CheckpointException) as exc:  # torch's is a BaseException
-            raise CheckpointError(f"saving the checkpoint of step {step} failed: {exc}") from exc
+            # DCP raises on every rank once all have stopped writing: the partial is
+            # no one's now, and kept it would hold the space a later save needs.
+            if self._rank() == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointError(
+                f"saving the checkpoint of step {step} failed, its partial directory "
+                f"removed: {_cause(exc)}"
+            ) from exc
         self._barrier()  # every rank's shards are on disk
         failure: str | None = None
         error: BaseException | None = None
@@ -149,12 +174,26 @@ class CheckpointManager:
             json.dumps(meta or {})
         except (TypeError, ValueError) as exc:
             return ConfigurationError(f"meta must be JSON-serialisable: {exc}")
-        newer = [kept for kept in self.complete_steps() if kept > step]
+        try:
+            newer = [kept for kept in self.complete_steps() if kept > step]
+        except CheckpointError as exc:
+            return exc
         if len(newer) >= self.keep:
             return CheckpointError(
                 f"step {step} is older than the {self.keep} checkpoint(s) kept "
                 f"({', '.join(map(str, newer[-self.keep:]))}): it would be pruned at once"
             )
+        return None
+
+    def _prepare(self) -> CheckpointError | None:
+        """Create the directory and drop what earlier saves left; what failed, if any."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a read-only parent, a file on the path
+            return CheckpointError(
+                f"the checkpoint directory {self.directory} cannot be created: {exc}"
+            )
+        remove_leftovers(self.directory)  # a partial of another step holds disk space too
         return None
 
     def _commit(self, step: int, partial: Path, final: Path, meta: dict[str, Any] | None) -> None:
@@ -170,15 +209,14 @@ class CheckpointManager:
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(final, aside)
         os.replace(partial, final)  # the commit point
-        _fsync_directory(self.directory)
+        fsync_directory(self.directory)
         shutil.rmtree(aside, ignore_errors=True)
         self._prune()
 
     def _prune(self) -> None:
         for old in self.complete_steps()[: -self.keep]:
-            shutil.rmtree(self.path(old), ignore_errors=True)
-        for entry in self.directory.glob("step-*.partial"):
-            shutil.rmtree(entry, ignore_errors=True)
+            remove_checkpoint(self.path(old))
+        remove_leftovers(self.directory)
 
     # -- reading -----------------------------------------------------------------------
 
@@ -205,7 +243,7 @@ class CheckpointManager:
                 f"{self._world_size()}: each rank's data position would not carry over "
                 f"(load(..., any_world_size=True) when the data position is global)"
             )
-        mismatch = _shape_mismatch(path, state)
+        mismatch = shape_mismatch(path, state)
         if mismatch is not None:
             raise CheckpointError(f"checkpoint {path.name} does not fit this model: {mismatch}")
         try:
@@ -265,68 +303,6 @@ class CheckpointManager:
         return f"CheckpointManager({str(self.directory)!r}, keep={self.keep})"
 
 
-def _leaves(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(DCP key, value) of every value in ``state`` that is no dict, list or tuple (a
-    sharded tensor is one): keys joined with dots as DCP flattens them."""
-    if isinstance(state, dict):
-        items: Iterable[tuple[Any, Any]] = state.items()
-    elif isinstance(state, (list, tuple)):
-        items = enumerate(state)
-    else:
-        yield prefix, state
-        return
-    for key, value in items:
-        yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
-
-
-def _saved_somewhere(key: str, saved: dict[str, Any]) -> bool:
-    """Whether the checkpoint holds ``key``: itself, inside a value DCP saved whole
-    (a tuple of an optimizer's options), or flattened further than here."""
-    parts = key.split(".")
-    if any(".".join(parts[:end]) in saved for end in range(1, len(parts) + 1)):
-        return True
-    return any(name.startswith(f"{key}.") for name in saved)
-
-
-def _shape_mismatch(path: Path, state: dict[str, Any]) -> str | None:
-    """The first tensor of ``state`` that the checkpoint lacks or whose global shape
-    differs from the one saved, described; ``None`` when all match.  DCP would
-    reshard silently or fail deep in its planner with a message that names no
-    parameter."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    try:
-        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as exc:  # an unreadable checkpoint: the load reports it with context
-        return f"its metadata cannot be read ({exc})"
-    for key, value in _leaves(state):
-        if not isinstance(value, torch.Tensor) and not hasattr(value, "local_shards"):
-            if not _saved_somewhere(key, saved):  # an option (an optimizer's ``momentum``)
-                return _missing(key, saved)
-            continue
-        entry = saved.get(key)
-        if entry is None:  # DCP: "Missing key in checkpoint state_dict", and a traceback
-            return _missing(key, saved)
-        shape = tuple(value.size())  # a sharded tensor's size() is its global shape
-        if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != shape:
-            return f"{key!r} has global shape {tuple(entry.size)} there, {shape} here"
-    return None
-
-
-def _missing(key: str, saved: dict[str, Any]) -> str:
-    """Why the checkpoint lacks ``key``, said as precisely as its keys allow."""
-    # torch.optim keys its state by parameter number: ``<name>.state.<n>.<buffer>``
-    optimizer, _, per_parameter = key.partition(".state.")
-    if per_parameter[:1].isdigit() and not any(k.startswith(f"{optimizer}.state.") for k in saved):
-        return (
-            f"it has no {key!r}: the optimizer had no state yet when it was saved (before "
-            f"its first step). Load it into an optimizer that has none either -- without "
-            f"materialize_optimizer_state()"
-        )
-    return f"it has no {key!r} (written for another model or optimizer?)"
-
-
 def _resharding_planner() -> Any:
     """DCP's default load planner without its guess at pre-2.4 checkpoints.
 
@@ -353,39 +329,69 @@ def _resharding_planner() -> Any:
     return ReshardingLoadPlanner()
 
 
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (where the platform allows)."""
-    try:
-        handle = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:  # some file systems refuse fsync on directories
-        pass
-    finally:
-        os.close(handle)
+def _whole_number(what: str, value: object, *, minimum: int) -> int:
+    """``value`` as an int ``>= minimum``: ``1.5`` would name a checkpoint no one finds,
+    ``True`` one of step 1.  NumPy's ints are accepted (and made plain for JSON)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigurationTypeError(f"{what} takes an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ConfigurationError(f"{what} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _cause(exc: BaseException) -> str:
+    """What failed, said in one line: torch's ``CheckpointException`` starts with the
+    failed ranks only, the cause (``No space left on device``) deep in a traceback."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank = min(exc.failures)
+        cause = exc.failures[rank][0]
+        return f"rank {rank}: {type(cause).__name__}: {cause}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the lazily-made state of a ``torch.optim`` optimizer (Adam's moments,
     momentum buffers) without changing any parameter, so a checkpoint can be loaded
-    into it: one step with zero gradients at learning rate 0."""
+    into it: one step with zero gradients at learning rate 0 (empty sparse gradients
+    for ``SparseAdam``).  An optimizer that cannot take that step -- ``LBFGS``, whose
+    step needs a closure and whose state is a history of varying length -- raises
+    :class:`CheckpointError` naming it."""
+    name = type(optimizer).__name__
     if optimizer.state:
         return
+    if isinstance(optimizer, torch.optim.LBFGS):  # torch: "missing ... 'closure'"
+        raise CheckpointError(
+            f"materialize_optimizer_state cannot prepare {name}: its step needs a closure "
+            f"and its state is a history of varying length, which no state built "
+            f"beforehand matches"
+        )
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if any(p.grad is not None for p in params):
         raise CheckpointError("materialize_optimizer_state needs parameters without gradients")
     saved_lrs = [group.get("lr") for group in optimizer.param_groups]
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)  # it refuses dense gradients
     for p in params:
-        p.grad = torch.zeros_like(p)
+        p.grad = _no_rows(p) if sparse else torch.zeros_like(p)
     for group in optimizer.param_groups:
         if "lr" in group:
             group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
     try:
         optimizer.step()
+    except Exception as exc:  # a bare TypeError/RuntimeError would not say what was asked
+        raise CheckpointError(
+            f"materialize_optimizer_state cannot prepare {name}: a step with zero gradients "
+            f"failed ({type(exc).__name__}: {exc})"
+        ) from exc
     finally:
         for group, lr in zip(optimizer.param_groups, saved_lrs):
             if lr is not None:
                 group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
+
+
+def _no_rows(parameter: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of ``parameter`` with no rows: SparseAdam creates its state
+    and changes nothing.  Invariants are named so that torch does not warn."""
+    indices = torch.empty((1, 0), dtype=torch.long, device=parameter.device)
+    values = parameter.new_empty((0, *parameter.shape[1:]))
+    return torch.sparse_coo_tensor(indices, values, parameter.shape, check_invariants=False)
