@@ -23,7 +23,7 @@ from .streams import StreamPool
 from .task import Task
 from .trace import Tracer
 
-__all__ = ("Target", "TargetError", "load_target", "parse_thread_map")
+__all__ = ("Target", "TargetError", "check_writable", "load_target", "parse_thread_map")
 
 
 class TargetError(PipelineError, ValueError):
@@ -62,8 +62,10 @@ def _import_module(location: str) -> Any:
         sys.modules[name] = module  # dataclasses and pickling look modules up by name
         try:
             spec.loader.exec_module(module)
-        except BaseException:
+        except BaseException as exc:
             sys.modules.pop(name, None)
+            if isinstance(exc, Exception):  # the file's own error: a loading error, said so
+                raise _import_failed(location, exc) from exc
             raise
         return module
     if "" not in sys.path and os.getcwd() not in sys.path:
@@ -77,7 +79,27 @@ def _import_module(location: str) -> Any:
                 f"cannot import module {location!r} ({exc}); run from the folder that holds "
                 f"it, or name a file: path/to/file.py:FUNC"
             ) from None
-        raise
+        raise _import_failed(location, exc) from exc
+    except Exception as exc:
+        raise _import_failed(location, exc) from exc
+
+
+def _import_failed(location: str, exc: Exception) -> TargetError:
+    """The module (or something it imports) raised, or is not valid Python."""
+    return TargetError(f"importing {location} raised {type(exc).__name__}: {exc}")
+
+
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """Refuse an output file now, before a run it would come after, if it cannot be
+    written: its folder is missing or read-only, or it is a folder itself."""
+    target = Path(path)
+    folder = target.parent
+    if not folder.is_dir():
+        raise TargetError(f"cannot write {target}: no folder {folder}")
+    if target.is_dir():
+        raise TargetError(f"cannot write {target}: it is a folder")
+    if not os.access(target if target.exists() else folder, os.W_OK):
+        raise TargetError(f"cannot write {target}: permission denied")
 
 
 def _on_loop(task: Task) -> str:

@@ -21,19 +21,20 @@ a command-line or loading error.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import itertools
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from . import __version__, diagram
-from ._target import Target, TargetError, load_target, parse_thread_map
+from ._target import Target, TargetError, check_writable, load_target, parse_thread_map
 from .errors import PipelineError, ScheduleValidationError
 from .executors import resolve_executor
-from .lanes import ThreadMap, check_thread_map_names, resolve_lane
+from .lanes import ThreadMap, resolve_lane
 from .edges import dependency_edges, infer_cross_stream_event_deps, topological_sort
 from .pipeline import SchedulablePipeline
 from .runner import run
@@ -48,7 +49,14 @@ def _thread_map(args: argparse.Namespace, target: Target) -> ThreadMap:
     if not args.thread_map:
         return target.thread_map
     thread_map = parse_thread_map(args.thread_map)
-    check_thread_map_names(thread_map, [task.name for task in target.schedule.tasks])
+    names = [task.name for task in target.schedule.tasks]
+    mapped = thread_map if isinstance(thread_map, dict) else {}
+    unknown = [name for name in mapped if name not in names]
+    if unknown:  # a misspelt --thread-map: a command-line error
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TargetError(f"--thread-map names task(s) {unknown} that {target.spec} does not "
+                          f"have{hint}; its tasks are {names}")  # fmt: skip
     return thread_map
 
 
@@ -150,6 +158,7 @@ def _cmd_graph(args: argparse.Namespace, target: Target, tracer: Tracer | None) 
         data = diagram.render(target.schedule, fmt, thread_map, **options)
     if args.output:
         path = Path(args.output)
+        check_writable(path)
         if isinstance(data, bytes):
             path.write_bytes(data)
         else:
@@ -194,8 +203,42 @@ def _trace_pipeline(
     return pipe, tracer
 
 
-async def _run_progresses(pipe: SchedulablePipeline, batches: Iterable[Any], count: int) -> int:
-    source = iter(itertools.islice(batches, count))
+class _Batches:
+    """The first ``count`` batches, remembering what their source raised: a source
+    that fails is not a task that fails."""
+
+    def __init__(self, batches: Iterable[Any], count: int) -> None:
+        self._batches, self._count = batches, count
+        self._iterator: Iterator[Any] | None = None
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            if self._iterator is None:
+                self._iterator = itertools.islice(self._batches, self._count)
+            return next(self._iterator)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            self.error = exc
+            raise
+
+    def raised(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is (or was raised from) what the source raised."""
+        chain: list[BaseException] = []
+        seen: BaseException | None = exc
+        while seen is not None and not any(seen is link for link in chain):  # no cycles
+            if seen is self.error:
+                return True
+            chain.append(seen)
+            seen = seen.__cause__ or seen.__context__
+        return False
+
+
+async def _run_progresses(pipe: SchedulablePipeline, source: _Batches, count: int) -> int:
     done = 0
     async with pipe:
         while done < count:
@@ -208,13 +251,18 @@ async def _run_progresses(pipe: SchedulablePipeline, batches: Iterable[Any], cou
 
 
 def _cmd_trace(args: argparse.Namespace, target: Target, tracer: Tracer | None) -> int:
+    for output in (args.output, args.svg):
+        if output:
+            check_writable(output)  # now, not after the run
     pipe, tracer = _trace_pipeline(args, target, tracer or Tracer())
     batches = target.batches if target.batches is not None else itertools.count()
+    source = _Batches(batches, args.progresses)
     status = 0
     try:
-        done = run(_run_progresses(pipe, batches, args.progresses))
+        done = run(_run_progresses(pipe, source, args.progresses))
     except Exception as exc:
-        print(f"aiopipe trace: a task failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        what = "the batch source raised" if source.raised(exc) else "a task failed"
+        print(f"aiopipe trace: {what}: {type(exc).__name__}: {exc}", file=sys.stderr)
         status, done = 1, -1
     path = tracer.save(args.output)
     spans = tracer.spans

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationTypeError
 from .options import checked_count
+from .trace_files import merge_traces as merge_traces
 
 __all__ = (
     "Span", "Tracer", "merge_traces", "resolve_tracer", "several_pipelines", "track_name",
@@ -251,6 +251,8 @@ class Tracer:
                 "thread": span.thread,
                 "wait_us": span.wait_ns / 1e3,
             }
+            if span.pipeline:
+                args["pipeline"] = span.pipeline
             if span.await_ns:
                 args["await_us"] = span.await_ns / 1e3
             if span.failed:
@@ -315,21 +317,6 @@ class Tracer:
 
     def __repr__(self) -> str:
         return f"<Tracer spans={len(self._raw)} dropped={self.dropped}>"
-
-
-def merge_traces(paths: Iterable[str | os.PathLike[str]], output: str | os.PathLike[str]) -> Path:
-    """Join per-rank trace files into one (each rank keeps its own process row)."""
-    if isinstance(paths, (str, bytes, os.PathLike)):  # iterated, a str gives its characters
-        raise ConfigurationTypeError(
-            f"merge_traces takes a list of trace files, got the single path {paths!r}; "
-            f"pass [{str(paths)!r}]"
-        )
-    events: list[Any] = []
-    for path in paths:
-        events.extend(json.loads(Path(path).read_text())["traceEvents"])
-    target = Path(output)
-    target.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    return target
 
 
 def track_name(span: Span, several_pipelines: bool, *, gpu: bool = False) -> str:

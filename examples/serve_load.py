@@ -9,8 +9,9 @@ clients sends its share of ``--requests`` back to back; the report gives through
 p50/p99 latency and the server's batch-size histogram, as a table and a JSON line.
 A request that fails -- an HTTP error status, or the connection refused, dropped or
 timed out (a server that went away mid-run) -- is counted as an error of its client,
-by kind, and the run goes on.  Only loopback addresses are accepted: this is a local
-benchmark.
+by kind, and the run goes on; a server that does not answer the first ``GET /stats``
+ends the run at once, with one line saying so (exit status 1).  Only loopback addresses
+are accepted: this is a local benchmark.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,8 +46,8 @@ class LoadReport:
     error_kinds: dict[str, int]  # "http 503", "ServerDisconnectedError", ...
     seconds: float
     throughput_rps: float
-    p50_ms: float
-    p99_ms: float
+    p50_ms: float | None  # None (JSON null) when no request was answered
+    p99_ms: float | None
     server: dict[str, Any]  # empty when the server no longer answered /stats
 
 
@@ -63,9 +65,13 @@ def make_requests(count: int, seed: int = 0, max_history: int = 48) -> list[dict
     return bodies
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
+class ServerUnreachable(ConnectionError):
+    """The server did not answer ``GET /stats`` before the run: nothing to measure."""
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
     if not sorted_values:
-        return float("nan")
+        return None
     index = min(len(sorted_values) - 1, max(0, round(q * len(sorted_values)) - 1))
     return sorted_values[index]
 
@@ -98,7 +104,8 @@ async def run_load(url: str, bodies: list[dict[str, Any]], concurrency: int,
                    timeout_s: float = 60.0) -> LoadReport:  # fmt: skip
     """Send every body to ``url``/rank from ``concurrency`` clients; bounded by
     ``timeout_s`` per request.  A failed request counts as an error of its client
-    (see :class:`LoadReport`); only an unreachable server at the start raises."""
+    (see :class:`LoadReport`); only a server that does not answer ``GET /stats`` at
+    the start raises, :class:`ServerUnreachable`."""
     require_loopback(url)
     latencies: list[float] = []
     client_errors = [0] * concurrency
@@ -123,8 +130,13 @@ async def run_load(url: str, bodies: list[dict[str, Any]], concurrency: int,
                     continue
                 latencies.append(time.perf_counter() - start)
 
-        async with session.get("/stats") as response:
-            before = await response.json()
+        try:
+            async with session.get("/stats") as response:
+                response.raise_for_status()
+                before = await response.json()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            detail = str(exc) or type(exc).__name__
+            raise ServerUnreachable(f"the server at {url} is not reachable: {detail}") from None
         start = time.perf_counter()
         await asyncio.gather(*(client(number) for number in range(concurrency)))
         seconds = time.perf_counter() - start
@@ -134,11 +146,12 @@ async def run_load(url: str, bodies: list[dict[str, Any]], concurrency: int,
         except (aiohttp.ClientError, TimeoutError):
             server = {}
     latencies.sort()
+    p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
     return LoadReport(
         requests=len(bodies), concurrency=concurrency, errors=sum(client_errors),
         client_errors=client_errors, error_kinds=dict(error_kinds.most_common()), seconds=seconds,
         throughput_rps=len(latencies) / seconds if seconds else 0.0,
-        p50_ms=percentile(latencies, 0.50) * 1e3, p99_ms=percentile(latencies, 0.99) * 1e3,
+        p50_ms=None if p50 is None else p50 * 1e3, p99_ms=None if p99 is None else p99 * 1e3,
         server=server,
     )  # fmt: skip
 
@@ -166,8 +179,8 @@ def print_report(report: LoadReport) -> None:
     rows += [
         ("concurrency", str(report.concurrency)),
         ("throughput", f"{report.throughput_rps:.0f} requests/s"),
-        ("latency p50", f"{report.p50_ms:.1f} ms"),
-        ("latency p99", f"{report.p99_ms:.1f} ms"),
+        ("latency p50", "-" if report.p50_ms is None else f"{report.p50_ms:.1f} ms"),
+        ("latency p99", "-" if report.p99_ms is None else f"{report.p99_ms:.1f} ms"),
     ]
     if not server:
         rows.append(("server", "no statistics: the server stopped answering"))
@@ -185,23 +198,38 @@ def print_report(report: LoadReport) -> None:
     print(json.dumps(asdict(report)))
 
 
-def parse_args() -> argparse.Namespace:
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= ``low``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse's "invalid int value" for what is not a number
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8080",
                         help="the server (without --spawn)")  # fmt: skip
     parser.add_argument("--spawn", action="store_true", help="start a server on a free port")
-    parser.add_argument("--requests", type=int, default=2000, help="requests timed")
-    parser.add_argument("--concurrency", type=int, default=64, help="client loops sending at once")
+    parser.add_argument("--requests", type=at_least(1), default=2000, help="requests timed")
+    parser.add_argument("--concurrency", type=at_least(1), default=64,
+                        help="client loops sending at once")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="of the random request bodies")
     parser.add_argument("--max-batch", type=int, default=8, help="with --spawn")
     parser.add_argument("--max-wait-ms", type=float, default=2.0, help="with --spawn")
-    parser.add_argument("--warmup", type=int, default=100, help="requests sent first, not counted")
-    return parser.parse_args()
+    parser.add_argument("--warmup", type=at_least(0), default=100,
+                        help="requests sent first, not counted")  # fmt: skip
+    return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     process = None
     url = args.url
     if args.spawn:
@@ -212,6 +240,8 @@ def main() -> None:
             asyncio.run(run_load(url, make_requests(args.warmup, args.seed + 1), args.concurrency))
         bodies = make_requests(args.requests, args.seed)
         print_report(asyncio.run(run_load(url, bodies, args.concurrency)))
+    except ServerUnreachable as exc:
+        raise SystemExit(f"serve_load: {exc}") from None
     finally:
         if process is not None:
             process.send_signal(signal.SIGTERM)

@@ -452,4 +452,84 @@ def test_a_thread_map_naming_no_task_is_refused(
             return [Task.from_fn("step", lambda ctx: None)]
     """)  # fmt: skip
     status, _, err = run_cli(capsys, "validate", f"{path}:tasks", "--thread-map", "stpe=io")
-    assert status == 1 and "did you mean 'step'" in err
+    assert status == 2 and "did you mean 'step'" in err  # a command-line error (was 1)
+
+
+@pytest.mark.parametrize(("body", "said"), [
+    ("raise RuntimeError('module-level failure')\n", "RuntimeError: module-level failure"),
+    ("def x(:\n", "SyntaxError: invalid syntax"),
+    ("import nonexistent_module_zz\n", "ModuleNotFoundError: No module named 'nonexistent"),
+])  # fmt: skip
+@pytest.mark.parametrize("form", ["file", "module"])
+def test_a_target_that_fails_to_import_is_a_loading_error(
+    body: str, said: str, form: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # A raw traceback and exit status 1, where a target function that raises gave 2.
+    path = tmp_path / "fails_to_import_zz.py"
+    path.write_text(body + "def f():\n    return []\n")
+    monkeypatch.chdir(tmp_path)
+    spec = f"{path}:f" if form == "file" else "fails_to_import_zz:f"
+    status, _, err = run_cli(capsys, "validate", spec)
+    assert status == 2
+    assert err.count("\n") == 1 and said in err
+    assert ("fails_to_import_zz" in err) and "Traceback" not in err
+
+
+def test_trace_refuses_a_thread_map_naming_no_task(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Exit status 1, as for a task that fails; it is a command-line error.
+    path = write_target(tmp_path, """
+        def tasks():
+            return [Task.from_fn("step", lambda ctx: None)]
+    """)  # fmt: skip
+    out = tmp_path / "trace.json"
+    status, _, err = run_cli(capsys, "trace", f"{path}:tasks", "--thread-map", "a=io,zzz=io",
+                             "-o", str(out))  # fmt: skip
+    assert status == 2 and "--thread-map names task(s) ['a', 'zzz']" in err
+    assert not out.exists()
+
+
+def test_trace_says_when_the_batch_source_raised(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It said "a task failed: OSError: disk gone".
+    path = write_target(tmp_path, """
+        def batches():
+            yield 0
+            yield 1
+            raise OSError("disk gone")
+
+        def tasks():
+            def use(ctx):
+                ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+            return [Task.from_fn("use", use, writes=("step_result",))], batches()
+    """)  # fmt: skip
+    out = tmp_path / "trace.json"
+    status, _, err = run_cli(capsys, "trace", f"{path}:tasks", "-o", str(out))
+    assert status == 1
+    assert "the batch source raised: OSError: disk gone" in err and "a task failed" not in err
+    assert out.exists()  # the spans recorded so far are still written
+
+
+@pytest.mark.parametrize("option", ["-o", "--svg"])
+def test_trace_checks_its_output_files_before_running(
+    option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A missing folder was found only after the whole run.
+    ran = tmp_path / "ran"
+    path = write_target(tmp_path, f"""
+        def tasks():
+            def step(ctx):
+                open({str(ran)!r}, "w").close()
+                ctx.slots.set("step_result", 1)
+            return [Task.from_fn("step", step, writes=("step_result",))]
+    """)  # fmt: skip
+    missing = str(tmp_path / "no such folder" / "out")
+    outputs = {"-o": str(tmp_path / "trace.json"), "--svg": str(tmp_path / "t.svg")}
+    outputs[option] = missing
+    argv = [x for pair in outputs.items() for x in pair]
+    status, _, err = run_cli(capsys, "trace", f"{path}:tasks", *argv)
+    assert status == 2 and f"cannot write {missing}: no folder" in err
+    assert err.count("\n") == 1 and not ran.exists()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import signal
 import socket
@@ -363,3 +364,74 @@ async def test_the_load_generator_counts_a_server_gone_mid_run_as_errors(tmp_pat
     with contextlib.redirect_stdout(output):
         load.print_report(report)
     assert "(6 errors, " in output.getvalue() and "stopped answering" in output.getvalue()
+
+
+@contextlib.contextmanager
+def refused_url() -> Iterator[str]:
+    """A loopback port that is bound but not listening: every connection is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_the_load_generator_says_in_one_line_that_no_server_answers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A raw ClientConnectorError traceback from the first GET /stats.
+    with refused_url() as url:
+        monkeypatch.setattr(sys, "argv", ["serve_load.py", "--url", url, "--warmup", "0"])
+        with pytest.raises(SystemExit) as exited:
+            load.main()
+    message = str(exited.value.code)
+    assert message.startswith(f"serve_load: the server at {url} is not reachable: ")
+    assert "\n" not in message and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("option", [("--concurrency", "0"), ("--requests", "0"),
+                                    ("--requests", "-1"), ("--warmup", "-1")])  # fmt: skip
+def test_the_load_generator_refuses_no_clients_or_requests(
+    option: tuple[str, str], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    # --concurrency 0 sent nothing and reported NaN latencies; --requests -1 as many.
+    with refused_url() as url:
+        monkeypatch.setattr(sys, "argv", ["serve_load.py", "--url", url, *option])
+        with pytest.raises(SystemExit) as exited:
+            load.main()
+    assert exited.value.code == 2
+    assert f"argument {option[0]}: must be >= " in capsys.readouterr().err
+
+
+async def test_the_load_report_has_no_nan_when_no_request_was_answered() -> None:
+    # p50/p99 were NaN, and the JSON line said NaN, which JSON readers refuse.
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response({"batch_size_histogram": {}, "forward_seconds": 0.0})
+
+    async def rank(request: web.Request) -> web.Response:
+        return web.json_response({"error": "shutting down"}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/rank", rank)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    sock = socket.create_server(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    try:
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        report = await load.run_load(url, load.make_requests(4, seed=1), concurrency=2)
+    finally:
+        await runner.cleanup()
+    assert (report.errors, report.error_kinds) == (4, {"http 503": 4})
+    assert report.p50_ms is None and report.p99_ms is None
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        load.print_report(report)
+    lines = output.getvalue().splitlines()
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in the JSON line")
+
+    data = json.loads(lines[-1], parse_constant=refuse)
+    assert data["p50_ms"] is None and data["p99_ms"] is None
+    assert any(line.split() == ["latency", "p50", "-"] for line in lines)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import re
 import threading
 import time
 import weakref
@@ -16,6 +17,7 @@ import pytest
 from conftest import Recorder, collect
 
 from aiopipe import Pipeline, StreamPool, Task, TaskContext, Tracer
+from aiopipe.errors import ConfigurationError
 from aiopipe.trace import Span, merge_traces
 
 THREAD_MAP = {"load": "io", "prep": "io", "train": "compute", "step": "compute"}
@@ -501,3 +503,43 @@ async def test_the_await_clock_passes_results_errors_and_cancellation_through() 
     outer.send(None)  # runs to the await on `never`
     outer.close()  # closing the awaiting coroutine closes the body
     assert seen == ["finally"]
+
+
+def test_merged_tracers_of_one_process_keep_their_own_rows(tmp_path: Path) -> None:
+    # Both files had the same pid and tids: their lanes landed on one track, and
+    # nothing said which was "train" and which "eval".
+    paths = []
+    for name in ("train", "eval"):
+        tracer = Tracer()
+        tracer.record(Span("step", 0, 0, "compute", "main", None, 10, 20, pipeline=name))
+        paths.append(tracer.save(tmp_path / f"{name}.json", pid=4242, process_name="aiopipe"))
+    rank = Tracer()
+    rank.record(Span("step", 0, 0, "compute", "main", None, 10, 20))
+    paths.append(rank.save(tmp_path / "rank1.json", pid=1, process_name="rank 1"))
+    events = json.loads(merge_traces(paths, tmp_path / "merged.json").read_text())["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert processes == {0: "aiopipe (train.json: train)", 1: "aiopipe (eval.json: eval)",
+                         2: "rank 1"}  # a name no other file has is kept as it is
+    slices = [e for e in events if e["ph"] == "X"]
+    assert sorted((e["pid"], e["tid"]) for e in slices) == [(0, 1), (1, 1), (2, 1)]
+    assert [e["args"].get("pipeline") for e in slices] == ["train", "eval", None]
+    lanes = [(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"]
+    assert lanes == [(0, "lane compute"), (1, "lane compute"), (2, "lane compute")]
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ('{"traceEvents": ', "is not a JSON trace file: Expecting value"),
+    ("[]", 'expected a JSON object with a "traceEvents" list of event objects, got a JSON array'),
+    ('{"events": []}', "got an object without one"),
+    ('{"traceEvents": [1]}', "list of event objects"),
+])  # fmt: skip
+def test_merge_traces_names_a_file_that_is_not_a_trace(
+    text: str, said: str, tmp_path: Path
+) -> None:
+    # A raw JSONDecodeError (truncated) or TypeError (a JSON array).
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    Tracer().save(good)
+    bad.write_text(text)
+    with pytest.raises(ConfigurationError, match=f"^{re.escape(str(bad))}.*{re.escape(said)}"):
+        merge_traces([good, bad], tmp_path / "merged.json")
+    assert not (tmp_path / "merged.json").exists()

@@ -27,7 +27,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from .._target import Target, TargetError, load_target, parse_thread_map
+from .._target import Target, TargetError, check_writable, load_target, parse_thread_map
 from ..errors import ScheduleValidationError
 from ..lanes import ThreadMap
 from ..runner import run
@@ -173,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
         target = load_target(args.target)
         thread_map = parse_thread_map(args.thread_map) if args.thread_map else target.thread_map
         if args.output:
-            _check_writable(Path(args.output))  # before the profile and the search
+            check_writable(args.output)  # before the profile and the search
         costs = _costs(args, target, thread_map)
         frozen = [name.strip() for name in args.frozen.split(",") if name.strip()]
     except (TargetError, CostModelError, OSError) as exc:
@@ -207,8 +207,3 @@ def main(args: argparse.Namespace) -> int:
     print(json.dumps(payload, sort_keys=True))
     return 0
 
-
-def _check_writable(path: Path) -> None:
-    """Refuse ``-o PATH`` now, not after a profile and a search, if its folder is missing."""
-    if not path.parent.is_dir():
-        raise OSError(f"cannot write {path}: no folder {path.parent}")
