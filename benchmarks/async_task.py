@@ -1,4 +1,6 @@
-"""An ``async def`` fetch task one batch ahead of a synchronous torch step: does the
+"""Does an ``async def`` fetch one batch ahead start as the torch step starts?
+
+An ``async def`` fetch task one batch ahead of a synchronous torch step: does the
 fetch of batch k+1 start when step k starts?
 
 The fetch is a task of the pipeline (``lookahead=1``, a stream of its own, as

@@ -1,6 +1,7 @@
-"""What running the step on lane threads costs on one rank (or more): the HSTU demo step
-under each pipeline, every pipeline in a worker process of its own, in short
-alternating chunks.
+"""What running the step on lane threads costs, pipeline by pipeline.
+
+The HSTU demo step (or DLRM's) on one rank (or more) under each pipeline, every
+pipeline in a worker process of its own, in short alternating chunks.
 
 The rows: the plain loop, torchrec's ``TrainPipelineSparseDist``, aiopipe as the demo
 runs it (async form on uvloop when installed, default lanes: on a CPU every task on

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training
 from hstu_tasks import init_distributed, leave_and_exit, quiet_torchrec, stop_on_ctrl_c
-from hstu_tasks.arguments import at_least
+from hstu_tasks.arguments import at_least, output_file
 from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device
 from hstu_tasks.runners import parameter_checksum, parameter_digest
@@ -76,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps-per-call", type=at_least(1), default=1, metavar="K",
                         help="aiopipe pipelines: ask for K steps a call (progress_many: the "
                              "lanes chain them); calls end on checkpoints and eval passes")
-    parser.add_argument("--json", metavar="PATH",
+    parser.add_argument("--json", metavar="PATH", type=output_file,
                         help="write losses, checksum, samples digest and speed here")
     ResumableJob.add_arguments(parser)
     return parser.parse_args()

@@ -26,7 +26,7 @@ from aiopipe.timeline import write_timeline
 from hstu_tasks import DataConfig, HSTUBatch, ModelConfig, OptimizerConfig, SyntheticHSTUData
 from hstu_tasks import build_training, init_distributed, leave_and_exit, quiet_torchrec
 from hstu_tasks import stop_on_ctrl_c
-from hstu_tasks.arguments import at_least
+from hstu_tasks.arguments import at_least, output_file
 from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device, resolve_data_parallel
 from hstu_tasks.runners import PIPELINES, RunResult, parameter_checksum, parameter_digest
@@ -63,11 +63,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-items", type=at_least(1), default=2000,
                         help="rows of the item table")
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
-    parser.add_argument("--json", metavar="PATH", help="write losses, checksum and speed here")
-    parser.add_argument("--trace", metavar="PATH",
+    parser.add_argument("--json", metavar="PATH", type=output_file,
+                        help="write losses, checksum and speed here")
+    parser.add_argument("--trace", metavar="PATH", type=output_file,
                         help="write a Chrome/Perfetto timeline of the aiopipe tasks here "
                              "(one file per rank: PATH gets a .rankN suffix when world > 1)")
-    parser.add_argument("--timeline", metavar="PATH",
+    parser.add_argument("--timeline", metavar="PATH", type=output_file,
                         help="draw three steady-state iterations of the tasks as an SVG here "
                              "(rank 0)")
     ResumableJob.add_arguments(parser)
@@ -139,11 +140,13 @@ def main() -> None:
     if tracer is not None and args.timeline and rank == 0 and len(tracer) == 0:
         print("no steps ran in this attempt: no timeline drawn")
     elif tracer is not None and args.timeline and rank == 0:
-        middle = (args.steps - job.start) // 2
-        write_timeline(tracer.spans, args.timeline, iterations=(middle, middle + 2),
+        ran = max(span.iteration for span in tracer.spans) + 1  # iterations 0 .. ran - 1
+        first = max(min((args.steps - job.start) // 2, ran - 3), 0)
+        last = min(first + 2, ran - 1)
+        write_timeline(tracer.spans, args.timeline, iterations=(first, last),
                        title=f"HSTU step, {args.pipeline}, rank 0 of {world}, "
-                             f"iterations {middle}-{middle + 2}")  # fmt: skip
-        print(f"timeline of iterations {middle}-{middle + 2} drawn in {args.timeline}")
+                             f"iterations {first}-{last}")  # fmt: skip
+        print(f"timeline of iterations {first}-{last} drawn in {args.timeline}")
     losses = job.earlier_losses + result.global_losses()
     samples = job.samples_digest(len(result.loss_sums))
     checksum = parameter_checksum(setup.model)

@@ -1,12 +1,15 @@
-"""argparse types for the examples' numeric options: a value out of range is refused
-by argparse itself, with the option's name, before anything is built or joined."""
+"""argparse types for the examples' options: a value out of range, a malformed pair or
+an output file that cannot be written is refused by argparse itself, with the
+option's name, before anything is built, joined or trained."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ("at_least", "seconds")
+__all__ = ("at_least", "output_file", "pair", "seconds")
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -31,3 +34,28 @@ def seconds(text: str) -> float:
 
 
 seconds.__name__ = "float"
+
+
+def pair(text: str) -> tuple[int, int]:
+    """Two whole numbers as ``A:B``."""
+    first, colon, second = text.partition(":")
+    if not colon or not first.isdigit() or not second.isdigit():
+        raise argparse.ArgumentTypeError(f"expected two numbers as A:B, got {text!r}")
+    return int(first), int(second)
+
+
+def output_file(text: str) -> str:
+    """A file written at the end of a run: refused now, not after the training, if
+    its folder is missing or read-only or it is a folder itself."""
+    target = Path(text)
+    if not target.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: no folder {target.parent}")
+    if target.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
+    if not os.access(target if target.exists() else target.parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return text
+
+
+pair.__name__ = "A:B"
+output_file.__name__ = "path"

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from aiopipe.checkpoint import CheckpointError
 
-from .arguments import at_least, seconds
+from .arguments import at_least, pair, seconds
 from .checkpoint import JobCheckpoints
 
 __all__ = (
@@ -173,10 +173,10 @@ class FaultInjection:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         """``--kill-at``, ``--hold-at`` and ``--events``, for :meth:`from_args`."""
-        parser.add_argument("--kill-at", metavar="RANK:STEP",
+        parser.add_argument("--kill-at", metavar="RANK:STEP", type=pair,
                             help="for tests: SIGKILL rank RANK right after step STEP, on the "
                                  "first attempt only (torchrun restarts it)")
-        parser.add_argument("--hold-at", metavar="STEP:WORLD", action="append",
+        parser.add_argument("--hold-at", metavar="STEP:WORLD", action="append", type=pair,
                             help="for tests: after step STEP in a group of WORLD ranks, wait "
                                  "for the file release-STEP-WORLD in the --events directory")
         parser.add_argument("--events", metavar="DIR",
@@ -185,14 +185,9 @@ class FaultInjection:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, rank: int, world_size: int) -> FaultInjection:
-        """From the flags of :meth:`add_arguments`; a malformed one exits with usage."""
-        try:
-            kill_at = _pair(args.kill_at) if args.kill_at else None
-            hold_at = frozenset(_pair(spec) for spec in args.hold_at or ())
-            return cls(rank=rank, world_size=world_size, kill_at=kill_at, hold_at=hold_at,
-                       events=args.events)  # fmt: skip
-        except ValueError as error:
-            raise SystemExit(f"{sys.argv[0]}: {error}") from None
+        """From the flags of :meth:`add_arguments` (argparse refused malformed ones)."""
+        return cls(rank=rank, world_size=world_size, kill_at=args.kill_at,
+                   hold_at=frozenset(args.hold_at or ()), events=args.events)  # fmt: skip
 
     def stops(self) -> list[int]:
         """The steps every rank must end a call on: where a rank kills itself or they
@@ -223,13 +218,6 @@ class FaultInjection:
             release = self.events / f"release-{position}-{self.world_size}"
             while not release.exists():  # a test's gate, polled: it may kill us instead
                 time.sleep(0.05)
-
-
-def _pair(spec: str) -> tuple[int, int]:
-    first, colon, second = spec.partition(":")
-    if not colon or not first.isdigit() or not second.isdigit():
-        raise ValueError(f"expected two numbers as A:B, got {spec!r}")
-    return int(first), int(second)
 
 
 #: Steps between two checkpoints when ``--checkpoint-every`` is not given.

@@ -1,6 +1,8 @@
-"""``./dev gpu-prepare``: download the wheels that travel to the CUDA machine, check
-that they and the working tree fit in what one command may take along, and print
-the command to run there and the paths to carry with it.
+"""``./dev gpu-prepare``: get ready for a run of the GPU suite on a CUDA machine.
+
+Download the wheels that travel to the CUDA machine, check that they and the
+working tree fit in what one command may take along, and print the command to run
+there and the paths to carry with it.
 
     ./dev gpu-prepare [--torch 2.11] [--dest .gpu-wheels]
 

@@ -411,3 +411,26 @@ def test_a_checkpoint_after_a_step_whose_loss_is_not_finite_is_refused(tmp_path:
     with pytest.raises(FloatingPointError, match="loss of step 2 is nan: no checkpoint written"):
         job.after_step(2, setup=None, losses=lambda: [1.0, float("nan")])
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def test_malformed_fault_points_and_unwritable_outputs_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse refuses them (exit 2, with usage) before anything is joined or trained:
+    a --kill-at that is no A:B pair said so only after joining the group, and a --json
+    in a missing folder failed only once the training was over."""
+    from hstu_tasks.arguments import output_file
+
+    for flags in (["--kill-at", "foo"], ["--hold-at", "1"]):
+        with pytest.raises(SystemExit) as exited:
+            job_of("--steps", "4", *flags)
+        assert exited.value.code == 2
+        assert "expected two numbers as A:B" in capsys.readouterr().err
+    assert job_of("--steps", "4", "--kill-at", "0:3").faults.kill_after is not None
+    parser = argparse.ArgumentParser(prog="train")
+    parser.add_argument("--json", type=output_file)
+    for bad, why in ((tmp_path / "missing" / "x.json", "no folder"), (tmp_path, "a folder")):
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(["--json", str(bad)])
+        assert exited.value.code == 2 and why in capsys.readouterr().err
+    assert parser.parse_args(["--json", str(tmp_path / "x.json")]).json == str(tmp_path / "x.json")
