@@ -6,9 +6,11 @@ source replaces it: refused while batches of the old one are in flight, unless i
 discards the batches in flight and *parks* the feed: its counts stay visible in
 ``statistics()`` and an item it read ahead, untouched by any task, goes to the next
 feed of the same source, which counts on from them (its position past the batches
-dropped, which that run skips).  The last source left before its end is remembered
-with its counts: passed again after other sources (``step()``, an evaluation pass),
-it counts on.  Every batch dropped untrained is counted.
+dropped, which that run skips).  The last few sources left before their end are
+remembered with their counts: passed again after other sources (``step()``, an
+evaluation stream taking turns), each counts on -- unless it is a DataLoader's
+iterator that ``iter(loader)`` reset for a new pass.  Every batch dropped untrained
+is counted.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ from .sources import OneBatch, Source
 __all__ = ("Feeds",)
 
 
+#: A source left before its end: a reference to it, its counts, the error its next
+#: call raises, and how many items it had given (a DataLoader's iterator).
+_Left = tuple[Callable[[], object], Counts, Exception | None, int | None]
+#: How many sources left before their end are remembered (training and validation
+#: streams taking turns, say), the latest first kept.
+REMEMBERED = 4
+
+
 class Feeds:
     """The current feed of one pipeline, the parked one, a seeded first batch and
     the count of batches discarded.  ``reset_ring`` empties the pipeline's ring."""
@@ -40,12 +50,12 @@ class Feeds:
         self.current: Feed | None = None
         self._parked: Feed | None = None
         self._drained: Feed | None = None  # shown by statistics() until the next source
-        # The last source left before its end (drained, its batches dropped by reset()
-        # and another source passed, or idle when another was passed) and its counts:
-        # passed again, even after other sources, it counts on from them.  Held weakly
-        # where it can be (a loader's iterator keeps its workers).
-        # (Its error left for the next call on it goes with it.)
-        self._suspended: tuple[Callable[[], object], Counts, Exception | None] | None = None
+        # The last sources left before their end (drained, their batches dropped by
+        # reset() and another source passed, or idle when another was passed), with
+        # their counts and the error left for their next call: passed again, even
+        # after other sources, each counts on.  Held weakly where a source takes it (a
+        # loader's iterator keeps its workers); never a results() loop's left early.
+        self._left: list[_Left] = []  # oldest first
         #: Batches dropped untrained, since the pipeline was built.
         self.discarded = 0
         #: Async generators a cancelled fetch closed when their feed was dropped.
@@ -119,37 +129,35 @@ class Feeds:
                               "batch(es) in flight, untrained", self._name, feed.in_flight)  # fmt: skip
             self.discard()
             feed = None
+        # The incoming source's record is taken before another is left (one record).
+        resumed = self._resumed(source)
         ahead: list[Any] = []
         parked, goes_on_from = self._parked, None
         if parked is not None:
             if feed is None and parked.source is source:  # reset() kept what it read ahead
                 ahead = parked.hand_over_ahead()
                 goes_on_from = parked
-            else:  # its position past the items it read ahead too (dropped just below)
+            elif not parked.abandoned:  # (a results() loop left early: never resumed)
+                # Past the items it read ahead too (dropped just below); reset() dropped
+                # the failure it was left with, not an error of the source read ahead.
                 past = parked.counts_past_taken
-                self._suspend(parked, past._replace(position=past.position + parked.held_ahead))
+                past = past._replace(position=past.position + parked.read_ahead_items)
+                self._suspend(parked, past, parked.held_error())
             self._drop(parked)
             self._parked = None
-        if feed is not None:
-            self._suspend(feed, feed.counts)  # idle: nothing read ahead (an error may be)
+        if feed is not None:  # idle: nothing read ahead (an error may be)
+            self._suspend(feed, feed.counts, feed.deferred or feed.held_error())
             self._drop(feed)
         new_feed = Feed(
             source, read_ahead=self._read_ahead, check_batch=self._check_batch,
             seed=self._seed, refused=self._seed_refused, ahead=ahead,
         )  # fmt: skip
         self._drained = None
-        suspended = self._suspended
-        if suspended is not None and suspended[0]() is source:
-            self._suspended = None
-        else:
-            suspended = None
         if goes_on_from is not None and not goes_on_from.ended:
             # The same source goes on after reset(): past the batches it dropped too.
             new_feed.counts_before = goes_on_from.counts_past_taken
-        elif suspended is not None:
-            new_feed.counts_before = suspended[1]  # the same source goes on
-        if suspended is not None:
-            new_feed.deferred = suspended[2]
+        elif resumed is not None:
+            new_feed.counts_before, new_feed.deferred = resumed  # the same source goes on
         self.seed(None)
         # step() adopts a one-batch source per call: those only at DEBUG
         level = logging.DEBUG if isinstance(source, OneBatch) else logging.INFO
@@ -177,19 +185,36 @@ class Feeds:
         (passed again after that, an iterator such as a persistent ``DataLoader``'s
         starts a new pass)."""
         if self.current is not None:
-            self._suspend(self.current, self.current.counts)
+            self._suspend(self.current, self.current.counts, self.current.deferred)
             self._drained, self.current = self.current, None
 
-    def _suspend(self, feed: Feed, counts: Counts) -> None:
-        """``feed`` is left before its source's end: remember its counts for the source's
-        next use (one source at a time; ``step()``'s one-batch sources never go on)."""
+    def _suspend(self, feed: Feed, counts: Counts, error: Exception | None) -> None:
+        """``feed`` is left before its source's end: remember its counts, and the error
+        its next call must raise, for the source's next use (the latest
+        :data:`REMEMBERED` sources; ``step()``'s one-batch sources never go on)."""
         if not feed.ended and not isinstance(feed.source, OneBatch):
-            left = self._suspended
-            if left is not None and left[2] is not None:
-                pipeline_log.warning("%s: an earlier source's %r was never raised: other "
-                                     "sources came after it", self._name, left[2])  # fmt: skip
-            error = feed.deferred or feed.held_error()  # raised when it is passed again
-            self._suspended = (_reference(feed.source), counts, error)
+            self._left = [left for left in self._left if left[0]() is not feed.source]
+            self._left.append((_reference(feed.source), counts, error, _yielded(feed.source)))
+            if len(self._left) > REMEMBERED:
+                forgotten = self._left.pop(0)
+                if forgotten[2] is not None:
+                    pipeline_log.warning(
+                        "%s: an earlier source's %r was never raised: other sources came "
+                        "after it", self._name, forgotten[2],
+                    )  # fmt: skip
+
+    def _resumed(self, source: Source) -> tuple[Counts, Exception | None] | None:
+        """The counts (and error) ``source`` was left with, taken; ``None`` if it is
+        none of the sources left, or is a loader's iterator reset since (a new pass)."""
+        found = [left for left in self._left if left[0]() is source]
+        if not found:
+            return None
+        record = found[0]
+        self._left.remove(record)
+        yielded = _yielded(source)
+        if yielded is not None and record[3] is not None and yielded < record[3]:
+            return None  # iter(loader) reset the persistent DataLoader's iterator
+        return record[1], record[2]
 
     def close(self) -> None:
         """Stop any pull under way (the pipeline shuts down)."""
@@ -218,6 +243,14 @@ def _reference(source: Source) -> Callable[[], object]:
         return weakref.ref(source)
     except TypeError:
         return lambda: source
+
+
+def _yielded(source: object) -> int | None:
+    """How many items a DataLoader's iterator has given in its pass: one whose count
+    went down since was reset by ``iter(loader)`` (persistent workers keep one
+    iterator object for every pass)."""
+    yielded = getattr(source, "_num_yielded", None)
+    return yielded if isinstance(yielded, int) else None
 
 
 def _was_cut_off(cut_off: weakref.WeakKeyDictionary[Any, None], source: object) -> bool:

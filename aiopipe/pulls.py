@@ -70,13 +70,21 @@ class Pulls:
         """Items read ahead (or being read), not yet placed in the ring."""
         return sum(map(_holds_an_item, (self.ahead, *self._behind)))
 
+    @property
+    def read_ahead_items(self) -> int:
+        """Items read ahead and done reading (a pull still under way has taken none
+        from a source that survives its cancellation)."""
+        pulls = (self.ahead, *self._behind)
+        return sum(1 for pull in pulls if _holds_an_item(pull) and pull is not None and pull.done())
+
     def held_error(self) -> Exception | None:
         """The source's own error, read ahead and not raised yet."""
-        ahead = self.ahead
-        if ahead is None or not ahead.done() or ahead.cancelled():
-            return None
-        error = ahead.exception()
-        return error if isinstance(error, Exception) else None
+        for pull in (self.ahead, *self._behind):
+            if pull is not None and pull.done() and not pull.cancelled():
+                error = pull.exception()
+                if isinstance(error, Exception):
+                    return error
+        return None
 
     def hand_over_ahead(self) -> list[asyncio.Future[Any]]:
         """Give up the items read ahead, in order, for a new feed of the same source

@@ -27,7 +27,8 @@ class PipelineStatistics:
     After ``drain()`` or ``reset()`` the counts are that source's; passed again, it
     counts on from them (another source, or the same one after a call was handed its
     end, from 0), also after other sources came between (``step()`` calls, an
-    evaluation pass): the last source left before its end is remembered.  After
+    evaluation stream taking turns): the last few sources left before their end are
+    remembered (a DataLoader's iterator that ``iter(loader)`` reset starts afresh).  After
     ``reset()`` its position then counts on past the batches ``reset()`` dropped
     (those read ahead too): that run skips them, and a run resumed from a later
     checkpoint must not train again the steps applied before them."""

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -625,6 +626,70 @@ async def test_a_source_passed_again_after_other_sources_counts_on(left: str) ->
         assert await pipe.step("other") == "other"  # step() sources are never remembered
         assert await pipe.progress(source) == (4 if left == "idle" else 6)
         assert pipe.statistics().position == (5 if left == "idle" else 7)
+
+
+async def test_two_sources_taking_turns_each_count_on() -> None:
+    """Training and a long validation stream, each drained in turn: each goes on where
+    it stood (one remembered source: leaving one forgot the other's counts)."""
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    train, validation = iter(range(100)), iter(range(1000, 1100))
+    async with pipe:
+        for round_no in range(3):
+            assert [await pipe.progress(train) for _ in range(3)] == [
+                4 * round_no + i for i in range(3)]  # fmt: skip
+            await pipe.drain()  # the one read ahead
+            assert pipe.statistics().position == 4 * (round_no + 1)
+            assert len([await pipe.progress(validation) for _ in range(2)]) == 2
+            await pipe.drain()
+            assert pipe.statistics().position == 3 * (round_no + 1)
+
+
+async def test_a_persistent_loaders_next_pass_starts_afresh_after_other_sources() -> None:
+    """``iter(loader)`` with persistent workers returns the same iterator object, reset:
+    a new pass, counted from 0, whatever came between (the loader's own count of the
+    items it gave says so)."""
+    import torch.utils.data
+
+    loader = torch.utils.data.DataLoader(
+        list(range(10)), batch_size=None, num_workers=1, persistent_workers=True
+    )  # fmt: skip
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    async with pipe:
+        for _ in range(2):
+            source = iter(loader)
+            assert [int(await pipe.progress(source)) for _ in range(4)] == [0, 1, 2, 3]
+            await pipe.drain()
+            assert pipe.statistics().position == 5
+            assert await pipe.step("evaluate") == "evaluate"
+        assert iter(loader) is source  # the case this is about
+
+
+async def test_a_results_loop_left_early_keeps_no_reference_to_its_batches() -> None:
+    class Batch:
+        pass
+
+    batches = [Batch() for _ in range(6)]
+    last = weakref.ref(batches[-1])
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    async with pipe:
+        async for _ in pipe.results(batches):
+            break
+        assert await pipe.step("other") == "other"  # the loop's batches are discarded
+        del batches
+        gc.collect()
+        assert last() is None
+
+
+async def test_reset_drops_the_failure_left_for_the_next_call_whatever_comes_next() -> None:
+    for between in (False, True):
+        pipe = Pipeline([Task.from_fn("train", echo)], check_batch=lambda item: item != 3)
+        source = iter(range(8))
+        async with pipe:
+            assert await pipe.progress_many(source, 5) == [0, 1, 2]  # 3 refused, left
+            pipe.reset()
+            if between:
+                assert await pipe.step("other") == "other"
+            assert await pipe.progress(source) == 4
 
 
 async def test_a_refusal_progress_many_left_for_later_is_raised_on_its_own_source() -> None:
