@@ -214,9 +214,15 @@ class CheckpointManager:
         self._prune()
 
     def _prune(self) -> None:
-        for old in self.complete_steps()[: -self.keep]:
-            remove_checkpoint(self.path(old))
-        remove_leftovers(self.directory)
+        """Delete checkpoints older than the newest ``keep``.  After the commit point: a
+        failure here (a busy file on NFS) is logged, not reported as a failed save."""
+        try:
+            for old in self.complete_steps()[: -self.keep]:
+                remove_checkpoint(self.path(old))
+            remove_leftovers(self.directory)
+        except (OSError, CheckpointError) as error:
+            checkpoint_log.warning("pruning %s failed, the next save tries "
+                                 "again: %s", self.directory, error)  # fmt: skip
 
     # -- reading -----------------------------------------------------------------------
 

@@ -143,6 +143,21 @@ class Killed(BaseException):
     """The process dying where it is raised (as SIGKILL would, nothing after runs)."""
 
 
+def test_a_prune_that_fails_after_the_commit_is_no_failed_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A leftover that cannot be cleared (here a file where the aside name goes; on NFS
+    # a busy .nfs file): the save had committed, and it was reported failed.
+    manager = CheckpointManager(tmp_path, keep=1)
+    manager.save(1, weights(1))
+    (tmp_path / "step-00000001.pruned").write_text("in the way")
+    manager.save(2, weights(2))  # committed; pruning step 1 fails and is logged
+    assert manager.latest() == 2 and "pruning" in caplog.text
+    (tmp_path / "step-00000001.pruned").unlink()
+    manager.save(3, weights(3))  # the next save prunes what is left
+    assert manager.complete_steps() == [3]
+
+
 def test_a_crash_while_pruning_never_lists_a_broken_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
