@@ -681,3 +681,29 @@ def test_wrong_arguments_are_refused_when_the_pipeline_is_built() -> None:
         # the family's shared maps name tasks some schedules lack: still accepted
         SparseDistPipeline(model, optimizer, device, schedule="base",
                            thread_map=SPARSE_DIST_THREAD_MAP).shutdown()  # fmt: skip
+
+
+def test_a_pipeline_shut_down_gives_its_agreement_group_to_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An evaluation pipeline made per pass, each ending together with the others:
+    one gloo group for all of them (each made its own, never freed: connections and
+    threads piling up over a long job)."""
+    import torch.distributed as dist
+
+    made: list[Any] = []
+    new_group = dist.new_group
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made.append(new_group(*args, **kwargs))
+        return made[-1]
+
+    with one_rank_group():
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+        setup.model.eval()
+        monkeypatch.setattr(dist, "new_group", counted)
+        for _ in range(3):
+            evaluator = SparseDistEvalPipeline(setup.model, None, setup.device, end_together=True)
+            assert len(asyncio.run(collect(evaluator, iter(SyntheticDLRMData(SMALL, 2))))) == 2
+            evaluator.shutdown()
+        assert len(made) == 1

@@ -51,9 +51,10 @@ from .schedules import fused as fused
 from .schedules import pt2 as pt2
 from .schedules import semi_sync as semi_sync
 from .schedules import train_schedule as train_schedule
+from .sources import AgreementGroups as AgreementGroups
 from .sources import SourceWrappers as SourceWrappers
+from .sources import agreement_groups as agreement_groups
 from .sources import ended_together as ended_together
-from .sources import new_agreement_group as new_agreement_group
 from .sources import torchrec_results as torchrec_results
 from .staged import stage_tasks as stage_tasks
 from .staged import staged_pipeline as staged_pipeline
@@ -77,6 +78,7 @@ __all__ = (
     "SPARSE_DIST_THREAD_MAP",
     "STREAMS",
     "TRAIN_SCHEDULES",
+    "AgreementGroups",
     "DLRMConfig",
     "DLRMRun",
     "InputDistNotPipelinedError",
@@ -92,6 +94,7 @@ __all__ = (
     "StepLayout",
     "SyntheticDLRMData",
     "TrainSchedule",
+    "agreement_groups",
     "build_dlrm_training",
     "build_sparse_dist_tasks",
     "carries_torchrec_rewrite",
@@ -102,7 +105,6 @@ __all__ = (
     "finish_input_dist_splits",
     "fused",
     "input_dist_pipelined",
-    "new_agreement_group",
     "pipelined_step_tasks",
     "pt2",
     "run_dlrm",

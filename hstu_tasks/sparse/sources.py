@@ -16,7 +16,8 @@ from aiopipe import PipelineStateError
 from aiopipe.sources import Source, not_a_source
 
 __all__ = (
-    "SourceWrappers", "StepsPerCall", "ended_together", "new_agreement_group", "results_by_call",
+    "AgreementGroups", "SourceWrappers", "StepsPerCall", "agreement_groups", "ended_together",
+    "results_by_call",
     "torchrec_results", "without_last_two",
 )  # fmt: skip
 
@@ -53,15 +54,33 @@ def ended_together(source: Source, group: Any) -> Source:
     return _EndedTogether(source, group)
 
 
-def new_agreement_group() -> Any:
-    """A gloo group of every rank, for one pipeline's :func:`ended_together`.  Its
-    all-reduces run on the event loop's thread, outside the tickets that order the
-    lanes' collectives, so they must not share a group with them; nor with another
-    pipeline's: an async source's agreement is started whenever its item arrives, so
-    two pipelines' agreements in one group could meet in a different order on each
-    rank.  Every rank must make it at the same point (a pipeline's first
-    ``progress``)."""
-    return dist.new_group(backend="gloo")
+class AgreementGroups:
+    """Gloo groups of every rank for :func:`ended_together`, one per pipeline alive.
+    Their all-reduces run on the event loop's thread, outside the tickets that order
+    the lanes' collectives, so they must not share a group with them; nor with another
+    live pipeline's: an async source's agreement is started whenever its item arrives,
+    so two pipelines' agreements in one group could meet in a different order on each
+    rank.  A pipeline shut down gives its group back for the next one (an evaluation
+    pipeline made per pass holds no new connections each time).  Every rank must take
+    and give back at the same points (a pipeline's first ``progress``, its
+    ``shutdown()``)."""
+
+    def __init__(self) -> None:
+        self._free: list[Any] = []
+        self._world: Any = None  # the default group the free ones belong to
+
+    def take(self) -> Any:
+        if self._world is not dist.group.WORLD:  # a new default group: the old ones are gone
+            self._free, self._world = [], dist.group.WORLD
+        return self._free.pop() if self._free else dist.new_group(backend="gloo")
+
+    def give_back(self, group: Any, world: Any) -> None:
+        if world is self._world:
+            self._free.append(group)
+
+
+#: The process's agreement groups.
+agreement_groups = AgreementGroups()
 
 
 class SourceWrappers:

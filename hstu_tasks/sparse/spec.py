@@ -22,7 +22,7 @@ from torchrec.streamable import Pipelineable
 from aiopipe import Task
 from aiopipe.sources import Source
 
-from .sources import SourceWrappers, ended_together, new_agreement_group, without_last_two
+from .sources import SourceWrappers, agreement_groups, ended_together, without_last_two
 
 __all__ = ("SHARED_REWRITE", "PipelineSpec", "check_pipelineable", "with_source_wrappers")
 
@@ -112,10 +112,16 @@ def with_source_wrappers(spec: PipelineSpec, end_together: bool | None,
     def wrap(source: Source) -> Source:
         if together:
             if not group or group[0][0] is not dist.group.WORLD:
-                group[:] = [(dist.group.WORLD, new_agreement_group())]
+                group[:] = [(dist.group.WORLD, agreement_groups.take())]
             source = ended_together(source, group[0][1])
         return without_last_two(source) if drop_last_two else source
 
+    def release() -> None:
+        spec.release()
+        if group:
+            agreement_groups.give_back(group[0][1], group[0][0])
+            group.clear()
+
     wrappers = SourceWrappers(wrap)
     return dataclasses.replace(spec, adapt=wrappers.adapt, ended=wrappers.ended,
-                               forget_sources=wrappers.clear)  # fmt: skip
+                               forget_sources=wrappers.clear, release=release)  # fmt: skip
