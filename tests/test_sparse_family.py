@@ -250,9 +250,10 @@ def test_fused_refuses_an_unknown_stream_and_a_model_another_schedule_rewrites()
     with pytest.raises(ValueError, match="schedule 'semi-sync': .*unexpected keyword"):
         train_schedule("semi-sync", {"emb_lookup_stream": "new"})
     model = torch.nn.Linear(2, 1)
-    first = SparseDistPipeline(model, None, "cpu", schedule="fused")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = SparseDistPipeline(model, optimizer, "cpu", schedule="fused")
     with pytest.raises(ValueError, match="installs torchrec's InSyncEmbeddingPipelinedForward"):
-        SparseDistPipeline(model, None, "cpu")
+        SparseDistPipeline(model, optimizer, "cpu")
     assert first.eval_pipeline() is not None  # evaluation follows whatever is installed
 
 
