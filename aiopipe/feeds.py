@@ -129,7 +129,7 @@ class Feeds:
                               "batch(es) in flight, untrained", self._name, feed.in_flight)  # fmt: skip
             self.discard()
             feed = None
-        # The incoming source's record is taken before another is left (one record).
+        # The incoming source's record is taken before another is left (a bounded list).
         resumed = self._resumed(source)
         ahead: list[Any] = []
         parked, goes_on_from = self._parked, None
