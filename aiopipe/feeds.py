@@ -54,7 +54,7 @@ class Feeds:
         # reset() and another source passed, or idle when another was passed), with
         # their counts and the error left for their next call: passed again, even
         # after other sources, each counts on.  Held weakly where a source takes it (a
-        # loader's iterator keeps its workers); never a results() loop's left early.
+        # loader's iterator keeps its workers), only so a results() loop's left early.
         self._left: list[_Left] = []  # oldest first
         #: Batches dropped untrained, since the pipeline was built.
         self.discarded = 0
@@ -137,12 +137,14 @@ class Feeds:
             if feed is None and parked.source is source:  # reset() kept what it read ahead
                 ahead = parked.hand_over_ahead()
                 goes_on_from = parked
-            elif not parked.abandoned:  # (a results() loop left early: never resumed)
+            else:
                 # Past the items it read ahead too (dropped just below); reset() dropped
                 # the failure it was left with, not an error of the source read ahead.
+                # A results() loop left early is held weakly only: over a list, it is an
+                # iterator nobody else has, which would keep the list's batches alive.
                 past = parked.counts_past_taken
                 past = past._replace(position=past.position + parked.read_ahead_items)
-                self._suspend(parked, past, parked.held_error())
+                self._suspend(parked, past, parked.held_error(), weak_only=parked.abandoned)
             self._drop(parked)
             self._parked = None
         if feed is not None:  # idle: nothing read ahead (an error may be)
@@ -188,13 +190,16 @@ class Feeds:
             self._suspend(self.current, self.current.counts, self.current.deferred)
             self._drained, self.current = self.current, None
 
-    def _suspend(self, feed: Feed, counts: Counts, error: Exception | None) -> None:
+    def _suspend(
+        self, feed: Feed, counts: Counts, error: Exception | None, *, weak_only: bool = False
+    ) -> None:
         """``feed`` is left before its source's end: remember its counts, and the error
         its next call must raise, for the source's next use (the latest
         :data:`REMEMBERED` sources; ``step()``'s one-batch sources never go on)."""
-        if not feed.ended and not isinstance(feed.source, OneBatch):
+        reference = _reference(feed.source, weak_only)
+        if reference is not None and not feed.ended and not isinstance(feed.source, OneBatch):
             self._left = [left for left in self._left if left[0]() is not feed.source]
-            self._left.append((_reference(feed.source), counts, error, _yielded(feed.source)))
+            self._left.append((reference, counts, error, _yielded(feed.source)))
             if len(self._left) > REMEMBERED:
                 forgotten = self._left.pop(0)
                 if forgotten[2] is not None:
@@ -236,13 +241,13 @@ class Feeds:
             self._cut_off[feed.source] = None
 
 
-def _reference(source: Source) -> Callable[[], object]:
+def _reference(source: Source, weak_only: bool) -> Callable[[], object] | None:
     """A weak reference to ``source`` where it takes one, else a strong one (a list's
-    iterator: nothing else to keep alive)."""
+    iterator), or none where ``weak_only``."""
     try:
         return weakref.ref(source)
     except TypeError:
-        return lambda: source
+        return None if weak_only else lambda: source
 
 
 def _yielded(source: object) -> int | None:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -678,6 +678,24 @@ async def test_a_results_loop_left_early_keeps_no_reference_to_its_batches() -> 
         del batches
         gc.collect()
         assert last() is None
+
+
+async def test_an_iterator_whose_results_loop_was_left_counts_on_after_other_sources() -> None:
+    """A results() loop over a generator left early, a step() (the loop's batches in
+    flight are discarded), then the generator again: it counts on, past them."""
+
+    def batches() -> Iterator[int]:
+        yield from range(10)
+
+    source = batches()
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    async with pipe:
+        async for result in pipe.results(source):
+            if result == 2:
+                break
+        assert await pipe.step("other") == "other"  # discards 3, read ahead
+        assert await pipe.progress(source) == 4
+        assert pipe.statistics().position == 5
 
 
 async def test_reset_drops_the_failure_left_for_the_next_call_whatever_comes_next() -> None:
