@@ -24,7 +24,7 @@ from typing import Any
 from ._core.log import pipeline_log
 from .errors import PipelineStateError
 from .source import Counts, Feed
-from .sources import OneBatch, Source
+from .sources import OneBatch, Source, finished_generator
 
 __all__ = ("Feeds",)
 
@@ -261,4 +261,4 @@ def _yielded(source: object) -> int | None:
 def _was_cut_off(cut_off: weakref.WeakKeyDictionary[Any, None], source: object) -> bool:
     """Whether ``source`` is an async generator a dropped feed's cancelled fetch
     finished."""
-    return inspect.isasyncgen(source) and source in cut_off and source.ag_frame is None
+    return finished_generator(source) and source in cut_off

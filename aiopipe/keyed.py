@@ -33,13 +33,13 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, I
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import (
-    AsyncLibraryError, ConfigurationError, ConfigurationTypeError, FetchError, PipelineStateError,
-)  # fmt: skip
-from .interop import in_trio
+from .errors import ConfigurationError, ConfigurationTypeError, FetchError, PipelineStateError
 from ._core.loops import close_left
 from ._core.waker import mark_retrieved, wait_settled
-from .sources import END, not_a_source
+from .keyed_parts import (
+    NO_KEY, Entry, NotAwaitable, asyncio_loop, cancel_quietly, check_fetch, next_key, settled,
+)  # fmt: skip
+from .sources import END, closed_between_pulls, finished_generator, not_a_source
 
 __all__ = ("FetchAhead", "FetchStatistics", "fetch_ahead")
 
@@ -66,16 +66,6 @@ class FetchStatistics:
     closed: bool
 
 
-class _Entry:
-    """One place in the window: a key's fetch, or (``index`` None) an error of the
-    keys themselves, raised unchanged in its turn."""
-
-    __slots__ = ("future", "index", "key")
-
-    def __init__(self, index: int | None, key: Any, future: asyncio.Future[Any]) -> None:
-        self.index, self.key, self.future = index, key, future
-
-
 class FetchAhead(AsyncIterator[T]):
     """The batches ``fetch(key)`` returns for each key, in key order, fetched up to
     ``in_flight`` at a time: an async iterator any pipeline takes as its source.
@@ -94,9 +84,11 @@ class FetchAhead(AsyncIterator[T]):
             self._sync = iter(given)
         else:
             raise not_a_source("fetch_ahead()", keys, "an iterable or async iterable of keys")
-        _check_fetch(fetch)
+        check_fetch(fetch)
         if isinstance(in_flight, bool) or not isinstance(in_flight, int):
-            raise ConfigurationTypeError(f"fetch_ahead(in_flight=...) takes an int, got {in_flight!r}")
+            raise ConfigurationTypeError(
+                f"fetch_ahead(in_flight=...) takes an int, got {in_flight!r}"
+            )
         if in_flight < 1:
             raise ConfigurationError(
                 f"fetch_ahead(in_flight={in_flight}): at least 1 fetch must be allowed in flight"
@@ -104,7 +96,7 @@ class FetchAhead(AsyncIterator[T]):
         self._fetch: Callable[[Any], Awaitable[T]] = fetch
         self._limit = in_flight
         #: Fetches started, in key order; the head is handed out next.
-        self._window: collections.deque[_Entry] = collections.deque()
+        self._window: collections.deque[Entry] = collections.deque()
         #: The next key being pulled from async keys (a task: never cancelled by a caller).
         self._key_pull: asyncio.Future[Any] | None = None
         self._taken = self._delivered = 0
@@ -113,13 +105,13 @@ class FetchAhead(AsyncIterator[T]):
         self._keys_done = self._keys_failed = self._closed = False
         self._read_a_key = False  # async keys: one was read (and the generator not ended)
         #: A key taken whose fetch could not be started (an interrupt): started first.
-        self._unstarted: Any = _NO_KEY
+        self._unstarted: Any = NO_KEY
         #: ``fetch`` returned no awaitable: raised again, no further key taken.
         self._refused: ConfigurationTypeError | None = None
         self._lost: str | None = None
 
     async def __anext__(self) -> T:
-        loop = _asyncio_loop()
+        loop = asyncio_loop()
         while True:
             if self._closed:
                 raise StopAsyncIteration
@@ -174,13 +166,13 @@ class FetchAhead(AsyncIterator[T]):
         pending = self._pending()
         if not pending:  # nothing started: no loop needed (under trio too)
             return
-        loop = _asyncio_loop()
+        loop = asyncio_loop()
         running = []
         for future in pending:
             if future.done():
                 mark_retrieved(future)
             elif future.get_loop() is loop:  # (one of a closed loop never ends)
-                _cancel_quietly(future)
+                cancel_quietly(future)
                 running.append(future)
         self._window.clear()
         self._key_pull = None
@@ -204,7 +196,7 @@ class FetchAhead(AsyncIterator[T]):
                 mark_retrieved(future)
                 continue
             with contextlib.suppress(RuntimeError):  # its loop is closed: nothing runs
-                future.get_loop().call_soon_threadsafe(_cancel_quietly, future)
+                future.get_loop().call_soon_threadsafe(cancel_quietly, future)
 
     def _pending(self) -> list[asyncio.Future[Any]]:
         """The fetches and the key pull whose outcome nobody has taken."""
@@ -218,7 +210,7 @@ class FetchAhead(AsyncIterator[T]):
         while len(self._window) < self._limit and not (
             self._keys_done or self._keys_failed or self._closed or self._lost
         ):
-            if self._unstarted is not _NO_KEY:
+            if self._unstarted is not NO_KEY:
                 self._take(self._unstarted)
                 continue
             if self._async is not None:
@@ -226,7 +218,7 @@ class FetchAhead(AsyncIterator[T]):
                 if pull is None:
                     if self._keys_closed():
                         return
-                    self._key_pull = asyncio.ensure_future(_next_key(self._async))
+                    self._key_pull = asyncio.ensure_future(next_key(self._async))
                     # A weak reference: a pending pull must not keep a dropped self alive.
                     self._key_pull.add_done_callback(_notify(weakref.ref(self)))
                     return  # _key_arrived goes on
@@ -247,7 +239,7 @@ class FetchAhead(AsyncIterator[T]):
             return  # taken already, closed meanwhile, or a pull of a loop that shut down
         self._key_pull = None
         if pull.cancelled():  # a loop shutting down: pulled again on the next one
-            if inspect.isasyncgen(self._async) and self._async.ag_frame is None:
+            if finished_generator(self._async):
                 self._lost = "a loop shutting down closed the async generator of keys mid-pull"
             return
         problem = pull.exception()
@@ -262,13 +254,9 @@ class FetchAhead(AsyncIterator[T]):
         """Whether the async generator of keys was closed between two pulls without
         having ended (its loop shut down: ``asyncio.run`` closes the generators it
         iterated): then its remaining keys are lost, said by the next call."""
-        keys = self._async
-        if self._read_a_key and inspect.isasyncgen(keys) and keys.ag_frame is None:
-            self._lost = (
-                "the async generator of keys was closed between two pulls without having "
-                "ended: the event loop that first iterated it shut down (asyncio.run() and "
-                "aiopipe.run() close it when they return; keep every call inside one, or "
-                "use pipe.blocking()), or it was aclose()d"
+        if self._read_a_key and finished_generator(self._async):
+            self._lost = closed_between_pulls("the async generator of keys") + (
+                "; keep every call inside one loop, or use pipe.blocking()"
             )
         return self._lost is not None
 
@@ -278,18 +266,18 @@ class FetchAhead(AsyncIterator[T]):
             return
         self._unstarted = key  # kept if fetch(key) is interrupted
         future = self._start(key)
-        self._unstarted = _NO_KEY
+        self._unstarted = NO_KEY
         index = self._taken
         self._taken += 1
-        self._window.append(_Entry(index, key, future))
+        self._window.append(Entry(index, key, future))
 
     def _start(self, key: Any) -> asyncio.Future[Any]:
         try:
             fetching: object = self._fetch(key)  # checked: callers pass any callable
         except Exception as exc:  # a plain function that raised: that fetch failed
-            return _settled(exc)
+            return settled(exc)
         if not inspect.isawaitable(fetching):
-            return _settled(_NotAwaitable(
+            return settled(NotAwaitable(
                 f"fetch_ahead(): fetch returned {type(fetching).__name__}, not an awaitable: "
                 f"define fetch with 'async def'"
             ))  # fmt: skip
@@ -297,7 +285,7 @@ class FetchAhead(AsyncIterator[T]):
 
     def _fail_keys(self, problem: BaseException) -> None:
         self._keys_failed = True  # no key is read past it until it is raised
-        self._window.append(_Entry(None, None, _settled(problem)))
+        self._window.append(Entry(None, None, settled(problem)))
 
     def _revive(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start again, on ``loop``, the fetches of a loop that shut down before they
@@ -311,15 +299,14 @@ class FetchAhead(AsyncIterator[T]):
         if pull is not None and pull.get_loop() is not loop and not pull.done():
             close_left(pull)  # a generator's step: closing it finishes the generator
             self._key_pull = None  # its loop closed before the pull ended
-            keys = self._async
-            if inspect.isasyncgen(keys) and keys.ag_frame is None:
+            if finished_generator(self._async):
                 self._lost = ("the event loop a pull of the async generator of keys waited "
                               "on was stopped and closed (not cancelled); closing that pull "
                               "finished the generator")  # fmt: skip
 
     # -- handing out -----------------------------------------------------------------------
 
-    def _outcome(self, entry: _Entry) -> T:
+    def _outcome(self, entry: Entry) -> T:
         future = entry.future
         problem = None if future.cancelled() else future.exception()
         if problem is None and not future.cancelled():
@@ -331,7 +318,7 @@ class FetchAhead(AsyncIterator[T]):
             self._keys_failed = False
             raise problem
         self._failed.append(entry.index)
-        if isinstance(problem, _NotAwaitable):  # a bug, not a failed key (`except FetchError`
+        if isinstance(problem, NotAwaitable):  # a bug, not a failed key (`except FetchError`
             # would skip every key): raised again by every call, taking no further key
             self._refused = ConfigurationTypeError(*problem.args)
             raise self._refused from None
@@ -366,15 +353,6 @@ def fetch_ahead(
     return FetchAhead(keys, fetch, in_flight=in_flight)
 
 
-async def _next_key(keys: AsyncIterator[Any]) -> Any:
-    try:
-        # The generator's own step, not anext()'s wrapper: close_left finds it (a pull
-        # left on a loop closed by hand).
-        return await keys.__anext__()
-    except StopAsyncIteration:
-        return END
-
-
 def _notify(owner: weakref.ref[FetchAhead[Any]]) -> Callable[[asyncio.Future[Any]], None]:
     def arrived(pull: asyncio.Future[Any]) -> None:
         me = owner()
@@ -386,42 +364,3 @@ def _notify(owner: weakref.ref[FetchAhead[Any]]) -> Callable[[asyncio.Future[Any
     return arrived
 
 
-def _asyncio_loop() -> asyncio.AbstractEventLoop:
-    if asyncio._get_running_loop() is None and in_trio():
-        raise AsyncLibraryError(
-            "fetch_ahead() runs its fetches as asyncio tasks and was iterated from trio: "
-            "under trio, start the fetches in a nursery and feed the pipeline from a "
-            "memory channel (docs/anyio.md)"
-        )
-    return asyncio.get_running_loop()
-
-
-def _check_fetch(fetch: object) -> None:
-    if inspect.isawaitable(fetch):
-        raise ConfigurationTypeError(
-            f"fetch_ahead() takes the fetch function, got {type(fetch).__name__} (the "
-            f"result of calling it): pass fetch, not fetch(key)"
-        )
-    if not callable(fetch) or inspect.isgeneratorfunction(fetch) or inspect.isasyncgenfunction(fetch):
-        raise ConfigurationTypeError(
-            f"fetch_ahead() takes an 'async def fetch(key)' returning one batch, got {fetch!r}"
-        )
-
-
-_NO_KEY = object()
-
-
-class _NotAwaitable(ConfigurationTypeError):
-    """``fetch`` is a plain function: every key would fail the same way."""
-
-
-def _settled(problem: BaseException) -> asyncio.Future[Any]:
-    future = asyncio.get_running_loop().create_future()
-    future.set_exception(problem)
-    return future
-
-
-
-def _cancel_quietly(future: asyncio.Future[Any]) -> None:
-    future.add_done_callback(mark_retrieved)
-    future.cancel()

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from ._core.loops import close_left
 from ._core.waker import mark_retrieved, wait_settled
 from .errors import PipelineStateError
-from .sources import END, Taken
+from .sources import END, Taken, closed_between_pulls, finished_generator
 
 __all__ = ("Pulls",)
 
@@ -213,7 +212,7 @@ class Pulls:
         self.ahead = live[0] if live else None
         self._behind = collections.deque(live[1:])
         source = getattr(self._async, "source", self._async)
-        if inspect.isasyncgen(source) and source.ag_frame is None and self.lost is None:
+        if finished_generator(source) and self.lost is None:
             self.lost = (
                 "the event loop this async generator's pull waited on was stopped and "
                 "closed (not cancelled); closing that pull finished the generator"
@@ -224,13 +223,8 @@ class Pulls:
         assert self._async is not None
         # (Under trio the bridge's stand-in holds the caller's generator.)
         source = getattr(self._async, "source", self._async)
-        if self._read_any and inspect.isasyncgen(source) and source.ag_frame is None:
-            self.lost = (
-                "this async generator was closed between two pulls without having ended: "
-                "the event loop that first iterated it shut down (asyncio.run() and "
-                "aiopipe.run() close the async generators their loop iterated when they "
-                "return), or it was aclose()d"
-            )
+        if self._read_any and finished_generator(source):
+            self.lost = closed_between_pulls("this async generator")
             raise PipelineStateError(
                 f"{self.lost}. Any items it had left cannot be read: keep every progress() "
                 f"over an async source inside one asyncio.run()/aiopipe.run(), or call "
@@ -245,7 +239,7 @@ class Pulls:
         except asyncio.CancelledError:
             # The cancellation was thrown into an async generator's frame: unless it
             # caught it, the generator is finished and its remaining items gone.
-            if inspect.isasyncgen(source) and source.ag_frame is None:
+            if finished_generator(source):
                 self.lost = "a cancelled progress() closed this async generator mid-pull"
             raise
         except BaseException:  # the source's own error: it may end a generator

@@ -11,7 +11,10 @@ from typing import Any, Union
 
 from .errors import ConfigurationTypeError
 
-__all__ = ("END", "OneBatch", "Source", "Taken", "iterate", "not_a_source")
+__all__ = (
+    "END", "OneBatch", "Source", "Taken", "closed_between_pulls", "finished_generator", "iterate",
+    "not_a_source",
+)  # fmt: skip
 
 #: What a feed takes at a source's end (:meth:`~aiopipe.source.Feed.take`).
 END: Any = object()
@@ -71,3 +74,19 @@ class OneBatch(Iterator[Any]):
             raise StopIteration
         self._taken = True
         return self._batch
+
+
+def finished_generator(source: object) -> bool:
+    """Whether ``source`` is an async generator that is finished: ended, or closed
+    (by its loop's shutdown, ``aclose()``, or a pull closed on a closed loop)."""
+    return inspect.isasyncgen(source) and source.ag_frame is None
+
+
+def closed_between_pulls(what: str) -> str:
+    """Why ``what``, an async generator finished though it never ended, cannot give
+    its remaining items."""
+    return (
+        f"{what} was closed between two pulls without having ended: the event loop "
+        f"that first iterated it shut down (asyncio.run() and aiopipe.run() close the "
+        f"async generators their loop iterated when they return), or it was aclose()d"
+    )
