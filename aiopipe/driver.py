@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from time import monotonic as _monotonic
+from collections.abc import Callable
 from typing import Any
 
 from ._core.lanes import yield_cpu_to_lanes
@@ -47,7 +49,11 @@ from .source import Feed
 from .task import RESULT_SLOT
 from .trace import Tracer
 
-__all__ = ("IterationDriver",)
+__all__ = ("INLINE_YIELD_S", "IterationDriver")
+
+#: The longest an executor running iterations inline (the sequential one) keeps the
+#: event loop from other coroutines between two steps, in seconds.
+INLINE_YIELD_S = 0.005
 
 
 class IterationDriver:
@@ -62,6 +68,14 @@ class IterationDriver:
         self._annotator, self._tracer = annotator, tracer
         self._lane_names, self._pipeline, self._retired = lane_names, pipeline, retired
         self._start_fast: StartFast | None = getattr(executor, "start_iteration", None)
+        # An executor that runs an iteration of synchronous bodies in the caller's frame
+        # (the sequential one): no task, no loop cycle; the loop is yielded to every
+        # INLINE_YIELD_S instead (docs/performance.md).
+        inlines = getattr(executor, "inlines", None)
+        self._run_inline: Callable[[Iteration], None] | None = (
+            getattr(executor, "run_inline") if inlines is not None and inlines(plan) else None
+        )
+        self._yield_at = 0.0  # the monotonic clock's time at which the inline path yields next
         # The iteration under way: a task, or a future the lanes' callback completes.
         # Cancelling a caller never cancels it.
         self.running: asyncio.Future[None] | None = None
@@ -91,6 +105,7 @@ class IterationDriver:
         if not self._inits.done:
             await self._inits.run()
         feed.raise_deferred()  # left by a call that returned results first
+        yielded = False  # to the loop, by the inline path
         while True:
             if feed.outbox:
                 feed.returned += 1
@@ -98,10 +113,20 @@ class IterationDriver:
             self.failures.raise_pending()
             self.failures.raise_if_broken()
             if self.running is None:
+                if self._run_inline is not None and not yielded and _monotonic() >= self._yield_at:
+                    # Bodies run inline never suspend: let other coroutines run now
+                    # and then, before anything of this step is taken.
+                    await asyncio.sleep(0)
+                    self._yield_at = _monotonic() + INLINE_YIELD_S
+                    yielded = True
+                    continue  # another call may have run meanwhile
                 if not feed.exhausted and not feed.top_pulled:
                     await feed.pull(self._ring.top)
                 if feed.finished:
                     return False, None
+                if self._run_inline is not None:
+                    self._step_inline(feed)
+                    continue
                 # The read-ahead starts before the loop yields its CPU to the lanes:
                 # with every core busy, the loop would get it back only milliseconds
                 # later, and the fetch would start that late.
@@ -130,6 +155,21 @@ class IterationDriver:
             await self.wait_ended()  # guards the lanes too if the caller leaves
 
     # -- starting ----------------------------------------------------------------------
+
+    def _step_inline(self, feed: Feed) -> None:
+        """Run the feed's next iteration now, in this frame, and end it; read the next
+        item ahead, as a task's iteration would have it read."""
+        iteration = self.new_iteration(feed.iteration, self._ring, feed)
+        error: BaseException | None = None
+        try:
+            self._run_inline(iteration)  # type: ignore[misc]  # set: the caller checked
+        except BaseException as exc:
+            error = exc
+        error = self._end(feed, iteration, error, free_now=True)
+        if error is not None and not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt, SystemExit: out, its end handled
+        if feed.can_read_ahead:
+            feed.read_ahead()
 
     def start(self, feed: Feed, *, yield_cpu: bool = True) -> bool:
         """Start the feed's next iteration; whether it runs as a task (which has yet
@@ -230,12 +270,13 @@ class IterationDriver:
 
     def _end(
         self, feed: Feed, iteration: Iteration, error: BaseException | None,
-        done: asyncio.Future[None] | None = None,
+        done: asyncio.Future[None] | None = None, *, free_now: bool = False,
     ) -> BaseException | None:  # fmt: skip
         """Deliver the iteration's result, or record its failure; wake its waiters and
-        free what it evicted.  Returns the failure, if any (the device or this
-        bookkeeping may fail too).  An iteration queued behind it becomes the running
-        one if the lanes have started it (they do unless this one failed)."""
+        free what it evicted (``free_now``: now, else at the loop's next cycle).
+        Returns the failure, if any (the device or this bookkeeping may fail too).  An
+        iteration queued behind it becomes the running one if the lanes have started
+        it (they do unless this one failed)."""
         guarded = self._guarded is not None and self._guarded is self.running
         queued = self._chain.take()
         self.running = self._handle = self._current = None
@@ -261,7 +302,10 @@ class IterationDriver:
             self.failures.record(iteration.number, iteration.started, error)
         if done is not None and not done.get_loop().is_closed():
             done.set_result(None)
-        self._retired.free_soon()
+        if free_now:
+            self._retired.free()
+        else:
+            self._retired.free_soon()
         if not (error is None and successor_runs and self._chain.after_end(feed)):
             self._chain.stop()
             self.wake_waiters()

@@ -11,7 +11,8 @@ short alternating chunks, ``--processes`` fresh sets of them
 of the same round is the paired figure.
 
     ./dev bench presets [--device cpu|cuda] [--chunk 40] [--rounds 15] [--processes 5]
-                        [--configs plain T1 T2 sequential T1-many blocking blocking-many]
+                        [--configs plain T1 T2 sequential T1-many blocking blocking-many
+                                  blocking-sequential]
                         [--width 512] [--batch 256]
 
 ``T1-many`` and ``blocking-many`` ask for a whole chunk in one ``progress_many`` call
@@ -50,6 +51,7 @@ CONFIGS = {
     "T1-many": "T1, progress_many(source, chunk): the lanes chain the steps",
     "blocking": "T1, blocking form, progress() per step",
     "blocking-many": "T1, blocking form, progress_many(source, chunk)",
+    "blocking-sequential": "T1, executor='sequential', blocking form, progress() per step",
 }
 # Steps before the first timed chunk: first-step costs (allocator, a lane thread's
 # first OpenMP team, the pipeline filling up) are not per-step speed.
@@ -125,6 +127,7 @@ def _build(config: str, rank: int, *, device: str, width: int,
         return plain, nothing_to_report
     choices: dict[str, dict[str, Any]] = {
         "T2": {"prefetch": True, "memcpy_stream": True}, "sequential": {"executor": "sequential"},
+        "blocking-sequential": {"executor": "sequential"},
     }  # fmt: skip
     options = choices.get(config, {})
     pipe = basic(model, opt, loss_fn=loss_fn, forward=forward, **options)
