@@ -114,7 +114,7 @@ def the_rest(pipe: Pipeline, source: Any) -> list[Any]:
 def test_a_progress_left_on_a_closed_loop_lets_the_next_loop_go_on(
     executor: str, when: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if executor == "sequential":  # each call yields first, before it takes anything
+    if executor != "lanes":  # steps run inline: each call yields first, before it takes anything
         monkeypatch.setattr(aiopipe.driver, "INLINE_YIELD_S", 0.0)
     steps: list[int] = []
     started, release = threading.Event(), threading.Event()
@@ -122,8 +122,8 @@ def test_a_progress_left_on_a_closed_loop_lets_the_next_loop_go_on(
     source = iter(range(5))
     assert stop_when(lambda: pipe.progress(source), bool) == [0]
     # "at once": right after the call started batch 1's iteration (on the loop, as a
-    # task not yet run), or where the sequential executor's call yields before it
-    # runs the step inline; "mid-step": while its body runs.
+    # task not yet run), or, for steps run inline (every task on the loop's thread),
+    # where the call yields before it runs the step; "mid-step": while its body runs.
     stopped = (lambda _: True) if when == "at once" else (lambda _: started.is_set())
     assert stop_when(lambda: pipe.progress(source), stopped) == []
     release.set()

@@ -11,7 +11,10 @@ from typing import Any
 import pytest
 
 import aiopipe.driver
-from aiopipe import Pipeline, PipelineStateError, Task, TaskContext
+from aiopipe import (
+    AsyncExecutor, Pipeline, PipelineStateError, SequentialExecutor, Task, TaskContext,
+)
+from aiopipe.executors import Iteration
 
 
 class Clock:
@@ -54,10 +57,16 @@ def finished_without_suspending(call: Any) -> Any:
     return stop.value.value
 
 
-async def test_a_step_of_synchronous_tasks_takes_no_loop_cycle(clock: Clock) -> None:
+#: The executors that run steps inline: the sequential one, and lanes with every
+#: task on the reserved lane "loop".
+INLINE = {"sequential": lambda: "sequential", "loop": lambda: AsyncExecutor(lambda task: "loop")}
+
+
+@pytest.mark.parametrize("executor", INLINE)
+async def test_a_step_of_synchronous_tasks_takes_no_loop_cycle(clock: Clock, executor: str) -> None:
     steps: list[int] = []
     source = iter(range(6))
-    async with Pipeline(training(steps, clock), executor="sequential") as pipe:
+    async with Pipeline(training(steps, clock), executor=INLINE[executor]()) as pipe:
         assert await pipe.progress(source) == 0  # yields once, at its start
         returned = [finished_without_suspending(pipe.progress(source)) for _ in range(4)]
         assert returned == [1, 2, 3, 4]
@@ -153,3 +162,17 @@ async def test_an_async_body_keeps_the_iteration_in_a_task(clock: Clock) -> None
         call = pipe.progress(source)
         assert call.send(None) is None  # suspended: its iteration runs in a task
         call.close()
+
+
+async def test_a_subclass_overriding_run_iteration_is_called(clock: Clock) -> None:
+    ran: list[int] = []
+
+    class Counting(SequentialExecutor):
+        async def run_iteration(self, iteration: Iteration) -> None:
+            ran.append(iteration.number)
+            await super().run_iteration(iteration)
+
+    steps: list[int] = []
+    async with Pipeline(training(steps, clock), executor=Counting()) as pipe:
+        assert [r async for r in pipe.results(range(3))] == [0, 1, 2]
+    assert ran == [0, 1, 2, 3]  # one more: the first fills the ring (load of batch 0)

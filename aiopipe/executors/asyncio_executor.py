@@ -31,7 +31,7 @@ from ..errors import ConfigurationError, PipelineStateError, TicketAbortedError
 from ..lanes import ThreadMap, resolve_lane
 from ..options import checked_count, checked_seconds
 from ..plan import ExecutionPlan
-from .base import Iteration
+from .base import Iteration, invoke_all
 from .layout import StageLayout, build_layout
 from .order_check import CollectiveOrderCheck
 from .handover import hand_over
@@ -174,6 +174,21 @@ class AsyncExecutor:
         for active in iteration.active.stages:
             if active:
                 await self._finish_stage(self._begin_stage(iteration, active))
+
+    def inlines(self, plan: ExecutionPlan) -> bool:
+        """Whether the pipeline may run ``plan``'s iterations with :meth:`run_inline`:
+        every task synchronous and on lane ``"loop"`` (one chain, in order, so no
+        ticket or flag to wait for), no collective order check, and ``run_iteration``
+        not overridden by a subclass."""
+        return (
+            plan is self._plan and self._order_check is None
+            and all(lane == LOOP_LANE for lane in self._lane_of) and not any(plan.is_async)
+            and type(self).run_iteration is AsyncExecutor.run_iteration
+        )  # fmt: skip
+
+    def run_inline(self, iteration: Iteration) -> None:
+        """Run an iteration :meth:`inlines` allows, now, in the caller's frame."""
+        invoke_all(iteration)
 
     def shutdown(self) -> None:
         self._lane_pool.shutdown()

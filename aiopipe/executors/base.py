@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from ..task import Task
     from ..trace import Tracer
 
-__all__ = ("Executor", "Iteration", "annotate_failure")
+__all__ = ("Executor", "Iteration", "annotate_failure", "invoke_all")
 
 
 @runtime_checkable
@@ -361,6 +361,14 @@ class Iteration:
         finish = tracer.gpu_event()
         stream.record_event(finish)
         tracer.append_gpu(raw, begin, finish)
+
+
+def invoke_all(iteration: Iteration) -> None:
+    """Run every active task of ``iteration``, whose bodies are all synchronous, one
+    after another on the calling thread: an executor's ``run_inline``."""
+    invoke = iteration.invoke
+    for index in iteration.active.all:
+        invoke(index)
 
 
 _TOLD_LOCK = threading.Lock()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..plan import ExecutionPlan
-from .base import Iteration
+from .base import Iteration, invoke_all
 
 __all__ = ("SequentialExecutor",)
 
@@ -25,9 +25,7 @@ class SequentialExecutor:
         """Run an iteration whose every task is synchronous, now, in the caller's frame:
         no task to create and no loop cycle to wait for (the pipeline's driver calls it
         when :meth:`inlines` says so)."""
-        invoke = iteration.invoke
-        for index in iteration.active.all:
-            invoke(index)
+        invoke_all(iteration)
 
     def inlines(self, plan: ExecutionPlan) -> bool:
         """Whether :meth:`run_inline` may run ``plan``'s iterations: no ``async def``
