@@ -231,7 +231,7 @@ class Feeds:
         """Forget ``feed`` for good: the items it read ahead are discarded too.  A
         fetch under way is cancelled: an async generator it closes is remembered,
         refused by name if passed again, not silently empty."""
-        self.discarded += feed.read_ahead_items  # a pull under way is cancelled: it took none
+        self.discarded += feed.held_ahead
         if feed.close() and inspect.isasyncgen(feed.source):
             pipeline_log.info(
                 "%s: another source replaced an async generator while one of its fetches "

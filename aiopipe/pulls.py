@@ -71,14 +71,10 @@ class Pulls:
 
     @property
     def read_ahead_items(self) -> int:
-        """Items read ahead and done reading (a pull still under way, or cancelled, has
-        taken none: a source that survives its cancellation keeps the item, and an
-        async generator it closes never yielded one)."""
+        """Items read ahead and done reading (a pull still under way has taken none
+        from a source that survives its cancellation)."""
         pulls = (self.ahead, *self._behind)
-        return sum(
-            1 for pull in pulls
-            if pull is not None and pull.done() and not pull.cancelled() and _holds_an_item(pull)
-        )  # fmt: skip
+        return sum(1 for pull in pulls if _holds_an_item(pull) and pull is not None and pull.done())
 
     def held_error(self) -> Exception | None:
         """The source's own error, read ahead and not raised yet."""

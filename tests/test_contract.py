@@ -822,31 +822,3 @@ def test_one_asyncio_run_per_call_over_an_async_generator(caplog: pytest.LogCapt
     two_calls()  # dropped, as at the end of a script, with the failed pull it holds
     gc.collect()
     assert "never retrieved" not in caplog.text
-
-
-@pytest.mark.parametrize("read", [False, True], ids=["fetch under way", "item read"])
-async def test_reset_counts_as_discarded_only_an_item_the_source_gave(read: bool) -> None:
-    """A read-ahead fetch still under way when reset() and a new source drop its
-    source took no item (cancelling it closes the generator before it yields): it is
-    not a discarded batch.  An item it had read is."""
-    gate, asked = asyncio.Event(), asyncio.Event()
-    yielded: list[int] = []
-
-    async def items() -> AsyncIterator[int]:
-        yielded.append(0)
-        yield 0
-        asked.set()
-        await gate.wait()
-        yielded.append(1)
-        yield 1
-
-    if read:
-        gate.set()
-    async with Pipeline([Task.from_fn("train", echo, writes=("step_result",))]) as pipe:
-        assert await pipe.progress(items()) == 0
-        await asyncio.wait_for(asked.wait(), 10)  # the fetch of item 1 has begun
-        await asyncio.sleep(0)  # given the gate, it has yielded item 1 by now
-        assert yielded == ([0, 1] if read else [0])
-        pipe.reset()
-        assert await pipe.progress(iter([10])) == 10
-        assert pipe.statistics().discarded == (1 if read else 0)
