@@ -126,6 +126,12 @@ class IterationDriver:
                     return False, None
                 if self._run_inline is not None:
                     self._step_inline(feed)
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        # Cancelled while the step ran (Ctrl-C's handler): the caller
+                        # leaves here, its result kept for the next call, not dropped
+                        # with the return value of a cancelled task.
+                        await asyncio.sleep(0)
                     continue
                 # The read-ahead starts before the loop yields its CPU to the lanes:
                 # with every core busy, the loop would get it back only milliseconds

@@ -193,3 +193,44 @@ def test_an_interrupt_from_an_async_source_reaches_the_caller_once() -> None:
         seen = ast.literal_eval(lines[error])
         assert seen.count(error) == 1  # once: when the source raised it
         assert [x for x in seen if x != error] == list(range(7))  # every item once, in order
+
+
+ONE_CTRL_C = """
+import signal; signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with Ctrl-C ignored
+import os, signal, sys
+from aiopipe import Pipeline, Task, TaskContext
+
+executor = sys.argv[1]
+steps = []
+
+def train(ctx: TaskContext) -> None:
+    batch = ctx.slots["batch_cpu"]
+    steps.append(batch)
+    if batch == 1 and steps.count(1) == 1:
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs while the body goes on
+    ctx.slots.set("step_result", batch)
+
+options = ({"executor": "sequential"} if executor == "sequential"
+           else {"thread_map": {"train": executor}})
+pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))], **options).blocking()
+source = iter(range(4))
+assert pipe.progress(source) == 0
+try:
+    pipe.progress(source)
+except KeyboardInterrupt:
+    print("interrupted")
+print("results", [pipe.progress(source) for _ in range(3)], "steps", steps)
+pipe.shutdown()
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT")
+@pytest.mark.parametrize("executor", ["compute", "loop", "sequential"])
+def test_one_ctrl_c_during_a_step_keeps_its_result_for_the_next_call(executor: str) -> None:
+    """The step Ctrl-C interrupted was applied: its result is the next call's,
+    whether the step ran on a lane or inline in the call (no lost, no repeated step)."""
+    out = subprocess.run(
+        [sys.executable, "-c", ONE_CTRL_C, executor], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["interrupted", "results [1, 2, 3] steps [0, 1, 2, 3]"]
