@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from _common import free_port, progress, thread_cpu_s
+from _common import OTHER, free_port, print_table, progress, thread_cpu_s
 
 from aiopipe._core.lanes import LANE_THREAD_PREFIX
 
@@ -274,3 +274,27 @@ def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk
             for process, _ in group:
                 if process.is_alive():
                     process.kill()
+
+
+#: The kinds of thread :func:`print_thread_cpu` shows, and their column titles.
+THREAD_KINDS = {"MainThread": "main thread (the loop; the plain loop's own)", "lanes": "lanes",
+                OTHER: "the others (OpenMP workers, gloo)"}  # fmt: skip
+
+
+def print_thread_cpu(chunks: Chunks, label: Callable[[str], str] = str) -> None:
+    """Each config's CPU time a timed step by kind of thread (rank 0's, the median
+    over the process sets) beside its wall time: where a config's extra time goes on
+    a host whose cores the step's own threads fill."""
+    rows = []
+    for config, per_set in chunks.thread_cpu_us.items():
+        cpu = {k: statistics.median(s.get(k, 0.0) for s in per_set) for k in THREAD_KINDS}
+        every = statistics.median(sum(s.values()) for s in per_set)  # named threads too
+        wall = 1e3 * statistics.median(chunks.ms[config])
+        rows.append([label(config), f"{wall:.0f}", *(f"{cpu[k]:.0f}" for k in THREAD_KINDS),
+                     f"{every:.0f}"])  # fmt: skip
+    print_table(
+        "CPU time per step by thread, us (rank 0's, median over the process sets): how much "
+        "of the cores each config keeps busy, and with what",
+        ["config", "wall us / step", *THREAD_KINDS.values(), "all threads"],
+        rows,
+    )  # fmt: skip

@@ -29,7 +29,8 @@ torchrec's fused and semi-sync classes through ``torchrec_classes_on_cpu`` on a 
 and ``aiopipe-ends-apart`` runs the sparse-dist pipeline with ``end_together=False``
 (what the ranks' agreement on the end of the epoch costs: on by default with two
 ranks).  Every row reports its workers' peak resident memory while timed (the largest
-rank's, interpreter and model included: compare rows).
+rank's, interpreter and model included: compare rows), and a second table rank 0's CPU
+time a step by kind of thread (the loop, the lanes, the rest).
 
     ./dev bench lane_cost [--model hstu|dlrm] [--ranks 1] [--chunk 20|80] [--rounds 15]
                           [--processes 3] [--configs ...] [--tasks]
@@ -50,7 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _chunks import paired, repeat, time_in_chunks  # noqa: E402
+from _chunks import paired, print_thread_cpu, repeat, time_in_chunks  # noqa: E402
 from _common import print_json, print_table, spread  # noqa: E402
 
 CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-blocking",
@@ -265,6 +266,7 @@ def main() -> None:
          "x torchrec's fastest", "cores busy (cpu/wall)", "peak RSS MiB"],
         rows,
     )
+    print_thread_cpu(chunks)
     if args.tasks:
         names = sorted({n for t in tasks.values() for n in t}, key=lambda n: -max(
             t.get(n, 0.0) for t in tasks.values()))  # fmt: skip
@@ -275,7 +277,8 @@ def main() -> None:
             [[n, *(f"{tasks[c].get(n, 0.0):.3f}" for c in traced)] for n in names],
         )
     print_json("lane_cost", {"args": vars(args), "ms_per_step": ms, "cores": chunks.cores,
-                             "task_ms": tasks, "peak_rss_mib": chunks.peak_rss_mib})  # fmt: skip
+                             "task_ms": tasks, "peak_rss_mib": chunks.peak_rss_mib,
+                             "cpu_us_per_step": chunks.thread_cpu_us})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
-from _chunks import nothing_to_report, paired, time_in_chunks  # noqa: E402
-from _common import OTHER, print_json, print_table, spread  # noqa: E402
+from _chunks import nothing_to_report, paired, print_thread_cpu, time_in_chunks  # noqa: E402
+from _common import print_json, print_table, spread  # noqa: E402
 
 from aiopipe import basic  # noqa: E402
 from aiopipe._core.loops import LoopRunner
@@ -191,22 +191,9 @@ def main() -> None:
          "fastest chunk x plain's fastest", "cores busy (cpu/wall)"],
         rows,
     )  # fmt: skip
-    kinds = {"MainThread": "main thread (the loop; the plain loop's own)", "lanes": "lanes",
-             OTHER: "the others (OpenMP workers)"}  # fmt: skip
-    cpu_rows = []
     for config, per_set in chunks.thread_cpu_us.items():
-        cpu = {k: statistics.median(s.get(k, 0.0) for s in per_set) for k in kinds}
-        every = statistics.median(sum(s.values()) for s in per_set)  # named threads too
         payload[config]["cpu_us_per_step"] = per_set
-        wall = 1e3 * statistics.median(chunks.ms[config])
-        cpu_rows.append([CONFIGS[config], f"{wall:.0f}", *(f"{cpu[k]:.0f}" for k in kinds),
-                         f"{every:.0f}"])  # fmt: skip
-    print_table(
-        "CPU time per step by thread, us (median over the process sets): how much of the "
-        "cores each config keeps busy, and with what",
-        ["config", "wall us / step", *kinds.values(), "all threads"],
-        cpu_rows,
-    )  # fmt: skip
+    print_thread_cpu(chunks, CONFIGS.__getitem__)
     extra = {}
     if torch.device(args.device).type == "cuda":  # after the chunks, not among them
         copy = copy_ms(args.width, args.batch)
