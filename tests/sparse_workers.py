@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import itertools
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from torchrec.distributed.types import ShardedModule
 from aiopipe import AsyncExecutor, BadBatchError, CollectiveOrderError, PipelineStateError
 from hstu_tasks import join_local_group, leave_and_exit, quiet_torchrec
 from hstu_tasks.runners import parameter_digest
+from hstu_tasks.sparse.agreement import WINDOW, EndedTogether
 from hstu_tasks.sparse.dlrm import DLRMConfig, SyntheticDLRMData, build_dlrm_training, run_dlrm
 from hstu_tasks.sparse.pipeline import SparseDistEvalPipeline, SparseDistPipeline
 from hstu_tasks.sparse.schedules import train_schedule
@@ -270,6 +273,9 @@ def end_together_worker(rank: int, port: int) -> None:
     join(rank, port)
     for schedule in ("sparse-dist", "lite", "base", "fused", "semi-sync"):
         check_ending_together(rank, schedule)
+    # The shorter source ends inside a window (1 + 2, then 2 of a window of 4): the
+    # longer rank drops the two it read beyond.
+    check_ending_together(rank, "sparse-dist", uneven=(20, 5))
     check_evaluation_ending_together(rank)
     check_an_eval_pass_while_a_training_pull_waits(rank)
     check_a_source_raising_on_one_rank(rank)
@@ -359,18 +365,18 @@ async def _async_items(items: Any) -> Any:
         yield item
 
 
-def check_ending_together(rank: int, schedule: str) -> None:
-    """Rank 0 has 10 batches, rank 1 has 7: both train 7 steps and end the epoch
-    together (no collective left waiting), async and blocking, sync and async
-    sources, and train exactly as a run with 7 batches on each rank does."""
+def check_ending_together(rank: int, schedule: str, uneven: tuple[int, int] = UNEVEN) -> None:
+    """Rank 0 has 10 batches, rank 1 has 7 (``uneven``): both train 7 steps and end
+    the epoch together (no collective left waiting), async and blocking, sync and
+    async sources, and train exactly as a run with 7 batches on each rank does."""
     even = build_dlrm_training(CONFIG, "sgd", seed=3)
     pipe = SparseDistPipeline(even.model, even.optimizer, even.device, schedule=schedule)
-    assert len(asyncio.run(_collect_in(pipe, iter(data(rank, UNEVEN[1]))))) == UNEVEN[1]
+    assert len(asyncio.run(_collect_in(pipe, iter(data(rank, uneven[1]))))) == uneven[1]
     expected = parameter_digest(even.model)
     for form in ("async", "blocking", "async source"):
         setup = build_dlrm_training(CONFIG, "sgd", seed=3)
         pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, schedule=schedule)
-        source = iter(data(rank, UNEVEN[rank]))
+        source = iter(data(rank, uneven[rank]))
         if form == "blocking":
             blocking = pipe.blocking()
             outputs = list(torchrec_results(blocking, source))
@@ -379,13 +385,24 @@ def check_ending_together(rank: int, schedule: str) -> None:
             outputs = asyncio.run(_collect_in(pipe, _async_items(source)))
         else:
             outputs = asyncio.run(_collect_in(pipe, source))
-        assert len(outputs) == UNEVEN[1], (schedule, form)
+        assert len(outputs) == uneven[1], (schedule, form)
         assert parameter_digest(setup.model) == expected, (schedule, form)
-        # the longer rank read one batch beyond the common end, and no further
-        assert len(list(source)) == UNEVEN[rank] - UNEVEN[1] - (1 if rank == 0 else 0)
+        # the longer rank read to the end of the window past the common end, no further
+        assert len(list(source)) == uneven[rank] - read_by_the_end(uneven[1], uneven[rank])
 
 
-def check_an_eval_pass_while_a_training_pull_waits(rank: int, batches: int = 8) -> None:
+def read_by_the_end(common: int, mine: int) -> int:
+    """How many items a rank with ``mine`` has read when the ranks agree that the
+    epoch ends after ``common``: windows of 1, 2, 4, ... up to ``WINDOW`` items, each
+    agreed on while the one before is handed on, the first that some rank cannot
+    fill being the last read."""
+    done, size = 0, 1
+    while common - done >= size:  # every rank fills it
+        done, size = done + size, min(2 * size, WINDOW)
+    return done + min(size, mine - done)
+
+
+def check_an_eval_pass_while_a_training_pull_waits(rank: int, batches: int = 20) -> None:
     """An async training source whose next batch arrives at once on rank 0 and only
     after an evaluation pass on rank 1 (forced: rank 0 waits until the batch is out,
     rank 1's source until the pass is over).  Each pipeline agrees on its batches in a
@@ -400,23 +417,28 @@ def check_an_eval_pass_while_a_training_pull_waits(rank: int, batches: int = 8) 
         pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
         evaluator = pipe.eval_pipeline()
         evaluated, out = asyncio.Event(), {i: asyncio.Event() for i in range(batches)}
+        call, reads = a_call_that_starts_an_agreement(after=3)
+        gated = reads[0]
+        assert reads[-1] < batches
 
         async def training() -> Any:
             for i, batch in enumerate(data(rank, batches)):
-                if rank == 1 and i == GATED:
+                if rank == 1 and i == gated:
                     await evaluated.wait()
                 out[i].set()  # the wrapper starts its agreement as soon as this is out
                 yield batch
 
         source = training()
         async with pipe:
-            for _ in range(2):  # the second starts the pull of the gated batch
+            # The ring's three batches and one read ahead take four calls of the
+            # wrapper; each progress after the first one more (the last a pull under way).
+            for _ in range(call - 3):  # the last starts the pull of the gated batch
                 await pipe.progress(source)
             if rank == 0:  # its agreement is started: before the evaluation's
-                await asyncio.wait_for(out[GATED].wait(), 60)
+                await asyncio.wait_for(out[reads[-1]].wait(), 60)
             outputs = await collect(evaluator, iter(data(rank, 3, seed=8)))
             evaluated.set()
-            steps = 2 + len(await collect(pipe, source))
+            steps = call - 3 + len(await collect(pipe, source))
             await evaluator.aclose()
         return len(outputs), steps
 
@@ -424,10 +446,38 @@ def check_an_eval_pass_while_a_training_pull_waits(rank: int, batches: int = 8) 
     assert parameter_digest(setup.model) == parameter_digest(plain.model)
 
 
-#: The batch of the training source the wrapper reads in the pull the second progress
-#: starts (the ring holds 0-2 after the first, whose read-ahead took 3 and, one
-#: beyond, 4).
-GATED = 5
+class _Settled:
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _OneRank:
+    """A group of one whose all-reduce is done at once: the wrapper's reads alone."""
+
+    def allreduce(self, tensors: Any, options: Any) -> _Settled:
+        return _Settled()
+
+
+def a_call_that_starts_an_agreement(after: int) -> tuple[int, list[int]]:
+    """The first call to the end-together wrapper after its first ``after`` that starts
+    the agreement on a window (every rank filling every window), and the items it reads."""
+    read: list[int] = []
+
+    def counted() -> Iterator[int]:
+        for index in itertools.count():
+            read.append(index)
+            yield index
+
+    wrapper = EndedTogether(counted(), _OneRank())
+    for call in itertools.count(1):
+        before, waiting = len(read), wrapper._next
+        next(wrapper)
+        if call > after and waiting is None and wrapper._next is not None:
+            return call, read[before:]
+    raise AssertionError("unreachable")
 
 
 def check_evaluation_ending_together(rank: int) -> None:

@@ -4,16 +4,15 @@ pass of a torchrec pipeline over data (the reference the runners compare with)."
 
 from __future__ import annotations
 
-import asyncio
 import collections
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from aiopipe import PipelineStateError
 from aiopipe.sources import Source, not_a_source
+
+from .agreement import AsyncEndedTogether, EndedTogether, Holding
 
 __all__ = (
     "AgreementGroups", "SourceWrappers", "StepsPerCall", "agreement_groups", "ended_together",
@@ -24,7 +23,6 @@ __all__ = (
 #: Steps a ``progress_many`` call asks for: a number, or one from the steps done so far.
 StepsPerCall = int | Callable[[int], int]
 
-_END = object()
 
 
 def without_last_two(source: Source) -> Source:
@@ -41,17 +39,18 @@ def ended_together(source: Source, group: Any) -> Source:
     """``source`` ended on every rank of ``group`` together: an item is handed on only
     once every rank has one, so a rank whose source is shorter ends the epoch for all
     of them, on the same step, instead of leaving the others in a collective.  The
-    ranks agree on each item with a gloo all-reduce of one number, started when the
-    item is read, one item ahead, and waited for when it is handed on: by then it is
-    done.  A longer rank reads one item beyond the common end and drops it.  A source
-    that raises on one rank raises ``PipelineStateError`` on the others, which keep the
-    item they had read: called again, every rank goes on from where it stood, still
-    in step (the raising rank's source read again), or ends the epoch there."""
+    ranks agree on a window of up to 16 items at a time (``agreement.WINDOW``) with a
+    gloo all-reduce of one number, started while the window before is handed on: by
+    the time it is needed it is done.  A longer rank drops what it read beyond the
+    common end (one window at most).  A source that raises on one rank raises
+    ``PipelineStateError`` on the others, which keep the items they had read: called
+    again, every rank goes on from where it stood, still in step (the raising rank's
+    source read again), or ends the epoch there."""
     if isinstance(source, AsyncIterator):
-        return _AsyncEndedTogether(source, group)
+        return AsyncEndedTogether(source, group)
     if not isinstance(source, Iterator):
         raise not_a_source("progress()", source)
-    return _EndedTogether(source, group)
+    return EndedTogether(source, group)
 
 
 class AgreementGroups:
@@ -112,152 +111,16 @@ class SourceWrappers:
         return _items_held(held[1]) if held is not None else 0
 
 
-class _Holding:
-    """A wrapper that reads items of ``_source`` before handing them on."""
-
-    _source: Any
-
-    def held(self) -> int:
-        """Items read from the source and not handed on yet."""
-        raise NotImplementedError
-
-
 def _items_held(wrapper: Source) -> int:
     """The items ``wrapper`` and the wrappers inside it hold."""
     count = 0
-    while isinstance(wrapper, _Holding):
+    while isinstance(wrapper, Holding):
         count += wrapper.held()
         wrapper = wrapper._source
     return count
 
 
-#: What a rank contributes to the agreement on one item (the minimum wins).
-_HAS_ITEM, _ENDED, _RAISED = 1, 0, -1
-_MIN = dist.AllreduceOptions()
-_MIN.reduceOp = dist.ReduceOp.MIN
-
-
-class _Agreement:
-    """One item read (or the source's end, or its error) and the all-reduce, under
-    way, of what every rank has for it."""
-
-    def __init__(self, item: Any, error: Exception | None, group: Any) -> None:
-        self.item, self.error = item, error
-        code = _RAISED if error is not None else _HAS_ITEM if item is not _END else _ENDED
-        self.flag = torch.tensor([code], dtype=torch.int32)
-        # The group's own call: half the time of dist.all_reduce's (about 45 against
-        # 85 us of the loop's thread a batch), which checks what is known here.
-        self.work = group.allreduce([self.flag], _MIN)
-
-    def verdict(self) -> Any:
-        """Once ``work`` is done: the item to hand on, or ``_END``; an error raised
-        (another rank's: :class:`_ElsewhereRaised`, for the caller to keep the item)."""
-        if self.error is not None:
-            raise self.error
-        agreed = int(self.flag.item())
-        if agreed == _RAISED:
-            raise _ElsewhereRaised(self.item)
-        return self.item if agreed == _HAS_ITEM else _END
-
-
-class _ElsewhereRaised(Exception):
-    """Another rank's source raised where this one read ``item``."""
-
-    def __init__(self, item: Any) -> None:
-        super().__init__()
-        self.item = item
-
-    def told(self) -> PipelineStateError:
-        return PipelineStateError(
-            "another rank's source raised (that rank raises its error); this rank's next "
-            "item is kept: calling progress() again with the same source on every rank "
-            "goes on in step, or end the epoch on every rank"
-        )
-
-
-class _AgreedItems(_Holding):
-    """What both wrappers share: the agreement under way one item ahead, the item kept
-    when another rank's source raised, and whether the agreed end was reached."""
-
-    def __init__(self, group: Any) -> None:
-        self._group = group
-        self._next: _Agreement | None = None
-        self._kept: list[Any] = []  # [item] agreed on again before anything is read
-        self._over = False
-
-    def _agree(self, item: Any, error: Exception | None) -> _Agreement:
-        return _Agreement(item, error, self._group)
-
-    def held(self) -> int:
-        ahead = self._next is not None and self._next.error is None and self._next.item is not _END
-        return len(self._kept) + ahead
-
-    def _hand_on(self, agreement: _Agreement) -> Any:
-        """The agreed item, or ``_END`` (the wrapper is then over)."""
-        try:
-            item = agreement.verdict()
-        except _ElsewhereRaised as elsewhere:
-            self._kept = [elsewhere.item]
-            raise elsewhere.told() from None
-        if item is _END:
-            self._over = True
-        return item
-
-
-class _EndedTogether(_AgreedItems, Iterator[Any]):
-    def __init__(self, source: Iterator[Any], group: Any) -> None:
-        super().__init__(group)
-        self._source = source
-
-    def _read(self) -> _Agreement:
-        if self._kept:
-            return self._agree(self._kept.pop(), None)
-        try:
-            return self._agree(next(self._source, _END), None)
-        except Exception as exc:  # agreed on, raised when its turn comes
-            return self._agree(_END, exc)
-
-    def __next__(self) -> Any:
-        if self._over:
-            raise StopIteration
-        agreement = self._next or self._read()
-        self._next = None
-        agreement.work.wait()  # started one item ago: done (but the first)
-        item = self._hand_on(agreement)
-        if item is _END:
-            raise StopIteration
-        self._next = self._read()  # the next item's agreement runs while this one trains
-        return item
-
-
-class _AsyncEndedTogether(_AgreedItems, AsyncIterator[Any]):
-    def __init__(self, source: AsyncIterator[Any], group: Any) -> None:
-        super().__init__(group)
-        self._source = source
-
-    async def _read(self) -> _Agreement:
-        if self._kept:
-            return self._agree(self._kept.pop(), None)
-        try:
-            return self._agree(await anext(self._source, _END), None)
-        except Exception as exc:
-            return self._agree(_END, exc)
-
-    async def __anext__(self) -> Any:
-        if self._over:
-            raise StopAsyncIteration
-        agreement = self._next or await self._read()
-        self._next = None
-        if not agreement.work.is_completed():  # the first: off the event loop's thread
-            await asyncio.get_running_loop().run_in_executor(None, agreement.work.wait)
-        item = self._hand_on(agreement)
-        if item is _END:
-            raise StopAsyncIteration
-        self._next = await self._read()
-        return item
-
-
-class _WithoutLastTwo(_Holding, Iterator[Any]):
+class _WithoutLastTwo(Holding, Iterator[Any]):
     def __init__(self, source: Iterator[Any]) -> None:
         self._source, self._held = source, collections.deque[Any]()
 
@@ -270,7 +133,7 @@ class _WithoutLastTwo(_Holding, Iterator[Any]):
         return self._held.popleft()
 
 
-class _AsyncWithoutLastTwo(_Holding, AsyncIterator[Any]):
+class _AsyncWithoutLastTwo(Holding, AsyncIterator[Any]):
     def __init__(self, source: AsyncIterator[Any]) -> None:
         self._source, self._held = source, collections.deque[Any]()
 
