@@ -175,8 +175,9 @@ class EndedTogether(_Windows, Iterator[Any]):
                 raise StopIteration
             while self._next is None:  # the first window, or the first after a raise
                 self._add(self._entry())
-            window, self._next = self._next, None
+            window = self._next
             window.work.wait()  # started a window ago: done (but the first)
+            self._next = None
             self._settle(window)
         item = self._agreed.popleft()
         for _ in range(self._rate):
@@ -206,9 +207,10 @@ class AsyncEndedTogether(_Windows, AsyncIterator[Any]):
                 raise StopAsyncIteration
             while self._next is None:
                 self._add(await self._entry())
-            window, self._next = self._next, None
+            window = self._next
             if not window.work.is_completed():  # off the event loop's thread
                 await asyncio.get_running_loop().run_in_executor(None, window.work.wait)
+            self._next = None  # only now: a caller cancelled in the wait loses no window
             self._settle(window)
         item = self._agreed.popleft()
         for _ in range(self._rate):
