@@ -31,18 +31,18 @@ from collections.abc import Callable
 from typing import Any
 
 from ._core.lanes import yield_cpu_to_lanes
-from ._core.log import pipeline_log
 from ._core.nvtx import Annotator
-from ._core.loops import close_if_unstarted, task_quiet_if_left
+from ._core.loops import task_quiet_if_left
 from ._core.waker import mark_retrieved
 from ._core.watch import LaneWatch, describe_wait
 from .chain import StepChain
 from .context import TaskContext
 from .errors import PipelineStateError
-from .failures import IterationFailures, loop_closed_error
+from .failures import IterationFailures
 from .executors import Executor, Iteration, IterationHandle
 from .executors.stage import StartFast
 from .inits import TaskInits
+from .orphans import OrphanedIterations
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores, SlotStore
 from .source import Feed
@@ -56,7 +56,7 @@ __all__ = ("INLINE_YIELD_S", "IterationDriver")
 INLINE_YIELD_S = 0.005
 
 
-class IterationDriver:
+class IterationDriver(OrphanedIterations):
     """Starts, ends and guards the internal iterations of one pipeline."""
 
     def __init__(
@@ -367,67 +367,6 @@ class IterationDriver:
         except BaseException:
             self.guard_lanes()
             raise
-
-    async def _finish_orphan(self) -> None:
-        """The loop the iteration under way was started on was closed before its end
-        was handled there (the lanes' report of it was dropped with the loop).  A
-        lanes-only iteration is waited for from this loop and ended here, result and
-        all; a task's iteration died with its loop: the pipeline asks for reset()."""
-        current, fast = self._current, self._handle is not None
-        handle = IterationHandle.of(current[1]) if current is not None else None
-        if current is None or handle is None:
-            self.abandon_orphan()
-            return
-        feed, iteration = current
-        self._chain.drop(feed)
-        again = handle.take_back_unbegun()  # nothing of it ran: it starts again
-        # Else bodies on the dead loop, and a task's part of the iteration, can never end.
-        lost = not again and handle.abandon_loop(
-            None if fast else loop_closed_error(iteration.number)
-        )
-        if not handle.wait(0):
-            await asyncio.get_running_loop().run_in_executor(None, handle.wait)
-        if self._current is not current:
-            return  # another call ended it meanwhile
-        if again:
-            iteration.stage = None
-            self._start_again()
-        elif fast and not lost:
-            self._end(feed, iteration, handle.error)
-        else:
-            self.abandon_orphan()
-
-    def _start_again(self) -> None:
-        """Forget the iteration under way, none of whose tasks ran on the closed loop
-        it was started on: the next call starts it again, its batch still in the ring."""
-        self.running = self._handle = self._current = None
-        self._chain.forget()
-        pipeline_log.info("%s: an iteration left unstarted on a closed event loop is "
-                          "started again", self._pipeline)  # fmt: skip
-
-    def abandon_orphan(self) -> bool:
-        """Forget an iteration left on a closed event loop, unfinished (the pipeline is
-        reset or shut down, or its task died with the loop): ``False`` if none."""
-        running, current = self.running, self._current
-        if running is None or not running.get_loop().is_closed():
-            return False
-        if close_if_unstarted(running):  # the loop closed before the task's first step
-            self._start_again()  # (a task's iteration never has steps queued behind it)
-            return True
-        number = -1
-        if current is not None:
-            self._chain.drop(current[0])  # one that cannot start must not hold its lanes
-            iteration = current[1]
-            number = iteration.number
-            handle = IterationHandle.of(iteration)
-            if handle is not None:  # let the lanes go on (they are not waited for)
-                handle.abandon_loop(loop_closed_error(number))  # a queued one is skipped too
-            iteration.stage = None
-        self.running = self._handle = self._current = None
-        self._chain.forget()
-        self.failures.broken = str(loop_closed_error(number))
-        pipeline_log.warning("%s: %s", self._pipeline, self.failures.broken)
-        return True
 
     async def wait_idle(self) -> None:
         """Wait until no iteration runs.  Cancelling the caller stops the wait at once
