@@ -174,8 +174,7 @@ class IterationDriver(OrphanedIterations):
         error = self._end(feed, iteration, error, free_now=True)
         if error is not None and not isinstance(error, Exception):
             raise error  # KeyboardInterrupt, SystemExit: out, its end handled
-        if feed.can_read_ahead:
-            feed.read_ahead()
+        feed.read_ahead()
 
     def start(self, feed: Feed, *, yield_cpu: bool = True) -> bool:
         """Start the feed's next iteration; whether it runs as a task (which has yet

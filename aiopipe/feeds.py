@@ -19,7 +19,7 @@ import inspect
 import logging
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._core.log import pipeline_log
 from .errors import PipelineStateError
@@ -29,9 +29,14 @@ from .sources import OneBatch, Source, finished_generator
 __all__ = ("Feeds",)
 
 
-#: A source left before its end: a reference to it, its counts, the error its next
-#: call raises, and how many items it had given (a DataLoader's iterator).
-_Left = tuple[Callable[[], object], Counts, Exception | None, int | None]
+class _Left(NamedTuple):
+    """A source left before its end."""
+
+    source: Callable[[], object]  # a reference to it
+    counts: Counts
+    error: Exception | None  # raised by its next call
+    yielded: int | None  # how many items it had given (a DataLoader's iterator)
+
 #: How many sources left before their end are remembered (training and validation
 #: streams taking turns, say), the latest first kept.
 REMEMBERED = 4
@@ -198,28 +203,28 @@ class Feeds:
         :data:`REMEMBERED` sources; ``step()``'s one-batch sources never go on)."""
         reference = _reference(feed.source, weak_only)
         if reference is not None and not feed.ended and not isinstance(feed.source, OneBatch):
-            self._left = [left for left in self._left if left[0]() is not feed.source]
-            self._left.append((reference, counts, error, _yielded(feed.source)))
+            self._left = [left for left in self._left if left.source() is not feed.source]
+            self._left.append(_Left(reference, counts, error, _yielded(feed.source)))
             if len(self._left) > REMEMBERED:
                 forgotten = self._left.pop(0)
-                if forgotten[2] is not None:
+                if forgotten.error is not None:
                     pipeline_log.warning(
                         "%s: an earlier source's %r was never raised: other sources came "
-                        "after it", self._name, forgotten[2],
+                        "after it", self._name, forgotten.error,
                     )  # fmt: skip
 
     def _resumed(self, source: Source) -> tuple[Counts, Exception | None] | None:
         """The counts (and error) ``source`` was left with, taken; ``None`` if it is
         none of the sources left, or is a loader's iterator reset since (a new pass)."""
-        found = [left for left in self._left if left[0]() is source]
+        found = [left for left in self._left if left.source() is source]
         if not found:
             return None
         record = found[0]
         self._left.remove(record)
         yielded = _yielded(source)
-        if yielded is not None and record[3] is not None and yielded < record[3]:
+        if yielded is not None and record.yielded is not None and yielded < record.yielded:
             return None  # iter(loader) reset the persistent DataLoader's iterator
-        return record[1], record[2]
+        return record.counts, record.error
 
     def close(self) -> None:
         """Stop any pull under way (the pipeline shuts down)."""

@@ -145,7 +145,7 @@ class _Windows(Holding):
             self._rate = self._size // window.size
             return
         self._size = self._rate = 1
-        if raised and raised_here is not None and sum(map(_is_item, items)) == count:
+        if raised and raised_here is not None and len(items) - 1 == count:  # its own, here
             self._then = raised_here
         elif raised:
             self._kept.extendleft(reversed(items[count:]))

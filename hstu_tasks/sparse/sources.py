@@ -24,7 +24,6 @@ __all__ = (
 StepsPerCall = int | Callable[[int], int]
 
 
-
 def without_last_two(source: Source) -> Source:
     """torchrec's ``execute_all_batches=False``: item k is handed on once item k+2 has
     been read, so the last two items of the source are read and dropped."""
