@@ -233,10 +233,11 @@ class Feeds:
                 feed.close()
 
     def _drop(self, feed: Feed) -> None:
-        """Forget ``feed`` for good: the items it read ahead are discarded too.  A
-        fetch under way is cancelled: an async generator it closes is remembered,
-        refused by name if passed again, not silently empty."""
-        self.discarded += feed.held_ahead
+        """Forget ``feed`` for good: the items its source gave ahead are discarded
+        too.  A fetch under way is cancelled (the source never gave its item, so it
+        is not counted): an async generator it closes is remembered, refused by name
+        if passed again, not silently empty."""
+        self.discarded += feed.read_ahead_items
         if feed.close() and inspect.isasyncgen(feed.source):
             pipeline_log.info(
                 "%s: another source replaced an async generator while one of its fetches "

@@ -71,10 +71,10 @@ class Pulls:
 
     @property
     def read_ahead_items(self) -> int:
-        """Items read ahead and done reading (a pull still under way has taken none
-        from a source that survives its cancellation)."""
+        """Items the source gave that wait here: a pull under way, or cancelled, has
+        taken none (a source that survives the cancellation gives that item again)."""
         pulls = (self.ahead, *self._behind)
-        return sum(1 for pull in pulls if _holds_an_item(pull) and pull is not None and pull.done())
+        return sum(1 for pull in pulls if _gave_an_item(pull))
 
     def held_error(self) -> Exception | None:
         """The source's own error, read ahead and not raised yet."""
@@ -266,6 +266,11 @@ def _holds_an_item(future: asyncio.Future[Any] | None) -> bool:
     if not future.done() or future.cancelled():
         return True
     return future.exception() is None and future.result()[0] is not END
+
+
+def _gave_an_item(future: asyncio.Future[Any] | None) -> bool:
+    """Whether ``future`` is a finished read ahead that took an item from the source."""
+    return future is not None and future.done() and not future.cancelled() and _holds_an_item(future)
 
 
 def _problem_of(check_batch: Callable[[Any], object] | None, batch: Any) -> BaseException | None:

@@ -231,6 +231,25 @@ async def test_a_generator_closed_by_a_source_switch_is_refused_not_silently_emp
         assert [r async for r in pipe.results(fresh.items)] == [0, 1]  # a new one runs
 
 
+@pytest.mark.parametrize("fetched", [False, True])
+async def test_a_switch_counts_as_discarded_only_an_item_the_source_gave(fetched: bool) -> None:
+    # reset(), then another source: the old one's read-ahead is dropped.  An item its
+    # generator yielded is a batch lost untrained; a fetch still under way (cancelled
+    # by the switch) never gave one, and statistics() must not say it was discarded.
+    source = GatedSource(4)
+    source.open(0)
+    async with Pipeline([Task.from_fn("train", echo)]) as pipe:
+        assert await pipe.progress(source.items) == 0  # batch 1's fetch is under way
+        await source.started[1].wait()
+        if fetched:
+            source.open(1)
+            await pipe.wait_idle()
+            await asyncio.sleep(0)  # the fetch's task returns its item (no gate left)
+        pipe.reset()
+        assert [r async for r in pipe.results(iter([10]))] == [10]
+        assert pipe.statistics().discarded == int(fetched)
+
+
 @pytest.mark.parametrize("read_ahead", [True, False])
 def test_an_async_generator_its_loop_closed_between_calls_is_refused_not_ended(
     read_ahead: bool,

@@ -340,6 +340,9 @@ class PipelineMachine(RuleBasedStateMachine):
         self.parked = False
         self.parked_source: Any = None
         self.parked_ahead = False
+        # The item read ahead is a pull held at its gate (or one cancelled with its
+        # loop): the source has not given it, so dropping it discards nothing.
+        self.unread_pull = False
         self.discarded = 0  # batches dropped untrained, since the pipeline was built
         # A results() loop over the source was left early with batches in flight: a
         # call passing another source discards them instead of being refused.
@@ -416,7 +419,8 @@ class PipelineMachine(RuleBasedStateMachine):
             feed.before, feed.afresh_on_adopt = (0, 0, 0, 0, 0), False
         if self.shown is not None:
             if self.parked and self.source is not self.parked_source:
-                self.discarded += int(self.parked_ahead)  # read ahead, never taken
+                # read ahead, never taken
+                self.discarded += int(self.parked_ahead and not self.unread_pull)
             self.done_before += self.shown.good[:self.shown.applied]
             self.shown = None
         self.parked = self.abandoned = False
@@ -889,6 +893,8 @@ class PipelineMachine(RuleBasedStateMachine):
         self.wait_until_idle()
         finish(self.loop)  # a pull waiting at a gate is cancelled with its loop,
         self.loop = asyncio.new_event_loop()
+        if self.pulling:
+            self.pull_cancelled = True
         self.pulling = False  # and pulled again (without waiting) by the next call
 
     def shutdown_and_start_again(self) -> None:
@@ -956,6 +962,7 @@ class NoReadAheadMachine(PipelineMachine):
         self.pull_hold: int | None = None
         self.pull_reached: asyncio.Event | None = None
         self.pull_release: asyncio.Event | None = None
+        self.pull_cancelled = False  # the pull held at its gate ended with its loop
         super().__init__()
 
     def make_source(self, labels: list[int], kind: str) -> Any:
@@ -976,6 +983,8 @@ class NoReadAheadMachine(PipelineMachine):
         if self.pull_release is not None:
             self.pull_release.set()
         self.pulling = False
+        if not self.pull_cancelled:
+            self.unread_pull = False  # the source gives the item it was held at
 
     def next_call_pulls(self) -> bool:
         """Whether the next progress starts by pulling an item from the source."""
@@ -1002,6 +1011,7 @@ class NoReadAheadMachine(PipelineMachine):
 
         self.run(cancel())
         feed.ahead = self.pulling = True  # the item is kept for the next call
+        self.unread_pull, self.pull_cancelled = True, False
 
     def after_shutdown(self) -> None:
         if self.pulling and self.kind == "generator":
