@@ -242,10 +242,12 @@ def test_lanes_lower_the_gil_switch_interval_and_never_raise_it() -> None:
 
 async def test_the_chain_finishing_the_progress_is_handed_over_first() -> None:
     # Declared io-first, as pipelines with a copy stage are: the compute lane, whose
-    # chain holds the batch this progress returns, must still be woken first.
+    # chain holds the batch this progress returns, must still be woken first.  (On
+    # one stream, train would wait for prep, and the io lane would hand it over:
+    # test_deferred_handover.py.)
     tasks = [
-        Task.from_fn("h2d", noop, lookahead=2, writes=("dev",)),
-        Task.from_fn("prep", noop, lookahead=1, reads=("dev",), writes=("prepped",)),
+        Task.from_fn("h2d", noop, lookahead=2, writes=("dev",), stream="copy"),
+        Task.from_fn("prep", noop, lookahead=1, reads=("dev",), writes=("prepped",), stream="copy"),
         Task.from_fn("train", noop, reads=("prepped",), writes=("step_result",)),
     ]
     executor = AsyncExecutor({"h2d": "io", "prep": "io", "train": "compute"})

@@ -36,7 +36,7 @@ from .layout import StageLayout, build_layout
 from .order_check import CollectiveOrderCheck
 from .handover import hand_over
 from .loop_bodies import begin_heads, hand_to_loop, start_heads, wait_on_lane
-from .slow_waits import slow_ticket_warning, warn_slow_wait
+from .slow_waits import DeferredWaits, slow_ticket_warning, warn_slow_wait
 from .stage import IterationHandle, StageRun
 
 __all__ = (
@@ -106,6 +106,7 @@ class AsyncExecutor:
         )
         self._plan: ExecutionPlan | None = None
         self._lane_of: tuple[str, ...] = ()
+        self._deferred_waits = DeferredWaits(())
         self._layouts: dict[tuple[int, ...], StageLayout] = {}
         self._compute_off_loop = False
         self._waker: LoopWaker | None = None  # the last stage's loop's: one per loop will do
@@ -125,6 +126,7 @@ class AsyncExecutor:
                 f"max_lanes={self._lane_pool.max_lanes}; group tasks onto fewer lanes"
             )
         self._plan, self._lane_of = plan, lane_of
+        self._deferred_waits = DeferredWaits(lane_of)
         # Every sync body runs on a lane thread: the loop thread's OpenMP pool only
         # slows the lanes' pools down (see _core/openmp.py), so it is released per iteration.
         self._compute_off_loop = bool(threads) and not any(
@@ -246,6 +248,7 @@ class AsyncExecutor:
         if layout.async_heads:
             begin_heads(run, lanes)
         hand_over(run, lanes, self._run_thread_chain)
+        self._watch_deferred(run)
         if run.heads:  # ``yield_cpu=False``: the caller lets the other lanes go
             start_heads(run, release=yield_cpu)
         if self._compute_off_loop:
@@ -276,7 +279,14 @@ class AsyncExecutor:
             return None
         iteration.stage = run
         hand_over(run, lanes, self._run_thread_chain, after=after.stage)
+        self._watch_deferred(run)
         return run
+
+    def _watch_deferred(self, run: StageRun) -> None:
+        """Warn about a long wait of a chain its lane has not been handed yet, as a
+        lane waiting for it would."""
+        if run.deferred and self.slow_wait_s is not None:
+            self._deferred_waits.watch(run, self.slow_wait_s)
 
     async def _finish_stage(self, run: StageRun) -> None:
         layout = run.layout

@@ -1,7 +1,9 @@
 """How a stage's chains reach their lanes (:func:`hand_over`): each lane's chain as a
 work item, run at once; or, where it must, once the stage before it has ended (a
 stage queued behind another by ``progress_many``) and the loop has run the first
-steps of the ``async def`` bodies heading chains (:mod:`.loop_bodies`)."""
+steps of the ``async def`` bodies heading chains (:mod:`.loop_bodies`).  A chain
+whose first task waits for one task of another lane is handed over by that lane,
+as it finishes that task (``StageLayout.deferred``)."""
 
 from __future__ import annotations
 
@@ -27,15 +29,30 @@ def hand_over(
     """Give each of ``lanes`` its chain of ``run`` (queued behind ``after``, if given).
     A chain that is one body the loop runs gets no work item: the body ends it."""
     heads = run.heads
+    # (Traced, every chain is handed over at once: the trace shows its waits.)
+    deferred = {} if run.iteration.tracing else run.layout.deferred
+    now: list[tuple[Lane, Callable[[], None]]] = []
     for lane, (_, chain) in zip(lanes, run.layout.thread_chains):
         if heads and heads_whole_chain(run, chain):
             continue
         if after is not None:
             serve_before(after, lane)
+        work: Callable[[], None]
         if run.gate is not None or heads and chain[0] not in heads:
-            lane.submit(functools.partial(_run_when_free, run_chain, run, lane, chain))
+            work = functools.partial(_run_when_free, run_chain, run, lane, chain)
         else:
-            lane.submit(functools.partial(run_chain, run, lane, chain))
+            work = functools.partial(run_chain, run, lane, chain)
+        trigger = deferred.get(chain[0])
+        if trigger is None:
+            now.append((lane, work))
+        else:  # that task's lane hands it over as it finishes it
+            run.deferred.setdefault(trigger, []).append((lane, work, chain[0]))
+    if after is not None:  # its chains for these lanes reach them first
+        after.release_deferred({lane for lane, _ in now})
+    for lane, work in now:  # after the deferred ones are in place: their tasks may end at once
+        lane.submit(work)
+    if run.failed:  # skipped meanwhile (the stage it is queued behind failed)
+        run.release_deferred()
 
 
 def _run_when_free(

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .._core.lanes import LOOP_LANE
 from ..plan import ExecutionPlan
@@ -24,6 +24,11 @@ class StageLayout:
     #: ``async def`` bodies at the head of a chain, waiting for no other lane and
     #: issuing no collective: the loop starts them with the stage (AsyncExecutor).
     async_heads: tuple[int, ...] = ()
+    #: ``{first task of a thread chain: the task on another thread lane it waits for}``
+    #: where the chain can start only once that one task is done (its cross-lane
+    #: predecessors and the collective ticket before its own all end there): that
+    #: task's lane hands the chain over as it finishes it (:func:`deferrals`).
+    deferred: dict[int, int] = field(default_factory=dict)
 
 
 def build_layout(
@@ -54,12 +59,40 @@ def build_layout(
     heads = (chain[0] for chain in chains.values())
     async_heads = tuple(sorted(i for i in heads if plan.is_async[i] and i not in cross_preds
                                and not plan.nccl[i]))  # fmt: skip
+    tickets = {i: k for k, i in enumerate(collectives)} if needs_lock else {}
     return StageLayout(
         thread_chains=tuple((lane, tuple(chains[lane])) for lane in by_urgency),
         loop_chain=tuple(chains.get(LOOP_LANE, ())),
         cross_preds=cross_preds,
         flagged=tuple(sorted({p for preds in cross_preds.values() for p in preds})),
-        tickets={i: k for k, i in enumerate(collectives)} if needs_lock else {},
+        tickets=tickets,
         collectives=collectives,
         async_heads=async_heads,
+        deferred={} if async_heads else deferrals(chains, lane_of, cross_preds, tickets, collectives),
     )
+
+
+def deferrals(
+    chains: dict[str, list[int]], lane_of: tuple[str, ...], cross_preds: dict[int, tuple[int, ...]],
+    tickets: dict[int, int], collectives: tuple[int, ...],
+) -> dict[int, int]:
+    """The thread chains whose first task waits only for tasks of one other thread
+    lane -- its cross-lane predecessors, and the holder of the collective ticket
+    before its own -- each with the last of those tasks in that lane's chain.
+
+    Handed over with the stage, such a chain's lane would wake, take the GIL, block
+    at once, and be woken again when that task ends: two thread switches where one
+    will do (6 % of a no-op HSTU-shaped step, docs/performance.md)."""
+    deferred: dict[int, int] = {}
+    for lane, chain in chains.items():
+        first = chain[0]
+        if lane == LOOP_LANE:
+            continue
+        waits_for = set(cross_preds.get(first, ()))
+        ticket = tickets.get(first)
+        if ticket:
+            waits_for.add(collectives[ticket - 1])
+        lanes = {lane_of[i] for i in waits_for}
+        if len(lanes) == 1 and not lanes & {LOOP_LANE, lane}:
+            deferred[first] = max(waits_for)  # chains run in the stage's (topological) order
+    return deferred

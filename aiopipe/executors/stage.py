@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 from .._core.flags import Latch, OneShotFlag
+from .._core.lanes import Lane
 from .._core.loops import close_if_unstarted, unstarted
 from .._core.tickets import TicketLock
 from .._core.waker import LoopWaker, settle_future
@@ -18,14 +19,14 @@ from .base import Iteration
 from .layout import StageLayout
 from .loop_bodies import LoopBody, drop_unstarted_heads, start_queued_heads
 
-__all__ = ("IterationHandle", "StageRun", "StartFast")
+__all__ = ("Deferred", "IterationHandle", "StageRun", "StartFast")
 
 
 class StageRun:
     """Shared state of one stage of one iteration, between the loop and the lanes."""
 
     __slots__ = (
-        "async_tasks", "error", "failed", "finished", "gate", "heads", "heads_begun",
+        "async_tasks", "deferred", "error", "failed", "finished", "gate", "heads", "heads_begun",
         "heads_started", "layout",
         "lock", "on_done", "outstanding", "flags", "iteration", "successor", "threads_done",
         "tickets", "waker",
@@ -66,6 +67,10 @@ class StageRun:
         self.gate: Latch | None = None
         #: The stage queued behind this one: its last lane prepares and starts it.
         self.successor: StageRun | None = None
+        #: ``{task: [(lane, work item, the chain's first task)]}``: chains handed to
+        #: their lanes once that task has finished (``StageLayout.deferred``), by its
+        #: lane, or on failure.
+        self.deferred: dict[int, list[Deferred]] = {}
 
     def queue_behind(self, previous: StageRun) -> bool:
         """Make this stage start the moment ``previous`` ends, from the lane that ends
@@ -109,6 +114,30 @@ class StageRun:
             self.failed = True
         for flag in self.flags.values():
             flag.set()
+        self.release_deferred()
+
+    def release_deferred(self, lanes: Collection[Lane] | None = None) -> None:
+        """Hand over now the chains waiting for a task's end (those of ``lanes``, if
+        given): the stage failed (that task may never end; their lanes pass the rest
+        of the stage by), or a stage queued behind this one has work for those lanes
+        now (it must reach each lane after this one's, or the lane would wait there
+        for this stage's end, ahead of its own part of it).  Handed over early, a
+        chain waits for that task on its lane, as any chain does."""
+        if not self.deferred:
+            return
+        with self.lock:  # handed over before the caller goes on
+            items = [item for each in self.deferred.values() for item in each]
+            if lanes is None:
+                self.deferred.clear()
+            else:
+                items = [item for item in items if item[0] in lanes]
+                for trigger, each in list(self.deferred.items()):
+                    kept = [item for item in each if item[0] not in lanes]
+                    if kept:
+                        self.deferred[trigger] = kept
+                    else:
+                        del self.deferred[trigger]
+            _submit(items)
 
     def skip_queued(self, exc: BaseException) -> None:
         """Skip a stage queued behind another that will never start: its ``async
@@ -207,6 +236,20 @@ class StageRun:
         flag = self.flags.get(index)
         if flag is not None:
             flag.set()
+        if self.deferred:
+            with self.lock:  # see release_deferred
+                items = self.deferred.pop(index, None)
+                if items is not None:
+                    _submit(items)
+
+
+#: A chain handed over on another task's end: its lane, its work item, its first task.
+Deferred = tuple[Lane, Callable[[], None], int]
+
+
+def _submit(items: list[Deferred]) -> None:
+    for lane, work, _ in items:
+        lane.submit(work)
 
 
 class _NotStarted(Exception):
@@ -272,6 +315,7 @@ class IterationHandle:
         successor = self._run.detach_successor()
         if successor is None:
             return False
+        self._run.release_deferred()  # ahead of the skipped one's chains on every lane
         successor.skip_queued(reason)
         return True
 
