@@ -49,9 +49,11 @@ class Feeds:
     def __init__(
         self, name: str, reset_ring: Callable[[], None], *, read_ahead: int,
         check_batch: Callable[[Any], object] | None,
+        after_read: Callable[[], object] | None = None,
     ) -> None:  # fmt: skip
         self._name, self._reset_ring = name, reset_ring
         self._read_ahead, self._check_batch = read_ahead, check_batch
+        self._after_read = after_read
         self.current: Feed | None = None
         self._parked: Feed | None = None
         self._drained: Feed | None = None  # shown by statistics() until the next source
@@ -157,7 +159,7 @@ class Feeds:
             self._drop(feed)
         new_feed = Feed(
             source, read_ahead=self._read_ahead, check_batch=self._check_batch,
-            seed=self._seed, refused=self._seed_refused, ahead=ahead,
+            seed=self._seed, refused=self._seed_refused, ahead=ahead, after_read=self._after_read,
         )  # fmt: skip
         self._drained = None
         if goes_on_from is not None and not goes_on_from.ended:

@@ -110,6 +110,9 @@ class SchedulablePipeline:
             self.name, lambda: retired.add_all(ring.reset()),
             read_ahead=read_ahead_depth(options.get("read_ahead", True)),
             check_batch=checked_batch_check(options.get("check_batch")),
+            # A source's own torch work, on the loop's thread, must not leave an OpenMP
+            # pool there that slows the lanes' (AsyncExecutor.release_loop_thread_pool).
+            after_read=getattr(self._executor, "release_loop_thread_pool", None),
         )  # fmt: skip
         self._calls = CallGuard(self.name, self, _CALLS)  # progress, progress_many, drain
         self._closed = False

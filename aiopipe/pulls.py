@@ -35,6 +35,7 @@ class Pulls:
     # Feed's, read here.
     _async: AsyncIterator[Any] | None
     _check_batch: Callable[[Any], object] | None
+    _after_read: Callable[[], object] | None
     _depth: int
     _pulled_inline: bool
     draining: bool
@@ -42,6 +43,9 @@ class Pulls:
     read_ahead_allowed: bool
 
     def _checked(self, item: Any) -> Taken:
+        """``item`` as read (on the loop's thread), with what is wrong with it."""
+        if self._after_read is not None:
+            self._after_read()
         return item, (None if item is END else _problem_of(self._check_batch, item))
 
     def _init_pulls(self, ahead: Sequence[asyncio.Future[Any]]) -> None:

@@ -49,7 +49,7 @@ class Feed(Pulls):
     """One source (a sync or async iterator) and the progress made through it."""
 
     __slots__ = (
-        "_async", "_check_batch", "_depth", "_pulled_inline", "_refused_after", "_seed",
+        "_after_read", "_async", "_check_batch", "_depth", "_pulled_inline", "_refused_after", "_seed",
         "_sync", "abandoned", "counts_before", "deferred", "discarded", "draining", "ended",
         "exhausted", "iteration", "outbox", "pulled", "raised", "read_ahead_allowed",
         "refused", "results_dropped", "returned", "source", "top_pulled",
@@ -60,9 +60,12 @@ class Feed(Pulls):
         check_batch: Callable[[Any], object] | None = None,
         seed: Mapping[str, Any] | None = None, refused: int = 0,
         ahead: Sequence[asyncio.Future[Any]] = (),
+        after_read: Callable[[], object] | None = None,
     ) -> None:  # fmt: skip
         #: Checks each item when it is read (ahead: off the step's critical path).
         self._check_batch = check_batch
+        #: Called on the loop's thread once the source has given an item (or its end).
+        self._after_read = after_read
         self._async: AsyncIterator[Any] | None = None
         self._sync: Iterator[Any] | None = None
         given: object = source  # checked at run time: callers pass anything

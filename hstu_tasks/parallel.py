@@ -122,9 +122,13 @@ def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, in
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timeout)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
+    threads = max(1, (os.cpu_count() or 1) // local_ranks)
+    if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ and threads < torch.get_num_threads():
         # Several ranks on one CPU: intra-op pools must not oversubscribe the cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+        # Only to lower it: set even to torch's own default, each thread's first
+        # parallel op then fixes its OpenMP and MKL thread counts, and the pipelined
+        # DLRM example ran at 0.8x the speed (docs/performance.md).
+        torch.set_num_threads(threads)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -177,6 +177,16 @@ class AsyncExecutor:
             if active:
                 await self._finish_stage(self._begin_stage(iteration, active))
 
+    def release_loop_thread_pool(self) -> None:
+        """From the loop's thread, after work of its own that may have run torch ops (a
+        source giving a batch): free the OpenMP pool they opened there, if the lanes
+        run the compute.  Alive while the lanes run, it would make libgomp count more
+        pool threads than CPUs, and the lanes' parallel regions slow down (a DLRM
+        step whose source builds batches with torch ops ran 1.5x slower;
+        docs/performance.md)."""
+        if self._compute_off_loop:
+            release_thread_pool()
+
     def inlines(self, plan: ExecutionPlan) -> bool:
         """Whether the pipeline may run ``plan``'s iterations with :meth:`run_inline`:
         every task synchronous and on lane ``"loop"`` (one chain, in order, so no
