@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._core.lanes import LOOP_LANE, Lane, LanePool, yield_cpu_to_lanes
+from .._core.lanes import LOOP_LANE, LanePool, yield_cpu_to_lanes
 from .._core.malloc import keep_freed_memory
 from .._core.openmp import release_thread_pool
 from .._core.tickets import TicketLock, TicketStatistics
 from .._core.waker import LoopWaker
-from ..errors import ConfigurationError, PipelineStateError, TicketAbortedError
+from ..errors import ConfigurationError, PipelineStateError
 from ..lanes import ThreadMap, resolve_lane
 from ..options import checked_count, checked_seconds
 from ..plan import ExecutionPlan
@@ -35,8 +35,9 @@ from .base import Iteration, invoke_all
 from .layout import StageLayout, build_layout
 from .order_check import CollectiveOrderCheck
 from .handover import hand_over
-from .loop_bodies import begin_heads, hand_to_loop, start_heads, wait_on_lane
-from .slow_waits import DeferredWaits, slow_ticket_warning, warn_slow_wait
+from .loop_bodies import begin_heads, start_heads
+from .runners import ChainRunners
+from .slow_waits import DeferredWaits
 from .stage import IterationHandle, StageRun
 
 __all__ = (
@@ -95,7 +96,7 @@ class AsyncExecutor:
         slow_wait_s: float | None = SLOW_WAIT_S,
     ) -> None:
         self.thread_map = thread_map
-        self.slow_wait_s = checked_seconds("slow_wait_s", slow_wait_s, allow_none=True)
+        self._runners = ChainRunners((), checked_seconds("slow_wait_s", slow_wait_s, allow_none=True))
         self._lane_pool = LanePool(checked_count("max_lanes", max_lanes))
         checked_count("check_collective_order", check_collective_order, minimum=0)
         self._tickets = TicketLock()
@@ -110,6 +111,17 @@ class AsyncExecutor:
         self._layouts: dict[tuple[int, ...], StageLayout] = {}
         self._compute_off_loop = False
         self._waker: LoopWaker | None = None  # the last stage's loop's: one per loop will do
+
+    @property
+    def slow_wait_s(self) -> float | None:
+        """Seconds a task may wait for a task on another lane, or for its collective
+        ticket, before a warning is logged; ``None``: never.  Settable on a running
+        pipeline (``pipe.executor.slow_wait_s = ...``)."""
+        return self._runners.slow_wait_s
+
+    @slow_wait_s.setter
+    def slow_wait_s(self, seconds: float | None) -> None:
+        self._runners.slow_wait_s = checked_seconds("slow_wait_s", seconds, allow_none=True)
 
     # -- protocol ----------------------------------------------------------------------
 
@@ -126,6 +138,7 @@ class AsyncExecutor:
                 f"max_lanes={self._lane_pool.max_lanes}; group tasks onto fewer lanes"
             )
         self._plan, self._lane_of = plan, lane_of
+        self._runners.lane_of = lane_of
         self._deferred_waits = DeferredWaits(lane_of)
         # Every sync body runs on a lane thread: the loop thread's OpenMP pool only
         # slows the lanes' pools down (see _core/openmp.py), so it is released per iteration.
@@ -257,7 +270,7 @@ class AsyncExecutor:
         run = iteration.stage = StageRun(iteration, layout, waker, self._tickets, on_done)
         if layout.async_heads:
             begin_heads(run, lanes)
-        hand_over(run, lanes, self._run_thread_chain)
+        hand_over(run, lanes, self._runners.run_thread_chain)
         self._watch_deferred(run)
         if run.heads:  # ``yield_cpu=False``: the caller lets the other lanes go
             start_heads(run, release=yield_cpu)
@@ -288,7 +301,7 @@ class AsyncExecutor:
         if not run.queue_behind(after.stage):
             return None
         iteration.stage = run
-        hand_over(run, lanes, self._run_thread_chain, after=after.stage)
+        hand_over(run, lanes, self._runners.run_thread_chain, after=after.stage)
         self._watch_deferred(run)
         return run
 
@@ -302,7 +315,7 @@ class AsyncExecutor:
         layout = run.layout
         try:
             if layout.loop_chain:
-                await self._run_loop_chain(run, layout.loop_chain)
+                await self._runners.run_loop_chain(run, layout.loop_chain)
             if run.threads_done is not None:
                 await run.threads_done
         except BaseException as exc:
@@ -323,110 +336,3 @@ class AsyncExecutor:
             raise
         if run.error is not None:
             raise run.error
-
-    # The two chain runners below follow one per-task protocol -- wait for the
-    # predecessors on other lanes, stop if the stage failed, take the ticket, run,
-    # then release the ticket and set the task's flag -- written out twice, blocking
-    # and awaited.  Folded into one generator both runners drive, no-op tasks on two
-    # lanes cost 8 % more per task under uvloop (./dev bench versus ... engine_overhead,
-    # docs/performance.md): this is the hot path, so the flat copies stay.
-
-    async def _run_loop_chain(self, run: StageRun, chain: tuple[int, ...]) -> None:
-        iteration, layout = run.iteration, run.layout
-        is_async = iteration.plan.is_async
-        slow_s = self.slow_wait_s
-        slow_ticket = slow_ticket_warning(self._lane_of, run, slow_s)
-        heads = run.heads
-        for i in chain:
-            if heads and i in heads:  # started with the stage: no wait, no ticket before it
-                head = heads[i]
-                try:
-                    await head.task  # type: ignore[misc]
-                    if head.error is not None:  # an interrupt: raised here, as if run inline
-                        raise head.error
-                except Exception as exc:
-                    run.fail(exc)
-                    return
-                run.finish_task(i)
-                continue
-            ticket = layout.tickets.get(i)
-            cross_preds = layout.cross_preds.get(i, ())
-            if iteration.tracing and (cross_preds or ticket is not None):
-                iteration.mark_ready(i)
-            for p in cross_preds:
-                flag = run.flags[p]
-                if slow_s is None or flag.is_set():
-                    await flag.wait()  # set on failure too: never waits forever
-                    continue
-                timer = run.waker.loop.call_later(
-                    slow_s, warn_slow_wait, self._lane_of, run, i, p, slow_s
-                )
-                try:
-                    await flag.wait()
-                finally:
-                    timer.cancel()
-            if run.failed:
-                return
-            try:
-                if ticket is not None:
-                    await run.tickets.acquire(ticket, slow_s, slow_ticket)
-                if is_async[i]:
-                    await iteration.invoke_async(i)
-                else:
-                    iteration.invoke(i)
-            except TicketAbortedError:
-                return
-            except Exception as exc:
-                run.fail(exc)
-                return
-            run.finish_task(i)
-
-    def _run_thread_chain(self, run: StageRun, lane: Lane, chain: tuple[int, ...]) -> None:
-        """Runs on ``lane``'s thread."""
-        iteration, layout = run.iteration, run.layout
-        is_async = iteration.plan.is_async
-        slow_s = self.slow_wait_s
-        slow_ticket = slow_ticket_warning(self._lane_of, run, slow_s)
-        heads = run.heads
-        try:
-            for i in chain:
-                if heads and i in heads:  # started with the stage: wait for it, even failed
-                    if run.failed and not run.heads_started:
-                        return  # a queued stage skipped: the loop never started it
-                    try:
-                        wait_on_lane(lane, heads[i])
-                    except BaseException as exc:
-                        run.fail(exc)
-                        return
-                    run.finish_task(i)
-                    continue
-                ticket = layout.tickets.get(i)
-                cross_preds = layout.cross_preds.get(i, ())
-                if iteration.tracing and (cross_preds or ticket is not None):
-                    iteration.mark_ready(i)
-                for p in cross_preds:
-                    # set on failure too; a timeout only reports a long wait
-                    if not run.flags[p].wait_blocking(slow_s):
-                        warn_slow_wait(self._lane_of, run, i, p, slow_s)
-                        run.flags[p].wait_blocking()
-                if run.failed:
-                    return
-                try:
-                    if ticket is not None:
-                        run.tickets.acquire_blocking(ticket, slow_s, slow_ticket)
-                    if is_async[i]:
-                        hand_to_loop(run, lane, i)
-                    else:
-                        iteration.invoke(i)
-                except TicketAbortedError:
-                    return
-                except BaseException as exc:
-                    run.fail(exc)
-                    return
-                run.finish_task(i)
-        except BaseException as exc:  # a bug in the executor itself: never hang the loop
-            run.fail(exc)
-        finally:
-            waker = run.thread_chain_finished()
-            if waker is not None:
-                lane.wake_after_item(waker)
