@@ -11,6 +11,7 @@ never was, and using the result as a value (``loss.item()``) says why it is no v
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Coroutine, Generator
 from typing import Any, Generic, TypeVar
@@ -73,6 +74,19 @@ class LoopLessCall(Coroutine[Any, Any, T], Generic[T]):
 
     def __repr__(self) -> str:
         return f"<LoopLessCall {self._coro!r}>"
+
+    def __del__(self) -> None:
+        if self._started.value:
+            return
+        # Dropped unstarted (a single call in a plain script): say so with the fix, in
+        # place of Python's bare "coroutine ... was never awaited", which closing it
+        # here silences.  The next loop-less call still raises.
+        try:
+            warnings.warn(f"{self._hint} It was never awaited, so nothing ran.", RuntimeWarning,
+                          stacklevel=2)  # fmt: skip
+            self._coro.close()
+        except Exception:  # the interpreter shutting down, or warnings made errors
+            self._coro.close()
 
 
 def record_loopless_call(owner: Any, coro: Coroutine[Any, Any, T], hint: str) -> LoopLessCall[T]:

@@ -88,6 +88,19 @@ def test_running_a_coroutine_made_without_a_loop_is_the_standard_idiom(
         pipe.shutdown()
 
 
+def test_one_call_with_no_loop_dropped_unawaited_warns_with_the_fix() -> None:
+    pipe = preset()
+    try:
+        with pytest.warns(RuntimeWarning) as caught:
+            pipe.progress(iter([torch.ones(4, 2)]))  # the mistake, once: nothing raises
+            gc.collect()
+        messages = [str(w.message) for w in caught]
+        assert any("never awaited, so nothing ran" in m and "pipe.blocking()" in m for m in messages)
+        assert not any(m.startswith("coroutine ") for m in messages)  # not Python's bare one
+    finally:
+        pipe.shutdown()
+
+
 def test_the_specification_t1_loop_written_without_await_fails_at_the_second_call() -> None:
     pipe = preset()
     source = iter([torch.ones(4, 2)] * 3)
