@@ -82,8 +82,9 @@ def train(ctx: TaskContext) -> None:
         never.wait()  # a body that never returns
     ctx.slots.set("step_result", ctx.slots["batch_cpu"])
 
-pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))],
-                thread_map={"train": "compute"})
+pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",)),
+                 Task.from_fn("after", lambda ctx: None, depends_on=("train",))],
+                thread_map={"train": "compute", "after": "compute"})
 
 async def main() -> None:
     async for _ in pipe.results(range(4)):
@@ -133,7 +134,8 @@ def ctrl_c_twice(child: subprocess.Popen[str], stdout: IO[str], stderr: IO[str])
     child.send_signal(signal.SIGINT)  # the caller returns; the exit waits for the step
     line = first_line(stderr, "aiopipe:")  # after KeyboardInterrupt's traceback
     assert "waiting for iteration 1" in line
-    assert "task 'train' (batch 1) on lane 'compute' has not returned" in line
+    # the running task only: the one after it on its lane will not start
+    assert "task 'train' (batch 1) on lane 'compute' has not returned; 1 task(s) after it will not start" in line
     assert "Press Ctrl-C again" in line
     child.send_signal(signal.SIGINT)
     child.wait(timeout=30)  # no exit hook waits for the lane

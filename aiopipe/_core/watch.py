@@ -105,14 +105,25 @@ class LaneWatch:
 
 def describe_wait(pipeline: str, iteration: Any, lane_names: Sequence[str]) -> str:
     """What a loop shutting down waits for: the tasks of ``iteration`` (an executor's
-    ``Iteration``) that have not returned, their batches and lanes."""
+    ``Iteration``) still running, with their batches and lanes -- on each lane the
+    first task not done (a lane runs its tasks in order); those after it are skipped."""
     order, completed = iteration.plan.order, set(iteration.completed)
+    first_left: dict[str, int] = {}
+    skipped = 0
+    for i in iteration.active.all:
+        if i not in completed:
+            lane = lane_names[i] if lane_names else ""
+            if lane in first_left:
+                skipped += 1
+            else:
+                first_left[lane] = i
     left = [
         f"task {order[i].name!r} (batch {iteration.batch_index(i)})"
         + (f" on lane {lane_names[i]!r}" if lane_names else "")
-        for i in iteration.active.all if i not in completed
+        for i in first_left.values()
     ]  # fmt: skip
+    after = f"; {skipped} task(s) after it will not start" if skipped else ""
     return (
         f"{pipeline}: waiting for iteration {iteration.number} to finish before the event "
-        f"loop closes: {', '.join(left) or 'its last task'} has not returned"
+        f"loop closes: {', '.join(left) or 'its last task'} has not returned{after}"
     )
