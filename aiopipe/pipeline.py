@@ -162,7 +162,7 @@ class SchedulablePipeline:
             returned=counts.returned,
             in_flight=feed.in_flight if feed else 0,
             iteration=feed.iteration if feed else 0,
-            exhausted=feed.exhausted if feed else False,
+            exhausted=feed.end_read if feed else False,
             broken=self._driver.failures.broken,
             closed=self._closed,
             refused=counts.refused,

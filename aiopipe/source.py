@@ -51,7 +51,7 @@ class Feed(Pulls):
     __slots__ = (
         "_after_read", "_async", "_check_batch", "_depth", "_pulled_inline", "_refused_after", "_seed",
         "_sync", "abandoned", "counts_before", "deferred", "discarded", "draining", "ended",
-        "exhausted", "iteration", "outbox", "pulled", "raised", "read_ahead_allowed",
+        "exhausted", "end_read", "iteration", "outbox", "pulled", "raised", "read_ahead_allowed",
         "refused", "results_dropped", "returned", "source", "top_pulled",
     )  # fmt: skip
 
@@ -85,6 +85,9 @@ class Feed(Pulls):
         #: The next internal iteration to run.
         self.iteration = 0
         self.exhausted = False
+        #: The source's end was read (``exhausted`` is also set by a drain that stops
+        #: reading before it).
+        self.end_read = False
         #: The source's end was handed to a caller (``StopAsyncIteration``, an empty
         #: ``progress_many``), not only read -- by a read-ahead that a ``drain()``
         #: then took, say: passed again, the same source is a new pass.
@@ -227,7 +230,7 @@ class Feed(Pulls):
             try:
                 batch, problem = await self.take()
                 if batch is END:
-                    self.exhausted = True
+                    self.exhausted = self.end_read = True
                     return
                 if problem is not None:
                     self._refuse(problem)

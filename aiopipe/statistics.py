@@ -21,6 +21,8 @@ class PipelineStatistics:
     (:attr:`SchedulablePipeline.idle`), the position to resume a checkpointed run
     from.  (``applied + refused`` is that too, except while batches taken before a
     refused item are still in flight.)
+    ``exhausted``: the source's end has been read (not after a ``drain()`` that stopped
+    reading before it: passed again, that source goes on).
     ``discarded`` counts the batches dropped untrained since the pipeline was built,
     by ``reset()`` or because a ``results()`` loop was left early and another source
     came (not in the position: a run resumed from it reads them again).

@@ -105,10 +105,12 @@ async def test_drain_finishes_in_flight_batches_and_forgets_the_source(executor:
         assert await pipe.progress(source) == 0
         assert await pipe.progress(source) == 1
         assert await pipe.drain() == [2, 3]  # the batch in the ring, the one read ahead
-        assert pipe.statistics().in_flight == 0
+        stats = pipe.statistics()
+        assert (stats.in_flight, stats.exhausted) == (0, False)  # items are left
         assert await pipe.drain() == []
         # the same iterator carries on with its next batch, as a fresh source
         assert await collect(pipe, source) == list(range(4, 10))
+        assert pipe.statistics().exhausted  # now its end was read
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
