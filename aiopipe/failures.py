@@ -32,6 +32,11 @@ class IterationFailures:
                 f"iteration {number} was interrupted by {type(error).__name__} after "
                 f"some of its tasks ran"
             )
+            if hasattr(error, "add_note") and not _has_reset_note(error):
+                error.add_note(
+                    "aiopipe: the pipeline stops here: call reset() to discard the batches "
+                    "in flight (untrained) and go on, or shutdown()"
+                )
         if isinstance(error, Exception):
             self._pending = error  # raised by the caller, or by the next call
 
@@ -68,6 +73,10 @@ class IterationFailures:
         """Forget a pending failure and a broken state (the pipeline is reset)."""
         self._pending = None
         self.broken = None
+
+
+def _has_reset_note(error: BaseException) -> bool:
+    return any("call reset()" in note for note in getattr(error, "__notes__", ()))
 
 
 def loop_closed_error(number: int) -> PipelineStateError:

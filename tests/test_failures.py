@@ -104,7 +104,9 @@ async def test_the_note_names_the_source_s_batch_and_explains_the_iteration() ->
             await collect(pipe, iter(range(BATCHES)))
     assert info.value.__notes__ == [
         "aiopipe: raised by task 'forward' on batch 0 of the source (counted from 0), in the "
-        "pipeline's internal iteration 2 (an iteration works on several batches at once)"
+        "pipeline's internal iteration 2 (an iteration works on several batches at once)",
+        "aiopipe: the pipeline stops here: call reset() to discard the batches in flight "
+        "(untrained) and go on, or shutdown()",
     ]
 
 
@@ -127,9 +129,10 @@ async def test_a_failure_before_any_task_ran_does_not_break_the_pipeline() -> No
 
     pipe = build(None, -1, "async", [])
     source = batches()
-    with pytest.raises(OSError, match="disk gone"):
+    with pytest.raises(OSError, match="disk gone") as info:
         await collect(pipe, source)
     assert pipe.statistics().broken is None
+    assert not getattr(info.value, "__notes__", [])  # nothing to reset: it goes on
     pipe.shutdown()
 
 
