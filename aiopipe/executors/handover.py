@@ -46,7 +46,8 @@ def hand_over(
         if trigger is None:
             now.append((lane, work))
         else:  # that task's lane hands it over as it finishes it
-            run.deferred.setdefault(trigger, []).append((lane, work, chain[0]))
+            with run.lock:  # a queued stage may be skipped meanwhile, from a lane
+                run.deferred.setdefault(trigger, []).append((lane, work, chain[0]))
     if after is not None:  # its chains for these lanes reach them first
         after.release_deferred({lane for lane, _ in now})
     for lane, work in now:  # after the deferred ones are in place: their tasks may end at once

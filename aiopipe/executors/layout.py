@@ -82,7 +82,7 @@ def deferrals(
 
     Handed over with the stage, such a chain's lane would wake, take the GIL, block
     at once, and be woken again when that task ends: two thread switches where one
-    will do (6 % of a no-op HSTU-shaped step, docs/performance.md)."""
+    will do (a fifth of a no-op HSTU-shaped step's, docs/performance.md)."""
     deferred: dict[int, int] = {}
     for lane, chain in chains.items():
         first = chain[0]
