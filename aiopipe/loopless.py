@@ -84,9 +84,9 @@ class LoopLessCall(Coroutine[Any, Any, T], Generic[T]):
         try:
             warnings.warn(f"{self._hint} It was never awaited, so nothing ran.", RuntimeWarning,
                           stacklevel=2)  # fmt: skip
-            self._coro.close()
         except Exception:  # the interpreter shutting down, or warnings made errors
-            self._coro.close()
+            pass
+        self._coro.close()
 
 
 def record_loopless_call(owner: Any, coro: Coroutine[Any, Any, T], hint: str) -> LoopLessCall[T]:

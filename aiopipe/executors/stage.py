@@ -126,18 +126,15 @@ class StageRun:
         if not self.deferred:
             return
         with self.lock:  # handed over before the caller goes on
-            items = [item for each in self.deferred.values() for item in each]
-            if lanes is None:
-                self.deferred.clear()
-            else:
-                items = [item for item in items if item[0] in lanes]
-                for trigger, each in list(self.deferred.items()):
-                    kept = [item for item in each if item[0] not in lanes]
-                    if kept:
-                        self.deferred[trigger] = kept
-                    else:
-                        del self.deferred[trigger]
-            _submit(items)
+            released: list[Deferred] = []
+            for trigger, each in list(self.deferred.items()):
+                kept = [] if lanes is None else [item for item in each if item[0] not in lanes]
+                released += [item for item in each if item not in kept]
+                if kept:
+                    self.deferred[trigger] = kept
+                else:
+                    del self.deferred[trigger]
+            _submit(released)
 
     def skip_queued(self, exc: BaseException) -> None:
         """Skip a stage queued behind another that will never start: its ``async
