@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PipelineError
-from .executors import AsyncExecutor
+from .executors import AsyncExecutor, Executor
 from .lanes import ThreadMap
 from .pipeline import SchedulablePipeline
 from .schedule import Schedule
@@ -41,6 +41,15 @@ class Target:
     batches: Iterable[Any] | None = None
     thread_map: ThreadMap = None
     stream_pool: StreamPool | None = None
+    #: Why the schedule's bodies cannot be run apart from the object that gave it
+    #: (a pipeline of an adapter layer that prepares its model on the first batch),
+    #: if so: it is validated, drawn or planned from given costs only.
+    not_runnable: str | None = None
+
+    def refuse_run(self, what: str) -> None:
+        """Refuse to ``what`` (run the bodies) a schedule that cannot run alone."""
+        if self.not_runnable is not None:
+            raise TargetError(f"{self.spec}: cannot {what}: {self.not_runnable}")
 
 
 def _import_module(location: str) -> Any:
@@ -106,16 +115,27 @@ def _on_loop(task: Task) -> str:
     return "loop"
 
 
+def _lanes(executor: Executor) -> ThreadMap:
+    """Only the async executor has lanes; the others run every body on the loop."""
+    return executor.thread_map if isinstance(executor, AsyncExecutor) else _on_loop
+
+
 def _normalise(spec: str, value: Any) -> Target:
     def form(obj: Any) -> Target | None:
         if isinstance(obj, Schedule):
             return Target(spec, obj)
         if isinstance(obj, SchedulablePipeline):
-            # Only the async executor has lanes; the others run every body on the loop.
-            lanes: ThreadMap = (obj.executor.thread_map if isinstance(obj.executor, AsyncExecutor)
-                                else _on_loop)  # fmt: skip
-            return Target(spec, obj.schedule, pipeline=obj, thread_map=lanes,
+            return Target(spec, obj.schedule, pipeline=obj, thread_map=_lanes(obj.executor),
                           stream_pool=obj.stream_pool)
+        schedule, executor = getattr(obj, "schedule", None), getattr(obj, "executor", None)
+        if isinstance(schedule, Schedule) and isinstance(executor, Executor):
+            # A pipeline of an adapter layer (hstu_tasks' sparse-dist family): its schedule
+            # and lanes, but its bodies only run once it has traced its model.
+            return Target(spec, schedule, thread_map=_lanes(executor), not_runnable=(
+                f"its {type(obj).__name__} prepares its model on the first batch, so the "
+                f"bodies of its schedule run only in it: build it with trace=True, run it, "
+                f"and save its tracer (pipe.tracer.save(...))"
+            ))  # fmt: skip
         if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, Task) for t in obj):
             return Target(spec, Schedule.of(obj))
         return None

@@ -182,6 +182,7 @@ def _trace_pipeline(
 ) -> tuple[SchedulablePipeline, Tracer]:
     """The pipeline to run and its tracer: the target's own pipeline (which must
     trace), or a new one for a schedule."""
+    target.refuse_run("trace it")
     if target.pipeline is not None:
         if args.executor or args.thread_map:
             raise TargetError(f"{target.spec} gave a pipeline, which brings its own executor; "

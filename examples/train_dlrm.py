@@ -143,6 +143,11 @@ def main() -> None:
               f"{args.sharding.replace('_', '-')}, {args.steps} steps, global batch "
               f"{job.global_batch} ({job.rank_batch} per rank), {args.optimizer}{accumulation}"
               f"{job.resumed_note()}", flush=True)  # fmt: skip
+        if args.pipeline == "torchrec-semi-sync" and args.grad_accumulation > 1:
+            print("note: torchrec's GradientAccumulationWrapper lets TrainPipelineSemiSync's "
+                  "zero_grad clear each group's first gradients, so this checksum differs "
+                  "from aiopipe-semi-sync's and the plain loop's (docs/sparse-dist.md, "
+                  "Gradient accumulation)", flush=True)  # fmt: skip
     bar = tqdm(total=args.steps, initial=job.start, unit="step", file=sys.stdout,
                disable=rank != 0 or job.start >= args.steps)  # nothing to run: no empty bar
 

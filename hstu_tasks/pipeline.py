@@ -28,7 +28,7 @@ from .data import check_batch
 from .megatron import grad_buffer_chunks
 from .shuffler import BatchShuffler, IdentityShuffler
 from .sparse.base import SparseDistBase
-from .sparse.model import PipelinedModel
+from .sparse.model import PipelinedModel, pipeline_device
 from .sparse.spec import PipelineSpec, with_source_wrappers
 from .tasks import PipelineState, build_tasks
 from .watchdog import LossWatch
@@ -158,7 +158,7 @@ class HSTUPipeline(SparseDistBase[tuple[torch.Tensor, torch.Tensor, Any]]):
                 f"prefetch_depth={prefetch_depth} applies to the prefetch variant only: "
                 f"pass prefetch=True (or create 'hstu_prefetch_sparse_dist')"
             )
-        device = torch.device(device)
+        device = pipeline_device(device)
         # its own: not shared with other pipelines
         shared = PipelinedModel(
             model, device, owner="an HSTUPipeline", pipelined_input_dist=pipelined_input_dist,

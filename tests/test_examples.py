@@ -218,6 +218,13 @@ def test_train_dlrm_demo_runs_a_schedule_of_the_family_by_name(tmp_path: Path) -
     assert data["steps_per_s"] > 0 and isinstance(data["checksum"], float)
 
 
+@pytest.mark.distributed
+def test_train_dlrm_says_why_torchrec_s_semi_sync_accumulates_differently() -> None:
+    out = run("examples/train_dlrm.py", "--steps", "4", "--pipeline", "torchrec-semi-sync",
+              "--grad-accumulation", "2")  # fmt: skip
+    assert "clear each group's first gradients, so this checksum differs" in out
+
+
 def test_online_fetch_example_keeps_n_fetches_in_flight_and_matches_the_plain_loop() -> None:
     out = run("examples/online_fetch.py", "--steps", "12", "--latency-ms", "1", "--in-flight", "3")
     lines = out.splitlines()

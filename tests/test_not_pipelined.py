@@ -155,3 +155,33 @@ def test_a_model_pipelined_in_full_is_not_warned_about() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error", InputDistNotPipelinedWarning)
             assert len(train(pipe)) == 4
+
+
+def unsharded_model() -> tuple[torch.nn.Module, Any]:
+    """torchrec's DLRM as it is before DistributedModelParallel shards its tables."""
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    torch.manual_seed(3)
+    tables = [EmbeddingBagConfig(name=f"table_{i}", embedding_dim=CONFIG.embedding_dim,
+                                 num_embeddings=CONFIG.num_embeddings, feature_names=[feature])
+              for i, feature in enumerate(CONFIG.features)]  # fmt: skip
+    model = DLRMTrain(DLRM(
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables),
+        dense_in_features=CONFIG.num_dense, dense_arch_layer_sizes=list(CONFIG.dense_arch),
+        over_arch_layer_sizes=list(CONFIG.over_arch),
+    ))  # fmt: skip
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_a_model_with_no_sharded_module_is_warned_of_and_refused_when_strict() -> None:
+    """Nothing to distribute, and on several ranks nothing keeping the ranks' copies in
+    step: named at the first progress, whatever the rank count or schedule."""
+    with one_rank_group():
+        model, optimizer = unsharded_model()
+        with pytest.warns(InputDistNotPipelinedWarning, match="no module sharded by torchrec"):
+            assert len(train(SparseDistPipeline(model, optimizer, "cpu"))) == 4
+        strict = SparseDistPipeline(model, optimizer, "cpu", strict=True, schedule="base")
+        with pytest.raises(InputDistNotPipelinedError, match="shard the model first"):
+            train(strict)

@@ -661,7 +661,8 @@ def test_a_results_loop_left_early_leaves_its_partial_group_to_the_next_source()
 def test_wrong_arguments_are_refused_when_the_pipeline_is_built() -> None:
     """Before any batch is taken: a misspelt task in thread_map (it ran on lane
     "default"), an optimizer that is none, a forward that is no function, a model
-    that is no module, and flags given as strings ("no" counted as true)."""
+    that is no module, a device no step can run on, and flags given as strings ("no"
+    counted as true)."""
     with one_rank_group():
         setup = build_dlrm_training(SMALL, "sgd", seed=3)
         model, optimizer, device = setup.model, setup.optimizer, setup.device
@@ -671,8 +672,18 @@ def test_wrong_arguments_are_refused_when_the_pipeline_is_built() -> None:
             SparseDistPipeline(model, None, device)
         with pytest.raises(TypeError, match="custom_model_fwd must be a function"):
             SparseDistPipeline(model, optimizer, device, custom_model_fwd=5)  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module, got object$"):
             SparseDistEvalPipeline(object(), None, device)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module, got CombinedOptimizer$"):
+            SparseDistPipeline(optimizer, optimizer, device)  # type: ignore[arg-type]
+        for bad, message in [(None, "device must be a torch.device or a str.*got NoneType"),
+                             ("cpuu", "'cpuu' is not a device torch knows"),
+                             ("meta", "'meta' holds no data")]:  # fmt: skip
+            with pytest.raises((TypeError, ValueError), match=message):
+                SparseDistPipeline(model, optimizer, bad)  # type: ignore[arg-type]
+        if not torch.cuda.is_available():
+            with pytest.raises(ValueError, match="torch sees no CUDA device here"):
+                SparseDistPipeline(model, optimizer, "cuda")
         for flag in ("execute_all_batches", "strict", "end_together"):
             with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'no'"):
                 SparseDistPipeline(model, optimizer, device, **{flag: "no"})  # type: ignore[arg-type]

@@ -24,13 +24,13 @@ from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConf
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineFusedSparseDist
 
 import sparse_workers
-from aiopipe import ConfigurationError
+from aiopipe import ConfigurationError, PipelineStateError
 from hstu_tasks import DLRMConfig, SparseDistEvalPipeline, SparseDistPipeline, SyntheticDLRMData
 from hstu_tasks import build_dlrm_training
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse._torchrec import torchrec_classes_on_cpu
 from hstu_tasks.sparse.accumulation import GradAccumulation
-from hstu_tasks.sparse.dlrm import run_dlrm
+from hstu_tasks.sparse.dlrm import evaluate_plainly, run_dlrm
 from hstu_tasks.sparse.schedules import TRAIN_SCHEDULES, TrainSchedule, fused, semi_sync
 from hstu_tasks.sparse.schedules import train_schedule
 from hstu_tasks.sparse.sources import torchrec_results
@@ -114,6 +114,22 @@ def test_prefetch_declares_torchrec_s_host_order() -> None:
 def test_on_one_rank_the_prefetch_schedule_trains_like_the_plain_loop() -> None:
     with one_rank_group():
         sparse_workers.check_prefetch(0)
+
+
+def test_prefetch_with_execute_all_batches_false_drops_the_last_two_batches() -> None:
+    """As sparse-dist does: five batches train three, like the plain loop on those."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 5))
+        plain = build_dlrm_training(SMALL, "adagrad", seed=3)
+        expected = run_dlrm("none", plain, [batches[:3]]).losses
+        setup = build_dlrm_training(SMALL, "adagrad", seed=3)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, False,
+                                  schedule="prefetch").blocking()  # fmt: skip
+        losses = [float(loss) for loss, _, _ in pipe.results(batches)]
+        assert pipe.statistics().pulled == 3  # the wrapper read five, handed on three
+        pipe.shutdown()
+        assert losses == expected
+        assert parameter_digest(setup.model) == parameter_digest(plain.model)
 
 
 def _fbgemm_has_cuda_kernels() -> bool:
@@ -252,12 +268,75 @@ def test_fused_refuses_an_unknown_stream_and_a_model_another_schedule_rewrites()
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     first = SparseDistPipeline(model, optimizer, "cpu", schedule="fused")
-    with pytest.raises(ValueError, match="installs torchrec's InSyncEmbeddingPipelinedForward"):
+    with pytest.raises(ValueError, match="installs InSyncEmbeddingPipelinedForward"):
         SparseDistPipeline(model, optimizer, "cpu")
     assert first.eval_pipeline() is not None  # evaluation follows whatever is installed
 
 
 SMALL = DLRMConfig(num_embeddings=200, batch_size=16)
+
+
+def test_the_blocking_form_evaluates_detaches_and_attaches() -> None:
+    """torchrec's lifetime calls on the blocking form: an evaluation between training
+    steps (blocking too) equals the plain forward at that point, and training goes on
+    after detach() and attach() as one uninterrupted run."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 6))
+        evals = list(SyntheticDLRMData(SMALL, 2, seed=9))
+        plain = build_dlrm_training(SMALL, "adagrad", seed=3)
+        expected = run_dlrm("none", plain, [batches[:3]]).losses
+        expected_eval = evaluate_plainly(plain.model, evals, plain.device)
+        expected += run_dlrm("none", plain, [batches[3:]]).losses
+        setup = build_dlrm_training(SMALL, "adagrad", seed=3)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device).blocking()
+        source = iter(batches)
+        losses = [float(pipe.progress(source)[0]) for _ in range(3)]
+        evaluation = pipe.eval_pipeline()
+        outputs = list(evaluation.results(evals))
+        losses += [float(loss) for loss, _, _ in pipe.drain()]
+        assert pipe.detach() is setup.model
+        pipe.attach()
+        losses += [float(loss) for loss, _, _ in pipe.results(source)]
+        evaluation.shutdown()
+        pipe.shutdown()
+        assert losses == expected
+        assert parameter_digest(setup.model) == parameter_digest(plain.model)
+        assert len(outputs) == len(expected_eval)
+        for got, want in zip(outputs, expected_eval):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_model_given_back_goes_to_a_pipeline_of_another_kind() -> None:
+    """Schedules tried one after another on one model: once the pipelines on it are
+    shut down, or drained and detached, another kind takes it, though the old objects
+    are still referenced; the old one, attached again, is refused at its next call
+    while the new kind's forwards are installed, and nothing of it ran."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 9))
+        plain = build_dlrm_training(SMALL, "adagrad", seed=3)
+        expected = run_dlrm("none", plain, [batches]).losses
+        setup = build_dlrm_training(SMALL, "adagrad", seed=3)
+        args = (setup.model, setup.optimizer, setup.device)
+        first = SparseDistPipeline(*args).blocking()
+        losses = [float(loss) for loss, _, _ in first.results(batches[:3])]
+        first.shutdown()
+        fused_pipe = SparseDistPipeline(*args, schedule="fused")
+        blocking = fused_pipe.blocking()
+        losses += [float(loss) for loss, _, _ in blocking.results(batches[3:6])]
+        blocking.drain()
+        fused_pipe.detach()
+        third = SparseDistPipeline(*args, schedule="prefetch").blocking()
+        source = iter(batches[6:])
+        losses.append(float(third.progress(source)[0]))
+        fused_pipe.attach()
+        with pytest.raises(PipelineStateError, match="give the model back first"):
+            blocking.progress(iter(batches[6:]))
+        losses += [float(loss) for loss, _, _ in third.results(source)]
+        with pytest.raises(ValueError, match="installs PrefetchPipelinedForward.*give the"):
+            SparseDistPipeline(*args, schedule="fused")  # while the third one has it
+        third.shutdown()
+        assert losses == expected
+        assert parameter_digest(setup.model) == parameter_digest(plain.model)
 
 
 @pytest.mark.parametrize("schedule", ["base", "lite", "fused"])
@@ -301,7 +380,8 @@ def test_base_calls_custom_model_fwd_which_torchrec_s_base_ignores() -> None:
         pipe.shutdown()
 
 
-@pytest.mark.parametrize("schedule", ["lite", "base", "fused", "semi_sync", "pt2", "prefetch"])
+@pytest.mark.parametrize("schedule", ["sparse_dist", "lite", "base", "fused", "semi_sync", "pt2",
+                                      "prefetch"])
 def test_the_guide_draws_the_schedule_as_aiopipe_graph_does(
     schedule: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -312,6 +392,35 @@ def test_the_guide_draws_the_schedule_as_aiopipe_graph_does(
     assert main(["graph", target, "--format", "mermaid", "--title", title]) == 0
     drawn = capsys.readouterr().out
     assert f"```mermaid\n{drawn}```" in (ROOT / "docs" / "sparse-dist.md").read_text()
+
+
+def test_the_cli_draws_and_validates_a_pipeline_of_the_family_and_refuses_to_run_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A target function may return the configured pipeline itself: its schedule is
+    drawn and validated on its lanes; tracing or profiling it is refused, saying why
+    (its bodies need the model it traces on the first batch)."""
+    from aiopipe.cli import main
+
+    target = tmp_path / "mine.py"
+    target.write_text(
+        "import torch\n"
+        "from hstu_tasks import SparseDistPipeline\n"
+        "from hstu_tasks.sparse import semi_sync\n\n\n"
+        "def pipe():\n"
+        "    model = torch.nn.Linear(2, 1)\n"
+        "    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    return SparseDistPipeline(model, optimizer, 'cpu', schedule=semi_sync(start_batch=2))\n"
+    )
+    assert main(["graph", f"{target}:pipe", "--format", "mermaid"]) == 0
+    drawn = capsys.readouterr().out
+    assert "embedding_lookup" in drawn and 'lane compute' in drawn and "lane io" not in drawn
+    assert main(["validate", f"{target}:pipe"]) == 0
+    capsys.readouterr()
+    for command in (["trace", "-o", str(tmp_path / "t.json")], ["plan", "--batches", "4"]):
+        assert main([*command, f"{target}:pipe"]) == 2
+        error = capsys.readouterr().err
+        assert "SparseDistPipeline prepares its model on the first batch" in error, command
 
 
 def test_gradient_accumulation_trains_like_the_plain_loop_on_two_ranks() -> None:

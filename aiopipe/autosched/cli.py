@@ -100,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _costs(args: argparse.Namespace, target: Target, thread_map: ThreadMap) -> CostModel:
     if args.costs:
         return CostModel.load(args.costs)
+    target.refuse_run("profile it (plan it from --costs of a traced run instead)")
     if args.batches < MIN_BATCHES:  # argparse refuses it; a Namespace built by hand may not
         raise AutoschedError(f"--batches must be >= {MIN_BATCHES} to profile, got {args.batches}")
 

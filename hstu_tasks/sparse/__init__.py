@@ -16,6 +16,7 @@ model, on aiopipe's engine.
   its rewrite of the model on the first batch, its batch check, ...);
 * ``base`` -- what every pipeline on a rewritten model shares: the progress contract,
   the bootstrap that traces the model on the first batch, the lifetime;
+* ``blocking`` -- their blocking form, with ``detach``/``attach``/``eval_pipeline``;
 * ``pipeline`` -- ``SparseDistPipeline`` and ``SparseDistEvalPipeline``;
 * ``sources`` -- ``execute_all_batches=False`` as a source wrapper, and one pass of a
   torchrec pipeline;
@@ -29,6 +30,7 @@ torchrec helpers the pipelines need are imported in ``_torchrec`` only.
 from __future__ import annotations
 
 from .base import SparseDistBase as SparseDistBase
+from .blocking import BlockingSparseDist as BlockingSparseDist
 from .dlrm import DLRM_PIPELINES as DLRM_PIPELINES
 from .dlrm import DLRMConfig as DLRMConfig
 from .dlrm import DLRMRun as DLRMRun

@@ -19,7 +19,7 @@ from typing import Any, Generic, Self, TypeVar
 
 import torch
 
-from aiopipe import AsyncExecutor, BadBatchError, BlockingPipeline, Executor, PipelineStateError
+from aiopipe import AsyncExecutor, BadBatchError, Executor, PipelineStateError
 from aiopipe import PipelineStatistics, Schedule, SchedulablePipeline, Tracer
 from aiopipe.executors import resolve_executor
 from aiopipe.protocols import Results
@@ -29,6 +29,7 @@ from aiopipe.source import Feed
 from aiopipe.sources import END, Source
 from aiopipe.trace import resolve_tracer
 
+from .blocking import BlockingSparseDist
 from .counts import CountsAcrossResets
 from .model import STREAMS, PipelinedModel
 from .spec import PipelineSpec
@@ -50,6 +51,7 @@ class SparseDistBase(Generic[ResultT]):
                  trace: bool | Tracer | None, name: str | None = None) -> None:  # fmt: skip
         self.name = name
         self._shared, self._state, self._spec = shared, state, spec
+        shared.pipelines.add(self)
         self._executor_options = (executor, thread_map)
         # An executor instance serves one engine: detach()/reset() cannot rebuild on it.
         self._given_instance = executor is not None and not isinstance(executor, str)
@@ -92,6 +94,25 @@ class SparseDistBase(Generic[ResultT]):
     def engine(self) -> SchedulablePipeline | None:
         """The underlying engine, once the first progress has built it."""
         return self._shared.engines.get(self)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule the engine runs (``aiopipe validate`` and ``aiopipe graph`` take
+        the pipeline, or a function that returns it)."""
+        engine = self.engine
+        if engine is not None:
+            return engine.schedule
+        return Schedule.of(self._spec.build_tasks(), stream_slots=STREAMS)
+
+    @property
+    def executor(self) -> Executor:
+        """The engine's executor, or the one the next engine gets."""
+        engine = self.engine
+        if engine is not None:
+            return engine.executor
+        if self._next_executor is not None:
+            return self._next_executor
+        return self._resolve_executor()  # one like the next engine's (each gets its own)
 
     def statistics(self) -> PipelineStatistics:
         """Where the pipeline stands in its current source: the engine's
@@ -222,9 +243,10 @@ class SparseDistBase(Generic[ResultT]):
             await engine.aclose()
         self.shutdown()
 
-    def blocking(self) -> BlockingPipeline:
-        """The torchrec-style blocking form: ``progress(it)`` raises ``StopIteration``."""
-        return BlockingPipeline(self)
+    def blocking(self) -> BlockingSparseDist:
+        """The torchrec-style blocking form: ``progress(it)`` raises ``StopIteration``;
+        ``detach()``, ``attach()`` and a training pipeline's ``eval_pipeline()`` too."""
+        return BlockingSparseDist(self)
 
     # -- attach / detach / reset / shutdown ---------------------------------------------
 
@@ -286,6 +308,7 @@ class SparseDistBase(Generic[ResultT]):
         self._teardown()
         self._drop_first_pull()
         self._closed = True
+        self._shared.pipelines.discard(self)
         self._spec.release()
 
     async def __aenter__(self) -> Self:

@@ -33,7 +33,8 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelin
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardedModule
 
-from aiopipe import ConfigurationError, PipelineStateError, SchedulablePipeline, StreamPool
+from aiopipe import ConfigurationError, ConfigurationTypeError, PipelineStateError
+from aiopipe import SchedulablePipeline, StreamPool
 
 from ._torchrec import override_input_dist_forwards, pipeline_detach_model, place_forwards
 from ._torchrec import rewrite_model, start_data_dist
@@ -45,6 +46,7 @@ __all__ = (
     "PipelinedModel",
     "carries_torchrec_rewrite",
     "input_dist_pipelined",
+    "pipeline_device",
     "stream_pool",
 )
 
@@ -55,7 +57,8 @@ STREAMS = ("default", "memcpy", "data_dist", "prefetch", "embedding_lookup")
 
 class InputDistNotPipelinedWarning(UserWarning):
     """torchrec's rewrite left a sharded module's input distribution inside forward:
-    the step runs, but that module's input distribution is not overlapped."""
+    the step runs, but that module's input distribution is not overlapped.  Also
+    warned: a model with no sharded module at all (nothing to distribute)."""
 
 
 class InputDistNotPipelinedError(ConfigurationError):
@@ -139,6 +142,25 @@ def input_dist_pipelined(requested: bool | None, device: torch.device) -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def pipeline_device(device: object) -> torch.device:
+    """``device`` as a pipeline's, refused at construction if no step could run there
+    (torch would refuse it only inside the first step, or with a message of its own)."""
+    if not isinstance(device, (torch.device, str)):
+        raise ConfigurationTypeError(f"device must be a torch.device or a str such as 'cpu' "
+                                     f"or 'cuda:0', got {type(device).__name__}")  # fmt: skip
+    try:
+        chosen = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigurationError(f"device {device!r} is not a device torch knows: {exc}") from None
+    if chosen.type == "meta":
+        raise ConfigurationError("device 'meta' holds no data; pass the device the model's "
+                                 "dense parameters are on")  # fmt: skip
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigurationError(f"device {device!r}, but torch sees no CUDA device here (a "
+                                 f"CPU-only torch, or no GPU); pass 'cpu'")  # fmt: skip
+    return chosen
+
+
 def carries_torchrec_rewrite(model: torch.nn.Module) -> bool:
     """Whether a sharded module of ``model`` has torchrec's pipelined forward: torchrec's
     own pipelines leave their rewrite installed, and a model that still carries it can
@@ -148,6 +170,9 @@ def carries_torchrec_rewrite(model: torch.nn.Module) -> bool:
 
 
 _SHARED: weakref.WeakValueDictionary[int, PipelinedModel] = weakref.WeakValueDictionary()
+#: How to end a refusal because another kind of pipeline has the model.
+_GIVE_BACK = ("; give the model back first (drain() and detach(), or shutdown(), the "
+              "pipelines on it)")
 #: The PipelinedModel each model runs under: its forwards (torchrec's rewrite, or the
 #: model's own on one CPU rank) are that one's, and a second would wrap or miss them.
 _INSTALLED: weakref.WeakValueDictionary[int, PipelinedModel] = weakref.WeakValueDictionary()
@@ -179,6 +204,8 @@ class PipelinedModel:
         self.attached = True
         #: The pipeline whose progress() is running (they take turns).
         self.busy: Any = None
+        #: The pipelines on this model not shut down (``SparseDistBase`` adds itself).
+        self.pipelines: weakref.WeakSet[Any] = weakref.WeakSet()
         #: The engine of each pipeline on this model (once built).
         self.engines: weakref.WeakKeyDictionary[Any, SchedulablePipeline] = (
             weakref.WeakKeyDictionary()
@@ -191,8 +218,18 @@ class PipelinedModel:
            pipelined_input_dist: bool | None = None,
            forward_type: type[BaseForward[Any]] | None = None) -> PipelinedModel:  # fmt: skip
         """The object every pipeline on ``model`` shares; ``pipelined_input_dist`` and
-        ``forward_type`` given to a later pipeline must agree with the first one's."""
+        ``forward_type`` given to a later pipeline must agree with the first one's
+        while any of them still runs on the model (:attr:`in_use`)."""
         shared = _SHARED.get(id(model))
+        if shared is not None and shared.model is model and not shared.in_use and not (
+            shared.device == device
+            and pipelined_input_dist in (None, shared.pipelines_input_dist)
+            and forward_type in (None, shared.forward_type)
+        ):  # fmt: skip
+            # Every pipeline on it has given the model back (shut down, or drained and
+            # detached): a pipeline of another kind starts afresh.  An old one attached
+            # again cannot rewrite the model beside it (_refuse_a_second_rewrite).
+            shared = None
         if shared is None or shared.model is not model:
             shared = _SHARED[id(model)] = cls(
                 model, device, pipelined_input_dist=pipelined_input_dist,
@@ -200,21 +237,27 @@ class PipelinedModel:
             )  # fmt: skip
         elif shared.device != device:
             raise ValueError(f"the model already runs in a pipeline on {shared.device}; "
-                             f"every pipeline on one model must use that device, got {device}")  # fmt: skip
+                             f"every pipeline on one model must use that device, got "
+                             f"{device}{_GIVE_BACK}")  # fmt: skip
         elif pipelined_input_dist not in (None, shared.pipelines_input_dist):
             raise ValueError(
                 f"the model already runs in a pipeline with pipelined_input_dist="
-                f"{shared.pipelines_input_dist}; the pipelines on one model share it, got "
-                f"{pipelined_input_dist}"
+                f"{shared.pipelines_input_dist}; the pipelines on one model share it (this "
+                f"schedule runs with {pipelined_input_dist}){_GIVE_BACK}"
             )
         elif forward_type not in (None, shared.forward_type):
             raise ValueError(
-                f"the model already runs in a pipeline whose schedule installs torchrec's "
+                f"the model already runs in a pipeline whose schedule installs "
                 f"{shared.forward_type.__name__}; the pipelines on one model share its "
-                f"rewrite, and this schedule needs {forward_type.__name__}: give the model "
-                f"to one kind of schedule at a time"
+                f"rewrite, and this schedule needs {forward_type.__name__}{_GIVE_BACK}"
             )
         return shared
+
+    @property
+    def in_use(self) -> bool:
+        """Whether a pipeline still has the model: one not shut down, the model not
+        detached (or its forwards still installed)."""
+        return self.installed or (self.attached and bool(self.pipelines))
 
     @property
     def looks_up_embeddings(self) -> bool:
@@ -296,16 +339,24 @@ class PipelinedModel:
         return batch
 
     def _report_not_pipelined(self, missed: dict[str, str], sharded: int, strict: bool) -> None:
-        if not missed:
+        if sharded == 0:
+            message = (
+                f"{self.owner}: the model has no module sharded by torchrec (its "
+                f"DistributedModelParallel shards the embedding tables), so there is no "
+                f"input distribution to pipeline, and on several ranks nothing keeps their "
+                f"parameters in step: shard the model first"
+            )
+        elif missed:
+            listed = "; ".join(f"{name!r}: {why}" for name, why in missed.items())
+            message = (
+                f"{self.owner}: torchrec's rewrite pipelines the input distribution of "
+                f"{sharded - len(missed)} of the model's {sharded} sharded module(s); not "
+                f"of {listed}. Their input distribution runs inside forward, not "
+                f"overlapped with the step before: pass each sharded module a field of "
+                f"the batch as it is to pipeline it"
+            )
+        else:
             return
-        listed = "; ".join(f"{name!r}: {why}" for name, why in missed.items())
-        message = (
-            f"{self.owner}: torchrec's rewrite pipelines the input distribution of "
-            f"{sharded - len(missed)} of the model's {sharded} sharded module(s); not of "
-            f"{listed}. Their input distribution runs inside forward, not overlapped with "
-            f"the step before: pass each sharded module a field of the batch as it is to "
-            f"pipeline it"
-        )
         if strict:
             self.restore()
             raise InputDistNotPipelinedError(message + " (strict=True refuses this)")

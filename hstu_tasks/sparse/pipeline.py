@@ -34,8 +34,8 @@ from aiopipe.sources import Source
 
 from .accumulation import GradAccumulation
 from .base import SparseDistBase
-from .model import PipelinedModel
-from .schedules import TrainSchedule, train_schedule
+from .model import PipelinedModel, pipeline_device
+from .schedules import TRAIN_SCHEDULES, TrainSchedule, train_schedule
 from .spec import PipelineSpec, with_source_wrappers
 from .tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
 from .tasks import build_sparse_dist_tasks
@@ -51,19 +51,21 @@ def _on_shared_rewrite(
     """The model's shared rewrite (installing ``forward_type``, or whatever the model's
     other pipelines install), and the state of a pipeline's tasks on it."""
     if not isinstance(model, torch.nn.Module):
-        raise ConfigurationTypeError(f"model must be a torch.nn.Module, got {model!r}")
+        raise ConfigurationTypeError(f"model must be a torch.nn.Module, got "
+                                     f"{type(model).__name__}")  # fmt: skip
     if not evaluation and not all(
         callable(getattr(optimizer, name, None)) for name in ("step", "zero_grad")
     ):  # fmt: skip
         raise ConfigurationTypeError(
             f"a training pipeline steps an optimizer (step() and zero_grad()), got "
-            f"{optimizer!r}; evaluate with SparseDistEvalPipeline or eval_pipeline()"
+            f"{type(optimizer).__name__}; evaluate with SparseDistEvalPipeline or "
+            f"eval_pipeline()"
         )
     if model_fwd is not None and not callable(model_fwd):
         raise ConfigurationTypeError(
             f"custom_model_fwd must be a function batch -> (losses, output), got {model_fwd!r}"
         )
-    device = torch.device(device)
+    device = pipeline_device(device)
     shared = PipelinedModel.of(model, device, pipelined_input_dist, forward_type)
     state = SparseDistState(
         model=model, optimizer=optimizer, device=device, model_fwd=model_fwd,
@@ -127,7 +129,8 @@ class SparseDistPipeline(SparseDistBase[Any]):
     ``TrainPipelineFusedSparseDist``, with ``schedule="semi-sync"`` (or
     :func:`~hstu_tasks.sparse.schedules.semi_sync`) its ``TrainPipelineSemiSync``, with
     ``schedule="pt2"`` (or :func:`~hstu_tasks.sparse.schedules.pt2`) its
-    ``TrainPipelinePT2`` (:data:`~hstu_tasks.sparse.schedules.TRAIN_SCHEDULES`).
+    ``TrainPipelinePT2``, with ``schedule="prefetch"`` its
+    ``PrefetchTrainPipelineSparseDist`` (:data:`~hstu_tasks.sparse.schedules.TRAIN_SCHEDULES`).
 
     ``await progress(it)`` trains one batch and returns the ``output`` of
     ``model_fwd(batch) -> (losses, output)`` (the model, or ``custom_model_fwd``);
@@ -145,7 +148,9 @@ class SparseDistPipeline(SparseDistBase[Any]):
     model share the choice.  The ``"base"`` and ``"pt2"`` schedules never pipeline it
     (the model's own forward distributes its input), ``"semi-sync"`` always does (its
     step is computed on the rewrite), and ``"lite"``, ``"base"`` and ``"pt2"`` refuse
-    ``execute_all_batches=False``, as torchrec's classes have no such option.
+    ``execute_all_batches=False``, as torchrec's classes have no such option
+    (``"prefetch"`` takes it: torchrec's class does, though with it its pipeline
+    fills again after the first step).
 
     A sharded module whose input distribution torchrec's rewrite cannot take out of
     forward (its input is computed in forward, the trace never reaches it, or forward
@@ -189,7 +194,8 @@ class SparseDistPipeline(SparseDistBase[Any]):
         if not execute_all_batches and not chosen.drops_last_two:
             raise ValueError(f"execute_all_batches=False is TrainPipelineSparseDist's option; "
                              f"torchrec's {chosen.torchrec_class} (schedule={chosen.name!r}) "
-                             f"trains every batch")  # fmt: skip
+                             f"trains every batch; the schedules that take it: "
+                             f"{_names_of(lambda s: s.drops_last_two)}")  # fmt: skip
         if chosen.rewrites == "always":
             if pipelined_input_dist is False:
                 raise ValueError(
@@ -202,8 +208,7 @@ class SparseDistPipeline(SparseDistBase[Any]):
             if pipelined_input_dist:
                 raise ValueError(f"schedule={chosen.name!r} runs the model's own forward, which "
                                  f"distributes its input itself: pipelined_input_dist=True "
-                                 f"needs schedule 'lite', 'sparse-dist', 'fused' or "
-                                 f"'semi-sync'")  # fmt: skip
+                                 f"needs one of {_names_of(lambda s: bool(s.rewrites))}")  # fmt: skip
             pipelined_input_dist = False
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, False,
                                            pipelined_input_dist, chosen.forward_type)  # fmt: skip
@@ -285,3 +290,8 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
                                     end_together, drop_last_two=False)  # fmt: skip
         super().__init__(shared, state, spec,
                          thread_map=thread_map, executor=executor, trace=trace)  # fmt: skip
+
+
+def _names_of(member: Callable[[TrainSchedule], bool]) -> str:
+    """The schedules ``member`` holds for, quoted, for a message."""
+    return ", ".join(repr(name) for name, s in TRAIN_SCHEDULES.items() if member(s))

@@ -104,7 +104,8 @@ class TrainSchedule:
     #: ``"always"``: the schedule's step is computed on the rewrite only (semi-sync's
     #: stale embeddings), one CPU rank too.
     rewrites: bool | Literal["always"] = True
-    #: Whether the torchrec class offers ``execute_all_batches=False``.
+    #: Whether the torchrec class offers ``execute_all_batches=False`` (here: the last
+    #: two batches read and dropped, as ``TrainPipelineSparseDist`` does).
     drops_last_two: bool = False
     #: The pipelined forward torchrec's rewrite installs for it.
     forward_type: type[BaseForward[Any]] = PipelinedForward
@@ -249,7 +250,7 @@ TRAIN_SCHEDULES: dict[str, TrainSchedule] = {
         semi_sync(),
         pt2(),
         TrainSchedule("prefetch", "PrefetchTrainPipelineSparseDist", build_prefetch_tasks,
-                      forward_type=PrefetchPipelinedForward),
+                      drops_last_two=True, forward_type=PrefetchPipelinedForward),
     )
 }  # fmt: skip
 
