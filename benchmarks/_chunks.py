@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from _common import OTHER, free_port, print_table, progress, thread_cpu_s
+from _common import OTHER, free_port, print_table, progress, thread_sched_s
 
 from aiopipe._core.lanes import LANE_THREAD_PREFIX
 
@@ -134,15 +134,18 @@ def _worker(build: Build, config: str, warm_up: int, settle: int, conn: Connecti
         # middle of, with what it read ahead while the other rows ran used up.
         if settle:
             run(settle)
-        before = thread_cpu_s()  # outside the timed window: it reads every thread's file
+        before = thread_sched_s()  # outside the timed window: it reads every thread's file
         start, cpu_start = time.perf_counter(), time.process_time()
         run(steps)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        after = thread_cpu_s()
+        after = thread_sched_s()
         timed += steps
-        for tid, (name, seconds) in after.items():
+        for tid, (name, seconds, waited) in after.items():
+            _, seconds_before, waited_before = before.get(tid, (name, 0.0, 0.0))
             kind = "lanes" if name.startswith(LANE_THREAD_PREFIX) else name
-            threads[kind] += seconds - before.get(tid, (name, 0.0))[1]
+            threads[kind] += seconds - seconds_before
+            if kind == "lanes":
+                threads[LANES_WAITING] += waited - waited_before
         conn.send((1e3 * wall / steps, cpu / wall))
     per_step = {kind: 1e6 * seconds / timed for kind, seconds in threads.items()} if timed else {}
     conn.send((report(), _peak_rss_mib(), per_step))
@@ -276,6 +279,9 @@ def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk
                     process.kill()
 
 
+#: The lanes' time ready to run but without a core (another thread had it: the loop,
+#: an OpenMP worker), kept beside the kinds of thread's CPU time.
+LANES_WAITING = "lanes waiting for a core"
 #: The kinds of thread :func:`print_thread_cpu` shows, and their column titles.
 THREAD_KINDS = {"MainThread": "main thread (the loop; the plain loop's own)", "lanes": "lanes",
                 OTHER: "the others (OpenMP workers, gloo)"}  # fmt: skip
@@ -287,14 +293,17 @@ def print_thread_cpu(chunks: Chunks, label: Callable[[str], str] = str) -> None:
     a host whose cores the step's own threads fill."""
     rows = []
     for config, per_set in chunks.thread_cpu_us.items():
-        cpu = {k: statistics.median(s.get(k, 0.0) for s in per_set) for k in THREAD_KINDS}
-        every = statistics.median(sum(s.values()) for s in per_set)  # named threads too
+        cpu = {k: statistics.median(s.get(k, 0.0) for s in per_set)
+               for k in (*THREAD_KINDS, LANES_WAITING)}  # fmt: skip
+        every = statistics.median(  # named threads too
+            sum(v for k, v in s.items() if k != LANES_WAITING) for s in per_set)
         wall = 1e3 * statistics.median(chunks.ms[config])
         rows.append([label(config), f"{wall:.0f}", *(f"{cpu[k]:.0f}" for k in THREAD_KINDS),
-                     f"{every:.0f}"])  # fmt: skip
+                     f"{every:.0f}", f"{cpu[LANES_WAITING]:.0f}"])  # fmt: skip
     print_table(
         "CPU time per step by thread, us (rank 0's, median over the process sets): how much "
-        "of the cores each config keeps busy, and with what",
-        ["config", "wall us / step", *THREAD_KINDS.values(), "all threads"],
+        "of the cores each config keeps busy, and with what; the last column is not CPU "
+        "time but the lanes' time ready to run with no core free (Linux schedstat)",
+        ["config", "wall us / step", *THREAD_KINDS.values(), "all threads", LANES_WAITING],
         rows,
     )  # fmt: skip

@@ -39,7 +39,7 @@ async def time_progress(pipe: SchedulablePipeline, iterations: int, warmup: int 
     return (time.perf_counter() - start) / iterations
 
 
-#: The name :func:`thread_cpu_s` gives the threads Python did not start: torch's OpenMP
+#: The name :func:`thread_sched_s` gives the threads Python did not start: torch's OpenMP
 #: workers, gloo's threads.
 OTHER = "other threads (OpenMP, gloo)"
 
@@ -48,6 +48,13 @@ def thread_cpu_s() -> dict[str, tuple[str, float]]:
     """``{tid: (name, cpu seconds)}`` for every thread of this process (Linux's
     ``/proc/self/task``: the scheduler's nanoseconds on a CPU where it counts them,
     else user + system ticks; ``{}`` elsewhere)."""
+    return {tid: (name, cpu) for tid, (name, cpu, _) in thread_sched_s().items()}
+
+
+def thread_sched_s() -> dict[str, tuple[str, float, float]]:
+    """``{tid: (name, cpu seconds, run-queue seconds)}``: as :func:`thread_cpu_s`, with
+    the time each thread was ready to run but waited for a core (0 where the kernel
+    keeps no scheduler statistics)."""
     names = {str(t.native_id): t.name for t in threading.enumerate()}
     try:
         tids = os.listdir("/proc/self/task")
@@ -56,20 +63,21 @@ def thread_cpu_s() -> dict[str, tuple[str, float]]:
     threads = {}
     for tid in tids:
         try:
-            threads[tid] = (names.get(tid, OTHER), _cpu_s(f"/proc/self/task/{tid}"))
+            threads[tid] = (names.get(tid, OTHER), *_sched_s(f"/proc/self/task/{tid}"))
         except OSError:  # the thread ended meanwhile
             continue
     return threads
 
 
-def _cpu_s(task: str) -> float:
+def _sched_s(task: str) -> tuple[float, float]:
     try:
         with open(f"{task}/schedstat") as schedstat:
-            return int(schedstat.read().split()[0]) / 1e9
+            on_cpu, waiting, _ = schedstat.read().split()
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
     except FileNotFoundError:  # a kernel without scheduler statistics
         with open(f"{task}/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 0.0
 
 
 def run_on(loop_factory: Callable[[], asyncio.AbstractEventLoop], coro: Any) -> Any:

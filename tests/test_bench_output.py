@@ -3,7 +3,9 @@ with a progress line each, the spread next to the median, rows printed as they c
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -129,3 +131,13 @@ def test_a_step_boundary_is_the_busiest_lanes_gap_between_two_iterations_less_it
                   span("h2d", i, t, t + 1, thread="io")]  # fmt: skip
     spans.append(span("forward", 3, 30.0, 34.0, wait_ms=0.1))  # waited 0.1 ms for the io lane
     assert step_boundaries_us(spans) == pytest.approx([700.0, 550.0, 700.0])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's /proc")
+def test_each_thread_s_cpu_and_run_queue_time_are_read() -> None:
+    from _common import thread_cpu_s, thread_sched_s
+
+    main = str(threading.main_thread().native_id)
+    name, cpu, waited = thread_sched_s()[main]
+    assert name == "MainThread" and cpu > 0 and waited >= 0
+    assert thread_cpu_s()[main][0] == "MainThread" and thread_cpu_s()[main][1] >= cpu
