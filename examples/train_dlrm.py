@@ -7,13 +7,15 @@ ranks on gloo.  Every pipeline trains the same model on the same data, so their
 losses and final parameters can be compared (``--json``).  ``--pipeline aiopipe-S``
 runs aiopipe's schedule S (``sparse-dist``, ``lite``, ``base``, ``fused``, ``semi-sync``,
 ``pt2``, ``prefetch``), ``torchrec-S`` torchrec's class for it (``torchrec-prefetch`` on
-a GPU only); ``aiopipe`` and ``torchrec`` are sparse-dist.
+a GPU only); ``aiopipe`` and ``torchrec`` are sparse-dist.  ``--uneven K`` gives the
+last rank K batches fewer: every rank still ends the epoch on the same step.
 
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe --eval-every 10 --json run.json
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-lite --json lite.json
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-fused --grad-accumulation 3
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-semi-sync --start-batch 10
     python examples/train_dlrm.py --steps 40 --pipeline aiopipe-pt2 --compile-backend aot_eager
+    torchrun --nproc-per-node 2 examples/train_dlrm.py --steps 10 --uneven 3
 
 The data is one global sequence of samples: each rank trains its equal part of every
 global batch (``--global-batch-size``, default ``--batch-size`` x world size).  With
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 from typing import Any
 
@@ -76,6 +79,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps-per-call", type=at_least(1), default=1, metavar="K",
                         help="aiopipe pipelines: ask for K steps a call (progress_many: the "
                              "lanes chain them); calls end on checkpoints and eval passes")
+    parser.add_argument("--uneven", type=at_least(1), metavar="K",
+                        help="the last rank's source has K batches fewer than the others' "
+                             "(aiopipe pipelines only, more than one rank): every rank still "
+                             "ends the epoch on the same step, the shortest source's")
     parser.add_argument("--json", metavar="PATH", type=output_file,
                         help="write losses, checksum, samples digest and speed here")
     ResumableJob.add_arguments(parser)
@@ -123,18 +130,35 @@ def main() -> None:
         raise SystemExit("train_dlrm.py: torchrec's PrefetchTrainPipelineSparseDist needs a "
                          "GPU: on a CPU its prefetch does nothing and its forwards find no "
                          "prefetched input (--pipeline aiopipe-prefetch runs on a CPU)")
+    if args.uneven is not None:
+        if not args.pipeline.startswith("aiopipe"):
+            raise SystemExit(f"train_dlrm.py: --uneven: with --pipeline {args.pipeline} the "
+                             f"longer ranks would wait in a collective until it times out "
+                             f"(aiopipe's pipelines end the epoch together; torchrec issue "
+                             f"#1014)")  # fmt: skip
+        if args.checkpoint_dir:
+            raise SystemExit("train_dlrm.py: --uneven with --checkpoint-dir: a resumed job "
+                             "would not know which rank was short")  # fmt: skip
+        if args.uneven > args.steps:
+            raise SystemExit(f"train_dlrm.py: --uneven {args.uneven} is more than --steps "
+                             f"{args.steps}")  # fmt: skip
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # torchrun's, before joining
+            raise SystemExit("train_dlrm.py: --uneven needs more than one rank (torchrun "
+                             "--nproc-per-node 2 examples/train_dlrm.py ...)")  # fmt: skip
     if args.checkpoint_dir and args.grad_accumulation > 1:
         raise SystemExit("train_dlrm.py: --checkpoint-dir with --grad-accumulation: a "
                          "checkpoint inside a group would lose its accumulated gradients")
     quiet_torchrec()
     rank, world = init_distributed(datetime.timedelta(seconds=args.collective_timeout))
+    short = args.uneven if args.uneven is not None and rank == world - 1 else 0
     job: ResumableJob[Any] = ResumableJob(args, rank=rank, world_size=world)
     config = DLRMConfig(batch_size=job.rank_batch)
     setup = build_dlrm_training(config, args.optimizer, seed=args.seed, device=default_device(),
                                 sharding=args.sharding)  # fmt: skip
     job.restore(setup)  # resharded onto this job's ranks: its data position is global
-    data = SyntheticDLRMData(config, max(args.steps - job.start, 0), seed=args.seed, rank=rank,
-                             world_size=world, sample_offset=job.samples_consumed)  # fmt: skip
+    data = SyntheticDLRMData(config, max(args.steps - short - job.start, 0), seed=args.seed,
+                             rank=rank, world_size=world,
+                             sample_offset=job.samples_consumed)  # fmt: skip
     if rank == 0:
         accumulation = (f", gradients accumulated over {args.grad_accumulation} batches "
                         f"(a step is a batch; the optimizer steps every "
@@ -183,6 +207,9 @@ def main() -> None:
         ran = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s{passes}"
                if result.losses else job.nothing_ran_note())  # fmt: skip
         print(f"{ran}, parameter checksum {checksum!r}")
+        if args.uneven is not None:
+            print(f"the last rank's source had {args.uneven} batch(es) fewer: every rank "
+                  f"trained {len(result.losses)} steps and ended the epoch there")  # fmt: skip
         if args.json:
             with open(args.json, "w") as out:
                 json.dump({"pipeline": args.pipeline, "world_size": world, "steps": len(losses),

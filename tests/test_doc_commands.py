@@ -135,6 +135,8 @@ RULES: list[tuple[str, Action | None, str]] = [
     (r"^\./dev gpu-prepare\b", SKIP, "downloads wheels (tests/test_gpu_suite.py runs it)"),
     (r"^\./dev gpu-suite\b", SKIP, "the GPU suite (tests/test_gpu_suite.py rehearses it)"),
     (r"^python -c .*merge_traces", SKIP, "merges the traces of the torchrun line above"),
+    (r"torchrun .*examples/train_dlrm\.py .*--uneven", SKIP,
+     "two ranks by design (tests/test_examples.py runs it on two)"),
     (r"(torchrun|torch\.distributed\.run) .*examples/train_(hstu|dlrm)\.py", one_process, ""),
     (r"^(\./dev demo|(\./dev )?python examples/train_(hstu|dlrm)\.py)\b", few_steps, ""),
     (r"^(\./dev bench \w+|(\./dev )?python benchmarks/\w+\.py)", with_help, ""),

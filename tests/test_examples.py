@@ -123,6 +123,10 @@ def refusal(script: str, flags: Sequence[str], monkeypatch: pytest.MonkeyPatch) 
         ("train_dlrm", ("--pipeline", "torchrec-prefetch"), "needs a GPU"),
         ("train_dlrm", ("--checkpoint-dir", "ckpt", "--grad-accumulation", "2"),
          "would lose its accumulated gradients"),
+        ("train_dlrm", ("--pipeline", "torchrec", "--uneven", "1"), "wait in a collective"),
+        ("train_dlrm", ("--uneven", "1", "--checkpoint-dir", "ckpt"), "which rank was short"),
+        ("train_dlrm", ("--uneven", "3"), "is more than --steps 2"),
+        ("train_dlrm", ("--uneven", "1"), "--uneven needs more than one rank"),
     ],
 )  # fmt: skip
 def test_training_examples_explain_what_they_cannot_do(
@@ -216,6 +220,16 @@ def test_train_dlrm_demo_runs_a_schedule_of_the_family_by_name(tmp_path: Path) -
     data = json.loads(report.read_text())
     assert data["pipeline"] == "aiopipe-lite" and data["steps"] == 4 and len(data["losses"]) == 4
     assert data["steps_per_s"] > 0 and isinstance(data["checksum"], float)
+
+
+@pytest.mark.distributed
+def test_train_dlrm_on_uneven_ranks_ends_every_rank_on_the_shortest_s_step(tmp_path: Path) -> None:
+    report = tmp_path / "uneven.json"
+    out = run("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/train_dlrm.py",
+              "--steps", "6", "--uneven", "2", "--json", str(report))  # fmt: skip
+    assert "had 2 batch(es) fewer: every rank trained 4 steps" in out
+    data = json.loads(report.read_text())
+    assert data["steps"] == 4 and len(data["losses"]) == 4 and data["world_size"] == 2
 
 
 @pytest.mark.distributed
