@@ -131,7 +131,10 @@ def _normalise(spec: str, value: Any) -> Target:
         if isinstance(schedule, Schedule) and isinstance(executor, Executor):
             # A pipeline of an adapter layer (hstu_tasks' sparse-dist family): its schedule
             # and lanes, but its bodies only run once it has traced its model.
-            return Target(spec, schedule, thread_map=_lanes(executor), not_runnable=(
+            pool = getattr(obj, "stream_pool", None)
+            return Target(spec, schedule, thread_map=_lanes(executor),
+                          stream_pool=pool if isinstance(pool, StreamPool) else None,
+                          not_runnable=(
                 f"its {type(obj).__name__} prepares its model on the first batch, so the "
                 f"bodies of its schedule run only in it: build it with trace=True, run it, "
                 f"and save its tracer (pipe.tracer.save(...))"

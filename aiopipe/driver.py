@@ -278,8 +278,8 @@ class IterationDriver(OrphanedIterations):
         done: asyncio.Future[None] | None = None, *, free_now: bool = False,
     ) -> BaseException | None:  # fmt: skip
         """Deliver the iteration's result, or record its failure; wake its waiters and
-        free what it evicted (``free_now``, or with the next step chained: now; else at
-        the loop's next cycle).  Returns the failure, if any (the device or this bookkeeping may fail too).  An
+        free what it evicted (``free_now``, or with the next step chained: now; else
+        at the loop's next cycle).  Returns the failure, if any (the device or this bookkeeping may fail too).  An
         iteration queued behind it becomes the running one if the lanes have started
         it (they do unless this one failed)."""
         guarded = self._guarded is not None and self._guarded is self.running
@@ -307,13 +307,16 @@ class IterationDriver(OrphanedIterations):
             self.failures.record(iteration.number, iteration.started, error)
         if done is not None and not done.get_loop().is_closed():
             done.set_result(None)
-        chained = error is None and successor_runs and self._chain.after_end(feed)
-        if free_now or chained:
-            # Chained, nobody waits for the next hand-off (the lane made it): free now,
-            # not at a loop cycle of its own.
-            self._retired.free()
-        else:
-            self._retired.free_soon()
+        chained = False
+        try:
+            chained = error is None and successor_runs and self._chain.after_end(feed)
+        finally:  # the source may raise KeyboardInterrupt there
+            if free_now or chained:
+                # Chained, nobody waits for the next hand-off (the lane made it): free
+                # now, not at a loop cycle of its own.
+                self._retired.free()
+            else:
+                self._retired.free_soon()
         if not chained:
             self._chain.stop()
             self.wake_waiters()

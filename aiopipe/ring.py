@@ -124,7 +124,8 @@ class BatchRing:
 class RetiredStores:
     """Slot stores evicted from the ring, still referenced until the device work
     queued when they left has completed (another stream may still read their
-    tensors), and for one loop cycle after their iteration ended (:meth:`free_soon`)."""
+    tensors), and, unless the next step was chained behind it, for one loop cycle
+    after their iteration ended (:meth:`free_soon`)."""
 
     def __init__(self, stream_pool: StreamPool) -> None:
         self._pool = stream_pool

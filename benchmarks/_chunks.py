@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import multiprocessing
 import resource
 import statistics
@@ -127,7 +128,9 @@ def _worker(build: Build, config: str, warm_up: int, settle: int, conn: Connecti
     run(warm_up)
     _reset_peak_rss()  # the imports' and the build's transients are not the row's
     conn.send("ready")
-    threads: collections.Counter[str] = collections.Counter()  # CPU seconds while timed
+    # CPU seconds while timed by kind of thread, and the lanes' run-queue seconds
+    # (LANES_WAITING, not CPU: left out of any sum of the kinds)
+    threads: collections.Counter[str] = collections.Counter()
     timed = 0
     while (steps := conn.recv()) is not None:
         # The chunk starts in the middle of a run: on a step the pipeline is in the
@@ -298,8 +301,9 @@ def print_thread_cpu(chunks: Chunks, label: Callable[[str], str] = str) -> None:
         every = statistics.median(  # named threads too
             sum(v for k, v in s.items() if k != LANES_WAITING) for s in per_set)
         wall = 1e3 * statistics.median(chunks.ms[config])
+        waited = cpu[LANES_WAITING]  # NaN: the kernel keeps no scheduler statistics
         rows.append([label(config), f"{wall:.0f}", *(f"{cpu[k]:.0f}" for k in THREAD_KINDS),
-                     f"{every:.0f}", f"{cpu[LANES_WAITING]:.0f}"])  # fmt: skip
+                     f"{every:.0f}", "-" if math.isnan(waited) else f"{waited:.0f}"])  # fmt: skip
     print_table(
         "CPU time per step by thread, us (rank 0's, median over the process sets): how much "
         "of the cores each config keeps busy, and with what; the last column is not CPU "

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import collections
 import json
+import math
 import os
 import socket
 import statistics
@@ -53,7 +54,7 @@ def thread_cpu_s() -> dict[str, tuple[str, float]]:
 
 def thread_sched_s() -> dict[str, tuple[str, float, float]]:
     """``{tid: (name, cpu seconds, run-queue seconds)}``: as :func:`thread_cpu_s`, with
-    the time each thread was ready to run but waited for a core (0 where the kernel
+    the time each thread was ready to run but waited for a core (NaN where the kernel
     keeps no scheduler statistics)."""
     names = {str(t.native_id): t.name for t in threading.enumerate()}
     try:
@@ -77,7 +78,7 @@ def _sched_s(task: str) -> tuple[float, float]:
     except FileNotFoundError:  # a kernel without scheduler statistics
         with open(f"{task}/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), math.nan
 
 
 def run_on(loop_factory: Callable[[], asyncio.AbstractEventLoop], coro: Any) -> Any:

@@ -676,7 +676,7 @@ def test_wrong_arguments_are_refused_when_the_pipeline_is_built() -> None:
             SparseDistEvalPipeline(object(), None, device)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="model must be a torch.nn.Module, got CombinedOptimizer$"):
             SparseDistPipeline(optimizer, optimizer, device)  # type: ignore[arg-type]
-        for bad, message in [(None, "device must be a torch.device or a str.*got NoneType"),
+        for bad, message in [(None, "device must be a torch.device, a str.*got NoneType"),
                              ("cpuu", "'cpuu' is not a device torch knows"),
                              ("meta", "'meta' holds no data")]:  # fmt: skip
             with pytest.raises((TypeError, ValueError), match=message):

@@ -276,6 +276,23 @@ def test_fused_refuses_an_unknown_stream_and_a_model_another_schedule_rewrites()
 SMALL = DLRMConfig(num_embeddings=200, batch_size=16)
 
 
+def plain_with_an_evaluation(batches: list[Any], evals: list[Any],
+                             after: int) -> tuple[list[float], list[Any], str]:  # fmt: skip
+    """The plain loop's losses over ``batches``, the outputs of an evaluation of
+    ``evals`` after the first ``after`` of them, and the final parameters' digest."""
+    plain = build_dlrm_training(SMALL, "adagrad", seed=3)
+    losses = run_dlrm("none", plain, [batches[:after]]).losses
+    outputs = evaluate_plainly(plain.model, evals, plain.device)
+    losses += run_dlrm("none", plain, [batches[after:]]).losses
+    return losses, outputs, parameter_digest(plain.model)
+
+
+def assert_same_outputs(got: list[Any], want: list[Any]) -> None:
+    assert len(got) == len(want)
+    for ours, theirs in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
 def test_the_blocking_form_evaluates_detaches_and_attaches() -> None:
     """torchrec's lifetime calls on the blocking form: an evaluation between training
     steps (blocking too) equals the plain forward at that point, and training goes on
@@ -283,10 +300,7 @@ def test_the_blocking_form_evaluates_detaches_and_attaches() -> None:
     with one_rank_group():
         batches = list(SyntheticDLRMData(SMALL, 6))
         evals = list(SyntheticDLRMData(SMALL, 2, seed=9))
-        plain = build_dlrm_training(SMALL, "adagrad", seed=3)
-        expected = run_dlrm("none", plain, [batches[:3]]).losses
-        expected_eval = evaluate_plainly(plain.model, evals, plain.device)
-        expected += run_dlrm("none", plain, [batches[3:]]).losses
+        expected, expected_eval, digest = plain_with_an_evaluation(batches, evals, 3)
         setup = build_dlrm_training(SMALL, "adagrad", seed=3)
         pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device).blocking()
         source = iter(batches)
@@ -300,17 +314,15 @@ def test_the_blocking_form_evaluates_detaches_and_attaches() -> None:
         evaluation.shutdown()
         pipe.shutdown()
         assert losses == expected
-        assert parameter_digest(setup.model) == parameter_digest(plain.model)
-        assert len(outputs) == len(expected_eval)
-        for got, want in zip(outputs, expected_eval):
-            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert parameter_digest(setup.model) == digest
+        assert_same_outputs(outputs, expected_eval)
 
 
 def test_a_model_given_back_goes_to_a_pipeline_of_another_kind() -> None:
     """Schedules tried one after another on one model: once the pipelines on it are
     shut down, or drained and detached, another kind takes it, though the old objects
-    are still referenced; the old one, attached again, is refused at its next call
-    while the new kind's forwards are installed, and nothing of it ran."""
+    are still referenced; the old one cannot attach while the new kind has the model,
+    and nothing of it runs."""
     with one_rank_group():
         batches = list(SyntheticDLRMData(SMALL, 9))
         plain = build_dlrm_training(SMALL, "adagrad", seed=3)
@@ -328,11 +340,13 @@ def test_a_model_given_back_goes_to_a_pipeline_of_another_kind() -> None:
         third = SparseDistPipeline(*args, schedule="prefetch").blocking()
         source = iter(batches[6:])
         losses.append(float(third.progress(source)[0]))
-        fused_pipe.attach()
-        with pytest.raises(PipelineStateError, match="give the model back first"):
+        with pytest.raises(PipelineStateError, match="a prefetch pipeline has this model now"):
+            fused_pipe.attach()  # while the third one has it
+        with pytest.raises(PipelineStateError, match="the model is detached"):
             blocking.progress(iter(batches[6:]))
         losses += [float(loss) for loss, _, _ in third.results(source)]
-        with pytest.raises(ValueError, match="installs PrefetchPipelinedForward.*give the"):
+        with pytest.raises(ValueError, match="a prefetch pipeline, whose schedule installs "
+                                             "PrefetchPipelinedForward.*give the"):
             SparseDistPipeline(*args, schedule="fused")  # while the third one has it
         third.shutdown()
         assert losses == expected
@@ -392,6 +406,49 @@ def test_the_guide_draws_the_schedule_as_aiopipe_graph_does(
     assert main(["graph", target, "--format", "mermaid", "--title", title]) == 0
     drawn = capsys.readouterr().out
     assert f"```mermaid\n{drawn}```" in (ROOT / "docs" / "sparse-dist.md").read_text()
+
+
+def test_a_pipeline_detached_while_another_kind_had_the_model_takes_it_back_after() -> None:
+    """Detached, then another kind trains: the first one can neither detach (it has
+    nothing to give back) nor attach while the other has the model; once that one is
+    shut down it attaches, evaluates and trains on, like one plain run.  A pipeline
+    whose construction failed holds nothing, and a new one of the same kind after a
+    detach and a shutdown needs no attach()."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 9))
+        evals = list(SyntheticDLRMData(SMALL, 2, seed=9))
+        expected, expected_eval, digest = plain_with_an_evaluation(batches, evals, 6)
+        setup = build_dlrm_training(SMALL, "adagrad", seed=3)
+        args = (setup.model, setup.optimizer, setup.device)
+        first = SparseDistPipeline(*args).blocking()
+        losses = [float(loss) for loss, _, _ in first.results(batches[:3])]
+        first.detach()
+        assert first.pipeline.executor is first.pipeline.executor  # kept for the next engine
+        with pytest.raises(ConfigurationError, match="unknown executor"):
+            SparseDistPipeline(*args, schedule="fused", executor="nonsense")
+        fused_pipe = SparseDistPipeline(*args, schedule="fused").blocking()
+        source = iter(batches[3:6])
+        losses.append(float(fused_pipe.progress(source)[0]))
+        with pytest.raises(PipelineStateError, match="a fused pipeline has the model now"):
+            first.detach()
+        with pytest.raises(PipelineStateError, match="a fused pipeline has this model now"):
+            first.attach()
+        losses += [float(loss) for loss, _, _ in fused_pipe.results(source)]
+        fused_pipe.shutdown()
+        first.attach()
+        evaluation = first.eval_pipeline()
+        outputs = list(evaluation.results(evals))
+        evaluation.shutdown()
+        losses += [float(loss) for loss, _, _ in first.results(batches[6:8])]
+        first.drain()
+        first.detach()
+        first.shutdown()
+        last = SparseDistPipeline(*args).blocking()  # the same kind, no attach() needed
+        losses += [float(loss) for loss, _, _ in last.results(batches[8:])]
+        last.shutdown()
+        assert losses == expected
+        assert parameter_digest(setup.model) == digest
+        assert_same_outputs(outputs, expected_eval)
 
 
 def test_the_cli_draws_and_validates_a_pipeline_of_the_family_and_refuses_to_run_it(

@@ -20,7 +20,7 @@ from typing import Any, Generic, Self, TypeVar
 import torch
 
 from aiopipe import AsyncExecutor, BadBatchError, Executor, PipelineStateError
-from aiopipe import PipelineStatistics, Schedule, SchedulablePipeline, Tracer
+from aiopipe import PipelineStatistics, Schedule, SchedulablePipeline, StreamPool, Tracer
 from aiopipe.executors import resolve_executor
 from aiopipe.protocols import Results
 from aiopipe.interop import needs_event_loop
@@ -51,7 +51,6 @@ class SparseDistBase(Generic[ResultT]):
                  trace: bool | Tracer | None, name: str | None = None) -> None:  # fmt: skip
         self.name = name
         self._shared, self._state, self._spec = shared, state, spec
-        shared.pipelines.add(self)
         self._executor_options = (executor, thread_map)
         # An executor instance serves one engine: detach()/reset() cannot rebuild on it.
         self._given_instance = executor is not None and not isinstance(executor, str)
@@ -78,6 +77,7 @@ class SparseDistBase(Generic[ResultT]):
         self._first_pull: tuple[Source, Feed] | None = None
         self._ended_source: Source | None = None  # the source whose end progress() reported
         self._counts = CountsAcrossResets()  # the same source going on after reset()
+        shared.pipelines.add(self)  # built: it has the model until shut down or detached
 
     # -- the progress contract ---------------------------------------------------------
 
@@ -110,9 +110,14 @@ class SparseDistBase(Generic[ResultT]):
         engine = self.engine
         if engine is not None:
             return engine.executor
-        if self._next_executor is not None:
-            return self._next_executor
-        return self._resolve_executor()  # one like the next engine's (each gets its own)
+        if self._next_executor is None and not self._given_instance:
+            self._next_executor = self._resolve_executor()  # what is set on it stays
+        return self._next_executor or self._resolve_executor()
+
+    @property
+    def stream_pool(self) -> StreamPool:
+        """The streams of the model's pipelines (torchrec's)."""
+        return self._shared.pool
 
     def statistics(self) -> PipelineStatistics:
         """Where the pipeline stands in its current source: the engine's
@@ -253,6 +258,10 @@ class SparseDistBase(Generic[ResultT]):
     def detach(self) -> torch.nn.Module:
         """Give the model back with its original forwards, to every pipeline on it.
         Refused while any of them has batches in flight (``drain()`` first)."""
+        taken = self._shared.taken_by()
+        if taken is not None:
+            raise PipelineStateError(f"{taken.owner} has the model now (this pipeline was "
+                                     f"detached before it took it): detach() that one")  # fmt: skip
         in_flight = self._shared.in_flight()
         if in_flight:
             raise PipelineStateError(
@@ -279,6 +288,7 @@ class SparseDistBase(Generic[ResultT]):
             if model is not self._state.model:
                 self._shared.replace_model(model)
                 self._state.model = model
+        self._shared.claim()  # another kind may have had the model meanwhile
         self._shared.attached = True
 
     def reset(self) -> None:

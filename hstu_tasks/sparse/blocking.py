@@ -5,23 +5,17 @@ training pipeline ``eval_pipeline()``, in the blocking form too."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from aiopipe import BlockingPipeline
-
-if TYPE_CHECKING:
-    from .base import SparseDistBase
+from aiopipe import BlockingPipeline, ConfigurationTypeError
 
 __all__ = ("BlockingSparseDist",)
 
 
 class BlockingSparseDist(BlockingPipeline):
     """``pipe.blocking()`` of the sparse-dist family and the HSTU pipeline."""
-
-    def __init__(self, pipeline: SparseDistBase[Any]) -> None:
-        super().__init__(pipeline)
 
     def detach(self) -> torch.nn.Module:
         """The pipeline's ``detach()``: the model back, with its own forwards."""
@@ -37,7 +31,7 @@ class BlockingSparseDist(BlockingPipeline):
         evaluation pipeline on the same model, run between training steps."""
         make = getattr(self.pipeline, "eval_pipeline", None)
         if make is None:
-            raise AttributeError(f"{type(self.pipeline).__name__} has no eval_pipeline(): "
-                                 f"it is not a training pipeline")  # fmt: skip
+            raise ConfigurationTypeError(f"{type(self.pipeline).__name__} has no "
+                                         f"eval_pipeline()")  # fmt: skip
         blocking: BlockingSparseDist = make(**options).blocking()
         return blocking

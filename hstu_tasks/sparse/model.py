@@ -145,9 +145,10 @@ def input_dist_pipelined(requested: bool | None, device: torch.device) -> bool:
 def pipeline_device(device: object) -> torch.device:
     """``device`` as a pipeline's, refused at construction if no step could run there
     (torch would refuse it only inside the first step, or with a message of its own)."""
-    if not isinstance(device, (torch.device, str)):
-        raise ConfigurationTypeError(f"device must be a torch.device or a str such as 'cpu' "
-                                     f"or 'cuda:0', got {type(device).__name__}")  # fmt: skip
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise ConfigurationTypeError(f"device must be a torch.device, a str such as 'cpu' "
+                                     f"or 'cuda:0', or a CUDA index, got "
+                                     f"{type(device).__name__}")  # fmt: skip
     try:
         chosen = torch.device(device)
     except RuntimeError as exc:
@@ -155,9 +156,13 @@ def pipeline_device(device: object) -> torch.device:
     if chosen.type == "meta":
         raise ConfigurationError("device 'meta' holds no data; pass the device the model's "
                                  "dense parameters are on")  # fmt: skip
-    if chosen.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigurationError(f"device {device!r}, but torch sees no CUDA device here (a "
-                                 f"CPU-only torch, or no GPU); pass 'cpu'")  # fmt: skip
+    if chosen.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigurationError(f"device {device!r}, but torch sees no CUDA device here "
+                                     f"(a CPU-only torch, or no GPU); pass 'cpu'")  # fmt: skip
+        if chosen.index is not None and chosen.index >= torch.cuda.device_count():
+            raise ConfigurationError(f"device {device!r}, but torch sees "
+                                     f"{torch.cuda.device_count()} CUDA device(s) here")  # fmt: skip
     return chosen
 
 
@@ -204,6 +209,9 @@ class PipelinedModel:
         self.attached = True
         #: The pipeline whose progress() is running (they take turns).
         self.busy: Any = None
+        #: Made by :meth:`of`, for every pipeline on the model to share (else one
+        #: pipeline's own, as the HSTU pipeline's).
+        self.shareable = False
         #: The pipelines on this model not shut down (``SparseDistBase`` adds itself).
         self.pipelines: weakref.WeakSet[Any] = weakref.WeakSet()
         #: The engine of each pipeline on this model (once built).
@@ -216,42 +224,63 @@ class PipelinedModel:
     @classmethod
     def of(cls, model: torch.nn.Module, device: torch.device,
            pipelined_input_dist: bool | None = None,
-           forward_type: type[BaseForward[Any]] | None = None) -> PipelinedModel:  # fmt: skip
-        """The object every pipeline on ``model`` shares; ``pipelined_input_dist`` and
-        ``forward_type`` given to a later pipeline must agree with the first one's
-        while any of them still runs on the model (:attr:`in_use`)."""
+           forward_type: type[BaseForward[Any]] | None = None, *,
+           owner: str = "a sparse-dist pipeline") -> PipelinedModel:  # fmt: skip
+        """The object every pipeline on ``model`` shares while any of them has it
+        (:attr:`in_use`; ``pipelined_input_dist`` and ``forward_type`` given to a later
+        pipeline must agree with the first one's); a new one once they have all given
+        it back (shut down, or the model detached), for a pipeline of any kind.
+        ``owner`` names the pipeline that makes a new one, in refusals."""
         shared = _SHARED.get(id(model))
-        if shared is not None and shared.model is model and not shared.in_use and not (
-            shared.device == device
-            and pipelined_input_dist in (None, shared.pipelines_input_dist)
-            and forward_type in (None, shared.forward_type)
-        ):  # fmt: skip
-            # Every pipeline on it has given the model back (shut down, or drained and
-            # detached): a pipeline of another kind starts afresh.  An old one attached
-            # again cannot rewrite the model beside it (_refuse_a_second_rewrite).
-            shared = None
-        if shared is None or shared.model is not model:
-            shared = _SHARED[id(model)] = cls(
-                model, device, pipelined_input_dist=pipelined_input_dist,
+        if shared is None or shared.model is not model or not shared.in_use:
+            return cls._registered(cls(
+                model, device, owner=owner, pipelined_input_dist=pipelined_input_dist,
                 forward_type=forward_type or PipelinedForward,
-            )  # fmt: skip
-        elif shared.device != device:
-            raise ValueError(f"the model already runs in a pipeline on {shared.device}; "
+            ))  # fmt: skip
+        if shared.device != device:
+            raise ValueError(f"the model already runs in {shared.owner} on {shared.device}; "
                              f"every pipeline on one model must use that device, got "
                              f"{device}{_GIVE_BACK}")  # fmt: skip
-        elif pipelined_input_dist not in (None, shared.pipelines_input_dist):
+        if pipelined_input_dist not in (None, shared.pipelines_input_dist):
             raise ValueError(
-                f"the model already runs in a pipeline with pipelined_input_dist="
+                f"the model already runs in {shared.owner}, with pipelined_input_dist="
                 f"{shared.pipelines_input_dist}; the pipelines on one model share it (this "
                 f"schedule runs with {pipelined_input_dist}){_GIVE_BACK}"
             )
-        elif forward_type not in (None, shared.forward_type):
+        if forward_type not in (None, shared.forward_type):
             raise ValueError(
-                f"the model already runs in a pipeline whose schedule installs "
+                f"the model already runs in {shared.owner}, whose schedule installs "
                 f"{shared.forward_type.__name__}; the pipelines on one model share its "
                 f"rewrite, and this schedule needs {forward_type.__name__}{_GIVE_BACK}"
             )
         return shared
+
+    @staticmethod
+    def _registered(shared: PipelinedModel) -> PipelinedModel:
+        """``shared`` as the object new pipelines on its model share (:meth:`of`)."""
+        shared.shareable = True
+        _SHARED[id(shared.model)] = shared
+        return shared
+
+    def claim(self) -> None:
+        """Make this the object new pipelines on the model share (again): a pipeline
+        detached while pipelines of another kind had the model, attached again, or
+        making its evaluation pipeline.  Refused while another one has the model.  An
+        object of a pipeline's own (not from :meth:`of`) stays its own."""
+        if not self.shareable:
+            return
+        other = _SHARED.get(id(self.model))
+        if other is not None and other is not self and other.model is self.model:
+            if other.in_use:
+                raise PipelineStateError(f"{other.owner} has this model now{_GIVE_BACK}")
+        self._registered(self)
+
+    def taken_by(self) -> PipelinedModel | None:
+        """Another object whose forwards are installed on the model, if any."""
+        installed = _INSTALLED.get(id(self.model))
+        if installed is None or installed is self or installed.model is not self.model:
+            return None
+        return installed
 
     @property
     def in_use(self) -> bool:
@@ -273,16 +302,15 @@ class PipelinedModel:
 
     def replace_model(self, model: torch.nn.Module) -> None:
         """``attach(model)``: the pipelines go on with another model."""
-        shared = _SHARED.get(id(self.model)) is self
-        if shared:
-            other = _SHARED.get(id(model))
-            if other is not None and other is not self and other.model is model:
-                raise PipelineStateError("that model is already in another pipeline: give it "
-                                         "back with detach() there first")  # fmt: skip
-            _SHARED.pop(id(self.model), None)
+        other = _SHARED.get(id(model))
+        if other is not None and other is not self and other.model is model and other.in_use:
+            raise PipelineStateError("that model is already in another pipeline: give it "
+                                     "back with detach() there first")  # fmt: skip
+        if _SHARED.get(id(self.model)) is self:
+            del _SHARED[id(self.model)]
         self.model = model
-        if shared:
-            _SHARED[id(model)] = self
+        if self.shareable:
+            self._registered(self)
 
     def in_flight(self) -> int:
         """Batches in flight in every pipeline on this model."""
@@ -343,8 +371,8 @@ class PipelinedModel:
             message = (
                 f"{self.owner}: the model has no module sharded by torchrec (its "
                 f"DistributedModelParallel shards the embedding tables), so there is no "
-                f"input distribution to pipeline, and on several ranks nothing keeps their "
-                f"parameters in step: shard the model first"
+                f"input distribution to pipeline, and each rank trains tables of its own: "
+                f"shard the model first"
             )
         elif missed:
             listed = "; ".join(f"{name!r}: {why}" for name, why in missed.items())
@@ -379,13 +407,12 @@ class PipelinedModel:
             del _INSTALLED[id(self.model)]
 
     def _refuse_a_second_rewrite(self) -> None:
-        installed = _INSTALLED.get(id(self.model))
-        if installed is None or installed is self or installed.model is not self.model:
+        installed = self.taken_by()
+        if installed is None:
             return
         raise PipelineStateError(
             f"{installed.owner} already runs on this model, and {self.owner} cannot run "
             f"beside it: each kind installs the forwards it runs (torchrec's rewrite, or "
-            f"the model's own); give the model back first (drain() and detach(), or "
-            f"shutdown(), that pipeline), then pass this source again: the batch taken "
+            f"the model's own){_GIVE_BACK}, then pass this source again: the batch taken "
             f"from it is kept"
         )

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torchrec.distributed.train_pipeline.runtime_forwards import InSyncEmbeddingPipelinedForward
 
-from aiopipe import ConfigurationTypeError, Task, Tracer
+from aiopipe import ConfigurationTypeError, PipelineStateError, Task, Tracer
 from aiopipe.lanes import ThreadMap
 from aiopipe.sources import Source
 
@@ -46,10 +46,11 @@ __all__ = ("SparseDistEvalPipeline", "SparseDistPipeline")
 def _on_shared_rewrite(
     model: torch.nn.Module, optimizer: Any, device: torch.device | str,
     model_fwd: ModelForward | None, evaluation: bool, pipelined_input_dist: bool | None,
-    forward_type: type[Any] | None = None,
+    forward_type: type[Any] | None = None, *, owner: str,
 ) -> tuple[PipelinedModel, SparseDistState]:  # fmt: skip
     """The model's shared rewrite (installing ``forward_type``, or whatever the model's
-    other pipelines install), and the state of a pipeline's tasks on it."""
+    other pipelines install; ``owner`` names the pipeline asking, in refusals), and
+    the state of a pipeline's tasks on it."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationTypeError(f"model must be a torch.nn.Module, got "
                                      f"{type(model).__name__}")  # fmt: skip
@@ -66,7 +67,7 @@ def _on_shared_rewrite(
             f"custom_model_fwd must be a function batch -> (losses, output), got {model_fwd!r}"
         )
     device = pipeline_device(device)
-    shared = PipelinedModel.of(model, device, pipelined_input_dist, forward_type)
+    shared = PipelinedModel.of(model, device, pipelined_input_dist, forward_type, owner=owner)
     state = SparseDistState(
         model=model, optimizer=optimizer, device=device, model_fwd=model_fwd,
         evaluation=evaluation, pipelined_modules=shared.modules,
@@ -149,8 +150,10 @@ class SparseDistPipeline(SparseDistBase[Any]):
     (the model's own forward distributes its input), ``"semi-sync"`` always does (its
     step is computed on the rewrite), and ``"lite"``, ``"base"`` and ``"pt2"`` refuse
     ``execute_all_batches=False``, as torchrec's classes have no such option
-    (``"prefetch"`` takes it: torchrec's class does, though with it its pipeline
-    fills again after the first step).
+    (``"prefetch"`` takes it and drops the last two batches, as sparse-dist does;
+    torchrec's prefetch class takes the flag too, but with it its ``fill_pipeline``
+    runs again at every step that has fewer than three batches queued, so its end
+    differs).
 
     A sharded module whose input distribution torchrec's rewrite cannot take out of
     forward (its input is computed in forward, the trace never reaches it, or forward
@@ -211,7 +214,8 @@ class SparseDistPipeline(SparseDistBase[Any]):
                                  f"needs one of {_names_of(lambda s: bool(s.rewrites))}")  # fmt: skip
             pipelined_input_dist = False
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, False,
-                                           pipelined_input_dist, chosen.forward_type)  # fmt: skip
+                                           pipelined_input_dist, chosen.forward_type,
+                                           owner=f"a {chosen.name} pipeline")  # fmt: skip
         state.accumulation = accumulation
         spec = with_source_wrappers(
             _spec(f"{chosen.name} pipeline", shared, state, chosen.build_tasks, strict),
@@ -232,6 +236,9 @@ class SparseDistPipeline(SparseDistBase[Any]):
         """An evaluation pipeline on the same model (``custom_model_fwd`` defaults to
         this pipeline's)."""
         state = self._state
+        if not self._shared.attached:
+            raise PipelineStateError("the model is detached; call attach() first")
+        self._shared.claim()  # it shares this pipeline's rewrite
         return SparseDistEvalPipeline(
             state.model, None, state.device, custom_model_fwd=custom_model_fwd or state.model_fwd,
             thread_map=thread_map, executor=executor, trace=trace,
@@ -277,8 +284,10 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
                      pipelined_input_dist=pipelined_input_dist,
                      enable_embedding_lookup_prefetch=enable_embedding_lookup_prefetch)
         forward_type = InSyncEmbeddingPipelinedForward if fused else None
-        shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, True,
-                                           pipelined_input_dist, forward_type)  # fmt: skip
+        shared, state = _on_shared_rewrite(
+            model, optimizer, device, custom_model_fwd, True, pipelined_input_dist, forward_type,
+            owner="a fused eval pipeline" if fused else "a sparse-dist eval pipeline",
+        )  # fmt: skip
         if enable_embedding_lookup_prefetch and not state.looks_up_embeddings:
             raise ValueError("enable_embedding_lookup_prefetch=True looks embeddings up a batch "
                              "ahead, on the fused schedule's rewrite: pass fused=True, or "
