@@ -30,7 +30,8 @@ and ``aiopipe-ends-apart`` runs the sparse-dist pipeline with ``end_together=Fal
 (what the ranks' agreement on the end of the epoch costs: on by default with two
 ranks).  Every row reports its workers' peak resident memory while timed (the largest
 rank's, interpreter and model included: compare rows), and a second table rank 0's CPU
-time a step by kind of thread (the loop, the lanes, the rest).
+time a step by kind of thread (the loop, the lanes, the rest) and the lanes' wait for
+a core.
 
     ./dev bench lane_cost [--model hstu|dlrm] [--ranks 1] [--chunk 20|80] [--rounds 15]
                           [--processes 3] [--configs ...] [--tasks]

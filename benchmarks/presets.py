@@ -20,7 +20,8 @@ of the same round is the paired figure.
 0.7 ms, where the boundary between two steps shows most.  A second table gives each
 kind of thread's CPU time per step (Linux): the main thread (the event loop, or the
 plain loop itself), the lanes, and the rest (torch's OpenMP workers) -- where a
-config's extra time goes on a host whose cores the step's own threads fill.
+config's extra time goes on a host whose cores the step's own threads fill -- and
+how long the lanes waited for a core (run-queue time: another thread had it).
 """
 
 from __future__ import annotations
