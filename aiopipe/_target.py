@@ -45,6 +45,15 @@ class Target:
     #: (a pipeline of an adapter layer that prepares its model on the first batch),
     #: if so: it is validated, drawn or planned from given costs only.
     not_runnable: str | None = None
+    #: That object, shut down with the command (as :attr:`pipeline` is).
+    owner: Any = None
+
+    def shutdown(self) -> None:
+        """Shut down the pipeline the target gave, if any (idempotent): its lanes must
+        not outlive the command."""
+        for pipeline in (self.pipeline, self.owner):
+            if pipeline is not None:
+                pipeline.shutdown()
 
     def refuse_run(self, what: str) -> None:
         """Refuse to ``what`` (run the bodies) a schedule that cannot run alone."""
@@ -134,6 +143,7 @@ def _normalise(spec: str, value: Any) -> Target:
             pool = getattr(obj, "stream_pool", None)
             return Target(spec, schedule, thread_map=_lanes(executor),
                           stream_pool=pool if isinstance(pool, StreamPool) else None,
+                          owner=obj if callable(getattr(obj, "shutdown", None)) else None,
                           not_runnable=(
                 f"its {type(obj).__name__} prepares its model on the first batch, so the "
                 f"bodies of its schedule run only in it: build it with trace=True, run it, "

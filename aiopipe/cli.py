@@ -372,8 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return handler[args.command](args, target, tracer)
         finally:
-            if target.pipeline is not None:
-                target.pipeline.shutdown()  # idempotent; lanes must not outlive the command
+            target.shutdown()
     except PipelineError as exc:
         print(f"aiopipe {argv[0]}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, TargetError) else 1

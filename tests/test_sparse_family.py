@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import copy
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -463,13 +464,19 @@ def test_the_cli_draws_and_validates_a_pipeline_of_the_family_and_refuses_to_run
     target.write_text(
         "import torch\n"
         "from hstu_tasks import SparseDistPipeline\n"
-        "from hstu_tasks.sparse import semi_sync\n\n\n"
+        "from hstu_tasks.sparse import semi_sync\n\n"
+        "made = []\n\n\n"
         "def pipe():\n"
         "    model = torch.nn.Linear(2, 1)\n"
         "    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
-        "    return SparseDistPipeline(model, optimizer, 'cpu', schedule=semi_sync(start_batch=2))\n"
+        "    made.append(SparseDistPipeline(model, optimizer, 'cpu',\n"
+        "                                   schedule=semi_sync(start_batch=2)))\n"
+        "    return made[-1]\n"
     )
     assert main(["graph", f"{target}:pipe", "--format", "mermaid"]) == 0
+    loaded = [m for m in list(sys.modules.values())
+              if getattr(m, "__file__", None) == str(target.resolve())]  # fmt: skip
+    assert loaded[-1].made[-1].statistics().closed  # shut down with the command
     drawn = capsys.readouterr().out
     assert "embedding_lookup" in drawn and 'lane compute' in drawn and "lane io" not in drawn
     assert main(["validate", f"{target}:pipe"]) == 0

@@ -172,6 +172,17 @@ def main(args: argparse.Namespace) -> int:
     """Run ``aiopipe plan``; return the exit status."""
     try:
         target = load_target(args.target)
+    except (TargetError, OSError) as exc:
+        print(f"aiopipe plan: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _plan(args, target)
+    finally:
+        target.shutdown()
+
+
+def _plan(args: argparse.Namespace, target: Target) -> int:
+    try:
         thread_map = parse_thread_map(args.thread_map) if args.thread_map else target.thread_map
         if args.output:
             check_writable(args.output)  # before the profile and the search
