@@ -28,7 +28,8 @@ from .data import check_batch
 from .megatron import grad_buffer_chunks
 from .shuffler import BatchShuffler, IdentityShuffler
 from .sparse.base import SparseDistBase
-from .sparse.model import PipelinedModel, pipeline_device
+from .sparse.checks import pipeline_device
+from .sparse.model import PipelinedModel
 from .sparse.spec import PipelineSpec, with_source_wrappers
 from .tasks import PipelineState, build_tasks
 from .watchdog import LossWatch

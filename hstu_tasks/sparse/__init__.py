@@ -12,11 +12,13 @@ model, on aiopipe's engine.
 * ``staged`` -- torchrec's ``StagedTrainPipeline`` stages, and the step its loop
   runs, as tasks (``staged_pipeline``);
 * ``model`` -- one model's torchrec rewrite, shared by the pipelines on it;
+* ``checks`` -- the pipelines' arguments, checked when one is built;
 * ``spec`` -- ``PipelineSpec``: what one kind of pipeline gives the base (its tasks,
   its rewrite of the model on the first batch, its batch check, ...);
 * ``base`` -- what every pipeline on a rewritten model shares: the progress contract,
   the bootstrap that traces the model on the first batch, the lifetime;
 * ``blocking`` -- their blocking form, with ``detach``/``attach``/``eval_pipeline``;
+* ``engine_executors`` -- the executor each engine of a pipeline gets;
 * ``pipeline`` -- ``SparseDistPipeline`` and ``SparseDistEvalPipeline``;
 * ``sources`` -- ``execute_all_batches=False`` as a source wrapper, and one pass of a
   torchrec pipeline;

@@ -19,18 +19,18 @@ from typing import Any, Generic, Self, TypeVar
 
 import torch
 
-from aiopipe import AsyncExecutor, BadBatchError, Executor, PipelineStateError
+from aiopipe import BadBatchError, Executor, PipelineStateError
 from aiopipe import PipelineStatistics, Schedule, SchedulablePipeline, StreamPool, Tracer
-from aiopipe.executors import resolve_executor
 from aiopipe.protocols import Results
 from aiopipe.interop import needs_event_loop
-from aiopipe.lanes import ThreadMap, check_thread_map_names, resolve_lane
+from aiopipe.lanes import ThreadMap
 from aiopipe.source import Feed
 from aiopipe.sources import END, Source
 from aiopipe.trace import resolve_tracer
 
 from .blocking import BlockingSparseDist
 from .counts import CountsAcrossResets
+from .engine_executors import EngineExecutors
 from .model import STREAMS, PipelinedModel
 from .spec import PipelineSpec
 
@@ -51,20 +51,10 @@ class SparseDistBase(Generic[ResultT]):
                  trace: bool | Tracer | None, name: str | None = None) -> None:  # fmt: skip
         self.name = name
         self._shared, self._state, self._spec = shared, state, spec
-        self._executor_options = (executor, thread_map)
-        # An executor instance serves one engine: detach()/reset() cannot rebuild on it.
-        self._given_instance = executor is not None and not isinstance(executor, str)
-        # The first engine's executor, resolved now: a bad choice fails here, and so
-        # does a bad thread map, not after a batch was taken.
-        first = self._resolve_executor()
-        self._next_executor: Executor | None = first
-        if not self._given_instance and isinstance(first, AsyncExecutor):
-            tasks = spec.build_tasks()
-            # A typo is refused; a map naming the family's other tasks may be shared.
-            check_thread_map_names(thread_map, list({**{t.name: 0 for t in tasks},
-                                                     **spec.default_thread_map}))  # fmt: skip
-            for task in tasks:
-                resolve_lane(task, first.thread_map)
+        self._executors = EngineExecutors(
+            executor, thread_map, device=shared.device, what=spec.what, tasks=spec.build_tasks,
+            default_thread_map=spec.default_thread_map,
+        )  # fmt: skip
         # One tracer for the pipeline's lifetime: detach/attach rebuilds keep adding to it.
         self._tracer = resolve_tracer(trace)
         self._closed = False
@@ -108,11 +98,7 @@ class SparseDistBase(Generic[ResultT]):
     def executor(self) -> Executor:
         """The engine's executor, or the one the next engine gets."""
         engine = self.engine
-        if engine is not None:
-            return engine.executor
-        if self._next_executor is None and not self._given_instance:
-            self._next_executor = self._resolve_executor()  # what is set on it stays
-        return self._next_executor or self._resolve_executor()
+        return engine.executor if engine is not None else self._executors.next
 
     @property
     def stream_pool(self) -> StreamPool:
@@ -350,7 +336,7 @@ class SparseDistBase(Generic[ResultT]):
         spec = self._spec
         engine = SchedulablePipeline(
             Schedule.of(spec.build_tasks(), stream_slots=STREAMS), self._shared.pool,
-            self._new_executor(), trace=self._tracer, check_batch=spec.check_batch,
+            self._executors.take(type(self).__name__), trace=self._tracer, check_batch=spec.check_batch,
             name=self.name,
         )  # fmt: skip
         try:
@@ -376,26 +362,6 @@ class SparseDistBase(Generic[ResultT]):
         if spec.log is not None:
             spec.log.info("%s: bootstrap done: the engine is built and the source's first "
                           "batch seeded", self.name)  # fmt: skip
-
-    def _resolve_executor(self) -> Executor:
-        executor, thread_map = self._executor_options
-        return resolve_executor(executor, thread_map, device=self._shared.device,
-                                default_thread_map=self._spec.default_thread_map)  # fmt: skip
-
-    def _new_executor(self) -> Executor:
-        """The next engine's executor: the one resolved at construction, then a new
-        one per engine."""
-        executor, self._next_executor = self._next_executor, None
-        if executor is not None:
-            return executor
-        if self._given_instance:
-            raise PipelineStateError(
-                f"the executor instance given to the {self._spec.what} served the engine "
-                f"that detach()/reset() tore down, and an executor serves one pipeline "
-                f"engine; build a new {type(self).__name__}, or pass thread_map= "
-                f"instead of an executor instance"
-            )
-        return self._resolve_executor()
 
     async def _first_batch(self, source: Source) -> Any:
         """The source's first batch: the one a failed bootstrap kept, or a new one."""

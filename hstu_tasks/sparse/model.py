@@ -33,8 +33,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelin
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardedModule
 
-from aiopipe import ConfigurationError, ConfigurationTypeError, PipelineStateError
-from aiopipe import SchedulablePipeline, StreamPool
+from aiopipe import ConfigurationError, PipelineStateError, SchedulablePipeline, StreamPool
 
 from ._torchrec import override_input_dist_forwards, pipeline_detach_model, place_forwards
 from ._torchrec import rewrite_model, start_data_dist
@@ -46,7 +45,6 @@ __all__ = (
     "PipelinedModel",
     "carries_torchrec_rewrite",
     "input_dist_pipelined",
-    "pipeline_device",
     "stream_pool",
 )
 
@@ -140,30 +138,6 @@ def input_dist_pipelined(requested: bool | None, device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return dist.is_initialized() and dist.get_world_size() > 1
-
-
-def pipeline_device(device: object) -> torch.device:
-    """``device`` as a pipeline's, refused at construction if no step could run there
-    (torch would refuse it only inside the first step, or with a message of its own)."""
-    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
-        raise ConfigurationTypeError(f"device must be a torch.device, a str such as 'cpu' "
-                                     f"or 'cuda:0', or a CUDA index, got "
-                                     f"{type(device).__name__}")  # fmt: skip
-    try:
-        chosen = torch.device(device)
-    except RuntimeError as exc:
-        raise ConfigurationError(f"device {device!r} is not a device torch knows: {exc}") from None
-    if chosen.type == "meta":
-        raise ConfigurationError("device 'meta' holds no data; pass the device the model's "
-                                 "dense parameters are on")  # fmt: skip
-    if chosen.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigurationError(f"device {device!r}, but torch sees no CUDA device here "
-                                     f"(a CPU-only torch, or no GPU); pass 'cpu'")  # fmt: skip
-        if chosen.index is not None and chosen.index >= torch.cuda.device_count():
-            raise ConfigurationError(f"device {device!r}, but torch sees "
-                                     f"{torch.cuda.device_count()} CUDA device(s) here")  # fmt: skip
-    return chosen
 
 
 def carries_torchrec_rewrite(model: torch.nn.Module) -> bool:

@@ -34,7 +34,8 @@ from aiopipe.sources import Source
 
 from .accumulation import GradAccumulation
 from .base import SparseDistBase
-from .model import PipelinedModel, pipeline_device
+from .checks import check_flags, pipeline_device
+from .model import PipelinedModel
 from .schedules import TRAIN_SCHEDULES, TrainSchedule, train_schedule
 from .spec import PipelineSpec, with_source_wrappers
 from .tasks import SPARSE_DIST_THREAD_MAP, ModelForward, SparseDistState
@@ -75,14 +76,6 @@ def _on_shared_rewrite(
         prefetches=shared.prefetches,
     )  # fmt: skip
     return shared, state
-
-
-def _check_flags(**flags: object) -> None:
-    """Refuse a flag that is not a bool (``None`` stands for "decide"): a string such
-    as ``"no"`` would count as true."""
-    for name, value in flags.items():
-        if value is not None and not isinstance(value, bool):
-            raise ConfigurationTypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _spec(what: str, shared: PipelinedModel, state: SparseDistState,
@@ -190,7 +183,7 @@ class SparseDistPipeline(SparseDistBase[Any]):
         end_together: bool | None = None,
         grad_accumulation: int = 1,
     ) -> None:
-        _check_flags(execute_all_batches=execute_all_batches, strict=strict,
+        check_flags(execute_all_batches=execute_all_batches, strict=strict,
                      end_together=end_together, pipelined_input_dist=pipelined_input_dist)
         accumulation = GradAccumulation(grad_accumulation)
         chosen = train_schedule(schedule)
@@ -280,7 +273,7 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
         fused: bool = False,
         enable_embedding_lookup_prefetch: bool = False,
     ) -> None:
-        _check_flags(strict=strict, end_together=end_together, fused=fused,
+        check_flags(strict=strict, end_together=end_together, fused=fused,
                      pipelined_input_dist=pipelined_input_dist,
                      enable_embedding_lookup_prefetch=enable_embedding_lookup_prefetch)
         forward_type = InSyncEmbeddingPipelinedForward if fused else None
