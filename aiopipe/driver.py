@@ -279,9 +279,9 @@ class IterationDriver(OrphanedIterations):
     ) -> BaseException | None:  # fmt: skip
         """Deliver the iteration's result, or record its failure; wake its waiters and
         free what it evicted (``free_now``, or with the next step chained: now; else
-        at the loop's next cycle).  Returns the failure, if any (the device or this bookkeeping may fail too).  An
-        iteration queued behind it becomes the running one if the lanes have started
-        it (they do unless this one failed)."""
+        at the loop's next cycle).  Returns the failure, if any (the device or this
+        bookkeeping may fail too).  An iteration queued behind it becomes the running
+        one if the lanes have started it (they do unless this one failed)."""
         guarded = self._guarded is not None and self._guarded is self.running
         queued = self._chain.take()
         self.running = self._handle = self._current = None

@@ -336,8 +336,8 @@ class SparseDistBase(Generic[ResultT]):
         spec = self._spec
         engine = SchedulablePipeline(
             Schedule.of(spec.build_tasks(), stream_slots=STREAMS), self._shared.pool,
-            self._executors.take(type(self).__name__), trace=self._tracer, check_batch=spec.check_batch,
-            name=self.name,
+            self._executors.take(type(self).__name__), trace=self._tracer,
+            check_batch=spec.check_batch, name=self.name,
         )  # fmt: skip
         try:
             seed: dict[str, Any] | None = None

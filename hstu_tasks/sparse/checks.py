@@ -37,6 +37,7 @@ def pipeline_device(device: object) -> torch.device:
             raise ConfigurationError(f"device {device!r}, but torch sees no CUDA device here "
                                      f"(a CPU-only torch, or no GPU); pass 'cpu'")  # fmt: skip
         if chosen.index is not None and chosen.index >= torch.cuda.device_count():
-            raise ConfigurationError(f"device {device!r}, but torch sees "
-                                     f"{torch.cuda.device_count()} CUDA device(s) here")  # fmt: skip
+            count = torch.cuda.device_count()
+            raise ConfigurationError(f"device {device!r}, but torch sees {count} CUDA "
+                                     f"device(s) here")  # fmt: skip
     return chosen

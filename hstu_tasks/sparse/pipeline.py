@@ -204,7 +204,8 @@ class SparseDistPipeline(SparseDistBase[Any]):
             if pipelined_input_dist:
                 raise ValueError(f"schedule={chosen.name!r} runs the model's own forward, which "
                                  f"distributes its input itself: pipelined_input_dist=True "
-                                 f"needs one of {_names_of(lambda s: bool(s.rewrites))}")  # fmt: skip
+                                 f"needs one of "
+                                 f"{_names_of(lambda s: bool(s.rewrites))}")  # fmt: skip
             pipelined_input_dist = False
         shared, state = _on_shared_rewrite(model, optimizer, device, custom_model_fwd, False,
                                            pipelined_input_dist, chosen.forward_type,
