@@ -185,3 +185,34 @@ def test_a_model_with_no_sharded_module_is_warned_of_and_refused_when_strict() -
         strict = SparseDistPipeline(model, optimizer, "cpu", strict=True, schedule="base")
         with pytest.raises(InputDistNotPipelinedError, match="shard the model first"):
             train(strict)
+
+
+def test_strict_checks_on_one_cpu_rank_too_where_nothing_is_rewritten() -> None:
+    """One CPU rank keeps the model's own forwards by default, so nothing is rewritten;
+    strict=True still traces the model once as the rewrite on more ranks would, and
+    refuses what that would miss.  A model it passes trains on its own forwards like
+    the plain loop; a schedule that never pipelines (base) checks nothing."""
+    with one_rank_group():
+        model, optimizer = remapped_model()
+        strict = SparseDistPipeline(model, optimizer, "cpu", strict=True)
+        with pytest.raises(InputDistNotPipelinedError, match="its input is computed inside"):
+            train(strict)
+        assert not carries_torchrec_rewrite(model)
+        assert len(train(SparseDistPipeline(model, optimizer, "cpu", strict=True,
+                                            schedule="base"))) == 4  # fmt: skip
+        batches = list(SyntheticDLRMData(CONFIG, 4))
+        plain = build_dlrm_training(CONFIG, "sgd", seed=3)
+        expected = []
+        for batch in batches:
+            plain.optimizer.zero_grad()
+            loss, _ = plain.model(batch)
+            loss.backward()
+            plain.optimizer.step()
+            expected.append(float(loss.detach()))
+        setup = build_dlrm_training(CONFIG, "sgd", seed=3)
+        pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device, strict=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", InputDistNotPipelinedWarning)
+            losses = [float(loss.detach()) for loss, _, _ in train(pipe)]
+        assert losses == expected
+        assert not carries_torchrec_rewrite(setup.model)

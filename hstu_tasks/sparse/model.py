@@ -174,6 +174,9 @@ class PipelinedModel:
         self.forward_type = forward_type
         #: Whether the first batch rewrites the model (:func:`input_dist_pipelined`).
         self.pipelines_input_dist = input_dist_pipelined(pipelined_input_dist, device)
+        #: Whether the rewrite was left out for this host only (one CPU rank), not by
+        #: the schedule or the caller: ``strict`` then still checks what it would miss.
+        self.rewrite_left_out_here = pipelined_input_dist is None and not self.pipelines_input_dist
         self.pool: StreamPool = stream_pool(device)
         self.streams: dict[str, Any] = {name: self.pool.get(name) for name in STREAMS}
         #: The sharded modules with pipelined forwards (a list the tasks share).
@@ -302,7 +305,9 @@ class PipelinedModel:
         instead: it creates torchrec's input dists and leaves no collective pending.
         Refused while another pipeline kind is installed on the model.  A sharded module
         the rewrite cannot pipeline is warned of (:class:`InputDistNotPipelinedWarning`),
-        or with ``strict`` refused, the model left as it was."""
+        or with ``strict`` refused, the model left as it was; ``strict`` checks where
+        only this host leaves the rewrite out (:attr:`rewrite_left_out_here`) too, by
+        rewriting and restoring the model at once."""
         self._refuse_a_second_rewrite()
         pool = self.pool
         with pool.use("memcpy"):
@@ -312,7 +317,8 @@ class PipelinedModel:
         missed: dict[str, str] = {}
         self._original_kjt_dist_forwards = []
         sharded = [m for m in self.model.modules() if isinstance(m, ShardedModule)]
-        if sharded and (self.pipelines_input_dist or carries_torchrec_rewrite(self.model)):
+        rewrites = self.pipelines_input_dist or carries_torchrec_rewrite(self.model)
+        if sharded and (rewrites or (strict and self.rewrite_left_out_here)):
             modules, _, originals, _, input_computed = rewrite_model(
                 model=self.model,
                 context=context,
@@ -325,6 +331,12 @@ class PipelinedModel:
                 modules, originals)  # fmt: skip
             place_forwards(modules, self.device)
             missed = not_pipelined(self.model, modules, input_computed, called_often)
+            if not rewrites:
+                # strict's check only (one CPU rank by default): what a rewrite would
+                # miss is known; the model keeps its own forwards.
+                self.modules[:] = modules
+                self.restore()
+                modules = []
         # else nothing to distribute, or left to the model's own forward: the
         # input-dist tasks idle
         self.modules[:] = modules

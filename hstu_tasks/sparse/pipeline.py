@@ -153,7 +153,8 @@ class SparseDistPipeline(SparseDistBase[Any]):
     calls it more than once: then it keeps its own forward) is named at the first
     ``progress`` with an
     :class:`~hstu_tasks.sparse.InputDistNotPipelinedWarning`; ``strict=True`` raises
-    :class:`~hstu_tasks.sparse.InputDistNotPipelinedError` instead.
+    :class:`~hstu_tasks.sparse.InputDistNotPipelinedError` instead, also on one CPU
+    rank, where the model keeps its own forwards (it is traced once to check).
 
     ``end_together`` (by default on with more than one rank): every rank's source ends
     on the same step, the shortest one's, instead of the longer ranks waiting in a
