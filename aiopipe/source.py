@@ -49,10 +49,10 @@ class Feed(Pulls):
     """One source (a sync or async iterator) and the progress made through it."""
 
     __slots__ = (
-        "_after_read", "_async", "_check_batch", "_depth", "_pulled_inline", "_refused_after", "_seed",
-        "_sync", "abandoned", "counts_before", "deferred", "discarded", "draining", "ended",
-        "exhausted", "end_read", "iteration", "outbox", "pulled", "raised", "read_ahead_allowed",
-        "refused", "results_dropped", "returned", "source", "top_pulled",
+        "_after_read", "_async", "_check_batch", "_depth", "_pulled_inline", "_refused_after",
+        "_seed", "_sync", "abandoned", "counts_before", "deferred", "discarded", "draining",
+        "end_read", "ended", "exhausted", "iteration", "outbox", "pulled", "raised",
+        "read_ahead_allowed", "refused", "results_dropped", "returned", "source", "top_pulled",
     )  # fmt: skip
 
     def __init__(

@@ -123,7 +123,8 @@ def init_distributed(timeout: datetime.timedelta | None = None) -> tuple[int, in
     dist.init_process_group(backend, timeout=timeout)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     threads = max(1, (os.cpu_count() or 1) // local_ranks)
-    if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ and threads < torch.get_num_threads():
+    no_env = "OMP_NUM_THREADS" not in os.environ
+    if backend == "gloo" and no_env and threads < torch.get_num_threads():
         # Several ranks on one CPU: intra-op pools must not oversubscribe the cores.
         # Only to lower it: set even to torch's own default, each thread's first
         # parallel op then fixes its OpenMP and MKL thread counts, and the pipelined

@@ -71,7 +71,8 @@ async def test_a_chain_waiting_for_a_task_of_another_lane_is_handed_over_by_that
 async def test_a_collective_waiting_for_the_ticket_of_another_lane_is_handed_over_there() -> None:
     finished: list[str] = []
     tasks = [
-        Task.from_fn("first", recorded("first", finished, lambda ctx: None), nccl=True, stream="s1"),
+        Task.from_fn("first", recorded("first", finished, lambda ctx: None), nccl=True,
+                     stream="s1"),
         Task.from_fn("second", recorded("second", finished), nccl=True, stream="s2"),
     ]
     executor = AsyncExecutor({"first": "a", "second": "b"})

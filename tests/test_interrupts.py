@@ -135,7 +135,8 @@ def ctrl_c_twice(child: subprocess.Popen[str], stdout: IO[str], stderr: IO[str])
     line = first_line(stderr, "aiopipe:")  # after KeyboardInterrupt's traceback
     assert "waiting for iteration 1" in line
     # the running task only: the one after it on its lane will not start
-    assert "task 'train' (batch 1) on lane 'compute' has not returned; 1 task(s) after it will not start" in line
+    assert ("task 'train' (batch 1) on lane 'compute' has not returned; 1 task(s) after it "
+            "will not start") in line
     assert "Press Ctrl-C again" in line
     child.send_signal(signal.SIGINT)
     child.wait(timeout=30)  # no exit hook waits for the lane

@@ -64,7 +64,8 @@ async def test_a_source_leaves_no_pool_on_the_loop_while_the_lanes_compute(
     no_loop_pool: int, kind: str
 ) -> None:
     source = items() if kind == "sync" else async_items()
-    async with Pipeline([Task.from_fn("step", echo)], executor=AsyncExecutor({"step": "compute"})) as pipe:  # fmt: skip
+    lanes = AsyncExecutor({"step": "compute"})
+    async with Pipeline([Task.from_fn("step", echo)], executor=lanes) as pipe:
         assert [await pipe.progress(source) for _ in range(3)] == [0, 1, 2]  # the 4th read ahead
         assert threads_not_python() == no_loop_pool
 

@@ -95,7 +95,8 @@ def test_one_call_with_no_loop_dropped_unawaited_warns_with_the_fix() -> None:
             pipe.progress(iter([torch.ones(4, 2)]))  # the mistake, once: nothing raises
             gc.collect()
         messages = [str(w.message) for w in caught]
-        assert any("never awaited, so nothing ran" in m and "pipe.blocking()" in m for m in messages)
+        assert any("never awaited, so nothing ran" in m and "pipe.blocking()" in m
+                   for m in messages)  # fmt: skip
         assert not any(m.startswith("coroutine ") for m in messages)  # not Python's bare one
     finally:
         pipe.shutdown()

@@ -674,7 +674,7 @@ def test_wrong_arguments_are_refused_when_the_pipeline_is_built() -> None:
             SparseDistPipeline(model, optimizer, device, custom_model_fwd=5)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="model must be a torch.nn.Module, got object$"):
             SparseDistEvalPipeline(object(), None, device)  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="model must be a torch.nn.Module, got CombinedOptimizer$"):
+        with pytest.raises(TypeError, match="a torch.nn.Module, got CombinedOptimizer$"):
             SparseDistPipeline(optimizer, optimizer, device)  # type: ignore[arg-type]
         for bad, message in [(None, "device must be a torch.device, a str.*got NoneType"),
                              ("cpuu", "'cpuu' is not a device torch knows"),

@@ -96,7 +96,9 @@ class AsyncExecutor:
         slow_wait_s: float | None = SLOW_WAIT_S,
     ) -> None:
         self.thread_map = thread_map
-        self._runners = ChainRunners((), checked_seconds("slow_wait_s", slow_wait_s, allow_none=True))
+        self._runners = ChainRunners(
+            (), checked_seconds("slow_wait_s", slow_wait_s, allow_none=True)
+        )
         self._lane_pool = LanePool(checked_count("max_lanes", max_lanes))
         checked_count("check_collective_order", check_collective_order, minimum=0)
         self._tickets = TicketLock()

@@ -68,7 +68,9 @@ def build_layout(
         tickets=tickets,
         collectives=collectives,
         async_heads=async_heads,
-        deferred={} if async_heads else deferrals(chains, lane_of, cross_preds, tickets, collectives),
+        deferred=(
+            {} if async_heads else deferrals(chains, lane_of, cross_preds, tickets, collectives)
+        ),
     )
 
 
