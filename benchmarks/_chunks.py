@@ -5,8 +5,9 @@ Between two whole runs a shared machine's speed can drift by more than the
 differences these benchmarks look for (+-15-35 % on the 2-core machine of
 docs/performance.md).  So every pipeline is built and warmed up in a worker process
 of its own, and the coordinator asks each in turn for ``chunk`` steps, ``rounds``
-times (every other round in reverse order): drift hits all alike, and a per-round
-ratio pairs neighbours in time.  A process also keeps its own luck for its whole life
+times (every other round in reverse order), after one round that is run and not
+timed (a set's first chunks ran up to twice as slow on two ranks): drift hits all
+alike, and a per-round ratio pairs neighbours in time.  A process also keeps its own luck for its whole life
 (where its threads and memory landed), so the whole set of workers is built afresh
 ``processes`` times.  Separate processes also keep the pipelines' torch threads apart:
 two pipelines in one process each keep an OpenMP pool, and libgomp slows every pool
@@ -132,11 +133,16 @@ def _worker(build: Build, config: str, warm_up: int, settle: int, conn: Connecti
     # (LANES_WAITING, not CPU: left out of any sum of the kinds)
     threads: collections.Counter[str] = collections.Counter()
     timed = 0
-    while (steps := conn.recv()) is not None:
+    while (asked := conn.recv()) is not None:
+        steps, timed_chunk = asked
         # The chunk starts in the middle of a run: on a step the pipeline is in the
         # middle of, with what it read ahead while the other rows ran used up.
         if settle:
             run(settle)
+        if not timed_chunk:
+            run(steps)
+            conn.send(None)
+            continue
         before = thread_sched_s()  # outside the timed window: it reads every thread's file
         start, cpu_start = time.perf_counter(), time.process_time()
         run(steps)
@@ -254,16 +260,22 @@ def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk
             if any(conn.recv() != "ready" for _, conn in group):
                 raise RuntimeError(f"{config}: a worker did not start")
         progress(f"process set {set_no}: every pipeline built and warmed up")
-        for round_no in range(1, rounds + 1):
+        # Round 0 is run and not timed: a set's first chunks, just after its start-up,
+        # ran up to twice as slow on two ranks (every row, the cause not established).
+        for round_no in range(0, rounds + 1):
             order = list(workers.items())
             if round_no % 2 == 0:  # every other round backwards: no row always follows another
                 order.reverse()
             for config, group in order:
                 for _, conn in group:
-                    conn.send(chunk)
+                    conn.send((chunk, round_no > 0))
                 per_rank = [conn.recv() for _, conn in group]
+                if round_no == 0:
+                    continue
                 out.ms[config].append(max(ms for ms, _ in per_rank))
                 out.cores[config].append(sum(cores for _, cores in per_rank))
+            if round_no == 0:
+                continue
             progress(f"set {set_no}, round {round_no}/{rounds}: "
                      + ", ".join(f"{c} {out.ms[c][-1]:.2f}" for c in configs))  # fmt: skip
         for config, group in workers.items():
