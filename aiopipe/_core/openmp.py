@@ -40,7 +40,11 @@ def _pause_function() -> Callable[[int], int] | None:
         return None
     for path in sorted(paths):
         try:
-            function = ctypes.CDLL(path).omp_pause_resource_all
+            # PyDLL: the call keeps the GIL.  Through CDLL the GIL was let go, a lane
+            # just woken took it, and the loop waited for the lane's next release to
+            # go on (22 us a call, two calls a step, on a DLRM rank sharing a core).
+            # The pool's workers run no Python, so holding it while they stop is safe.
+            function = ctypes.PyDLL(path).omp_pause_resource_all
         except (OSError, AttributeError):  # an older libgomp without OpenMP 5 pauses
             continue
         function.argtypes = [ctypes.c_int]
