@@ -119,7 +119,7 @@ class StepChain:
             self._queue_when_read(feed)
             return False
         iteration = driver.new_iteration(running.number + 1, driver.ring.advanced(store), feed)
-        started = driver.hand_to_lanes(feed, iteration, yield_cpu=False, after=handle)
+        started = driver.hand_to_lanes(feed, iteration, release_heads=False, after=handle)
         if started is None:  # the running one ended meanwhile: started once that is handled
             feed.give_back(store)
             return False

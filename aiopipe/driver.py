@@ -30,7 +30,6 @@ from time import monotonic as _monotonic
 from collections.abc import Callable
 from typing import Any
 
-from ._core.lanes import yield_cpu_to_lanes
 from ._core.nvtx import Annotator
 from ._core.loops import task_quiet_if_left
 from ._core.waker import mark_retrieved
@@ -133,11 +132,11 @@ class IterationDriver(OrphanedIterations):
                         # with the return value of a cancelled task.
                         await asyncio.sleep(0)
                     continue
-                # The read-ahead starts before the loop yields its CPU to the lanes:
-                # with every core busy, the loop would get it back only milliseconds
-                # later, and the fetch would start that late.
+                # The read-ahead starts before the loop goes on to wait for the step:
+                # with every core busy, a loop that has slept gets a core only
+                # milliseconds later, and the fetch would start that late.
                 reads_ahead = feed.can_read_ahead
-                in_task = self.start(feed, yield_cpu=not reads_ahead)
+                in_task = self.start(feed, release_heads=not reads_ahead)
                 if reads_ahead:
                     # Read the next batch while this iteration runs.  A task first hands
                     # its work to the lanes (tasks start in FIFO order).
@@ -156,7 +155,6 @@ class IterationDriver(OrphanedIterations):
                     finally:
                         if handle is not None:
                             handle.release_lanes(stepped=stepped)
-                            yield_cpu_to_lanes()
             self._chain.ask(feed, more)
             await self.wait_ended()  # guards the lanes too if the caller leaves
 
@@ -176,17 +174,18 @@ class IterationDriver(OrphanedIterations):
             raise error  # KeyboardInterrupt, SystemExit: out, its end handled
         feed.read_ahead()
 
-    def start(self, feed: Feed, *, yield_cpu: bool = True) -> bool:
+    def start(self, feed: Feed, *, release_heads: bool = True) -> bool:
         """Start the feed's next iteration; whether it runs as a task (which has yet
         to run: the caller yields once before relying on its lanes having started).
-        ``yield_cpu=False``: a fast-path start leaves yielding the CPU to the caller.
+        ``release_heads=False``: a fast-path start leaves releasing the lanes that wait
+        for its ``async def`` heads to the caller (``IterationHandle.release_lanes``).
 
         The fast path hands the whole iteration to the lanes now, and its end is
         handled in the callback that wakes the loop: no task to create and wake, two
         loop cycles fewer on every iteration's critical path (docs/performance.md)."""
         iteration = self.new_iteration(feed.iteration, self._ring, feed)
         if self._start_fast is not None:
-            started = self.hand_to_lanes(feed, iteration, yield_cpu=yield_cpu)
+            started = self.hand_to_lanes(feed, iteration, release_heads=release_heads)
             if started is not None:
                 self.running, self._handle = started
                 self._current = (feed, iteration)
@@ -206,7 +205,7 @@ class IterationDriver(OrphanedIterations):
         )  # fmt: skip
 
     def hand_to_lanes(
-        self, feed: Feed, iteration: Iteration, *, yield_cpu: bool,
+        self, feed: Feed, iteration: Iteration, *, release_heads: bool,
         after: IterationHandle | None = None,
     ) -> tuple[asyncio.Future[None], IterationHandle] | None:  # fmt: skip
         """Start ``iteration`` on the executor's fast path (behind ``after``, if
@@ -215,7 +214,7 @@ class IterationDriver(OrphanedIterations):
         assert self._start_fast is not None
         done = asyncio.get_running_loop().create_future()
         on_done = functools.partial(self._lanes_finished, feed, iteration, done)
-        handle = self._start_fast(iteration, on_done, yield_cpu=yield_cpu, after=after)
+        handle = self._start_fast(iteration, on_done, release_heads=release_heads, after=after)
         return None if handle is None else (done, handle)
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -380,35 +381,32 @@ def test_an_executor_instance_serves_one_pipeline() -> None:
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])
-async def test_the_read_ahead_starts_before_the_loop_yields_its_cpu(
-    monkeypatch: pytest.MonkeyPatch, kind: str
-) -> None:
-    """With every core busy, a loop that yields its CPU to the lanes gets it back
-    milliseconds later: the pull of the next batch (its fetch) must have started
-    before.  Each iteration's yield comes after the first step of its pull (a sync
-    source's whole ``next()``)."""
-    import aiopipe.driver
-    import aiopipe.executors.asyncio_executor
-
-    events: list[str] = []
-    for module in (aiopipe.driver, aiopipe.executors.asyncio_executor):
-        monkeypatch.setattr(module, "yield_cpu_to_lanes", lambda: events.append("yield"),
-                            raising=False)  # fmt: skip
+async def test_the_read_ahead_starts_while_the_step_runs(kind: str) -> None:
+    """With every core busy, a loop that sleeps before it starts reading the next
+    batch gets a core back only milliseconds later: the pull of batch k + 1 (its
+    first step, or a sync source's whole ``next()``) starts while step k runs.  Each
+    step's body, on its lane, holds the step until it sees that pull begun."""
+    pulled = [threading.Event() for _ in range(4)]
 
     async def items() -> AsyncIterator[int]:
         for n in range(4):
-            events.append(f"pull {n}")  # the pull's first step, before its fetch
+            pulled[n].set()  # the pull's first step, before its fetch
             await asyncio.sleep(0)
             yield n
 
     def sync_items() -> Iterator[int]:
         for n in range(4):
-            events.append(f"pull {n}")
+            pulled[n].set()
             yield n
 
-    step = Task.from_fn("step", lambda ctx: ctx.slots.set("step_result", ctx.slots["batch_cpu"]))
+    def body(ctx: TaskContext) -> None:
+        n = ctx.slots["batch_cpu"]
+        if n + 1 < len(pulled):
+            # A bound, not a schedule: the loop sets it long before, or never.
+            assert pulled[n + 1].wait(timeout=30), f"batch {n + 1} not pulled during step {n}"
+        ctx.slots.set("step_result", n)
+
+    step = Task.from_fn("step", body)
     async with Pipeline([step], executor=AsyncExecutor()) as pipe:
         source = items() if kind == "async" else sync_items()
         assert [r async for r in pipe.results(source)] == [0, 1, 2, 3]
-    # pull 0 came before the first iteration; iteration k reads batch k + 1 ahead
-    assert events[:7] == ["pull 0", "pull 1", "yield", "pull 2", "yield", "pull 3", "yield"]

@@ -23,7 +23,7 @@ from .waker import LoopWaker
 
 __all__ = (
     "LANE_THREAD_PREFIX", "LOOP_LANE", "Lane", "LanePool", "call_on_lane", "lane_of_thread",
-    "start_on_lane", "yield_cpu_to_lanes",
+    "start_on_lane",
 )  # fmt: skip
 
 LOOP_LANE = "loop"
@@ -31,10 +31,6 @@ LOOP_LANE = "loop"
 LANE_THREAD_PREFIX = "aiopipe-lane-"
 
 _STOP = object()
-
-#: Give up the CPU (and the GIL) to another runnable thread -- a lane just handed its
-#: work -- where the OS can.
-yield_cpu_to_lanes: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 #: How much lower than the loop's a lane thread's CPU priority is (a nice increment;
 #: ``AIOPIPE_LANE_NICE=0`` keeps them equal).  When the lanes and their OpenMP workers

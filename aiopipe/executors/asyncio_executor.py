@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._core.lanes import LOOP_LANE, LanePool, yield_cpu_to_lanes
+from .._core.lanes import LOOP_LANE, LanePool
 from .._core.malloc import keep_freed_memory
 from .._core.openmp import release_thread_pool
 from .._core.tickets import TicketLock, TicketStatistics
@@ -153,7 +153,7 @@ class AsyncExecutor:
 
     def start_iteration(
         self, iteration: Iteration, on_done: Callable[[BaseException | None], None],
-        *, yield_cpu: bool = True, after: IterationHandle | None = None,
+        *, release_heads: bool = True, after: IterationHandle | None = None,
     ) -> IterationHandle | None:  # fmt: skip
         """Run ``iteration`` without a coroutine, when every task of it runs on lane threads
         (one stage, nothing on the loop's chain, no collective order check): hand its
@@ -164,10 +164,9 @@ class AsyncExecutor:
         The pipeline's fast path: the lanes start before the caller next yields, and
         the iteration's end is handled in the callback that wakes the loop, two loop cycles
         sooner than a task awaiting :meth:`run_iteration` would (docs/performance.md).
-        ``yield_cpu=False``: the caller has loop work to start first, and calls
-        :func:`~aiopipe._core.lanes.yield_cpu_to_lanes` itself, after
-        :meth:`IterationHandle.release_lanes` (lanes that wait for the loop to begin
-        the iteration's ``async def`` bodies wait for that too).
+        ``release_heads=False``: the caller has loop work to start first (the next
+        batch's read-ahead), and lets the lanes go that wait for the loop to begin the
+        iteration's ``async def`` bodies itself, with :meth:`IterationHandle.release_lanes`.
 
         ``after``: the handle of the iteration running now.  The new one is queued
         behind it, and the lane that ends it starts the new one at once, with no round
@@ -183,7 +182,7 @@ class AsyncExecutor:
         if after is not None:
             run = self._queue_stage(iteration, stages[0], on_done, after)
             return None if run is None else IterationHandle(run)
-        return IterationHandle(self._begin_stage(iteration, stages[0], on_done, yield_cpu))
+        return IterationHandle(self._begin_stage(iteration, stages[0], on_done, release_heads))
 
     async def run_iteration(self, iteration: Iteration) -> None:
         if self._order_check is not None:  # before the iteration issues any collective
@@ -254,7 +253,8 @@ class AsyncExecutor:
 
     def _begin_stage(
         self, iteration: Iteration, active: tuple[int, ...],
-        on_done: Callable[[BaseException | None], None] | None = None, yield_cpu: bool = True,
+        on_done: Callable[[BaseException | None], None] | None = None,
+        release_heads: bool = True,
     ) -> StageRun:  # fmt: skip
         """Hand the stage's thread chains to their lanes and start the ``async def``
         bodies heading a chain; :meth:`_finish_stage` runs the loop's chain and waits
@@ -263,8 +263,7 @@ class AsyncExecutor:
         A body heading a chain starts here, on the loop, rather than when its lane (or
         the loop's chain) reaches it: with every core busy with the lanes' compute, a
         loop woken later gets a core only milliseconds later, and a fetch one batch
-        ahead would start only once the step it should overlap has ended.  The loop
-        then keeps its CPU (no yield to the lanes) to run those bodies' first steps."""
+        ahead would start only once the step it should overlap has ended."""
         layout = self._layout(active)
         waker = self._waker = LoopWaker.for_running_loop(self._waker)
         lanes = [self._lane_pool.get(name) for name, _ in layout.thread_chains]  # may start threads
@@ -274,16 +273,13 @@ class AsyncExecutor:
             begin_heads(run, lanes)
         hand_over(run, lanes, self._runners.run_thread_chain)
         self._watch_deferred(run)
-        if run.heads:  # ``yield_cpu=False``: the caller lets the other lanes go
-            start_heads(run, release=yield_cpu)
+        if run.heads:  # ``release_heads=False``: the caller lets the other lanes go
+            start_heads(run, release=release_heads)
         if self._compute_off_loop:
             release_thread_pool()
-        if lanes and yield_cpu and not run.heads:
-            # Let a lane just woken have this CPU and the GIL before the loop goes on
-            # with its own Python.  With no idle core (a lane's OpenMP workers spin
-            # between regions) the loop thread would otherwise keep both, and the
-            # lane start later: 20-30 us of every iteration boundary (docs/performance.md).
-            yield_cpu_to_lanes()
+        # No yield of the loop's CPU to the lanes just woken: the loop runs on to its
+        # wait and sleeps there, and a yielded loop came back to preempt the lane (the
+        # tiny MLP's step was 7-8 % slower with the yield; docs/performance.md).
         return run
 
     def _queue_stage(

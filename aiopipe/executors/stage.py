@@ -289,7 +289,7 @@ class IterationHandle:
 
     def release_lanes(self, *, stepped: bool) -> None:
         """Let the lanes go that wait for the loop to begin the iteration's ``async
-        def`` bodies heading a chain (started with ``yield_cpu=False``): now, if the
+        def`` bodies heading a chain (started with ``release_heads=False``): now, if the
         loop has run a step since the start (``stepped``), else once it has run those
         bodies' first steps.  Nothing if there are none."""
         begun = self._run.heads_begun
@@ -335,5 +335,5 @@ class StartFast(Protocol):
 
     def __call__(
         self, iteration: Iteration, on_done: Callable[[BaseException | None], None],
-        *, yield_cpu: bool = True, after: IterationHandle | None = None,
+        *, release_heads: bool = True, after: IterationHandle | None = None,
     ) -> IterationHandle | None: ...  # fmt: skip
