@@ -24,8 +24,9 @@ costs a little per task).  ``--model dlrm`` times torchrec's DLRM instead
 the configs ``aiopipe-S`` and ``torchrec-S`` for S in lite, base, fused and semi-sync
 time the other members of torchrec's family (``schedule=``) beside torchrec's class for
 each, which their ratio pairs with (``aiopipe-many-S``: a whole chunk a
-``progress_many`` call; semi-sync from the first step, ``start_batch=0``;
-torchrec's fused and semi-sync classes through ``torchrec_classes_on_cpu`` on a CPU),
+``progress_many`` call; ``aiopipe-sequential-S``: every task inline, no lane;
+semi-sync from the first step, ``start_batch=0``; torchrec's fused and semi-sync
+classes through ``torchrec_classes_on_cpu`` on a CPU),
 and ``aiopipe-ends-apart`` runs the sparse-dist pipeline with ``end_together=False``
 (what the ranks' agreement on the end of the epoch costs: on by default with two
 ranks).  Every row reports its workers' peak resident memory while timed (the largest
@@ -61,7 +62,7 @@ CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-block
 #: torchrec's other train pipelines and their schedules (``--model dlrm`` only).
 SCHEDULES = ("lite", "base", "fused", "semi-sync")
 FAMILY = (*(f"{runner}-{schedule}" for schedule in SCHEDULES
-            for runner in ("aiopipe", "aiopipe-many", "torchrec")),
+            for runner in ("aiopipe", "aiopipe-many", "aiopipe-sequential", "torchrec")),
           "aiopipe-ends-apart")  # fmt: skip
 #: The knobs of a family row: semi-sync from the first step (torchrec's default, 900,
 #: would start it inside the timed chunks).
@@ -133,7 +134,7 @@ def _aiopipe_options(config: str, io_thread_map: Any) -> dict[str, Any]:
         return {"thread_map": io_thread_map}  # copies on "io"
     if config == "aiopipe-rewritten":  # torchrec's pipelined input dist, as on more ranks
         return {"pipelined_input_dist": True}
-    if config == "aiopipe-sequential":
+    if config.startswith("aiopipe-sequential"):
         return {"executor": "sequential"}
     if config == "aiopipe-ends-apart":
         return {"end_together": False}
@@ -171,7 +172,7 @@ def _schedule_of(config: str) -> str:
     """The schedule a row runs: ``aiopipe-many-lite`` and ``torchrec-lite`` run lite."""
     if config not in FAMILY[:-1]:
         return "sparse-dist"
-    for runner in ("aiopipe-many-", "aiopipe-", "torchrec-"):
+    for runner in ("aiopipe-many-", "aiopipe-sequential-", "aiopipe-", "torchrec-"):
         if config.startswith(runner):
             return config.removeprefix(runner)
     raise ValueError(f"no schedule in {config!r}")

@@ -21,6 +21,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConf
 from torchrec.distributed.types import ShardedModule
 
 from aiopipe import AsyncExecutor, BadBatchError, CollectiveOrderError, PipelineStateError
+from aiopipe import SequentialExecutor
 from hstu_tasks import join_local_group, leave_and_exit, quiet_torchrec
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse.agreement import WINDOW, EndedTogether
@@ -544,7 +545,8 @@ def check_family_member(rank: int, schedule: str, batches: int = 3,
     class for it over three passes over the data: this rank's per-step losses and
     parameters, bit for bit (Adagrad: its state makes any step out of place show).
     The blocking form is driven as torchrec's class is (progress until StopIteration,
-    a new iterator per pass)."""
+    a new iterator per pass); so is a pipeline with every task inline
+    (``executor="sequential"``, the faster choice where CPU ranks share their cores)."""
     epochs = [data(rank, batches)] * EPOCHS
     outcomes = {}
     for mode in (f"torchrec-{schedule}", f"aiopipe-{schedule}"):
@@ -569,6 +571,16 @@ def check_family_member(rank: int, schedule: str, batches: int = 3,
     finally:
         blocking.shutdown()
     outcomes["blocking"] = (losses, parameter_digest(setup.model))
+    setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
+    inline = SparseDistPipeline(setup.model, setup.optimizer, setup.device, executor="sequential",
+                                schedule=train_schedule(schedule, knobs)).blocking()  # fmt: skip
+    try:
+        losses = [float(loss) for epoch in epochs
+                  for loss, _, _ in torchrec_results(inline, epoch)]  # fmt: skip
+        assert isinstance(inline.pipeline.executor, SequentialExecutor)
+    finally:
+        inline.shutdown()
+    outcomes["sequential"] = (losses, parameter_digest(setup.model))
     expected = outcomes[f"torchrec-{schedule}"]
     assert len(expected[0]) == batches * EPOCHS
     for mode, outcome in outcomes.items():

@@ -86,8 +86,9 @@ def test_chunks_alternate_in_worker_processes_and_report_time_cores_and_state() 
         assert len(chunks.ms[config]) == len(chunks.cores[config]) == 6  # 3 rounds x 2 sets
         assert all(ms >= 0 for ms in chunks.ms[config])
         assert all(0 <= cores < 64 for cores in chunks.cores[config])
-        # each set's worker: the warm-up, then every chunk and its three untimed steps
-        assert chunks.reports[config] == [{"config": config, "steps": 4 + 3 * (3 + 5)}] * 2
+        # each set's worker: the warm-up, then the untimed first round and every timed
+        # chunk, each after its three untimed steps
+        assert chunks.reports[config] == [{"config": config, "steps": 4 + (1 + 3) * (3 + 5)}] * 2
         assert len(chunks.peak_rss_mib[config]) == 2  # one per process set
         # CPU per timed step by kind of thread, one dict per set: the worker's own thread
         assert len(chunks.thread_cpu_us[config]) == 2
