@@ -42,8 +42,9 @@ def _pause_function() -> Callable[[int], int] | None:
         try:
             # PyDLL: the call keeps the GIL.  Through CDLL the GIL was let go, a lane
             # just woken took it, and the loop waited for the lane's next release to
-            # go on (22 us a call, two calls a step, on a DLRM rank sharing a core).
-            # The pool's workers run no Python, so holding it while they stop is safe.
+            # go on (22 us a call in a profile of a DLRM rank sharing a core; end to
+            # end within the noise).  The pool's workers run no Python: holding the
+            # GIL while they stop is safe.
             function = ctypes.PyDLL(path).omp_pause_resource_all
         except (OSError, AttributeError):  # an older libgomp without OpenMP 5 pauses
             continue
