@@ -40,12 +40,7 @@ def _pause_function() -> Callable[[int], int] | None:
         return None
     for path in sorted(paths):
         try:
-            # PyDLL: the call keeps the GIL.  Through CDLL the GIL was let go, a lane
-            # just woken took it, and the loop waited for the lane's next release to
-            # go on (22 us a call in a profile of a DLRM rank sharing a core; end to
-            # end within the noise).  The pool's workers run no Python: holding the
-            # GIL while they stop is safe.
-            function = ctypes.PyDLL(path).omp_pause_resource_all
+            function = ctypes.CDLL(path).omp_pause_resource_all
         except (OSError, AttributeError):  # an older libgomp without OpenMP 5 pauses
             continue
         function.argtypes = [ctypes.c_int]
