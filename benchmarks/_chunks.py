@@ -7,15 +7,17 @@ docs/performance.md).  So every pipeline is built and warmed up in a worker proc
 of its own, and the coordinator asks each in turn for ``chunk`` steps, ``rounds``
 times (every other round in reverse order), after one round that is run and not
 timed (a set's first chunks ran up to twice as slow on two ranks): drift hits all
-alike, and a per-round ratio pairs neighbours in time.  A process also keeps its own luck for its whole life
-(where its threads and memory landed), so the whole set of workers is built afresh
-``processes`` times.  Separate processes also keep the pipelines' torch threads apart:
-two pipelines in one process each keep an OpenMP pool, and libgomp slows every pool
-down once it counts more pool threads than CPUs (``aiopipe/_core/openmp.py``).
+alike, and a per-round ratio pairs neighbours in time.  A process also keeps its own
+luck for its whole life (where its threads and memory landed), so the whole set of
+workers is built afresh ``processes`` times.  Separate processes also keep the
+pipelines' torch threads apart: two pipelines in one process each keep an OpenMP
+pool, and libgomp slows every pool down once it counts more pool threads than CPUs
+(``aiopipe/_core/openmp.py``).
 
 A benchmark names a module-level ``build(config, rank) -> (run, report)`` (spawned
 workers import it by name): ``run(n)`` trains the next ``n`` batches, ``report()``
-returns a dict sent back once the set ends (``{}`` for nothing).  ``gloo=True`` puts
+returns a dict sent back once the set ends (``{}`` for nothing); a report that
+counts steps counts from :func:`first_timed_step` on.  ``gloo=True`` puts
 each config's ``ranks`` workers in a gloo group of their own (torchrec's sharded
 models need one on one rank too); a chunk's time is the slowest rank's.
 """
@@ -117,17 +119,31 @@ def paired(values: Sequence[float], base: Sequence[float]) -> float:
     return statistics.median(v / b for v, b in zip(values, base, strict=True))
 
 
+#: In a worker, once its first timed chunk starts: the steps it ran before that
+#: chunk's own (the warm-up, the untimed round, the settling steps).
+_first_timed_step: int | None = None
+
+
+def first_timed_step() -> int:
+    """For a worker's ``report()``: the index of the first step of its first timed
+    chunk (the steps before it -- warm-up, untimed round -- are not the row's)."""
+    if _first_timed_step is None:
+        raise RuntimeError("first_timed_step() before the worker's first timed chunk")
+    return _first_timed_step
+
+
 def _worker(build: Build, config: str, warm_up: int, settle: int, conn: Connection, rank: int,
             ranks: int, port: int | None) -> None:  # fmt: skip
-    """Rank ``rank`` of ``config``'s group: build the pipeline, warm it up, then time
-    each chunk asked for, after ``settle`` untimed steps."""
+    """Rank ``rank`` of ``config``'s group: build the pipeline, warm it up, then run
+    each chunk asked for after ``settle`` untimed steps, timing the timed ones."""
+    global _first_timed_step
     if port is not None:
         from hstu_tasks import join_local_group
 
         join_local_group(rank, ranks, port)
     run, report = build(config, rank)
     run(warm_up)
-    _reset_peak_rss()  # the imports' and the build's transients are not the row's
+    ran = warm_up  # steps so far
     conn.send("ready")
     # CPU seconds while timed by kind of thread, and the lanes' run-queue seconds
     # (LANES_WAITING, not CPU: left out of any sum of the kinds)
@@ -139,10 +155,16 @@ def _worker(build: Build, config: str, warm_up: int, settle: int, conn: Connecti
         # middle of, with what it read ahead while the other rows ran used up.
         if settle:
             run(settle)
+        ran += settle
         if not timed_chunk:
             run(steps)
+            ran += steps
             conn.send(None)
             continue
+        if _first_timed_step is None:
+            _first_timed_step = ran
+            _reset_peak_rss()  # the build's and the untimed steps' transients are not the row's
+        ran += steps
         before = thread_sched_s()  # outside the timed window: it reads every thread's file
         start, cpu_start = time.perf_counter(), time.process_time()
         run(steps)
@@ -222,10 +244,11 @@ def time_in_chunks(
     settle: int = 2,
 ) -> Chunks:
     """Time ``configs`` in ``rounds`` alternating chunks of ``chunk`` steps, in
-    ``processes`` fresh sets of workers, each warmed up with ``warm_up`` steps; before
-    each chunk a worker runs ``settle`` untimed steps -- at least as many as it can
-    read ahead while idle, so that no row starts a chunk with a store of batches the
-    others lack (a prefetch thread keeps fetching between its chunks)."""
+    ``processes`` fresh sets of workers, each warmed up with ``warm_up`` steps and one
+    untimed round of chunks; before each chunk a worker runs ``settle`` untimed steps
+    -- at least as many as it can read ahead while idle, so that no row starts a
+    chunk with a store of batches the others lack (a prefetch thread keeps fetching
+    between its chunks)."""
     if ranks > 1 and not gloo:
         raise ValueError("more than one rank needs a process group: pass gloo=True")
     if settle < 0:

@@ -48,6 +48,7 @@ import torch  # noqa: E402
 from _chunks import (  # noqa: E402
     add_cycle_arguments,
     check_cycle_arguments,
+    first_timed_step,
     progress_calls,
     progress_many_calls,
     time_in_chunks,
@@ -56,7 +57,7 @@ from _common import print_json, print_table, with_spread  # noqa: E402
 
 ROWS = ("plain loop", "prefetch thread", "aiopipe, fetch on its stream's lane",
         "aiopipe, fetch on the loop", "aiopipe, its stream's lane, progress_many")  # fmt: skip
-WARM_UP = 20  # untimed steps before a worker's first chunk; its stamps are left out
+WARM_UP = 20  # untimed steps before a worker's first chunk
 
 
 def build_row(
@@ -157,9 +158,10 @@ def build_row(
             run = progress_calls(pipe, indices)
 
     def report() -> dict[str, float]:
+        first = first_timed_step()  # the untimed steps' stamps are left out
         lags = [fetch_starts[k + 1] - step_starts[k] for k in sorted(step_starts)
-                if k >= WARM_UP and k + 1 in fetch_starts]  # fmt: skip
-        waits = [wait for k, wait in fetch_waits.items() if k >= WARM_UP]
+                if k >= first and k + 1 in fetch_starts]  # fmt: skip
+        waits = [wait for k, wait in fetch_waits.items() if k >= first]
         return {"fetch_lag_ms": 1e3 * statistics.median(lags),
                 "fetch_wait_ms": 1e3 * statistics.median(waits)} if lags else {}  # fmt: skip
 

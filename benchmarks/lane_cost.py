@@ -53,7 +53,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _chunks import paired, print_thread_cpu, repeat, time_in_chunks  # noqa: E402
+from _chunks import (  # noqa: E402
+    first_timed_step,
+    paired,
+    print_thread_cpu,
+    repeat,
+    time_in_chunks,
+)
 from _common import print_json, print_table, spread  # noqa: E402
 
 CONFIGS = ("none", "torchrec", "aiopipe", "aiopipe-asyncio-loop", "aiopipe-blocking",
@@ -83,8 +89,9 @@ def _build(config: str, rank: int, *, model: str,
         if tracer is None:
             return {}
         spans = collections.defaultdict(list)
+        first = first_timed_step()  # the untimed steps' spans are left out
         for span in tracer.spans:
-            if span.iteration >= WARM_UP:
+            if span.iteration >= first:
                 spans[span.task].append((span.end_ns - span.start_ns) / 1e6)
         return {name: statistics.median(ms) for name, ms in spans.items()}
 

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 from _chunks import (  # noqa: E402
     add_cycle_arguments,
     check_cycle_arguments,
+    first_timed_step,
     progress_calls,
     time_in_chunks,
 )
@@ -48,7 +49,7 @@ from _common import print_json, print_table, with_spread  # noqa: E402
 
 ROWS = ("prefetch thread", "aiopipe async", "aiopipe async, 2 ahead")
 COLUMNS = ("wait_ms", "build_ms", "gap_ms")
-WARM_UP = 20  # untimed steps before a worker's first chunk; its stamps are left out
+WARM_UP = 20  # untimed steps before a worker's first chunk
 
 
 def serve(port: Any, latency_s: float) -> None:
@@ -146,7 +147,8 @@ def build_row(
         run = progress_calls(pipe, source())
 
     def report() -> dict[str, float]:
-        timed = list(zip(waits[WARM_UP:], builds[WARM_UP:]))
+        first = first_timed_step()  # the untimed steps' stamps are left out
+        timed = list(zip(waits[first:], builds[first:]))
         gaps = [nxt[0][0] - cur[1][1] for cur, nxt in itertools.pairwise(timed)]
         return {
             "wait_ms": 1e3 * statistics.median(end - start for (start, end), _ in timed),

@@ -546,41 +546,35 @@ def check_family_member(rank: int, schedule: str, batches: int = 3,
     parameters, bit for bit (Adagrad: its state makes any step out of place show).
     The blocking form is driven as torchrec's class is (progress until StopIteration,
     a new iterator per pass); so is a pipeline with every task inline
-    (``executor="sequential"``, the faster choice where CPU ranks share their cores)."""
+    (``executor="sequential"``, which docs/sparse-dist.md suggests timing where CPU
+    ranks share their cores)."""
     epochs = [data(rank, batches)] * EPOCHS
     outcomes = {}
     for mode in (f"torchrec-{schedule}", f"aiopipe-{schedule}"):
         setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
         run = run_dlrm(mode, setup, epochs, knobs=knobs)  # type: ignore[arg-type]
         outcomes[mode] = (run.losses, parameter_digest(setup.model))
-    setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
-    pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
-                              schedule=train_schedule(schedule, knobs))  # fmt: skip
-    blocking = pipe.blocking()
-    losses = [float(loss) for epoch in epochs
-              for loss, _, _ in torchrec_results(blocking, epoch)]  # fmt: skip
     # lite and fused distribute the input on torchrec's rewrite where there is input to
     # distribute (two ranks); base runs the model's own forward everywhere; semi-sync's
     # step is the rewrite's
     ranks = torch.distributed.get_world_size()
     rewritten = schedule == "semi-sync" or (schedule in ("lite", "fused") and ranks > 1)
-    try:
-        assert runs_rewritten(setup.model) is rewritten
-        # pt2 compiled the model at its step (torch's Module.compile keeps it here)
-        assert (setup.model._compiled_call_impl is not None) is (schedule == "pt2")
-    finally:
-        blocking.shutdown()
-    outcomes["blocking"] = (losses, parameter_digest(setup.model))
-    setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
-    inline = SparseDistPipeline(setup.model, setup.optimizer, setup.device, executor="sequential",
-                                schedule=train_schedule(schedule, knobs)).blocking()  # fmt: skip
-    try:
-        losses = [float(loss) for epoch in epochs
-                  for loss, _, _ in torchrec_results(inline, epoch)]  # fmt: skip
-        assert isinstance(inline.pipeline.executor, SequentialExecutor)
-    finally:
-        inline.shutdown()
-    outcomes["sequential"] = (losses, parameter_digest(setup.model))
+    for form, executor in (("blocking", None), ("sequential", "sequential")):
+        setup = build_dlrm_training(CONFIG, "adagrad", seed=3)
+        blocking = SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                      schedule=train_schedule(schedule, knobs),
+                                      executor=executor).blocking()  # fmt: skip
+        try:
+            losses = [float(loss) for epoch in epochs
+                      for loss, _, _ in torchrec_results(blocking, epoch)]  # fmt: skip
+            assert runs_rewritten(setup.model) is rewritten
+            # pt2 compiled the model at its step (torch's Module.compile keeps it here)
+            assert (setup.model._compiled_call_impl is not None) is (schedule == "pt2")
+            inline = isinstance(blocking.pipeline.executor, SequentialExecutor)
+            assert inline is (executor == "sequential")
+        finally:
+            blocking.shutdown()
+        outcomes[form] = (losses, parameter_digest(setup.model))
     expected = outcomes[f"torchrec-{schedule}"]
     assert len(expected[0]) == batches * EPOCHS
     for mode, outcome in outcomes.items():

@@ -66,15 +66,18 @@ def test_a_table_prints_each_row_when_it_is_given(capsys: pytest.CaptureFixture[
 def _counting_build(
     config: str, rank: int
 ) -> tuple[Callable[[int], None], Callable[[], dict[str, object]]]:
-    """A chunk worker's pipeline for the test below: counts the steps it is asked for;
-    config "b" also keeps 160 MiB resident (written, so the pages are the process's)."""
+    """A chunk worker's pipeline for the test below: counts the steps it is asked for,
+    and reports where its timed steps began; config "b" also keeps 160 MiB resident
+    (written, so the pages are the process's)."""
+    from _chunks import first_timed_step
+
     done = [0]
     held = b"\x01" * (160 << 20) if config == "b" else b""  # written: resident
 
     def run(n: int) -> None:
         done[0] += n + 0 * len(held)
 
-    return run, lambda: {"config": config, "steps": done[0]}
+    return run, lambda: {"config": config, "steps": done[0], "first": first_timed_step()}
 
 
 def test_chunks_alternate_in_worker_processes_and_report_time_cores_and_state() -> None:
@@ -87,8 +90,10 @@ def test_chunks_alternate_in_worker_processes_and_report_time_cores_and_state() 
         assert all(ms >= 0 for ms in chunks.ms[config])
         assert all(0 <= cores < 64 for cores in chunks.cores[config])
         # each set's worker: the warm-up, then the untimed first round and every timed
-        # chunk, each after its three untimed steps
-        assert chunks.reports[config] == [{"config": config, "steps": 4 + (1 + 3) * (3 + 5)}] * 2
+        # chunk, each after its three untimed steps; its timed steps begin after the
+        # warm-up, that round and the first timed chunk's settling steps
+        steps, first = 4 + (1 + 3) * (3 + 5), 4 + (3 + 5) + 3
+        assert chunks.reports[config] == [{"config": config, "steps": steps, "first": first}] * 2
         assert len(chunks.peak_rss_mib[config]) == 2  # one per process set
         # CPU per timed step by kind of thread, one dict per set: the worker's own thread
         assert len(chunks.thread_cpu_us[config]) == 2

@@ -381,21 +381,36 @@ def test_an_executor_instance_serves_one_pipeline() -> None:
 
 
 @pytest.mark.parametrize("kind", ["async", "sync"])
-async def test_the_read_ahead_starts_while_the_step_runs(kind: str) -> None:
+async def test_the_read_ahead_starts_while_the_step_runs(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
     """With every core busy, a loop that sleeps before it starts reading the next
     batch gets a core back only milliseconds later: the pull of batch k + 1 (its
-    first step, or a sync source's whole ``next()``) starts while step k runs.  Each
-    step's body, on its lane, holds the step until it sees that pull begun."""
+    first step, or a sync source's whole ``next()``) starts once step k is handed to
+    its lane and before the loop goes to wait for it.  Each step's body, on its
+    lane, also holds the step until it sees that pull begun."""
+    import aiopipe.driver
+
+    events: list[str] = []
     pulled = [threading.Event() for _ in range(4)]
+    wait_ended = aiopipe.driver.IterationDriver.wait_ended
+
+    async def recorded_wait(self: aiopipe.driver.IterationDriver) -> None:
+        events.append("wait")
+        await wait_ended(self)
+
+    monkeypatch.setattr(aiopipe.driver.IterationDriver, "wait_ended", recorded_wait)
 
     async def items() -> AsyncIterator[int]:
         for n in range(4):
-            pulled[n].set()  # the pull's first step, before its fetch
+            events.append(f"pull {n}")  # the pull's first step, before its fetch
+            pulled[n].set()
             await asyncio.sleep(0)
             yield n
 
     def sync_items() -> Iterator[int]:
         for n in range(4):
+            events.append(f"pull {n}")
             pulled[n].set()
             yield n
 
@@ -403,10 +418,12 @@ async def test_the_read_ahead_starts_while_the_step_runs(kind: str) -> None:
         n = ctx.slots["batch_cpu"]
         if n + 1 < len(pulled):
             # A bound, not a schedule: the loop sets it long before, or never.
-            assert pulled[n + 1].wait(timeout=30), f"batch {n + 1} not pulled during step {n}"
+            assert pulled[n + 1].wait(timeout=10), f"batch {n + 1} not pulled during step {n}"
         ctx.slots.set("step_result", n)
 
     step = Task.from_fn("step", body)
     async with Pipeline([step], executor=AsyncExecutor()) as pipe:
         source = items() if kind == "async" else sync_items()
         assert [r async for r in pipe.results(source)] == [0, 1, 2, 3]
+    # pull 0 came before the first iteration; iteration k reads batch k + 1 ahead
+    assert events[:7] == ["pull 0", "pull 1", "wait", "pull 2", "wait", "pull 3", "wait"]

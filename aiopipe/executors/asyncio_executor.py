@@ -278,8 +278,8 @@ class AsyncExecutor:
         if self._compute_off_loop:
             release_thread_pool()
         # No yield of the loop's CPU to the lanes just woken: the loop runs on to its
-        # wait and sleeps there, and a yielded loop came back to preempt the lane (the
-        # tiny MLP's step was 7-8 % slower with the yield; docs/performance.md).
+        # wait and sleeps there; a yielded loop came back mid-step and took the GIL
+        # from the lane (the tiny MLP's step was 3.5-8 % slower; docs/performance.md).
         return run
 
     def _queue_stage(

@@ -19,12 +19,14 @@ on its stream have finished, run stages in order, and raise the first task failu
 after every started task has finished.  Device-only ``same_progress_sync`` waits need
 nothing from it: ``Iteration`` issues them, and the pipeline calls :meth:`Iteration.finish`.
 
-An executor may also offer ``start_iteration(iteration, on_done)``: start the whole iteration now,
-from the caller's frame, and return a handle with ``abort(exc)`` and a blocking
-``wait(timeout)``; then call ``on_done(error)`` exactly once, later, on the loop's
-thread.  Or return ``None``, and ``run_iteration`` is awaited in a task instead
-(``AsyncExecutor`` runs a iteration this way when every task of it is mapped to a lane
-thread).
+An executor may also offer ``start_iteration(iteration, on_done, *, release_heads=True,
+after=None)``: start the whole iteration now, from the caller's frame, and return a
+handle with ``abort(exc)`` and a blocking ``wait(timeout)``; then call
+``on_done(error)`` exactly once, later, on the loop's thread.  Or return ``None``, and
+``run_iteration`` is awaited in a task instead (``AsyncExecutor`` runs an iteration
+this way when every task of it is mapped to a lane thread).  The pipeline passes both
+keywords (see ``AsyncExecutor.start_iteration``); an executor without queues returns
+``None`` when ``after`` is set.
 """
 
 from __future__ import annotations
