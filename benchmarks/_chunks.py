@@ -286,21 +286,20 @@ def _one_set(build: Build, configs: Sequence[str], ranks: int, gloo: bool, chunk
         # Round 0 is run and not timed: a set's first chunks, just after its start-up,
         # ran up to twice as slow on two ranks (every row, the cause not established).
         for round_no in range(0, rounds + 1):
+            timed = round_no > 0
             order = list(workers.items())
             if round_no % 2 == 0:  # every other round backwards: no row always follows another
                 order.reverse()
             for config, group in order:
                 for _, conn in group:
-                    conn.send((chunk, round_no > 0))
+                    conn.send((chunk, timed))
                 per_rank = [conn.recv() for _, conn in group]
-                if round_no == 0:
-                    continue
-                out.ms[config].append(max(ms for ms, _ in per_rank))
-                out.cores[config].append(sum(cores for _, cores in per_rank))
-            if round_no == 0:
-                continue
-            progress(f"set {set_no}, round {round_no}/{rounds}: "
-                     + ", ".join(f"{c} {out.ms[c][-1]:.2f}" for c in configs))  # fmt: skip
+                if timed:
+                    out.ms[config].append(max(ms for ms, _ in per_rank))
+                    out.cores[config].append(sum(cores for _, cores in per_rank))
+            if timed:
+                progress(f"set {set_no}, round {round_no}/{rounds}: "
+                         + ", ".join(f"{c} {out.ms[c][-1]:.2f}" for c in configs))  # fmt: skip
         for config, group in workers.items():
             for _, conn in group:
                 conn.send(None)

@@ -90,9 +90,7 @@ class SparseDistBase(Generic[ResultT]):
         """The schedule the engine runs (``aiopipe validate`` and ``aiopipe graph`` take
         the pipeline, or a function that returns it)."""
         engine = self.engine
-        if engine is not None:
-            return engine.schedule
-        return Schedule.of(self._spec.build_tasks(), stream_slots=STREAMS)
+        return engine.schedule if engine is not None else self._new_schedule()
 
     @property
     def executor(self) -> Executor:
@@ -335,7 +333,7 @@ class SparseDistBase(Generic[ResultT]):
         keeps the batch (seeded as it is once another pipeline has traced the model)."""
         spec = self._spec
         engine = SchedulablePipeline(
-            Schedule.of(spec.build_tasks(), stream_slots=STREAMS), self._shared.pool,
+            self._new_schedule(), self._shared.pool,
             self._executors.take(type(self).__name__), trace=self._tracer,
             check_batch=spec.check_batch, name=self.name,
         )  # fmt: skip
@@ -362,6 +360,10 @@ class SparseDistBase(Generic[ResultT]):
         if spec.log is not None:
             spec.log.info("%s: bootstrap done: the engine is built and the source's first "
                           "batch seeded", self.name)  # fmt: skip
+
+    def _new_schedule(self) -> Schedule:
+        """A schedule of fresh tasks of this pipeline's kind."""
+        return Schedule.of(self._spec.build_tasks(), stream_slots=STREAMS)
 
     async def _first_batch(self, source: Source) -> Any:
         """The source's first batch: the one a failed bootstrap kept, or a new one."""

@@ -246,11 +246,17 @@ class PipelinedModel:
         object of a pipeline's own (not from :meth:`of`) stays its own."""
         if not self.shareable:
             return
-        other = _SHARED.get(id(self.model))
-        if other is not None and other is not self and other.model is self.model:
-            if other.in_use:
-                raise PipelineStateError(f"{other.owner} has this model now{_GIVE_BACK}")
+        other = self._in_use_elsewhere(self.model)
+        if other is not None:
+            raise PipelineStateError(f"{other.owner} has this model now{_GIVE_BACK}")
         self._registered(self)
+
+    def _in_use_elsewhere(self, model: torch.nn.Module) -> PipelinedModel | None:
+        """The shared object of ``model``, if it is another one and still in use."""
+        other = _SHARED.get(id(model))
+        if other is None or other is self or other.model is not model or not other.in_use:
+            return None
+        return other
 
     def taken_by(self) -> PipelinedModel | None:
         """Another object whose forwards are installed on the model, if any."""
@@ -279,8 +285,7 @@ class PipelinedModel:
 
     def replace_model(self, model: torch.nn.Module) -> None:
         """``attach(model)``: the pipelines go on with another model."""
-        other = _SHARED.get(id(model))
-        if other is not None and other is not self and other.model is model and other.in_use:
+        if self._in_use_elsewhere(model) is not None:
             raise PipelineStateError("that model is already in another pipeline: give it "
                                      "back with detach() there first")  # fmt: skip
         if _SHARED.get(id(self.model)) is self:

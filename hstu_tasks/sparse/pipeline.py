@@ -185,7 +185,7 @@ class SparseDistPipeline(SparseDistBase[Any]):
         grad_accumulation: int = 1,
     ) -> None:
         check_flags(execute_all_batches=execute_all_batches, strict=strict,
-                     end_together=end_together, pipelined_input_dist=pipelined_input_dist)
+                    end_together=end_together, pipelined_input_dist=pipelined_input_dist)
         accumulation = GradAccumulation(grad_accumulation)
         chosen = train_schedule(schedule)
         if not execute_all_batches and not chosen.drops_last_two:
@@ -276,8 +276,8 @@ class SparseDistEvalPipeline(SparseDistBase[Any]):
         enable_embedding_lookup_prefetch: bool = False,
     ) -> None:
         check_flags(strict=strict, end_together=end_together, fused=fused,
-                     pipelined_input_dist=pipelined_input_dist,
-                     enable_embedding_lookup_prefetch=enable_embedding_lookup_prefetch)
+                    pipelined_input_dist=pipelined_input_dist,
+                    enable_embedding_lookup_prefetch=enable_embedding_lookup_prefetch)
         forward_type = InSyncEmbeddingPipelinedForward if fused else None
         shared, state = _on_shared_rewrite(
             model, optimizer, device, custom_model_fwd, True, pipelined_input_dist, forward_type,
