@@ -11,8 +11,10 @@ A drop-in for torchrec's ``TrainPipeline`` calling convention::
             break
 
 Each call runs the pipeline's coroutine on a private asyncio event loop that lives
-as long as this object (not uvloop: it is started and stopped on every call, which
-costs more on uvloop; see ``runner.py``).  Calling it from inside a running
+as long as the pipeline -- every ``pipe.blocking()`` of one pipeline shares it, so an
+async source whose next batch one call began to read ahead is still read by the next
+call, even through a new view (not uvloop: it is started and stopped on every call,
+which costs more on uvloop; see ``runner.py``).  Calling it from inside a running
 event loop is refused: use ``await pipe.progress(it)`` there.
 """
 
@@ -22,7 +24,7 @@ import weakref
 from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._core.loops import LoopRunner
+from ._core.loops import LoopRunner, close_on_the_way_out
 from .errors import ConfigurationTypeError
 from .protocols import AsyncPipeline
 from .sources import iterate
@@ -34,6 +36,21 @@ if TYPE_CHECKING:
 __all__ = ("BlockingPipeline",)
 
 
+def _loop_of(pipeline: object) -> LoopRunner:
+    """The private event loop of ``pipeline``'s blocking views: made when first asked
+    for, kept on the pipeline, closed when the pipeline is dropped (or shut down)."""
+    runner: LoopRunner | None = getattr(pipeline, "_blocking_loop", None)
+    if runner is not None:
+        return runner
+    runner = LoopRunner(prefer_uvloop=False)
+    try:
+        weakref.finalize(pipeline, _close_dropped, runner)  # dropped without shutdown()
+        setattr(pipeline, "_blocking_loop", runner)  # any pipeline type
+    except (TypeError, AttributeError):  # not kept on it: the view's own (see __init__)
+        pass
+    return runner
+
+
 class BlockingPipeline:
     """Blocking view of an async pipeline (``progress`` raises ``StopIteration``).
 
@@ -41,8 +58,9 @@ class BlockingPipeline:
 
     def __init__(self, pipeline: AsyncPipeline[Any]) -> None:
         self._pipeline = pipeline
-        self._runner = LoopRunner(prefer_uvloop=False)
-        weakref.finalize(self, _close_dropped, self._runner)  # dropped without shutdown()
+        self._runner = _loop_of(pipeline)
+        if getattr(pipeline, "_blocking_loop", None) is not self._runner:  # not kept there
+            weakref.finalize(self, _close_dropped, self._runner)
 
     @property
     def pipeline(self) -> Any:
@@ -108,10 +126,18 @@ class BlockingPipeline:
 
     def shutdown(self) -> None:
         """Shut the pipeline down and close the private loop.  Idempotent.  An
-        iteration interrupted by Ctrl-C is finished first (see ``aclose``)."""
+        iteration interrupted by Ctrl-C is finished first (see ``aclose``); a wait
+        for it of over a second says what it waits for, and a Ctrl-C stops the wait:
+        the loop is closed without it (``KeyboardInterrupt``; the pipeline is left as
+        a loop closed under it leaves it)."""
         aclose = getattr(self._pipeline, "aclose", None)
         if aclose is not None and self._runner.usable:
-            self._runner.run(aclose)
+            try:
+                self._runner.run(aclose)
+            except KeyboardInterrupt:
+                self._runner.stop_waiting()
+                self._runner.close()
+                raise
         else:
             self._pipeline.shutdown()
         self._runner.close()
@@ -119,8 +145,8 @@ class BlockingPipeline:
     def __enter__(self) -> BlockingPipeline:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        close_on_the_way_out(self.shutdown, exc)
 
     def __repr__(self) -> str:
         return f"<BlockingPipeline of {self._pipeline!r}>"

@@ -33,7 +33,6 @@ from typing import Any
 from ._core.nvtx import Annotator
 from ._core.loops import task_quiet_if_left
 from ._core.waker import mark_retrieved
-from ._core.watch import LaneWatch, describe_wait
 from .chain import StepChain
 from .context import TaskContext
 from .errors import PipelineStateError
@@ -47,6 +46,7 @@ from .ring import BatchRing, RetiredStores, SlotStore
 from .source import Feed
 from .task import RESULT_SLOT
 from .trace import Tracer
+from .waits import IterationWaits
 
 __all__ = ("INLINE_YIELD_S", "IterationDriver")
 
@@ -55,7 +55,7 @@ __all__ = ("INLINE_YIELD_S", "IterationDriver")
 INLINE_YIELD_S = 0.005
 
 
-class IterationDriver(OrphanedIterations):
+class IterationDriver(OrphanedIterations, IterationWaits):
     """Starts, ends and guards the internal iterations of one pipeline."""
 
     def __init__(
@@ -82,9 +82,7 @@ class IterationDriver(OrphanedIterations):
         self._handle: IterationHandle | None = None  # the running fast-path iteration
         self._current: tuple[Feed, Iteration] | None = None  # the running iteration
         self._chain = StepChain(self)  # the steps queued behind the running one
-        self._guarded: asyncio.Future[None] | None = None  # the iteration last guarded
-        self._guards: set[asyncio.Task[None]] = set()
-        self._waiters: list[asyncio.Future[None]] = []  # woken by the iteration's end
+        self._init_waits()
         self._inits = TaskInits(plan, ctx, pipeline)
 
     # -- delivering results ----------------------------------------------------------------
@@ -96,10 +94,13 @@ class IterationDriver(OrphanedIterations):
         caller will ask for after this one (it has asked for them already): the next
         iteration may then be queued behind the running one."""
         if feed.lost is not None and not (feed.exhausted or feed.draining):
+            advice = (f"drain() finishes the {feed.in_flight} batch(es) in flight; then pass"
+                      if feed.in_flight else "Pass")  # fmt: skip
             raise PipelineStateError(
-                f"{feed.lost}: the rest of its items cannot be read. drain() finishes the "
-                f"{feed.in_flight} batch(es) in flight; then pass a new source (a cancel-safe "
-                f"one, e.g. a queue or memory channel, survives cancellation)"
+                f"{feed.lost}: the rest of its items cannot be read. {advice} a new "
+                f"source (keep every call over an async source on one event loop: inside "
+                f"one asyncio.run()/aiopipe.run(), or through pipe.blocking(); a queue or "
+                f"memory channel survives a cancellation)"
             )
         if not self._inits.done:
             await self._inits.run()
@@ -282,6 +283,8 @@ class IterationDriver(OrphanedIterations):
         bookkeeping may fail too).  An iteration queued behind it becomes the running
         one if the lanes have started it (they do unless this one failed)."""
         guarded = self._guarded is not None and self._guarded is self.running
+        if guarded:
+            self._watch = None  # it refers to the iteration
         queued = self._chain.take()
         self.running = self._handle = self._current = None
         iteration.stage = None  # it refers back to the iteration: no cycle left to collect
@@ -338,59 +341,6 @@ class IterationDriver(OrphanedIterations):
         kept and delivered like any other, before the failure."""
         if self.holds_oldest_batch(feed, iteration) and iteration.oldest_batch_done():
             feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
-
-    def wake_waiters(self) -> None:
-        """Wake the callers waiting for the iteration that just ended, from the
-        iteration itself: one loop cycle sooner than a done-callback would."""
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done() and not waiter.get_loop().is_closed():  # else no caller
-                waiter.set_result(None)
-
-    # -- waiting -------------------------------------------------------------------------
-
-    async def wait_ended(self) -> None:
-        """Wait for the iteration under way to end; cancelling the caller leaves it
-        running (and its lanes guarded)."""
-        running = self.running
-        if running is None or running.done():  # it ended already (it may never suspend)
-            return
-        if running.get_loop() is not asyncio.get_running_loop():
-            if running.get_loop().is_closed():
-                await self._finish_orphan()
-                return
-            raise PipelineStateError(
-                "the iteration under way runs on another event loop (a call there was "
-                "cancelled or timed out, and its iteration runs on); finish it on that "
-                "loop ('await pipe.aclose()' or another progress() there)"
-            )
-        waiter = running.get_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await waiter
-        except BaseException:
-            self.guard_lanes()
-            raise
-
-    async def wait_idle(self) -> None:
-        """Wait until no iteration runs.  Cancelling the caller stops the wait at once
-        (the iteration runs on, its lanes guarded) and raises ``CancelledError``."""
-        while self.running is not None:
-            await self.wait_ended()
-
-    def guard_lanes(self) -> None:
-        """A fast-path iteration's caller left early (cancelled): make a loop shutting
-        down wait for the iteration (:meth:`LaneWatch.guard`)."""
-        running, handle, current = self.running, self._handle, self._current
-        # The steps queued for the caller who left:
-        self._chain.drop(current[0] if current is not None else None)
-        if handle is None or running is None or current is None or self._guarded is running:
-            return  # a task's iteration, none, or guarded already (by an earlier caller)
-        if running.get_loop().is_closed():
-            return  # nothing to guard on a closed loop; the next call ends it (_finish_orphan)
-        self._guarded = running
-        describe = functools.partial(describe_wait, self._pipeline, current[1], self._lane_names)
-        LaneWatch(handle, describe).guard(running, self._guards)
 
     # -- failures ------------------------------------------------------------------------
 

@@ -362,7 +362,8 @@ class SchedulablePipeline:
         await self.aclose()
 
     def blocking(self) -> BlockingPipeline:
-        """A blocking view for ordinary scripts (``progress`` raises ``StopIteration``)."""
+        """A blocking view for ordinary scripts (``progress`` raises ``StopIteration``);
+        every view of one pipeline runs on one private event loop."""
         from .blocking import BlockingPipeline
 
         return BlockingPipeline(self)

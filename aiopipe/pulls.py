@@ -70,8 +70,12 @@ class Pulls:
 
     @property
     def held_ahead(self) -> int:
-        """Items read ahead (or being read), not yet placed in the ring."""
-        return sum(map(_holds_an_item, (self.ahead, *self._behind)))
+        """Items read ahead (or being read), not yet placed in the ring.  A cancelled
+        pull holds one only while the source can give it again (not :attr:`lost`)."""
+        pulls = (self.ahead, *self._behind)
+        if self.lost is not None:
+            return sum(1 for pull in pulls if _gave_an_item(pull))
+        return sum(map(_holds_an_item, pulls))
 
     @property
     def read_ahead_items(self) -> int:
@@ -244,7 +248,14 @@ class Pulls:
             # The cancellation was thrown into an async generator's frame: unless it
             # caught it, the generator is finished and its remaining items gone.
             if finished_generator(source):
-                self.lost = "a cancelled progress() closed this async generator mid-pull"
+                self.lost = (
+                    "a cancelled call closed this async generator mid-pull"
+                    if self._pulled_inline else
+                    # Only its loop shutting down cancels a pull in a task of its own.
+                    "the event loop this async generator was being read ahead on shut "
+                    "down mid-pull (one asyncio.run() or aiopipe.run() per call, say), "
+                    "which closed it"
+                )  # fmt: skip
             raise
         except BaseException:  # the source's own error: it may end a generator
             self._read_any = False

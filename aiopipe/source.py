@@ -289,12 +289,19 @@ class Feed(Pulls):
             f"with the same iterator to continue, or drain() to finish them"
         ) from problem
 
+    def _read_no_further(self) -> Taken:
+        """The source was closed mid-pull (:attr:`lost`): a drain ends here, with the
+        batches in flight finished; anything else is refused."""
+        if self.draining:
+            return END, None
+        raise PipelineStateError(f"{self.lost}: the rest of its items cannot be read")
+
     async def take(self) -> Taken:
         """The next item (read ahead or pulled now), or :data:`END`, with what is
         wrong with it.  Cancelling the caller leaves a pull under way running; the
         item waits for the next call."""
         if self.drop_dead_pulls() and self.lost is not None and self.ahead is None:
-            raise PipelineStateError(f"{self.lost}: the rest of its items cannot be read")
+            return self._read_no_further()
         if self.ahead is None:
             if self._sync is not None:
                 # Never through a thread: StopIteration crossing a future hangs
@@ -313,9 +320,7 @@ class Feed(Pulls):
             # task left), not any caller of ours: unless that closed the source,
             # pull again on this loop.
             if self.lost is not None:
-                raise PipelineStateError(
-                    f"{self.lost}: the rest of its items cannot be read"
-                )
+                return self._read_no_further()
             return await self.take()
         if isinstance(ahead.exception(), (KeyboardInterrupt, SystemExit)):
             # asyncio raised it out of the event loop from the pull's task when the

@@ -822,3 +822,47 @@ def test_one_asyncio_run_per_call_over_an_async_generator(caplog: pytest.LogCapt
     two_calls()  # dropped, as at the end of a script, with the failed pull it holds
     gc.collect()
     assert "never retrieved" not in caplog.text
+
+
+def test_an_asyncio_run_that_returns_mid_pull_says_so_and_drains_nothing() -> None:
+    # The pull of batch 1 is under way when the first run returns: asyncio.run cancels
+    # it, and that closes the generator.  The next call says what closed it, with no
+    # drain() to suggest (nothing is in flight); drain() reads no further; a new
+    # source goes on.
+    async def items() -> AsyncIterator[int]:
+        yield 0
+        await asyncio.Event().wait()  # batch 1 never comes on that loop
+        yield 1
+
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    source = items()
+    assert asyncio.run(pipe.progress(source)) == 0
+    with pytest.raises(PipelineStateError, match="shut down mid-pull") as raised:
+        asyncio.run(pipe.progress(source))
+    assert "drain()" not in str(raised.value) and "one event loop" in str(raised.value)
+    assert pipe.statistics().in_flight == 0
+    assert asyncio.run(pipe.drain()) == []
+    assert asyncio.run(pipe.progress(iter([7]))) == 7
+    pipe.shutdown()
+
+
+def test_a_new_blocking_view_per_call_reads_on_where_the_last_one_left() -> None:
+    # pipe.blocking() on every line: the pull of batch 1, begun by the first call, is
+    # still under way when that call returns (its gate is shut), and the next call --
+    # another view -- takes it on the same loop.
+    gate = threading.Event()
+
+    async def items() -> AsyncIterator[int]:
+        yield 0
+        await asyncio.to_thread(gate.wait, 30)
+        yield 1
+
+    pipe = Pipeline([Task.from_fn("train", echo)])
+    source = items()
+    assert pipe.blocking().progress(source) == 0
+    gc.collect()  # the first view is gone
+    gate.set()
+    assert pipe.blocking().progress(source) == 1
+    with pytest.raises(StopIteration):
+        pipe.blocking().progress(source)
+    pipe.blocking().shutdown()

@@ -90,57 +90,96 @@ async def main() -> None:
     async for _ in pipe.results(range(4)):
         pass
 
+async def main_with() -> None:
+    async with pipe:  # its aclose() waits for the step on the way out
+        await main()
+
 form = sys.argv[1]
 if form == "blocking":
     for _ in pipe.blocking().results(range(4)):
         pass
-elif form == "asyncio.run":
-    asyncio.run(main())
+elif form == "blocking, with":
+    with pipe.blocking() as blocking:
+        for _ in blocking.results(range(4)):
+            pass
+elif form.startswith("asyncio.run"):
+    asyncio.run(main_with() if form.endswith("async with") else main())
 else:
-    aiopipe.run(main())
+    aiopipe.run(main_with() if form.endswith("async with") else main())
 """
 
 
-def first_line(stream: IO[str], prefix: str, timeout: float = 30) -> str:
-    """The first line of ``stream`` starting with ``prefix``; fails after ``timeout``
-    seconds instead of hanging on a child that says nothing."""
-    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
-    while True:
-        try:
-            line = lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no line starting with {prefix!r} in {timeout} s") from None
-        if line.startswith(prefix):
-            return line
+class StreamLines:
+    """The lines of a child's stream, read by a thread of their own as they come."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.all: list[str] = []
+        self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.all.append(line)
+            self._lines.put(line)
+
+    def first(self, prefix: str, timeout: float = 30) -> str:
+        """The next line starting with ``prefix``; fails after ``timeout`` seconds
+        instead of hanging on a child that says nothing."""
+        while True:
+            try:
+                line = self._lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no line starting with {prefix!r} in {timeout} s") from None
+            if line.startswith(prefix):
+                return line
+
+    def to_the_end(self) -> str:
+        """Everything the stream said, once the child has closed it."""
+        self._reader.join(timeout=30)
+        return "".join(self.all)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT")
-@pytest.mark.parametrize("form", ["blocking", "asyncio.run", "aiopipe.run"])
+@pytest.mark.parametrize("form", ["blocking", "blocking, with", "asyncio.run",
+                                  "asyncio.run, async with", "aiopipe.run",
+                                  "aiopipe.run, async with"])  # fmt: skip
 def test_ctrl_c_twice_leaves_a_body_that_never_returns(form: str) -> None:
+    # With ``with``/``async with`` the first wait is aclose()'s, on the way out: it
+    # tells what it waits for too, and the second Ctrl-C ends every wait for the step.
     with subprocess.Popen(
         [sys.executable, "-c", STUCK_BODY, form],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     ) as child:  # fmt: skip
         assert child.stdout is not None and child.stderr is not None
         try:
-            ctrl_c_twice(child, child.stdout, child.stderr)
+            ctrl_c_twice(child, child.stdout, child.stderr,
+                         ours=not form.startswith("asyncio.run"))  # fmt: skip
         finally:
             child.kill()  # (a no-op once it exited)
 
 
-def ctrl_c_twice(child: subprocess.Popen[str], stdout: IO[str], stderr: IO[str]) -> None:
+def ctrl_c_twice(
+    child: subprocess.Popen[str], stdout: IO[str], stderr: IO[str], *, ours: bool = True
+) -> None:
+    """``ours``: the loop is this package's (the blocking form, ``aiopipe.run``), which
+    show one traceback; ``asyncio.run`` chains its own to the first."""
     assert stdout.readline() == "stuck\n"
+    errors = StreamLines(stderr)
     child.send_signal(signal.SIGINT)  # the caller returns; the exit waits for the step
-    line = first_line(stderr, "aiopipe:")  # after KeyboardInterrupt's traceback
+    line = errors.first("aiopipe:")  # after KeyboardInterrupt's traceback
     assert "waiting for iteration 1" in line
-    # the running task only: the one after it on its lane will not start
-    assert ("task 'train' (batch 1) on lane 'compute' has not returned; 1 task(s) after it "
-            "will not start") in line
+    # the running task only: the one after it on its lane is counted (and, once the
+    # loop shuts down, will not start)
+    assert "task 'train' (batch 1) on lane 'compute' has not returned; 1 task(s) after it" in line
     assert "Press Ctrl-C again" in line
     child.send_signal(signal.SIGINT)
-    child.wait(timeout=30)  # no exit hook waits for the lane
+    child.wait(timeout=30)  # no exit hook waits for the lane, nor a second wait
     assert child.returncode != 0
+    said = errors.to_the_end()
+    assert said.count("waiting for iteration") == 1  # the step is waited for once
+    if ours:
+        assert said.count("Traceback") == 1  # the first Ctrl-C's, no second one chained
 
 
 SOURCE_INTERRUPTED_ONCE = """

@@ -27,8 +27,9 @@ from typing import Any, TypeVar
 from ..errors import PipelineStateError
 
 __all__ = (
-    "LoopRunner", "close_awaited", "close_if_unstarted", "close_left", "finish_loop",
-    "new_event_loop", "runner_owns", "task_quiet_if_left", "unstarted", "uvloop_enabled",
+    "STOPPED_WAITING", "LoopRunner", "close_awaited", "close_if_unstarted", "close_left",
+    "close_on_the_way_out", "finish_loop", "new_event_loop", "runner_owns", "stop_waiting",
+    "task_quiet_if_left", "unstarted", "uvloop_enabled", "waiting_stopped",
 )  # fmt: skip
 
 T = TypeVar("T")
@@ -36,6 +37,24 @@ T = TypeVar("T")
 #: The loops of LoopRunners: their shutdown (finish_loop) cancels again the tasks
 #: made while it cancels, so nothing else need hold them open.
 _RUNNER_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+
+#: Loops whose shutdown no longer waits for the lanes of iterations left running: a
+#: Ctrl-C stopped such a wait already (the user asked once; not a second time).
+_WAITING_STOPPED: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+#: What a wait stopped by Ctrl-C says.
+STOPPED_WAITING = "aiopipe: stopped waiting; the event loop closes without it"
+
+
+def stop_waiting(loop: asyncio.AbstractEventLoop) -> None:
+    """From now on, ``loop``'s shutdown does not wait for iterations whose callers
+    left (:class:`~aiopipe._core.watch.LaneWatch`)."""
+    _WAITING_STOPPED.add(loop)
+
+
+def waiting_stopped(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether a Ctrl-C stopped a wait on ``loop`` for an iteration left running."""
+    return loop in _WAITING_STOPPED
 
 
 def runner_owns(loop: asyncio.AbstractEventLoop) -> bool:
@@ -142,12 +161,23 @@ class LoopRunner:
         if task is None:  # between calls: a plain Ctrl-C
             raise KeyboardInterrupt()
         self._interrupts += 1
+        assert self._loop is not None
         if self._interrupts == 1 and not task.done():
             task.cancel()
-            assert self._loop is not None
             self._loop.call_soon_threadsafe(lambda: None)  # wake the loop
             return
+        if self._interrupts > 1:
+            # The call went on waiting after the first Ctrl-C (for an iteration left
+            # running, on the way out of ``async with``, say): the loop's shutdown
+            # does not wait for it again.
+            stop_waiting(self._loop)
         raise KeyboardInterrupt()
+
+    def stop_waiting(self) -> None:
+        """A Ctrl-C stopped a call that waited for an iteration left running: closing
+        the loop will not wait for it again."""
+        if self._loop is not None and not self._loop.is_closed():
+            stop_waiting(self._loop)
 
     @property
     def usable(self) -> bool:
@@ -171,8 +201,19 @@ class LoopRunner:
     def __enter__(self) -> LoopRunner:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        close_on_the_way_out(self.close, exc)
+
+
+def close_on_the_way_out(close: Callable[[], None], exc: object) -> None:
+    """``close()`` as a ``with`` block ends with ``exc`` (or none).  A Ctrl-C that
+    stops close()'s wait while the first one's ``KeyboardInterrupt`` is on its way
+    out is not raised again: one traceback, not two chained."""
+    try:
+        close()
+    except KeyboardInterrupt:
+        if not isinstance(exc, KeyboardInterrupt):
+            raise
 
 
 def _loop_running_in_this_thread() -> bool:
@@ -208,7 +249,7 @@ def finish_loop(loop: asyncio.AbstractEventLoop) -> None:
                 task.cancel()
             loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     except KeyboardInterrupt:
-        print("aiopipe: stopped waiting; the event loop closes without it", file=sys.stderr)
+        print(STOPPED_WAITING, file=sys.stderr)
         raise
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())

@@ -4,19 +4,23 @@ caller left early -- and says what it waits for, so a stuck body is not a silent
 The wait is abandoned by a second Ctrl-C: under this package's runners it lands in
 :func:`~aiopipe._core.loops.finish_loop`, which stops waiting; under ``asyncio.run`` it
 leaves ``asyncio.run``, which closes the loop, and the thread waiting for the lanes
-sees that and returns, so interpreter exit (which joins that thread) goes on.  Lane
-threads are daemons: a body that never returns does not hold the process.
+sees that and returns, so interpreter exit (which joins that thread) goes on.  A
+Ctrl-C that stopped an earlier wait for the same iteration (``aclose()`` on the way
+out of ``with`` / ``async with``) stops this one before it starts
+(:func:`~aiopipe._core.loops.waiting_stopped`).  Lane threads are daemons: a body
+that never returns does not hold the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from .loops import runner_owns, task_quiet_if_left
+from .loops import STOPPED_WAITING, runner_owns, task_quiet_if_left, waiting_stopped
 from .waker import wait_settled
 
 __all__ = ("GRACE_S", "LaneWatch", "describe_wait")
@@ -39,22 +43,47 @@ class Lanes(Protocol):
 class LaneWatch:
     """Waits for one iteration's lanes; ``describe()`` says what they still run."""
 
-    def __init__(self, lanes: Lanes, describe: Callable[[], str]) -> None:
+    def __init__(self, lanes: Lanes, describe: Callable[[str, bool], str]) -> None:
         self._lanes, self._describe = lanes, describe
         self._told = False
         self._lock = threading.Lock()
+        #: A wait that told what it waits for was stopped (a Ctrl-C, as told): the
+        #: guard (:meth:`guard`) waits no more.
+        self._abandoned = False
+        self._guard: asyncio.Task[None] | None = None
 
-    def tell(self) -> None:
-        """Say once, on stderr, what the shutdown waits for and how to stop waiting."""
+    def tell(self, until: str = " before the event loop closes", skipping: bool = True) -> None:
+        """Say once, on stderr, what is waited for (``until``: what waits; ``skipping``:
+        the tasks not started are skipped), and how to stop waiting."""
         with self._lock:
             if self._told:
                 return
             self._told = True
         print(
-            f"aiopipe: {self._describe()}. Press Ctrl-C again to stop waiting (the "
+            f"aiopipe: {self._describe(until, skipping)}. Press Ctrl-C again to stop "
+            f"waiting (the "
             f"model's state is then undefined).",
             file=sys.stderr, flush=True,
         )  # fmt: skip
+
+    @contextlib.contextmanager
+    def telling(self, until: str) -> Iterator[None]:
+        """Around a wait for the iteration on the loop: :meth:`tell` if it lasts over
+        :data:`GRACE_S`.  Stopped after it told (a Ctrl-C, as it asked), the loop's
+        shutdown does not wait for the iteration again: under ``asyncio.run`` a
+        second Ctrl-C cancels the wait and the shutdown cancels the guard at once."""
+        timer = asyncio.get_running_loop().call_later(GRACE_S, self.tell, until, False)
+        try:
+            yield
+        except BaseException:
+            if self._told:
+                self._abandoned = True
+                print(STOPPED_WAITING, file=sys.stderr, flush=True)
+                if self._guard is not None:
+                    self._guard.cancel()
+            raise
+        finally:
+            timer.cancel()
 
     async def until_done(self, done: asyncio.Future[Any]) -> None:
         """A task that waits for ``done``.  Cancelled (the loop is shutting down), it
@@ -67,6 +96,8 @@ class LaneWatch:
                     await wait_settled(done)
                 except asyncio.CancelledError:
                     self._lanes.abort(asyncio.CancelledError())
+                    if self._abandoned or waiting_stopped(asyncio.get_running_loop()):
+                        return  # a Ctrl-C stopped an earlier wait for it: no second one
                     if timer is None:
                         timer = asyncio.get_running_loop().call_later(GRACE_S, self.tell)
         finally:
@@ -85,7 +116,7 @@ class LaneWatch:
         ``asyncio.run`` waits for those threads before it closes the loop.  That thread
         stops waiting once the loop is closed (a second Ctrl-C), so interpreter exit,
         which joins it, never waits on a lane without bound."""
-        guard = task_quiet_if_left(self.until_done(done))
+        self._guard = guard = task_quiet_if_left(self.until_done(done))
         guards.add(guard)  # referenced until done
         guard.add_done_callback(guards.discard)
         loop = asyncio.get_running_loop()
@@ -97,16 +128,19 @@ class LaneWatch:
 
     def block_until_done(self, loop: asyncio.AbstractEventLoop) -> None:
         """On a thread of ``loop``'s default executor: return once the lanes are done,
-        or once ``loop`` is closed (nothing can handle the iteration's end there)."""
+        once ``loop`` is closed (nothing can handle the iteration's end there), or once
+        a wait was stopped after it told what it waited for."""
         while not self._lanes.wait(_POLL_S):
-            if loop.is_closed():
+            if loop.is_closed() or self._abandoned:
                 return
 
 
-def describe_wait(pipeline: str, iteration: Any, lane_names: Sequence[str]) -> str:
-    """What a loop shutting down waits for: the tasks of ``iteration`` (an executor's
-    ``Iteration``) still running, with their batches and lanes -- on each lane the
-    first task not done (a lane runs its tasks in order); those after it are skipped."""
+def describe_wait(pipeline: str, iteration: Any, lane_names: Sequence[str], until: str,
+                  skipping: bool) -> str:  # fmt: skip
+    """What a wait (``until``: what waits, say " before the event loop closes") waits
+    for: the tasks of ``iteration`` (an executor's ``Iteration``) still running, with
+    their batches and lanes -- on each lane the first task not done (a lane runs its
+    tasks in order); those after it are counted (``skipping``: as skipped)."""
     order, completed = iteration.plan.order, set(iteration.completed)
     first_left: dict[str, int] = {}
     skipped = 0
@@ -122,8 +156,10 @@ def describe_wait(pipeline: str, iteration: Any, lane_names: Sequence[str]) -> s
         + (f" on lane {lane_names[i]!r}" if lane_names else "")
         for i in first_left.values()
     ]  # fmt: skip
-    after = f"; {skipped} task(s) after it will not start" if skipped else ""
+    after = f"; {skipped} task(s) after it" if skipped else ""
+    if skipped and skipping:
+        after += " will not start"
     return (
-        f"{pipeline}: waiting for iteration {iteration.number} to finish before the event "
-        f"loop closes: {', '.join(left) or 'its last task'} has not returned{after}"
+        f"{pipeline}: waiting for iteration {iteration.number} to finish{until}: "
+        f"{', '.join(left) or 'its last task'} has not returned{after}"
     )
