@@ -114,9 +114,10 @@ def needs_event_loop(api: Callable[P, R]) -> Callable[P, R]:
             # An async generator cannot be handed to a loop later; a coroutine that
             # was not run before the next call never will be.
             why = "" if iterated else ", and the coroutine of the previous call never ran"
+            kind = "an async generator" if iterated else "a coroutine function"
             raise NoRunningLoopError(
-                f"{qualified} is a coroutine function and was called with no event loop "
-                f"running{why}. {fixes}"
+                f"{qualified} is {kind} and was called with no event loop running{why}. "
+                f"{fixes}"
             )
         # asyncio.run(pipe.progress(it)) makes the coroutine first, then runs it.
         hint = f"{qualified} returned a coroutine (no event loop was running). {fixes}"

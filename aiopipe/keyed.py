@@ -310,8 +310,19 @@ class FetchAhead(AsyncIterator[T]):
         future = entry.future
         problem = None if future.cancelled() else future.exception()
         if problem is None and not future.cancelled():
+            batch = future.result()
+            if inspect.iscoroutine(batch):  # a bug, as a plain fetch is (below)
+                for other in (entry, *self._window):  # said once, not again when collected
+                    other.future.add_done_callback(_close_coroutine_result)
+                assert entry.index is not None  # a fetch's entry: the keys' own hold errors
+                self._failed.append(entry.index)
+                self._refused = ConfigurationTypeError(
+                    f"fetch_ahead(): fetch({entry.key!r}) returned a coroutine as its batch: "
+                    f"an 'await' missing inside fetch?"
+                )  # fmt: skip
+                raise self._refused
             self._delivered += 1
-            return future.result()  # type: ignore[no-any-return]
+            return batch  # type: ignore[no-any-return]
         if problem is None:
             problem = asyncio.CancelledError("the fetch was cancelled, not by fetch_ahead")
         if entry.index is None:  # the keys' own error, raised unchanged
@@ -323,6 +334,14 @@ class FetchAhead(AsyncIterator[T]):
             self._refused = ConfigurationTypeError(*problem.args)
             raise self._refused from None
         raise FetchError(entry.key, entry.index, problem) from problem
+
+
+def _close_coroutine_result(future: asyncio.Future[Any]) -> None:
+    """Close the coroutine a fetch returned as its batch (``return get(key)``)."""
+    if not future.cancelled() and future.exception() is None:
+        result = future.result()
+        if inspect.iscoroutine(result):
+            result.close()
 
 
 def fetch_ahead(

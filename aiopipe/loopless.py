@@ -6,7 +6,8 @@ ordinary script that calls ``pipe.progress(it)`` with no ``await`` and no loop a
 its coroutine never runs.  So the call returns its coroutine wrapped in a
 :class:`LoopLessCall`, which remembers whether it was started; the next loop-less call
 on the same pipeline raises :class:`~aiopipe.errors.NoRunningLoopError` if the last one
-never was, and using the result as a value (``loss.item()``) says why it is no value.
+never was, and using the result as a value (``loss.item()``, ``float(loss)``, ``total
++ loss``, ``loss[0]``, ``f"{loss:.3f}"``) says why it is no value.
 """
 
 from __future__ import annotations
@@ -74,6 +75,20 @@ class LoopLessCall(Coroutine[Any, Any, T], Generic[T]):
 
     def __repr__(self) -> str:
         return f"<LoopLessCall {self._coro!r}>"
+
+    # Used as the value it is not (``float(loss)``, ``total + loss``, ``loss[0]``,
+    # ``f"{loss:.3f}"``): say why, as an attribute does.
+    def _no_value(self, *args: Any) -> Any:
+        raise TypeError(f"a coroutine is not a value: {self._hint}")
+
+    __float__ = __int__ = __getitem__ = _no_value
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _no_value
+    __truediv__ = __rtruediv__ = _no_value
+
+    def __format__(self, spec: str) -> str:
+        if spec:
+            self._no_value()
+        return repr(self)
 
     def __del__(self) -> None:
         if self._started.value:

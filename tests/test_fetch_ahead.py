@@ -228,6 +228,24 @@ async def test_a_fetch_that_is_not_async_is_refused_with_the_fix() -> None:
     assert stats.keys_taken == stats.in_flight + stats.delivered + stats.failed
 
 
+async def test_a_fetch_missing_an_await_is_refused_not_handed_on() -> None:
+    """``return get(key)`` in an ``async def fetch``: the batch would be a coroutine,
+    which the model cannot take; said as such, once and for every call after."""
+
+    async def get(key: int) -> int:
+        return key
+
+    async def fetch(key: int) -> Any:
+        return get(key)  # the await forgotten
+
+    source = fetch_ahead([7, 8], fetch, in_flight=1)
+    for _ in range(2):
+        with pytest.raises(ConfigurationTypeError, match=r"fetch\(7\) returned a coroutine"):
+            await anext(source)
+    stats = source.statistics()
+    assert (stats.delivered, stats.failed) == (0, 1)
+
+
 def test_an_interrupt_in_the_next_key_or_its_fetch_loses_no_batch_and_no_key() -> None:
     """Ctrl-C while ``next(keys)`` blocks, or while a plain ``fetch`` wrapper runs,
     right after a batch finished: that batch comes out next time, the key is fetched."""
