@@ -43,10 +43,12 @@ from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device
 from hstu_tasks.runners import parameter_checksum, parameter_digest
 from hstu_tasks.sparse.dlrm import DLRM_PIPELINES, DLRMRun, run_dlrm
+from hstu_tasks.sparse.schedules import check_compile_backend
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--steps", type=at_least(0), default=40,
                         help="the job's training steps in all (a resumed run continues to it)")
     parser.add_argument("--seed", type=int, default=0)
@@ -106,6 +108,10 @@ def schedule_knobs(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("train_dlrm.py: --compile-backend and --compile-on-iter are pt2's: "
                              "use them with --pipeline aiopipe-pt2 or torchrec-pt2")  # fmt: skip
         defaults = TorchCompileConfig()
+        try:  # now, not at the compile, steps in
+            check_compile_backend(args.compile_backend or defaults.backend)
+        except ValueError as error:
+            raise SystemExit(f"train_dlrm.py: --compile-backend: {error}") from None
         knobs["compile_configs"] = TorchCompileConfig(
             backend=args.compile_backend or defaults.backend,
             compile_on_iter=defaults.compile_on_iter if args.compile_on_iter is None
@@ -167,6 +173,11 @@ def main() -> None:
               f"{args.sharding.replace('_', '-')}, {args.steps} steps, global batch "
               f"{job.global_batch} ({job.rank_batch} per rank), {args.optimizer}{accumulation}"
               f"{job.resumed_note()}", flush=True)  # fmt: skip
+        if args.pipeline.endswith("semi-sync") and job.start:
+            print("note: a semi-sync schedule resumes with its step counter at 0 (synchronous "
+                  "again for --start-batch steps, as torchrec's class is after a restart), so "
+                  "this run differs from one that was never stopped "
+                  "(docs/fault-tolerance.md)", flush=True)  # fmt: skip
         if args.pipeline == "torchrec-semi-sync" and args.grad_accumulation > 1:
             print("note: torchrec's GradientAccumulationWrapper lets TrainPipelineSemiSync's "
                   "zero_grad clear each group's first gradients, so this checksum differs "
@@ -214,6 +225,9 @@ def main() -> None:
             with open(args.json, "w") as out:
                 json.dump({"pipeline": args.pipeline, "world_size": world, "steps": len(losses),
                            "resumed_from": job.start, "global_batch_size": job.global_batch,
+                           "grad_accumulation": args.grad_accumulation,
+                           "schedule_knobs": {name: value if isinstance(value, (bool, int, str))
+                                              else repr(value) for name, value in knobs.items()},
                            "losses": losses, "eval_losses": evaluated, "checksum": checksum,
                            "samples": samples, "parameters_sha256": digest,
                            "steps_per_s": steps_per_s}, out, indent=1)  # fmt: skip

@@ -316,11 +316,13 @@ class ResumableJob(Generic[BatchT_co]):
         return note
 
     def nothing_ran_note(self) -> str:
-        """What a run that trained no step reports: its job was finished already, or
-        it had no steps."""
+        """What a run that trained no step reports: its job was finished already, it
+        had no steps, or its data ended before the first."""
         if self.start:
             return (f"nothing left to run: the checkpoint is at step {self.start} of "
                     f"{self.total_steps}")  # fmt: skip
+        if self.total_steps:
+            return f"no steps run: the data ended before the first of {self.total_steps}"
         return "no steps run (--steps 0)"
 
     def source(self, data: GlobalSamples[BatchT_co]) -> Iterator[BatchT_co]:

@@ -362,6 +362,13 @@ def job_of(*flags: str, rank: int = 0) -> ResumableJob[Any]:
     return ResumableJob(parser.parse_args(list(flags)), rank=rank, world_size=2)
 
 
+def test_a_run_that_trained_nothing_says_why() -> None:
+    assert job_of("--steps", "0").nothing_ran_note() == "no steps run (--steps 0)"
+    # steps asked for, and the data ended before the first (--uneven on a short rank)
+    assert (job_of("--steps", "5").nothing_ran_note()
+            == "no steps run: the data ended before the first of 5")  # fmt: skip
+
+
 def test_calls_of_several_steps_end_on_every_checkpoint_and_forced_point(tmp_path: Path) -> None:
     plain = job_of("--steps", "20")
     assert [plain.steps_for_call(done, 6) for done in (0, 5, 19)] == [6, 6, 6]  # no stops

@@ -25,14 +25,14 @@ from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConf
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineFusedSparseDist
 
 import sparse_workers
-from aiopipe import ConfigurationError, PipelineStateError
+from aiopipe import ConfigurationError, ConfigurationTypeError, PipelineStateError
 from hstu_tasks import DLRMConfig, SparseDistEvalPipeline, SparseDistPipeline, SyntheticDLRMData
 from hstu_tasks import build_dlrm_training
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse._torchrec import torchrec_classes_on_cpu
 from hstu_tasks.sparse.accumulation import GradAccumulation
 from hstu_tasks.sparse.dlrm import evaluate_plainly, run_dlrm
-from hstu_tasks.sparse.schedules import TRAIN_SCHEDULES, TrainSchedule, fused, semi_sync
+from hstu_tasks.sparse.schedules import TRAIN_SCHEDULES, TrainSchedule, fused, pt2, semi_sync
 from hstu_tasks.sparse.schedules import train_schedule
 from hstu_tasks.sparse.sources import torchrec_results
 from hstu_tasks.sparse.staged import stage_tasks, staged_pipeline
@@ -272,6 +272,33 @@ def test_fused_refuses_an_unknown_stream_and_a_model_another_schedule_rewrites()
     with pytest.raises(ValueError, match="installs InSyncEmbeddingPipelinedForward"):
         SparseDistPipeline(model, optimizer, "cpu")
     assert first.eval_pipeline() is not None  # evaluation follows whatever is installed
+
+
+def test_a_schedules_knobs_are_checked_kept_and_added_to() -> None:
+    # train_schedule adds knobs to those a schedule was made with, not instead of them
+    both = train_schedule(semi_sync(start_batch=2), {"stash_gradients": True})
+    assert dict(both.knobs) == {"start_batch": 2, "stash_gradients": True}
+    assert train_schedule(fused(emb_lookup_stream="new"), {}).knobs["emb_lookup_stream"] == "new"
+    with pytest.raises(ConfigurationTypeError, match="stash_gradients must be True or False"):
+        semi_sync(stash_gradients="no")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationTypeError, match="embedding_lookup_after_data_dist"):
+        fused(embedding_lookup_after_data_dist="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationTypeError, match="compile_configs must be torchrec's"):
+        pt2(compile_configs={"backend": "eager"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationTypeError, match="pre_compile_fn must be callable"):
+        pt2(pre_compile_fn="compile")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"schedule=semi_sync: call it, semi_sync\(...\)"):
+        train_schedule(semi_sync)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown schedule 'semi_sync' .did you mean 'semi-sync'"):
+        train_schedule("semi_sync")
+
+
+def test_an_unknown_compile_backend_is_refused_by_the_pipeline_not_at_the_compile() -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = pt2(compile_configs=TorchCompileConfig(backend="nope"))
+    with pytest.raises(ValueError, match="compile_configs.backend 'nope' is not a torch.compile"):
+        SparseDistPipeline(model, optimizer, "cpu", schedule=schedule)
 
 
 SMALL = DLRMConfig(num_embeddings=200, batch_size=16)

@@ -5,7 +5,7 @@ model, on aiopipe's engine.
   (``pipelined_step_tasks``, shared with the HSTU step; ``training_tasks``) and
   their default lanes;
 * ``schedules`` -- torchrec's train pipelines (sparse-dist, Lite, Base, Fused,
-  Semi-sync, PT2) as task lists, one builder each, looked up by
+  Semi-sync, PT2, Prefetch) as task lists, one builder each, looked up by
   ``SparseDistPipeline(..., schedule=NAME)`` (``schedule=fused(...)``,
   ``semi_sync(...)``, ``pt2(...)`` for their knobs; ``semi_sync.py`` holds its tasks);
 * ``accumulation`` -- ``grad_accumulation=k`` for every schedule;
@@ -13,6 +13,7 @@ model, on aiopipe's engine.
   runs, as tasks (``staged_pipeline``);
 * ``model`` -- one model's torchrec rewrite, shared by the pipelines on it;
 * ``checks`` -- the pipelines' arguments, checked when one is built;
+* ``agreement`` -- ``end_together``: the ranks' agreement on the end of an epoch;
 * ``spec`` -- ``PipelineSpec``: what one kind of pipeline gives the base (its tasks,
   its rewrite of the model on the first batch, its batch check, ...);
 * ``base`` -- what every pipeline on a rewritten model shares: the progress contract,

@@ -29,8 +29,9 @@ constructor knobs) is made by a function that takes them (:func:`fused`,
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -41,16 +42,17 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelin
 from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConfig
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
-from aiopipe import Task, TaskContext
+from aiopipe import ConfigurationTypeError, Task, TaskContext
 
+from .checks import check_flags
 from .model import carries_torchrec_rewrite
 from .semi_sync import DetachedEmbeddingForward, build_semi_sync_tasks
 from .tasks import SparseDistState, StepLayout, build_sparse_dist_tasks, embedding_lookup_task
 from .tasks import pipelined_step_tasks, prefetch_embeddings_task, training_tasks
 
 __all__ = ("SCHEDULE_KNOBS", "TRAIN_SCHEDULES", "TrainSchedule", "build_base_tasks",
-           "build_lite_tasks", "build_prefetch_tasks", "fused", "pt2", "semi_sync",
-           "train_schedule")  # fmt: skip
+           "build_lite_tasks", "build_prefetch_tasks", "check_compile_backend", "fused", "pt2",
+           "semi_sync", "train_schedule")  # fmt: skip
 
 
 def build_lite_tasks(state: SparseDistState) -> list[Task]:
@@ -109,6 +111,9 @@ class TrainSchedule:
     drops_last_two: bool = False
     #: The pipelined forward torchrec's rewrite installs for it.
     forward_type: type[BaseForward[Any]] = PipelinedForward
+    #: The knobs it was made with (``semi_sync(start_batch=2)``'s), for
+    #: :func:`train_schedule` to add to.
+    knobs: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 #: ``emb_lookup_stream`` of torchrec's fused class, and aiopipe's stream for each.
@@ -130,6 +135,7 @@ def fused(*, embedding_lookup_after_data_dist: bool = False,
     the next batches' input distribution and copy, in the step itself (on a GPU
     after its ``zero_grad``).  ``SparseDistPipeline(..., schedule=fused(...))``;
     ``schedule="fused"`` is the default knobs."""
+    check_flags(embedding_lookup_after_data_dist=embedding_lookup_after_data_dist)
     if emb_lookup_stream not in _LOOKUP_STREAMS:
         raise ValueError(f"emb_lookup_stream must be one of {', '.join(_LOOKUP_STREAMS)}, "
                          f"got {emb_lookup_stream!r}")  # fmt: skip
@@ -145,8 +151,10 @@ def fused(*, embedding_lookup_after_data_dist: bool = False,
         tasks.insert(3 if embedding_lookup_after_data_dist else len(tasks), lookup)
         return tasks
 
+    knobs = {"embedding_lookup_after_data_dist": embedding_lookup_after_data_dist,
+             "emb_lookup_stream": emb_lookup_stream}  # fmt: skip
     return TrainSchedule("fused", "TrainPipelineFusedSparseDist", build, drops_last_two=True,
-                         forward_type=InSyncEmbeddingPipelinedForward)  # fmt: skip
+                         forward_type=InSyncEmbeddingPipelinedForward, knobs=knobs)  # fmt: skip
 
 
 def semi_sync(*, start_batch: int = 900, stash_gradients: bool = False) -> TrainSchedule:
@@ -160,12 +168,15 @@ def semi_sync(*, start_batch: int = 900, stash_gradients: bool = False) -> Train
     the default knobs."""
     if isinstance(start_batch, bool) or not isinstance(start_batch, int) or start_batch < 0:
         raise ValueError(f"start_batch must be an int >= 0, got {start_batch!r}")
+    check_flags(stash_gradients=stash_gradients)
 
     def build(state: SparseDistState) -> list[Task]:
         return build_semi_sync_tasks(state, start_batch, stash_gradients)
 
+    knobs = {"start_batch": start_batch, "stash_gradients": stash_gradients}
     return TrainSchedule("semi-sync", "TrainPipelineSemiSync", build, rewrites="always",
-                         drops_last_two=True, forward_type=DetachedEmbeddingForward)  # fmt: skip
+                         drops_last_two=True, forward_type=DetachedEmbeddingForward,
+                         knobs=knobs)  # fmt: skip
 
 
 ModelHook = Callable[[torch.nn.Module], None]
@@ -183,10 +194,20 @@ def pt2(*, compile_configs: TorchCompileConfig | None = None,
     compiler) right before the forward.  Unlike torchrec's class, which copies each
     batch in the step, blocking, the copy runs a batch ahead, as in Base.
     ``SparseDistPipeline(..., schedule=pt2(...))``; ``schedule="pt2"`` is the defaults."""
+    if compile_configs is not None and not isinstance(compile_configs, TorchCompileConfig):
+        raise ConfigurationTypeError(
+            f"compile_configs must be torchrec's TorchCompileConfig (torchrec.distributed."
+            f"train_pipeline.train_pipelines), got {type(compile_configs).__name__}"
+        )
+    for name, hook in (("pre_compile_fn", pre_compile_fn), ("post_compile_fn", post_compile_fn),
+                       ("input_transformer", input_transformer)):  # fmt: skip
+        if hook is not None and not callable(hook):
+            raise ConfigurationTypeError(f"{name} must be callable, got {hook!r}")
     configs = compile_configs or TorchCompileConfig()
     transform = input_transformer or default_pipeline_input_transformer
 
     def build(state: SparseDistState) -> list[Task]:
+        check_compile_backend(configs.backend)  # at the build, not at the compile
         step = pipelined_step_tasks(state, StepLayout(depth=0, forward_input=None))  # h2d
         train = training_tasks(state)
 
@@ -212,7 +233,20 @@ def pt2(*, compile_configs: TorchCompileConfig | None = None,
             step["h2d"], train["optimizer_step"],
         ]  # fmt: skip
 
-    return TrainSchedule("pt2", "TrainPipelinePT2", build, rewrites=False)
+    knobs = {"compile_configs": compile_configs, "pre_compile_fn": pre_compile_fn,
+             "post_compile_fn": post_compile_fn, "input_transformer": input_transformer}
+    return TrainSchedule("pt2", "TrainPipelinePT2", build, rewrites=False, knobs=knobs)
+
+
+def check_compile_backend(backend: Any) -> None:
+    """Refuse a backend named by a string that ``torch.compile`` does not know
+    (``ValueError``): when the pipeline is built, not steps later when the model
+    compiles."""
+    if not isinstance(backend, str):
+        return  # a callable backend: torch.compile takes it as it is
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ValueError(f"compile_configs.backend {backend!r} is not a torch.compile "
+                         f"backend; known: {', '.join(torch._dynamo.list_backends())}")  # fmt: skip
 
 
 def _compiled(model: torch.nn.Module) -> bool:
@@ -268,7 +302,10 @@ def train_schedule(name: str | TrainSchedule, knobs: Mapping[str, Any] | None = 
     if isinstance(name, TrainSchedule):
         if not knobs:
             return name
-        name = name.name
+        knobs, name = {**name.knobs, **knobs}, name.name  # its own knobs, and these
+    if name in SCHEDULE_KNOBS.values():
+        called = getattr(name, "__name__", "")
+        raise ValueError(f"schedule={called}: call it, {called}(...), with its knobs")
     if knobs:
         factory = SCHEDULE_KNOBS.get(name)
         if factory is None:
@@ -281,5 +318,8 @@ def train_schedule(name: str | TrainSchedule, knobs: Mapping[str, Any] | None = 
     try:
         return TRAIN_SCHEDULES[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown schedule {name!r}; choose one of "
+        close = (difflib.get_close_matches(name.replace("_", "-"), TRAIN_SCHEDULES, n=1)
+                 if isinstance(name, str) else [])  # fmt: skip
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown schedule {name!r}{hint}; choose one of "
                          f"{', '.join(map(repr, TRAIN_SCHEDULES))}") from None  # fmt: skip
