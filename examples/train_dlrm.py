@@ -73,7 +73,8 @@ def parse_args() -> argparse.Namespace:
                         help="pt2: the step at which the model is compiled (torchrec's default: 3)")
     parser.add_argument("--grad-accumulation", type=at_least(1), default=1, metavar="K",
                         help="the optimizer steps after every K-th batch and the last "
-                             "(torchrec-S: its class in torchrec's GradientAccumulationWrapper)")
+                             "(torchrec-S: its class in torchrec's GradientAccumulationWrapper; "
+                             "not with --checkpoint-dir)")
     parser.add_argument("--eval-every", type=at_least(0), default=0, metavar="N",
                         help="an evaluation pass of --eval-batches batches after every N "
                              "training steps (0: none)")
@@ -152,8 +153,10 @@ def main() -> None:
             raise SystemExit("train_dlrm.py: --uneven needs more than one rank (torchrun "
                              "--nproc-per-node 2 examples/train_dlrm.py ...)")  # fmt: skip
     if args.checkpoint_dir and args.grad_accumulation > 1:
-        raise SystemExit("train_dlrm.py: --checkpoint-dir with --grad-accumulation: a "
-                         "checkpoint inside a group would lose its accumulated gradients")
+        raise SystemExit("train_dlrm.py: --checkpoint-dir with --grad-accumulation is not "
+                         "supported: a checkpoint (a forced one, or a job stopped and "
+                         "resized) may fall inside a group, whose accumulated gradients it "
+                         "would lose (docs/fault-tolerance.md)")  # fmt: skip
     quiet_torchrec()
     rank, world = init_distributed(datetime.timedelta(seconds=args.collective_timeout))
     short = args.uneven if args.uneven is not None and rank == world - 1 else 0

@@ -734,6 +734,10 @@ def test_stage_tasks_refuse_torchrec_s_input_dist_stages_and_clashing_names() ->
     twice = [PipelineStage(name="a", runnable=lambda b: b, stream=stream)] * 2
     with pytest.raises(ValueError, match="must be distinct"):
         stage_tasks(twice)
+    with pytest.raises(ConfigurationTypeError, match="stages must be torchrec's PipelineStage"):
+        staged_pipeline([1], lambda batch: batch)  # type: ignore[list-item]
+    with pytest.raises(ConfigurationTypeError, match="step must be callable"):
+        staged_pipeline(twice[:1], None)  # type: ignore[arg-type]
     tasks, streams = stage_tasks([PipelineStage(name=name, runnable=lambda b: b, stream=stream)
                                   for name in ("a", "b")])  # fmt: skip
     assert [(t.name, t.lookahead, t.stream) for t in tasks] == [("a", 2, "a"), ("b", 1, "b")]

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage
 
-from aiopipe import SchedulablePipeline, Schedule, StreamPool, Task, TaskContext
+from aiopipe import ConfigurationTypeError, SchedulablePipeline, Schedule, StreamPool, Task
+from aiopipe import TaskContext
 
 __all__ = ("stage_tasks", "staged_pipeline")
 
@@ -29,6 +30,12 @@ def stage_tasks(stages: Sequence[PipelineStage]) -> tuple[list[Task], dict[str, 
     drive torchrec's input distribution, which ``SparseDistPipeline`` runs instead."""
     if not stages:
         raise ValueError("stage_tasks needs at least one PipelineStage")
+    strays = [stage for stage in stages if not isinstance(stage, PipelineStage)]
+    if strays:
+        raise ConfigurationTypeError(
+            f"stages must be torchrec's PipelineStage (torchrec.distributed.train_pipeline."
+            f"pipeline_stage), got {type(strays[0]).__name__}"
+        )
     names = [stage.name for stage in stages]
     if len(set(names)) != len(names) or "staged_batch" in names:
         raise ValueError(f"stage names must be distinct and not 'staged_batch': {names}")
@@ -67,6 +74,8 @@ def staged_pipeline(stages: Sequence[PipelineStage], step: Callable[[Any], Any],
     make: each ``progress`` returns ``step(batch)`` for the next batch that has been
     through every stage (the step runs on the default stream).  ``options`` go to
     :class:`~aiopipe.SchedulablePipeline` (``executor``, ``trace``, ``name``, ...)."""
+    if not callable(step):
+        raise ConfigurationTypeError(f"step must be callable (step(batch)), got {step!r}")
     tasks, streams = stage_tasks(stages)
 
     def train(ctx: TaskContext) -> None:
