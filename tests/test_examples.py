@@ -122,7 +122,7 @@ def refusal(script: str, flags: Sequence[str], monkeypatch: pytest.MonkeyPatch) 
         ("train_dlrm", ("--pipeline", "torchrec-lite", "--steps-per-call", "2"), "takes one"),
         ("train_dlrm", ("--pipeline", "torchrec-prefetch"), "needs a GPU"),
         ("train_dlrm", ("--checkpoint-dir", "ckpt", "--grad-accumulation", "2"),
-         "would lose its accumulated gradients"),
+         "--grad-accumulation is not supported"),
         ("train_dlrm", ("--pipeline", "torchrec", "--uneven", "1"), "wait in a collective"),
         ("train_dlrm", ("--uneven", "1", "--checkpoint-dir", "ckpt"), "which rank was short"),
         ("train_dlrm", ("--uneven", "3"), "is more than --steps 2"),
