@@ -20,6 +20,7 @@ event loop is refused: use ``await pipe.progress(it)`` there.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import AsyncIterable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -36,19 +37,30 @@ if TYPE_CHECKING:
 __all__ = ("BlockingPipeline",)
 
 
-def _loop_of(pipeline: object) -> LoopRunner:
+#: Held while a pipeline's loop is looked up or made: two threads' first views of one
+#: pipeline get the same loop.
+_LOOP_LOCK = threading.Lock()
+
+
+def _loop_of(pipeline: object) -> LoopRunner | None:
     """The private event loop of ``pipeline``'s blocking views: made when first asked
-    for, kept on the pipeline, closed when the pipeline is dropped (or shut down)."""
-    runner: LoopRunner | None = getattr(pipeline, "_blocking_loop", None)
-    if runner is not None:
+    for, kept on the pipeline, closed when the pipeline is dropped (or shut down).
+    ``None`` where it cannot be kept there (``__slots__``, no weak references)."""
+    with _LOOP_LOCK:
+        runner = getattr(pipeline, "_blocking_loop", None)
+        if isinstance(runner, LoopRunner):
+            return runner
+        runner = LoopRunner(prefer_uvloop=False)
+        try:
+            setattr(pipeline, "_blocking_loop", runner)  # any pipeline type
+        except Exception:  # __slots__, a __setattr__ of its own: not kept there
+            return None
+        try:
+            weakref.finalize(pipeline, _close_dropped, runner)  # dropped without shutdown()
+        except TypeError:  # not weak-referenceable: nothing would close it
+            delattr(pipeline, "_blocking_loop")
+            return None
         return runner
-    runner = LoopRunner(prefer_uvloop=False)
-    try:
-        weakref.finalize(pipeline, _close_dropped, runner)  # dropped without shutdown()
-        setattr(pipeline, "_blocking_loop", runner)  # any pipeline type
-    except (TypeError, AttributeError):  # not kept on it: the view's own (see __init__)
-        pass
-    return runner
 
 
 class BlockingPipeline:
@@ -58,9 +70,11 @@ class BlockingPipeline:
 
     def __init__(self, pipeline: AsyncPipeline[Any]) -> None:
         self._pipeline = pipeline
-        self._runner = _loop_of(pipeline)
-        if getattr(pipeline, "_blocking_loop", None) is not self._runner:  # not kept there
-            weakref.finalize(self, _close_dropped, self._runner)
+        shared = _loop_of(pipeline)
+        if shared is None:  # a loop of this view's own, closed when the view is dropped
+            shared = LoopRunner(prefer_uvloop=False)
+            weakref.finalize(self, _close_dropped, shared)
+        self._runner = shared
 
     @property
     def pipeline(self) -> Any:
@@ -134,8 +148,7 @@ class BlockingPipeline:
         if aclose is not None and self._runner.usable:
             try:
                 self._runner.run(aclose)
-            except KeyboardInterrupt:
-                self._runner.stop_waiting()
+            except KeyboardInterrupt:  # it stopped the wait: the loop closes without it
                 self._runner.close()
                 raise
         else:

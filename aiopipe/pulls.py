@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -65,8 +66,15 @@ class Pulls:
         #: The async source's last pull gave an item: finished before the next one, it
         #: was closed by someone else (its event loop shutting down, say).
         self._read_any = False
-        #: Why the source can no longer be read, when a pull found it closed.
+        #: Why the source can no longer be read, when a pull found it closed (by this
+        #: feed, or by an earlier feed of the same source).
+        source = getattr(self._async, "source", self._async)
         self.lost: str | None = None
+        if source is not None:
+            try:
+                self.lost = _LOST.get(source)
+            except TypeError:  # not weak-referenceable: never recorded
+                pass
 
     @property
     def held_ahead(self) -> int:
@@ -221,11 +229,19 @@ class Pulls:
         self._behind = collections.deque(live[1:])
         source = getattr(self._async, "source", self._async)
         if finished_generator(source) and self.lost is None:
-            self.lost = (
-                "the event loop this async generator's pull waited on was stopped and "
-                "closed (not cancelled); closing that pull finished the generator"
-            )
+            self._lose(source, "the event loop this async generator's pull waited on was "
+                               "stopped and closed (not cancelled); closing that pull "
+                               "finished the generator")  # fmt: skip
         return True
+
+    def _lose(self, source: Any, why: str) -> None:
+        """The source can no longer be read (:attr:`lost`), and passed again -- a new
+        feed of it -- says so, rather than end as if it had run dry."""
+        self.lost = why
+        try:
+            _LOST[source] = why
+        except TypeError:  # not weak-referenceable
+            pass
 
     async def _pull_async(self) -> Taken:
         assert self._async is not None
@@ -248,14 +264,13 @@ class Pulls:
             # The cancellation was thrown into an async generator's frame: unless it
             # caught it, the generator is finished and its remaining items gone.
             if finished_generator(source):
-                self.lost = (
+                self._lose(source, (
                     "a cancelled call closed this async generator mid-pull"
                     if self._pulled_inline else
                     # Only its loop shutting down cancels a pull in a task of its own.
                     "the event loop this async generator was being read ahead on shut "
-                    "down mid-pull (one asyncio.run() or aiopipe.run() per call, say), "
-                    "which closed it"
-                )  # fmt: skip
+                    "down mid-pull, which closed it"
+                ))  # fmt: skip
             raise
         except BaseException:  # the source's own error: it may end a generator
             self._read_any = False
@@ -266,6 +281,10 @@ class Pulls:
             self._read_on(asyncio.current_task(), taken)
         return taken
 
+
+
+#: Why each async source closed under a pull was lost (:meth:`Pulls._lose`).
+_LOST: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def _always() -> bool:

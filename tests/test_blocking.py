@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import aiopipe
-from aiopipe import Pipeline, PipelineStateError, Task, TaskContext
+from aiopipe import BlockingPipeline, Pipeline, PipelineStateError, Task, TaskContext
 
 
 def echo_pipeline(executor: str = "async") -> Pipeline:
@@ -271,3 +271,36 @@ def test_the_blocking_form_reports_the_statistics_of_its_pipeline() -> None:
     with Pipeline([Task.from_fn("t", lambda ctx: None)], expect_result=False).blocking() as pipe:
         assert list(pipe.results(range(3))) == [None, None, None]
         assert (pipe.statistics().returned, pipe.statistics().applied) == (3, 3)
+
+
+class _Slotted:
+    """A pipeline of a user's own that keeps no attribute it was not built with."""
+
+    __slots__ = ("__weakref__",)
+
+    async def progress(self, source: Any) -> Any:
+        return next(source)
+
+    async def drain(self) -> list[Any]:
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _Strict(_Slotted):
+    """One that refuses every attribute set on it."""
+
+    __slots__ = ("__dict__",)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise ValueError(f"no field {name!r}")
+
+
+@pytest.mark.parametrize("kind", [_Slotted, _Strict])
+def test_a_pipeline_that_cannot_keep_a_loop_gets_one_for_each_view(kind: type) -> None:
+    pipe, source = kind(), iter(range(3))
+    for expected in range(3):
+        view = BlockingPipeline(pipe)
+        assert view.progress(source) == expected
+        view.shutdown()

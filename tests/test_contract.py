@@ -842,6 +842,8 @@ def test_an_asyncio_run_that_returns_mid_pull_says_so_and_drains_nothing() -> No
     assert "drain()" not in str(raised.value) and "one event loop" in str(raised.value)
     assert pipe.statistics().in_flight == 0
     assert asyncio.run(pipe.drain()) == []
+    with pytest.raises(PipelineStateError, match="shut down mid-pull"):
+        asyncio.run(pipe.progress(source))  # passed again: said again, not an empty epoch
     assert asyncio.run(pipe.progress(iter([7]))) == 7
     pipe.shutdown()
 

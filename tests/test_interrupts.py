@@ -5,6 +5,7 @@ returns.  Each runs in a subprocess: an interrupt must not reach the test runner
 from __future__ import annotations
 
 import ast
+import asyncio
 import queue
 import signal
 import subprocess
@@ -13,6 +14,10 @@ import threading
 from typing import IO
 
 import pytest
+
+from aiopipe import Pipeline, PipelineStateError, Task, TaskContext
+from aiopipe._core import watch
+from aiopipe._core.loops import INTERRUPTED
 
 LEFT_THE_LOOP = """
 import signal; signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with Ctrl-C ignored
@@ -276,3 +281,46 @@ def test_one_ctrl_c_during_a_step_keeps_its_result_for_the_next_call(executor: s
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["interrupted", "results [1, 2, 3] steps [0, 1, 2, 3]"]
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["timeout", "ctrl-c"])
+async def test_only_ctrl_c_stops_aclose_waiting_for_a_step_for_good(
+    ctrl_c: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A step whose caller left; aclose() waits for it and is cancelled.  A timeout's
+    # cancellation stops that wait only: the step runs on, the task after it too, and
+    # the next call returns its result.  A Ctrl-C's (the runners' mark) stops every
+    # wait for it: the tasks not started are skipped, and the pipeline says so.
+    monkeypatch.setattr(watch, "GRACE_S", 0.0)  # the wait "has lasted": it may tell
+    gate, started, ran = threading.Event(), threading.Event(), []
+
+    def train(ctx: TaskContext) -> None:
+        started.set()
+        gate.wait(30)
+        ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+    def after(ctx: TaskContext) -> None:
+        ran.append(ctx.slots["batch_cpu"])
+
+    pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",)),
+                     Task.from_fn("after", after, depends_on=("train",))],
+                    thread_map={"train": "compute", "after": "compute"})  # fmt: skip
+    source = iter(range(3))
+    call = asyncio.ensure_future(pipe.progress(source))
+    assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+    call.cancel(INTERRUPTED if ctrl_c else None)  # the caller leaves
+    closing = asyncio.ensure_future(pipe.aclose())
+    for _ in range(3):
+        await asyncio.sleep(0)  # aclose() waits, its grace over
+    closing.cancel(INTERRUPTED if ctrl_c else None)
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    gate.set()
+    if ctrl_c:
+        with pytest.raises(PipelineStateError, match="interrupted"):
+            await pipe.progress(source)
+        assert ran == []  # "after" never started
+        pipe.reset()
+    else:
+        assert await pipe.progress(source) == 0 and ran == [0]
+    await pipe.aclose()

@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 from ..errors import PipelineStateError
 
 __all__ = (
-    "STOPPED_WAITING", "LoopRunner", "close_awaited", "close_if_unstarted", "close_left",
-    "close_on_the_way_out", "finish_loop", "new_event_loop", "runner_owns", "stop_waiting",
-    "task_quiet_if_left", "unstarted", "uvloop_enabled", "waiting_stopped",
+    "INTERRUPTED", "STOPPED_WAITING", "LoopRunner", "close_awaited", "close_if_unstarted",
+    "close_left", "close_on_the_way_out", "finish_loop", "new_event_loop", "runner_owns",
+    "task_quiet_if_left", "unstarted", "uvloop_enabled",
 )  # fmt: skip
 
 T = TypeVar("T")
@@ -39,22 +39,11 @@ T = TypeVar("T")
 _RUNNER_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
 
-#: Loops whose shutdown no longer waits for the lanes of iterations left running: a
-#: Ctrl-C stopped such a wait already (the user asked once; not a second time).
-_WAITING_STOPPED: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 #: What a wait stopped by Ctrl-C says.
 STOPPED_WAITING = "aiopipe: stopped waiting; the event loop closes without it"
-
-
-def stop_waiting(loop: asyncio.AbstractEventLoop) -> None:
-    """From now on, ``loop``'s shutdown does not wait for iterations whose callers
-    left (:class:`~aiopipe._core.watch.LaneWatch`)."""
-    _WAITING_STOPPED.add(loop)
-
-
-def waiting_stopped(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether a Ctrl-C stopped a wait on ``loop`` for an iteration left running."""
-    return loop in _WAITING_STOPPED
+#: The message of a cancellation the runners make for Ctrl-C: a wait it stops can tell
+#: it from a timeout's (:func:`~aiopipe._core.watch.by_ctrl_c`).
+INTERRUPTED = "aiopipe: interrupted by Ctrl-C"
 
 
 def runner_owns(loop: asyncio.AbstractEventLoop) -> bool:
@@ -147,9 +136,9 @@ class LoopRunner:
             if self._interrupts:
                 raise KeyboardInterrupt() from None
             raise
-        except BaseException:
+        except BaseException as exc:
             if not task.done():  # the loop itself was left (KeyboardInterrupt, SystemExit)
-                _cancel_and_settle(loop, task)
+                _cancel_and_settle(loop, task, exc)
             raise
         finally:
             self._task = None
@@ -161,23 +150,12 @@ class LoopRunner:
         if task is None:  # between calls: a plain Ctrl-C
             raise KeyboardInterrupt()
         self._interrupts += 1
-        assert self._loop is not None
         if self._interrupts == 1 and not task.done():
-            task.cancel()
+            task.cancel(INTERRUPTED)
+            assert self._loop is not None
             self._loop.call_soon_threadsafe(lambda: None)  # wake the loop
             return
-        if self._interrupts > 1:
-            # The call went on waiting after the first Ctrl-C (for an iteration left
-            # running, on the way out of ``async with``, say): the loop's shutdown
-            # does not wait for it again.
-            stop_waiting(self._loop)
         raise KeyboardInterrupt()
-
-    def stop_waiting(self) -> None:
-        """A Ctrl-C stopped a call that waited for an iteration left running: closing
-        the loop will not wait for it again."""
-        if self._loop is not None and not self._loop.is_closed():
-            stop_waiting(self._loop)
 
     @property
     def usable(self) -> bool:
@@ -224,12 +202,14 @@ def _loop_running_in_this_thread() -> bool:
     return True
 
 
-def _cancel_and_settle(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
-    """Cancel a call that a ``KeyboardInterrupt``/``SystemExit`` from a callback or
-    another task left pending, and let it end now: left on the loop, it would run on
-    at the next call and take that call's place (cancelled, a pipeline's caller
-    returns at once; its iteration runs on like any other's)."""
-    task.cancel()
+def _cancel_and_settle(
+    loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], exc: BaseException
+) -> None:
+    """Cancel a call that ``exc`` (a ``KeyboardInterrupt``/``SystemExit`` from a
+    callback or another task) left pending, and let it end now: left on the loop, it
+    would run on at the next call and take that call's place (cancelled, a pipeline's
+    caller returns at once; its iteration runs on like any other's)."""
+    task.cancel(INTERRUPTED if isinstance(exc, KeyboardInterrupt) else None)
     loop.run_until_complete(asyncio.wait([task]))
 
 

@@ -7,23 +7,24 @@ leaves ``asyncio.run``, which closes the loop, and the thread waiting for the la
 sees that and returns, so interpreter exit (which joins that thread) goes on.  A
 Ctrl-C that stopped an earlier wait for the same iteration (``aclose()`` on the way
 out of ``with`` / ``async with``) stops this one before it starts
-(:func:`~aiopipe._core.loops.waiting_stopped`).  Lane threads are daemons: a body
-that never returns does not hold the process.
+(:meth:`LaneWatch.abandon`).  Lane threads are daemons: a body that never returns
+does not hold the process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from .loops import STOPPED_WAITING, runner_owns, task_quiet_if_left, waiting_stopped
+from .loops import INTERRUPTED, STOPPED_WAITING, runner_owns, task_quiet_if_left
 from .waker import wait_settled
 
-__all__ = ("GRACE_S", "LaneWatch", "describe_wait")
+__all__ = ("GRACE_S", "LaneWatch", "by_ctrl_c", "describe_wait")
 
 #: An iteration that ends this soon after the loop began to shut down is waited for
 #: without a word.
@@ -41,49 +42,62 @@ class Lanes(Protocol):
 
 
 class LaneWatch:
-    """Waits for one iteration's lanes; ``describe()`` says what they still run."""
+    """Waits for one iteration's lanes; ``describe()`` says what they still run.
+    ``interrupted``: the iteration's caller left it because of Ctrl-C."""
 
-    def __init__(self, lanes: Lanes, describe: Callable[[str, bool], str]) -> None:
+    def __init__(self, lanes: Lanes, describe: Callable[..., str], *,
+                 interrupted: bool = False) -> None:  # fmt: skip
         self._lanes, self._describe = lanes, describe
-        self._told = False
+        self.interrupted = interrupted
+        self._told: set[str] = set()  # the waits that said what they wait for
         self._lock = threading.Lock()
-        #: A wait that told what it waits for was stopped (a Ctrl-C, as told): the
-        #: guard (:meth:`guard`) waits no more.
+        #: A Ctrl-C stopped a wait for the iteration: nothing waits for it again.
         self._abandoned = False
         self._guard: asyncio.Task[None] | None = None
 
     def tell(self, until: str = " before the event loop closes", skipping: bool = True) -> None:
-        """Say once, on stderr, what is waited for (``until``: what waits; ``skipping``:
-        the tasks not started are skipped), and how to stop waiting."""
+        """Say once per kind of wait, on stderr, what is waited for (``until``: what
+        waits; ``skipping``: the tasks not started are skipped), and how to stop."""
         with self._lock:
-            if self._told:
+            if until in self._told:
                 return
-            self._told = True
+            self._told.add(until)
         print(
-            f"aiopipe: {self._describe(until, skipping)}. Press Ctrl-C again to stop "
-            f"waiting (the "
-            f"model's state is then undefined).",
+            f"aiopipe: {self._describe(until=until, skipping=skipping)}. Press Ctrl-C "
+            f"again to stop waiting (the model's state is then undefined).",
             file=sys.stderr, flush=True,
         )  # fmt: skip
 
     @contextlib.contextmanager
-    def telling(self, until: str) -> Iterator[None]:
-        """Around a wait for the iteration on the loop: :meth:`tell` if it lasts over
-        :data:`GRACE_S`.  Stopped after it told (a Ctrl-C, as it asked), the loop's
-        shutdown does not wait for the iteration again: under ``asyncio.run`` a
-        second Ctrl-C cancels the wait and the shutdown cancels the guard at once."""
-        timer = asyncio.get_running_loop().call_later(GRACE_S, self.tell, until, False)
+    def telling(self) -> Iterator[None]:
+        """Around a wait on the loop for the iteration (``aclose()``'s): :meth:`tell`
+        if its caller left because of Ctrl-C and the wait lasts over :data:`GRACE_S`;
+        a Ctrl-C during the wait stops waiting for good (:meth:`abandon`)."""
+        timer = (asyncio.get_running_loop().call_later(GRACE_S, self.tell, "", False)
+                 if self.interrupted else None)  # fmt: skip
         try:
             yield
-        except BaseException:
-            if self._told:
-                self._abandoned = True
-                print(STOPPED_WAITING, file=sys.stderr, flush=True)
-                if self._guard is not None:
-                    self._guard.cancel()
+        except BaseException as exc:
+            if by_ctrl_c(exc):
+                self.abandon()
             raise
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
+
+    def abandon(self) -> None:
+        """Stop waiting for the iteration, for good: its guard waits no more (the
+        loop closes without it), and stderr says so."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        if self._told:
+            print(STOPPED_WAITING, file=sys.stderr, flush=True)
+        else:
+            print(f"aiopipe: {self._describe(stopped=True)} (the model's state is then "
+                  f"undefined).", file=sys.stderr, flush=True)  # fmt: skip
+        if self._guard is not None:
+            self._guard.cancel()
 
     async def until_done(self, done: asyncio.Future[Any]) -> None:
         """A task that waits for ``done``.  Cancelled (the loop is shutting down), it
@@ -96,7 +110,7 @@ class LaneWatch:
                     await wait_settled(done)
                 except asyncio.CancelledError:
                     self._lanes.abort(asyncio.CancelledError())
-                    if self._abandoned or waiting_stopped(asyncio.get_running_loop()):
+                    if self._abandoned:
                         return  # a Ctrl-C stopped an earlier wait for it: no second one
                     if timer is None:
                         timer = asyncio.get_running_loop().call_later(GRACE_S, self.tell)
@@ -135,12 +149,40 @@ class LaneWatch:
                 return
 
 
-def describe_wait(pipeline: str, iteration: Any, lane_names: Sequence[str], until: str,
-                  skipping: bool) -> str:  # fmt: skip
+def by_ctrl_c(exc: BaseException) -> bool:
+    """Whether ``exc`` ends a wait because of Ctrl-C: a ``KeyboardInterrupt``, a
+    cancellation this package's runners made for one (:data:`INTERRUPTED`), one made
+    while a ``KeyboardInterrupt`` was on its way out (``asyncio.run`` shutting down
+    after a second Ctrl-C), or one under an ``asyncio.run`` that has seen Ctrl-C.  A
+    timeout's cancellation is none of these."""
+    if isinstance(exc, KeyboardInterrupt) or exc.args[:1] == (INTERRUPTED,):
+        return True
+    if isinstance(exc, asyncio.CancelledError) and _asyncio_run_interrupted():
+        return True
+    context, depth = exc.__context__, 0
+    while context is not None and depth < 8:  # (a cycle is possible; stay bounded)
+        if isinstance(context, KeyboardInterrupt):
+            return True
+        context, depth = context.__context__, depth + 1
+    return False
+
+
+def _asyncio_run_interrupted() -> bool:
+    """Whether the ``asyncio.run`` (``asyncio.Runner``) in this thread has handled a
+    Ctrl-C: its first one cancels the main task with no mark of its own.  Read from
+    the handler it installs (its interrupt count is private: without it, ``False``)."""
+    handler = signal.getsignal(signal.SIGINT)
+    runner = getattr(getattr(handler, "func", None), "__self__", None)
+    return isinstance(runner, asyncio.Runner) and getattr(runner, "_interrupt_count", 0) > 0
+
+
+def describe_wait(pipeline: str, iteration: Any, lane_names: Sequence[str], *, until: str = "",
+                  skipping: bool = False, stopped: bool = False) -> str:  # fmt: skip
     """What a wait (``until``: what waits, say " before the event loop closes") waits
-    for: the tasks of ``iteration`` (an executor's ``Iteration``) still running, with
-    their batches and lanes -- on each lane the first task not done (a lane runs its
-    tasks in order); those after it are counted (``skipping``: as skipped)."""
+    for, or (``stopped``) stopped waiting for: the tasks of ``iteration`` (an
+    executor's ``Iteration``) still running, with their batches and lanes -- on each
+    lane the first task not done (a lane runs its tasks in order); those after it are
+    counted (``skipping``: as skipped)."""
     order, completed = iteration.plan.order, set(iteration.completed)
     first_left: dict[str, int] = {}
     skipped = 0
@@ -159,7 +201,6 @@ def describe_wait(pipeline: str, iteration: Any, lane_names: Sequence[str], unti
     after = f"; {skipped} task(s) after it" if skipped else ""
     if skipped and skipping:
         after += " will not start"
-    return (
-        f"{pipeline}: waiting for iteration {iteration.number} to finish{until}: "
-        f"{', '.join(left) or 'its last task'} has not returned{after}"
-    )
+    head = (f"stopped waiting for iteration {iteration.number}" if stopped else
+            f"waiting for iteration {iteration.number} to finish{until}")  # fmt: skip
+    return f"{pipeline}: {head}: {', '.join(left) or 'its last task'} has not returned{after}"
