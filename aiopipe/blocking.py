@@ -47,13 +47,16 @@ def _loop_of(pipeline: object) -> LoopRunner | None:
     for, kept on the pipeline, closed when the pipeline is dropped (or shut down).
     ``None`` where it cannot be kept there (``__slots__``, no weak references)."""
     with _LOOP_LOCK:
-        runner = getattr(pipeline, "_blocking_loop", None)
-        if isinstance(runner, LoopRunner):
-            return runner
+        kept = getattr(pipeline, "_blocking_loop", None)
+        if isinstance(kept, LoopRunner):
+            return kept
         runner = LoopRunner(prefer_uvloop=False)
         try:
             setattr(pipeline, "_blocking_loop", runner)  # any pipeline type
         except Exception:  # __slots__, a __setattr__ of its own: not kept there
+            return None
+        kept_now: object = getattr(pipeline, "_blocking_loop", None)
+        if kept_now is not runner:  # dropped silently
             return None
         try:
             weakref.finalize(pipeline, _close_dropped, runner)  # dropped without shutdown()

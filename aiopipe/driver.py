@@ -150,8 +150,8 @@ class IterationDriver(OrphanedIterations, IterationWaits):
                         if feed.reads_in_a_task and not in_task:
                             await asyncio.sleep(0)  # the pull's first step: the fetch starts
                             stepped = True
-                    except BaseException as exc:  # cancelled, or Ctrl-C in the source
-                        self.guard_lanes(exc)
+                    except BaseException:  # cancelled, or the source raised KeyboardInterrupt
+                        self.guard_lanes()
                         raise
                     finally:
                         if handle is not None:
@@ -283,7 +283,6 @@ class IterationDriver(OrphanedIterations, IterationWaits):
         bookkeeping may fail too).  An iteration queued behind it becomes the running
         one if the lanes have started it (they do unless this one failed)."""
         guarded = self._guarded is not None and self._guarded is self.running
-        interrupted = guarded and self._watch is not None and self._watch.interrupted
         if guarded:
             self._watch = None  # it refers to the iteration
         queued = self._chain.take()
@@ -305,7 +304,7 @@ class IterationDriver(OrphanedIterations, IterationWaits):
             self._current = (feed, queued.iteration)
             feed.top_pulled = True
             if guarded:  # its caller left: a loop shutting down waits for this one too
-                self.guard_lanes(interrupted=interrupted)
+                self.guard_lanes()
         if error is not None:
             self.failures.record(iteration.number, iteration.started, error)
         if done is not None and not done.get_loop().is_closed():

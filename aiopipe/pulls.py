@@ -248,7 +248,9 @@ class Pulls:
         # (Under trio the bridge's stand-in holds the caller's generator.)
         source = getattr(self._async, "source", self._async)
         if self._read_any and finished_generator(source):
-            self.lost = closed_between_pulls("this async generator")
+            self._lose(source, closed_between_pulls("this async generator"))
+            if self.draining:  # drain() finishes what is in flight, reading no further
+                return END, None
             raise PipelineStateError(
                 f"{self.lost}. Any items it had left cannot be read: keep every progress() "
                 f"over an async source inside one asyncio.run()/aiopipe.run(), or call "

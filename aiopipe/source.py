@@ -322,6 +322,8 @@ class Feed(Pulls):
             if self.lost is not None:
                 return self._read_no_further()
             return await self.take()
+        if self.draining and self.lost is not None and ahead.exception() is not None:
+            return END, None  # the source was lost: drain() finishes what is in flight
         if isinstance(ahead.exception(), (KeyboardInterrupt, SystemExit)):
             # asyncio raised it out of the event loop from the pull's task when the
             # source raised it: delivered once already.  The source gave no item: pull again.

@@ -10,7 +10,7 @@ import asyncio
 import functools
 from typing import TYPE_CHECKING
 
-from ._core.watch import LaneWatch, by_ctrl_c, describe_wait
+from ._core.watch import LaneWatch, describe_wait
 from .errors import PipelineStateError
 
 if TYPE_CHECKING:
@@ -69,16 +69,15 @@ class IterationWaits:
         self._waiters.append(waiter)
         try:
             await waiter
-        except BaseException as exc:
-            self.guard_lanes(exc)
+        except BaseException:
+            self.guard_lanes()
             raise
 
     async def wait_idle(self) -> None:
         """Wait until no iteration runs.  Cancelling the caller stops the wait at once
         (the iteration runs on, its lanes guarded) and raises ``CancelledError``.  For
-        an iteration whose caller left because of Ctrl-C, a wait of over a second says
-        what it waits for, and a Ctrl-C stops waiting for it for good
-        (:meth:`LaneWatch.telling`)."""
+        an iteration whose caller left, a wait of over a second says what it waits
+        for, and a Ctrl-C stops waiting for it for good (:meth:`LaneWatch.telling`)."""
         while self.running is not None:
             if self._watch is None or self._guarded is not self.running:
                 await self.wait_ended()
@@ -86,11 +85,9 @@ class IterationWaits:
             with self._watch.telling():
                 await self.wait_ended()
 
-    def guard_lanes(self, reason: BaseException | None = None, *,
-                    interrupted: bool = False) -> None:  # fmt: skip
-        """A fast-path iteration's caller left early (cancelled; ``reason``: why, or
-        ``interrupted``: by Ctrl-C): make a loop shutting down wait for the iteration
-        (:meth:`LaneWatch.guard`)."""
+    def guard_lanes(self) -> None:
+        """A fast-path iteration's caller left early (cancelled): make a loop shutting
+        down wait for the iteration (:meth:`LaneWatch.guard`)."""
         running, handle, current = self.running, self._handle, self._current
         # The steps queued for the caller who left:
         self._chain.drop(current[0] if current is not None else None)
@@ -100,6 +97,5 @@ class IterationWaits:
             return  # nothing to guard on a closed loop; the next call ends it (_finish_orphan)
         self._guarded = running
         describe = functools.partial(describe_wait, self._pipeline, current[1], self._lane_names)
-        interrupted = interrupted or (reason is not None and by_ctrl_c(reason))
-        self._watch = LaneWatch(handle, describe, interrupted=interrupted)
+        self._watch = LaneWatch(handle, describe)
         self._watch.guard(running, self._guards)

@@ -818,6 +818,9 @@ def test_one_asyncio_run_per_call_over_an_async_generator(caplog: pytest.LogCapt
     pipe = two_calls()
     with pytest.raises(PipelineStateError, match="closed between two pulls"):
         asyncio.run(pipe.progress(source))
+    assert asyncio.run(pipe.drain()) == []  # nothing in flight; nothing read on
+    with pytest.raises(PipelineStateError, match="closed between two pulls"):
+        asyncio.run(pipe.progress(source))  # passed again: said again, not an empty epoch
     source = items()
     two_calls()  # dropped, as at the end of a script, with the failed pull it holds
     gc.collect()

@@ -20,16 +20,16 @@ import signal
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Callable, Collection, Coroutine, Iterator
 from types import CodeType, FrameType
 from typing import Any, TypeVar
 
 from ..errors import PipelineStateError
 
 __all__ = (
-    "INTERRUPTED", "STOPPED_WAITING", "LoopRunner", "close_awaited", "close_if_unstarted",
-    "close_left", "close_on_the_way_out", "finish_loop", "new_event_loop", "runner_owns",
-    "task_quiet_if_left", "unstarted", "uvloop_enabled",
+    "STOPPED_WAITING", "LoopRunner", "close_awaited", "close_if_unstarted", "close_left",
+    "close_on_the_way_out", "finish_loop", "new_event_loop", "runner_owns",
+    "task_quiet_if_left", "unstarted", "uvloop_enabled", "waits_for_ctrl_c",
 )  # fmt: skip
 
 T = TypeVar("T")
@@ -41,9 +41,23 @@ _RUNNER_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
 #: What a wait stopped by Ctrl-C says.
 STOPPED_WAITING = "aiopipe: stopped waiting; the event loop closes without it"
-#: The message of a cancellation the runners make for Ctrl-C: a wait it stops can tell
-#: it from a timeout's (:func:`~aiopipe._core.watch.by_ctrl_c`).
-INTERRUPTED = "aiopipe: interrupted by Ctrl-C"
+#: Per loop, what to call on the next Ctrl-C a runner handles: the waits that stop for
+#: good on one (:func:`waits_for_ctrl_c`).
+_ON_CTRL_C: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Callable[[], None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@contextlib.contextmanager
+def waits_for_ctrl_c(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, a Ctrl-C that a :class:`LoopRunner` of ``loop`` handles
+    calls ``stop()`` first (a wait for a step left running stops for good on it)."""
+    stops = _ON_CTRL_C.setdefault(loop, [])
+    stops.append(stop)
+    try:
+        yield
+    finally:
+        stops.remove(stop)
 
 
 def runner_owns(loop: asyncio.AbstractEventLoop) -> bool:
@@ -136,9 +150,9 @@ class LoopRunner:
             if self._interrupts:
                 raise KeyboardInterrupt() from None
             raise
-        except BaseException as exc:
+        except BaseException:
             if not task.done():  # the loop itself was left (KeyboardInterrupt, SystemExit)
-                _cancel_and_settle(loop, task, exc)
+                _cancel_and_settle(loop, task)
             raise
         finally:
             self._task = None
@@ -150,10 +164,13 @@ class LoopRunner:
         if task is None:  # between calls: a plain Ctrl-C
             raise KeyboardInterrupt()
         self._interrupts += 1
+        loop = self._loop
+        assert loop is not None
+        for stop in _ON_CTRL_C.get(loop, ()):  # on the loop, ahead of the cancellation
+            loop.call_soon_threadsafe(stop)
         if self._interrupts == 1 and not task.done():
-            task.cancel(INTERRUPTED)
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(lambda: None)  # wake the loop
+            task.cancel()
+            loop.call_soon_threadsafe(lambda: None)  # wake the loop
             return
         raise KeyboardInterrupt()
 
@@ -202,14 +219,12 @@ def _loop_running_in_this_thread() -> bool:
     return True
 
 
-def _cancel_and_settle(
-    loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], exc: BaseException
-) -> None:
-    """Cancel a call that ``exc`` (a ``KeyboardInterrupt``/``SystemExit`` from a
-    callback or another task) left pending, and let it end now: left on the loop, it
-    would run on at the next call and take that call's place (cancelled, a pipeline's
-    caller returns at once; its iteration runs on like any other's)."""
-    task.cancel(INTERRUPTED if isinstance(exc, KeyboardInterrupt) else None)
+def _cancel_and_settle(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+    """Cancel a call that a ``KeyboardInterrupt``/``SystemExit`` from a callback or
+    another task left pending, and let it end now: left on the loop, it would run on
+    at the next call and take that call's place (cancelled, a pipeline's caller
+    returns at once; its iteration runs on like any other's)."""
+    task.cancel()
     loop.run_until_complete(asyncio.wait([task]))
 
 

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from .loops import INTERRUPTED, STOPPED_WAITING, runner_owns, task_quiet_if_left
+from .loops import STOPPED_WAITING, runner_owns, task_quiet_if_left, waits_for_ctrl_c
 from .waker import wait_settled
 
-__all__ = ("GRACE_S", "LaneWatch", "by_ctrl_c", "describe_wait")
+__all__ = ("GRACE_S", "LaneWatch", "describe_wait")
 
 #: An iteration that ends this soon after the loop began to shut down is waited for
 #: without a word.
@@ -42,13 +41,10 @@ class Lanes(Protocol):
 
 
 class LaneWatch:
-    """Waits for one iteration's lanes; ``describe()`` says what they still run.
-    ``interrupted``: the iteration's caller left it because of Ctrl-C."""
+    """Waits for one iteration's lanes; ``describe()`` says what they still run."""
 
-    def __init__(self, lanes: Lanes, describe: Callable[..., str], *,
-                 interrupted: bool = False) -> None:  # fmt: skip
+    def __init__(self, lanes: Lanes, describe: Callable[..., str]) -> None:
         self._lanes, self._describe = lanes, describe
-        self.interrupted = interrupted
         self._told: set[str] = set()  # the waits that said what they wait for
         self._lock = threading.Lock()
         #: A Ctrl-C stopped a wait for the iteration: nothing waits for it again.
@@ -64,33 +60,32 @@ class LaneWatch:
             self._told.add(until)
         print(
             f"aiopipe: {self._describe(until=until, skipping=skipping)}. Press Ctrl-C "
-            f"again to stop waiting (the model's state is then undefined).",
+            f"to stop waiting (the model's state is then undefined).",
             file=sys.stderr, flush=True,
         )  # fmt: skip
 
     @contextlib.contextmanager
     def telling(self) -> Iterator[None]:
         """Around a wait on the loop for the iteration (``aclose()``'s): :meth:`tell`
-        if its caller left because of Ctrl-C and the wait lasts over :data:`GRACE_S`;
-        a Ctrl-C during the wait stops waiting for good (:meth:`abandon`)."""
-        timer = (asyncio.get_running_loop().call_later(GRACE_S, self.tell, "", False)
-                 if self.interrupted else None)  # fmt: skip
+        if it lasts over :data:`GRACE_S`.  A Ctrl-C that this package's runner
+        handles meanwhile stops waiting for the iteration for good (:meth:`abandon`,
+        through :func:`~aiopipe._core.loops.waits_for_ctrl_c`); any other end of the
+        wait (a timeout, a cancellation) ends this wait only."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(GRACE_S, self.tell, "", False)
         try:
-            yield
-        except BaseException as exc:
-            if by_ctrl_c(exc):
-                self.abandon()
-            raise
+            with waits_for_ctrl_c(loop, self.abandon):
+                yield
         finally:
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
 
     def abandon(self) -> None:
-        """Stop waiting for the iteration, for good: its guard waits no more (the
-        loop closes without it), and stderr says so."""
+        """Stop waiting for the iteration, for good: its tasks not started are skipped,
+        its guard waits no more (the loop closes without it), and stderr says so."""
         if self._abandoned:
             return
         self._abandoned = True
+        self._lanes.abort(asyncio.CancelledError())  # its tasks not started: skipped now
         if self._told:
             print(STOPPED_WAITING, file=sys.stderr, flush=True)
         else:
@@ -147,33 +142,6 @@ class LaneWatch:
         while not self._lanes.wait(_POLL_S):
             if loop.is_closed() or self._abandoned:
                 return
-
-
-def by_ctrl_c(exc: BaseException) -> bool:
-    """Whether ``exc`` ends a wait because of Ctrl-C: a ``KeyboardInterrupt``, a
-    cancellation this package's runners made for one (:data:`INTERRUPTED`), one made
-    while a ``KeyboardInterrupt`` was on its way out (``asyncio.run`` shutting down
-    after a second Ctrl-C), or one under an ``asyncio.run`` that has seen Ctrl-C.  A
-    timeout's cancellation is none of these."""
-    if isinstance(exc, KeyboardInterrupt) or exc.args[:1] == (INTERRUPTED,):
-        return True
-    if isinstance(exc, asyncio.CancelledError) and _asyncio_run_interrupted():
-        return True
-    context, depth = exc.__context__, 0
-    while context is not None and depth < 8:  # (a cycle is possible; stay bounded)
-        if isinstance(context, KeyboardInterrupt):
-            return True
-        context, depth = context.__context__, depth + 1
-    return False
-
-
-def _asyncio_run_interrupted() -> bool:
-    """Whether the ``asyncio.run`` (``asyncio.Runner``) in this thread has handled a
-    Ctrl-C: its first one cancels the main task with no mark of its own.  Read from
-    the handler it installs (its interrupt count is private: without it, ``False``)."""
-    handler = signal.getsignal(signal.SIGINT)
-    runner = getattr(getattr(handler, "func", None), "__self__", None)
-    return isinstance(runner, asyncio.Runner) and getattr(runner, "_interrupt_count", 0) > 0
 
 
 def describe_wait(pipeline: str, iteration: Any, lane_names: Sequence[str], *, until: str = "",
