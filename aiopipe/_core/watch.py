@@ -138,7 +138,7 @@ class LaneWatch:
     def block_until_done(self, loop: asyncio.AbstractEventLoop) -> None:
         """On a thread of ``loop``'s default executor: return once the lanes are done,
         once ``loop`` is closed (nothing can handle the iteration's end there), or once
-        a wait was stopped after it told what it waited for."""
+        a Ctrl-C has stopped waiting for it (:meth:`abandon`)."""
         while not self._lanes.wait(_POLL_S):
             if loop.is_closed() or self._abandoned:
                 return
