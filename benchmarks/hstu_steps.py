@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import threading
+from contextlib import nullcontext
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,8 @@ from _common import (  # noqa: E402
     spread,
     task_body_ms,
 )
+
+from stream_cost import torch_stream_context  # noqa: E402
 
 from aiopipe import Tracer  # noqa: E402
 from hstu_tasks import (  # noqa: E402
@@ -72,6 +75,9 @@ def on_the_loop(task: Any) -> str:
 ON_A_THREAD = "none, on a thread"
 #: The row that asks for 20 steps a call (``progress_many``: the lanes chain them).
 CHAINED = "aiopipe, 20 steps a call"
+#: The default row with ``torch.cuda.stream(s)`` around each body (the engine's own
+#: switch replaced it; ``stream_cost`` times both).
+TORCH_STREAM = "aiopipe, torch.cuda.stream a task"
 # name: (pipeline, thread map or "kk" for the shuffler, data parallel)
 CONFIGS: dict[str, tuple[str, Any, str]] = {
     "none": ("none", None, "torch"),
@@ -89,6 +95,7 @@ CONFIGS: dict[str, tuple[str, Any, str]] = {
     "aiopipe, io/compute lanes": ("aiopipe", HSTU_IO_LANE_THREAD_MAP, "torch"),
     "aiopipe, on the loop": ("aiopipe", on_the_loop, "torch"),
     CHAINED: ("aiopipe", None, "torch"),
+    TORCH_STREAM: ("aiopipe", None, "torch"),
 }
 if torch.cuda.is_available() and megatron_available():
     CONFIGS["aiopipe, Megatron DDP"] = ("aiopipe", None, "megatron")
@@ -140,8 +147,11 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
                 result = on_a_thread(lambda: run_pipeline(mode, setup, data))
             else:
                 chained = 20 if name == CHAINED else 1
-                result = run_pipeline(mode, setup, data, thread_map=thread_map,  # type: ignore[arg-type]
-                                      tracer=tracer, steps_per_call=chained)  # fmt: skip
+                with torch_stream_context() if name == TORCH_STREAM else nullcontext():
+                        result = run_pipeline(
+                        mode, setup, data, thread_map=thread_map,  # type: ignore[arg-type]
+                        tracer=tracer, steps_per_call=chained,
+                    )  # fmt: skip
             rate = args["steps"] / result.seconds
             cores_busy = machine_busy(result.seconds, result.cpu_seconds)
             if repeat:
@@ -174,10 +184,11 @@ def main() -> None:
     parser.add_argument("--lengths", choices=("uniform", "zipf"), default="uniform")
     parser.add_argument("--replicate-tables", action="store_true",
                         help="no torchrec sharding (and no torchrec row)")
-    default = [name for name in CONFIGS if name != ON_A_THREAD or torch.cuda.is_available()]
+    default = [name for name in CONFIGS
+               if name not in (ON_A_THREAD, TORCH_STREAM) or torch.cuda.is_available()]
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=default, metavar="NAME",
                         help=f"rows to run, of {list(CONFIGS)} (default: all, "
-                             f"{ON_A_THREAD!r} on a GPU only)")  # fmt: skip
+                             f"{ON_A_THREAD!r} and {TORCH_STREAM!r} on a GPU only)")  # fmt: skip
     parser.add_argument("--engine-time", action="store_true",
                         help="trace the aiopipe rows: the engine's host time per step")
     args = vars(parser.parse_args())

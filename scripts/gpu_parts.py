@@ -170,11 +170,15 @@ def bench(ctx: Context, name: str, *args: str) -> Step:
 # steps asked for a call (progress_many: the lanes chain them).
 HSTU_ROWS = ("none", "aiopipe", "aiopipe-prefetch", "aiopipe, io/compute lanes",
              "aiopipe, 20 steps a call", "none, on a thread")  # fmt: skip
+# The default row with torch.cuda.stream(s) around each body, as before the engine's own
+# switch: paired by round with the default row.
+BEFORE_ROW = "aiopipe, torch.cuda.stream a task"
 
 
 def hstu_steps(ctx: Context) -> list[Step]:
-    return [bench(ctx, "hstu_steps", "--ranks", "1", "--replicate-tables", "--steps", "100",
-                  "--repeats", "5", "--engine-time", "--configs", *HSTU_ROWS)]  # fmt: skip
+    return [bench(ctx, "hstu_steps", "--ranks", "1", "--replicate-tables", "--steps", "200",
+                  "--repeats", "5", "--engine-time",
+                  "--configs", *HSTU_ROWS, BEFORE_ROW)]  # fmt: skip
 
 
 def read_hstu(outputs: list[str], ctx: Context) -> Reading:
@@ -190,6 +194,9 @@ def read_hstu(outputs: list[str], ctx: Context) -> Reading:
     # What a lane's thread costs before any engine: the plain loop off the main thread.
     figures.append(Figure(f"HSTU {HSTU_ROWS[5]} x the plain loop",
                           f"{rates[HSTU_ROWS[5]] / rates['none']:.3f}x"))
+    pairs = zip(result["samples"]["aiopipe"], result["samples"][BEFORE_ROW])
+    figures.append(Figure(f"HSTU aiopipe x {BEFORE_ROW} (paired by round)",
+                          f"{statistics.median(a / b for a, b in pairs):.3f}x"))
     share = result["engine_share"]
     figures.append(Figure("engine host time per step (tracer), share of the step",
                           f"{100 * share:.2f} % ({result['engine_host_ms']:.3f} ms of "
@@ -245,6 +252,24 @@ def read_plan(outputs: list[str], ctx: Context) -> Reading:
     ], {"device_ms": device, "plan": plan})  # fmt: skip
 
 
+def streams_steps(ctx: Context) -> list[Step]:
+    return [bench(ctx, "stream_cost", "--repeats", "5")]
+
+
+def read_streams(outputs: list[str], ctx: Context) -> Reading:
+    result = last_json(outputs[0])
+    calls, tasks = result["us_per_call"], result["us_per_task"]
+    figures = [Figure(f"{name}, us a call", f"{us:.2f}") for name, us in calls.items()]
+    for label in ("lane (default)", "sequential"):
+        null = tasks[f"{label}, null streams"]
+        figures.append(Figure(
+            f"{label}: stream and event work a no-op task, us (before: torch.cuda.stream)",
+            f"{tasks[f'{label}, CUDA streams'] - null:.2f} "
+            f"(before {tasks[f'{label}, CUDA streams, before'] - null:.2f}) of {null:.2f}",
+        ))  # fmt: skip
+    return Reading(figures, result)
+
+
 def watchdog_steps(ctx: Context) -> list[Step]:
     return [bench(ctx, "loop_latency", "--rows", "hstu", "--replicate-tables", "--steps", "60")]
 
@@ -270,6 +295,8 @@ PARTS = (
          lambda ctx: [Step([ctx.python, str(ctx.root / "scripts" / "gpu_probe.py")])],
          read_environment),
     Part("gpu-tests", "the tests that need CUDA (marked cuda)", 200, False, test_steps, read_tests),
+    Part("streams", "the engine's stream and event work a task, and the CUDA calls in it", 90,
+         True, streams_steps, read_streams),
     Part("hstu", "HSTU on one GPU, replicated tables, NCCL with one rank", 150, True, hstu_steps,
          read_hstu),
     Part("presets", "basic() T2 against the plain loop, copy-heavy batches", 100, True,

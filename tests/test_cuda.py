@@ -197,3 +197,36 @@ async def test_a_named_event_orders_a_reader_of_out_of_slot_state(executor: str)
         sums = await collect(pipe, iter(range(6)))
     torch.cuda.synchronize()
     assert [float(s) for s in sums] == [float(N * (b + 1)) for b in range(6)]
+
+
+def test_a_task_s_stream_is_current_in_its_body_and_the_thread_s_own_after() -> None:
+    """``StreamPool.use``, the switch around every body on a device stream: inside,
+    its stream is current (nested too); after, the thread's own stream again, also
+    when the body raised."""
+    pool = StreamPool.for_device(("default", "side"), "cuda")
+    side, default = pool.get("side"), pool.get("default")
+    own = torch.cuda.Stream()
+    with torch.cuda.stream(own):
+        with pool.use("side") as entered:
+            assert entered == side == torch.cuda.current_stream()
+            with pool.use("default"):
+                assert torch.cuda.current_stream() == default
+            assert torch.cuda.current_stream() == side
+        assert torch.cuda.current_stream() == own
+        with pytest.raises(ValueError), pool.use("side"):
+            raise ValueError("a failing body")
+        assert torch.cuda.current_stream() == own
+
+
+# Without CUDA, the cuda marker's own skip says why.
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="needs two GPUs")
+def test_a_stream_on_another_device_is_current_there_and_each_device_s_own_after() -> None:
+    pool = StreamPool.for_device(("default", "far"), "cuda:1")
+    far = pool.get("far")
+    with torch.cuda.device(0):
+        here, there = torch.cuda.current_stream(0), torch.cuda.current_stream(1)
+        with pool.use("far"):
+            assert torch.cuda.current_device() == 1 and torch.cuda.current_stream() == far
+        assert torch.cuda.current_device() == 0
+        assert torch.cuda.current_stream(0) == here and torch.cuda.current_stream(1) == there

@@ -153,6 +153,6 @@ def test_the_rehearsal_installs_offline_and_reports_what_it_skipped_for_want_of_
     markdown = (out / "gpu_report.md").read_text()
     assert "| device | no CUDA device |" in markdown
     assert f"| torch | {environment['torch']} |" in markdown
-    assert "* for want of a CUDA device: gpu-tests, hstu, presets, plan, watchdog\n" in markdown
+    assert "* for want of a CUDA device: gpu-tests, streams, hstu, presets, plan, watchdog\n" in markdown
     assert [p["name"] for p in report["parts"] if p["no_cuda"]] == [
-        "gpu-tests", "hstu", "presets", "plan", "watchdog"]  # fmt: skip
+        "gpu-tests", "streams", "hstu", "presets", "plan", "watchdog"]  # fmt: skip
