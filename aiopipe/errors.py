@@ -167,3 +167,17 @@ def attach_origin(exc: BaseException, task_name: str, where: str, **attributes: 
         return
     if hasattr(exc, "add_note"):
         exc.add_note(f"aiopipe: raised by task {task_name!r} {where}")
+
+
+def attach_source_origin(exc: Exception, batch: int) -> None:
+    """Say on a source's own exception which of its batches it was giving: the
+    attribute ``aiopipe_source_batch`` and a note (once; this package's own refusals
+    say it themselves)."""
+    if isinstance(exc, PipelineError) or getattr(exc, "aiopipe_source_batch", None) is not None:
+        return
+    try:
+        exc.aiopipe_source_batch = batch  # type: ignore[attr-defined]
+    except AttributeError:  # exceptions with __slots__
+        return
+    exc.add_note(f"aiopipe: raised by the source, reading its batch {batch} (counted from 0); "
+                 f"the batches before it are not lost: drain() finishes any still in flight")

@@ -108,6 +108,8 @@ class FetchAhead(AsyncIterator[T]):
         self._unstarted: Any = NO_KEY
         #: ``fetch`` returned no awaitable: raised again, no further key taken.
         self._refused: ConfigurationTypeError | None = None
+        #: ``fetch`` returned no awaitable once: no other key is fetched with it.
+        self._plain = False
         self._lost: str | None = None
 
     async def __anext__(self) -> T:
@@ -208,7 +210,7 @@ class FetchAhead(AsyncIterator[T]):
     def _refill(self) -> None:
         """Start the fetches of the next keys while fewer than ``in_flight`` run."""
         while len(self._window) < self._limit and not (
-            self._keys_done or self._keys_failed or self._closed or self._lost
+            self._keys_done or self._keys_failed or self._closed or self._lost or self._plain
         ):
             if self._unstarted is not NO_KEY:
                 self._take(self._unstarted)
@@ -277,6 +279,7 @@ class FetchAhead(AsyncIterator[T]):
         except Exception as exc:  # a plain function that raised: that fetch failed
             return settled(exc)
         if not inspect.isawaitable(fetching):
+            self._plain = True  # every key would fail alike: the refusal comes next
             return settled(NotAwaitable(
                 f"fetch_ahead(): fetch returned {type(fetching).__name__}, not an awaitable: "
                 f"define fetch with 'async def'"

@@ -24,7 +24,7 @@ import collections
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .errors import BadBatchError, PipelineStateError
+from .errors import BadBatchError, PipelineStateError, attach_source_origin
 from .pulls import Pulls
 from .sources import END, Source, Taken, not_a_source
 from .task import BATCH_SLOT
@@ -235,6 +235,7 @@ class Feed(Pulls):
                 if problem is not None:
                     self._refuse(problem)
             except Exception as exc:  # the source's: a call after results defers it here
+                attach_source_origin(exc, self.pulled)
                 self.raised = exc
                 raise
             top.set(BATCH_SLOT, batch)

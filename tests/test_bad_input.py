@@ -67,8 +67,13 @@ async def test_a_source_that_raises_mid_epoch_loses_no_batch(pipe: Pipeline) -> 
     source = flaky()
     got = [await pipe.progress(source), await pipe.progress(source)]
     # the third progress pulls past batch 3 and meets the error
-    with pytest.raises(OSError, match="went away"):
+    with pytest.raises(OSError, match="went away") as caught:
         await pipe.progress(source)
+    assert caught.value.aiopipe_source_batch == 4  # type: ignore[attr-defined]
+    assert caught.value.__notes__ == [
+        "aiopipe: raised by the source, reading its batch 4 (counted from 0); the batches "
+        "before it are not lost: drain() finishes any still in flight"
+    ]
     assert pipe.statistics().broken is None  # no task had started: nothing to undo
     assert pipe.statistics().in_flight == 2
     # the generator is finished now: the batches in flight complete, then the end

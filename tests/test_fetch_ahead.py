@@ -215,16 +215,20 @@ async def test_a_fetch_that_is_not_async_is_refused_with_the_fix() -> None:
     """A programming error, not a failed key: raised as itself, so a loop that skips
     failed keys (``except FetchError: continue``) does not skip every key."""
 
+    called = []
+
     def fetch(key: int) -> int:
+        called.append(key)
         return key
 
-    source = fetch_ahead([7, 8], fetch, in_flight=1)  # type: ignore[arg-type]
+    source = fetch_ahead([7, 8, 9, 10], fetch, in_flight=3)  # type: ignore[arg-type]
     for _ in range(2):
         with pytest.raises(ConfigurationTypeError, match="define fetch with 'async def'") as caught:
             await anext(source)
         assert type(caught.value) is ConfigurationTypeError  # no private class in the traceback
-    stats = source.statistics()  # no further key taken; the counts add up
-    assert (stats.keys_taken, stats.in_flight, stats.failed) == (2, 1, 1)
+    assert called == [7]  # the first call said it all: no other key was fetched with it
+    stats = source.statistics()  # the counts add up
+    assert (stats.keys_taken, stats.in_flight, stats.failed) == (1, 0, 1)
     assert stats.keys_taken == stats.in_flight + stats.delivered + stats.failed
 
 
