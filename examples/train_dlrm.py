@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training
 from hstu_tasks import init_distributed, leave_and_exit, quiet_torchrec, stop_on_ctrl_c
-from hstu_tasks.arguments import at_least, output_file
+from hstu_tasks.arguments import ArgumentParser, at_least, output_file, refusal
 from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device
 from hstu_tasks.runners import parameter_checksum, parameter_digest
@@ -47,8 +47,8 @@ from hstu_tasks.sparse.schedules import check_compile_backend
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(description=__doc__.splitlines()[0],
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--steps", type=at_least(0), default=40,
                         help="the job's training steps in all (a resumed run continues to it)")
     parser.add_argument("--seed", type=int, default=0)
@@ -101,18 +101,18 @@ def schedule_knobs(args: argparse.Namespace) -> dict[str, Any]:
     if args.stash_gradients:
         knobs["stash_gradients"] = True
     if knobs and not args.pipeline.endswith("semi-sync"):
-        raise SystemExit("train_dlrm.py: --start-batch and --stash-gradients are semi-sync's: "
-                         "use them with --pipeline aiopipe-semi-sync or "
-                         "torchrec-semi-sync")  # fmt: skip
+        raise refusal("train_dlrm.py: --start-batch and --stash-gradients are semi-sync's: "
+                      "use them with --pipeline aiopipe-semi-sync or "
+                      "torchrec-semi-sync")  # fmt: skip
     if args.compile_backend is not None or args.compile_on_iter is not None:
         if not args.pipeline.endswith("pt2"):
-            raise SystemExit("train_dlrm.py: --compile-backend and --compile-on-iter are pt2's: "
-                             "use them with --pipeline aiopipe-pt2 or torchrec-pt2")  # fmt: skip
+            raise refusal("train_dlrm.py: --compile-backend and --compile-on-iter are pt2's: "
+                          "use them with --pipeline aiopipe-pt2 or torchrec-pt2")  # fmt: skip
         defaults = TorchCompileConfig()
         try:  # now, not at the compile, steps in
             check_compile_backend(args.compile_backend or defaults.backend)
         except ValueError as error:
-            raise SystemExit(f"train_dlrm.py: --compile-backend: {error}") from None
+            raise refusal(f"train_dlrm.py: --compile-backend: {error}") from None
         knobs["compile_configs"] = TorchCompileConfig(
             backend=args.compile_backend or defaults.backend,
             compile_on_iter=defaults.compile_on_iter if args.compile_on_iter is None
@@ -126,37 +126,37 @@ def main() -> None:
     # Refuse what cannot run before joining the group (the other ranks would wait);
     # argparse has refused numbers out of range.
     if args.steps_per_call > 1 and not args.pipeline.startswith("aiopipe"):
-        raise SystemExit(f"train_dlrm.py: --steps-per-call asks aiopipe for several steps a "
-                         f"call; --pipeline {args.pipeline} takes one")  # fmt: skip
+        raise refusal(f"train_dlrm.py: --steps-per-call asks aiopipe for several steps a "
+                      f"call; --pipeline {args.pipeline} takes one")  # fmt: skip
     knobs = schedule_knobs(args)
     if args.eval_every and args.pipeline.startswith("torchrec"):
-        raise SystemExit("train_dlrm.py: --eval-every needs an aiopipe pipeline or none: "
-                         "each of torchrec's train pipelines would forward its training "
-                         "batches in flight as evaluation batches")  # fmt: skip
+        raise refusal("train_dlrm.py: --eval-every needs an aiopipe pipeline or none: "
+                      "each of torchrec's train pipelines would forward its training "
+                      "batches in flight as evaluation batches")  # fmt: skip
     if args.pipeline == "torchrec-prefetch" and default_device().type != "cuda":
-        raise SystemExit("train_dlrm.py: torchrec's PrefetchTrainPipelineSparseDist needs a "
-                         "GPU: on a CPU its prefetch does nothing and its forwards find no "
-                         "prefetched input (--pipeline aiopipe-prefetch runs on a CPU)")
+        raise refusal("train_dlrm.py: torchrec's PrefetchTrainPipelineSparseDist needs a "
+                      "GPU: on a CPU its prefetch does nothing and its forwards find no "
+                      "prefetched input (--pipeline aiopipe-prefetch runs on a CPU)")
     if args.uneven is not None:
         if not args.pipeline.startswith("aiopipe"):
-            raise SystemExit(f"train_dlrm.py: --uneven: with --pipeline {args.pipeline} the "
-                             f"longer ranks would wait in a collective until it times out "
-                             f"(aiopipe's pipelines end the epoch together; torchrec issue "
-                             f"#1014)")  # fmt: skip
+            raise refusal(f"train_dlrm.py: --uneven: with --pipeline {args.pipeline} the "
+                          f"longer ranks would wait in a collective until it times out "
+                          f"(aiopipe's pipelines end the epoch together; torchrec issue "
+                          f"#1014)")  # fmt: skip
         if args.checkpoint_dir:
-            raise SystemExit("train_dlrm.py: --uneven with --checkpoint-dir: a resumed job "
-                             "would not know which rank was short")  # fmt: skip
+            raise refusal("train_dlrm.py: --uneven with --checkpoint-dir: a resumed job "
+                          "would not know which rank was short")  # fmt: skip
         if args.uneven > args.steps:
-            raise SystemExit(f"train_dlrm.py: --uneven {args.uneven} is more than --steps "
-                             f"{args.steps}")  # fmt: skip
+            raise refusal(f"train_dlrm.py: --uneven {args.uneven} is more than --steps "
+                          f"{args.steps}")  # fmt: skip
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # torchrun's, before joining
-            raise SystemExit("train_dlrm.py: --uneven needs more than one rank (torchrun "
-                             "--nproc-per-node 2 examples/train_dlrm.py ...)")  # fmt: skip
+            raise refusal("train_dlrm.py: --uneven needs more than one rank (torchrun "
+                          "--nproc-per-node 2 examples/train_dlrm.py ...)")  # fmt: skip
     if args.checkpoint_dir and args.grad_accumulation > 1:
-        raise SystemExit("train_dlrm.py: --checkpoint-dir with --grad-accumulation is not "
-                         "supported: a checkpoint (a forced one, or a job stopped and "
-                         "resized) may fall inside a group, whose accumulated gradients it "
-                         "would lose (docs/fault-tolerance.md)")  # fmt: skip
+        raise refusal("train_dlrm.py: --checkpoint-dir with --grad-accumulation is not "
+                      "supported: a checkpoint (a forced one, or a job stopped and "
+                      "resized) may fall inside a group, whose accumulated gradients it "
+                      "would lose (docs/fault-tolerance.md)")  # fmt: skip
     quiet_torchrec()
     rank, world = init_distributed(datetime.timedelta(seconds=args.collective_timeout))
     short = args.uneven if args.uneven is not None and rank == world - 1 else 0

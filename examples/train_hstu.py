@@ -26,7 +26,7 @@ from aiopipe.timeline import write_timeline
 from hstu_tasks import DataConfig, HSTUBatch, ModelConfig, OptimizerConfig, SyntheticHSTUData
 from hstu_tasks import build_training, init_distributed, leave_and_exit, quiet_torchrec
 from hstu_tasks import stop_on_ctrl_c
-from hstu_tasks.arguments import at_least, output_file
+from hstu_tasks.arguments import ArgumentParser, at_least, output_file, refusal
 from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device, resolve_data_parallel
 from hstu_tasks.runners import PIPELINES, RunResult, parameter_checksum, parameter_digest
@@ -34,7 +34,7 @@ from hstu_tasks.runners import run_pipeline
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=at_least(0), default=40,
                         help="the job's training steps in all (a resumed run continues to it)")
     parser.add_argument("--seed", type=int, default=0)
@@ -79,22 +79,22 @@ def main() -> None:
     args = parse_args()
     # Refuse what cannot run before joining the group (the other ranks would wait).
     if args.steps_per_call > 1 and not args.pipeline.startswith("aiopipe"):
-        raise SystemExit(f"train_hstu.py: --steps-per-call asks aiopipe for several steps a "
-                         f"call; --pipeline {args.pipeline} takes one")  # fmt: skip
+        raise refusal(f"train_hstu.py: --steps-per-call asks aiopipe for several steps a "
+                      f"call; --pipeline {args.pipeline} takes one")  # fmt: skip
     if (args.trace or args.timeline) and not args.pipeline.startswith("aiopipe"):
-        raise SystemExit(f"train_hstu.py: --trace and --timeline record aiopipe's tasks; "
-                         f"--pipeline {args.pipeline} has none")  # fmt: skip
+        raise refusal(f"train_hstu.py: --trace and --timeline record aiopipe's tasks; "
+                      f"--pipeline {args.pipeline} has none")  # fmt: skip
     needs_sharded_torch_ddp = args.pipeline == "torchrec" or args.checkpoint_dir
     if needs_sharded_torch_ddp and args.replicate_tables:
-        raise SystemExit("train_hstu.py: --pipeline torchrec and --checkpoint-dir need sharded "
-                         "tables (drop --replicate-tables)")  # fmt: skip
+        raise refusal("train_hstu.py: --pipeline torchrec and --checkpoint-dir need sharded "
+                      "tables (drop --replicate-tables)")  # fmt: skip
     if needs_sharded_torch_ddp and args.data_parallel == "megatron":
-        raise SystemExit("train_hstu.py: --pipeline torchrec and --checkpoint-dir need torch "
-                         "DDP (drop --data-parallel megatron)")  # fmt: skip
+        raise refusal("train_hstu.py: --pipeline torchrec and --checkpoint-dir need torch "
+                      "DDP (drop --data-parallel megatron)")  # fmt: skip
     try:
         resolve_data_parallel(args.data_parallel, default_device())
     except (ValueError, ImportError) as error:  # e.g. --data-parallel megatron without a GPU
-        raise SystemExit(f"train_hstu.py: {error}") from None
+        raise refusal(f"train_hstu.py: {error}") from None
     quiet_torchrec()
     rank, world = init_distributed(datetime.timedelta(seconds=args.collective_timeout))
     job: ResumableJob[HSTUBatch] = ResumableJob(args, rank=rank, world_size=world)

@@ -1,6 +1,8 @@
 """argparse types for the examples' options: a value out of range, a malformed pair or
 an output file that cannot be written is refused by argparse itself, with the
-option's name, before anything is built, joined or trained."""
+option's name, before anything is built, joined or trained.  Under torchrun every rank
+parses the same command line: :class:`ArgumentParser` and :func:`refusal` let rank 0
+alone say why it stops (each rank stops with the same status)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,30 @@ import argparse
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
-__all__ = ("at_least", "output_file", "pair", "seconds")
+__all__ = ("ArgumentParser", "at_least", "output_file", "pair", "refusal", "seconds")
+
+
+def speaks_for_the_job() -> bool:
+    """Whether this process says why the job stops: torchrun's rank 0, or no torchrun."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def refusal(message: str) -> SystemExit:
+    """What to raise to stop before joining the process group: the message on rank 0,
+    the same exit status (1) and nothing printed on the others."""
+    return SystemExit(message if speaks_for_the_job() else 1)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's, with a bad command line said once under torchrun (by rank 0);
+    every rank exits with argparse's status, 2."""
+
+    def error(self, message: str) -> NoReturn:
+        if not speaks_for_the_job():
+            self.exit(2)
+        super().error(message)
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

@@ -187,6 +187,36 @@ def test_a_refusal_from_the_command_line_is_one_line_and_exit_status_1() -> None
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_torchrun_rank_0_alone_says_why_the_job_stops(
+    rank: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("RANK", rank)
+    said_why = ("train_dlrm.py: --steps-per-call asks aiopipe for several steps a call; "
+                "--pipeline torchrec takes one")
+    code = said_why if rank == "0" else 1
+    module = load_example("examples/train_dlrm.py")
+    for flags, status in ((["--pipeline", "torchrec", "--steps-per-call", "2"], code),
+                          (["--steps", "-1"], 2)):  # fmt: skip
+        monkeypatch.setattr(sys, "argv", ["train_dlrm.py", *flags])
+        with pytest.raises(SystemExit) as exited:
+            module.main()
+        assert exited.value.code == status  # the same status on every rank
+        said = capsys.readouterr().err
+        assert ("must be >= 0" in said) == (rank == "0" and status == 2)
+
+
+@pytest.mark.distributed
+def test_a_refusal_under_torchrun_is_said_once() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "examples/train_dlrm.py", "--pipeline", "torchrec", "--steps-per-call", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert result.stderr.count("--pipeline torchrec takes one") == 1, result.stderr[-3000:]
+
+
 @pytest.mark.distributed
 def test_train_dlrm_demo_writes_its_report(tmp_path: Path) -> None:
     report = tmp_path / "run.json"
