@@ -179,5 +179,7 @@ def attach_source_origin(exc: Exception, batch: int) -> None:
         exc.aiopipe_source_batch = batch  # type: ignore[attr-defined]
     except AttributeError:  # exceptions with __slots__
         return
-    exc.add_note(f"aiopipe: raised by the source, reading its batch {batch} (counted from 0); "
-                 f"the batches before it are not lost: drain() finishes any still in flight")
+    if hasattr(exc, "add_note"):  # Python 3.11 and later
+        exc.add_note(f"aiopipe: raised by the source, reading its batch {batch} (counted from "
+                     f"0); the batches before it are not lost: drain() finishes any still in "
+                     f"flight")

@@ -20,7 +20,7 @@ from typing import Any
 
 from ._core.loops import close_left
 from ._core.waker import mark_retrieved, wait_settled
-from .errors import PipelineStateError
+from .errors import PipelineStateError, attach_source_origin
 from .sources import END, Taken, closed_between_pulls, finished_generator
 
 __all__ = ("Pulls",)
@@ -40,6 +40,7 @@ class Pulls:
     _depth: int
     _pulled_inline: bool
     draining: bool
+    pulled: int
     exhausted: bool
     read_ahead_allowed: bool
 
@@ -93,11 +94,13 @@ class Pulls:
         return sum(1 for pull in pulls if _gave_an_item(pull))
 
     def held_error(self) -> Exception | None:
-        """The source's own error, read ahead and not raised yet."""
-        for pull in (self.ahead, *self._behind):
+        """The source's own error, read ahead and not raised yet (noted with the batch
+        it was giving: it may be raised later, by a call on another feed)."""
+        for offset, pull in enumerate((self.ahead, *self._behind)):
             if pull is not None and pull.done() and not pull.cancelled():
                 error = pull.exception()
                 if isinstance(error, Exception):
+                    attach_source_origin(error, self.pulled + offset)
                     return error
         return None
 

@@ -235,8 +235,8 @@ class Feed(Pulls):
                 if problem is not None:
                     self._refuse(problem)
             except Exception as exc:  # the source's: a call after results defers it here
-                attach_source_origin(exc, self.pulled)
                 self.raised = exc
+                attach_source_origin(exc, self.pulled)
                 raise
             top.set(BATCH_SLOT, batch)
         top.batch_index = self.pulled

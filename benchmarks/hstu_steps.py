@@ -148,7 +148,7 @@ def worker(rank: int, port: int, ranks: int, args: dict[str, Any], out: str) -> 
             else:
                 chained = 20 if name == CHAINED else 1
                 with torch_stream_context() if name == TORCH_STREAM else nullcontext():
-                        result = run_pipeline(
+                    result = run_pipeline(
                         mode, setup, data, thread_map=thread_map,  # type: ignore[arg-type]
                         tracer=tracer, steps_per_call=chained,
                     )  # fmt: skip

@@ -112,7 +112,8 @@ def schedule_knobs(args: argparse.Namespace) -> dict[str, Any]:
         try:  # now, not at the compile, steps in
             check_compile_backend(args.compile_backend or defaults.backend)
         except ValueError as error:
-            raise refusal(f"train_dlrm.py: --compile-backend: {error}") from None
+            # What this node has installed: said by every rank (it may differ by node).
+            raise SystemExit(f"train_dlrm.py: --compile-backend: {error}") from None
         knobs["compile_configs"] = TorchCompileConfig(
             backend=args.compile_backend or defaults.backend,
             compile_on_iter=defaults.compile_on_iter if args.compile_on_iter is None
@@ -134,9 +135,10 @@ def main() -> None:
                       "each of torchrec's train pipelines would forward its training "
                       "batches in flight as evaluation batches")  # fmt: skip
     if args.pipeline == "torchrec-prefetch" and default_device().type != "cuda":
-        raise refusal("train_dlrm.py: torchrec's PrefetchTrainPipelineSparseDist needs a "
-                      "GPU: on a CPU its prefetch does nothing and its forwards find no "
-                      "prefetched input (--pipeline aiopipe-prefetch runs on a CPU)")
+        # This node's device: said by every rank (it may differ by node).
+        raise SystemExit("train_dlrm.py: torchrec's PrefetchTrainPipelineSparseDist needs a "
+                         "GPU: on a CPU its prefetch does nothing and its forwards find no "
+                         "prefetched input (--pipeline aiopipe-prefetch runs on a CPU)")
     if args.uneven is not None:
         if not args.pipeline.startswith("aiopipe"):
             raise refusal(f"train_dlrm.py: --uneven: with --pipeline {args.pipeline} the "

@@ -94,7 +94,8 @@ def main() -> None:
     try:
         resolve_data_parallel(args.data_parallel, default_device())
     except (ValueError, ImportError) as error:  # e.g. --data-parallel megatron without a GPU
-        raise refusal(f"train_hstu.py: {error}") from None
+        # This node's device and packages: said by every rank (they may differ by node).
+        raise SystemExit(f"train_hstu.py: {error}") from None
     quiet_torchrec()
     rank, world = init_distributed(datetime.timedelta(seconds=args.collective_timeout))
     job: ResumableJob[HSTUBatch] = ResumableJob(args, rank=rank, world_size=world)

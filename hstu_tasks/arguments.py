@@ -2,7 +2,9 @@
 an output file that cannot be written is refused by argparse itself, with the
 option's name, before anything is built, joined or trained.  Under torchrun every rank
 parses the same command line: :class:`ArgumentParser` and :func:`refusal` let rank 0
-alone say why it stops (each rank stops with the same status)."""
+alone say why it stops (each rank stops with the same status).  What depends on the
+node (its device, its packages) is refused with a plain ``SystemExit``, said by every
+rank: another node's rank may be the only one that fails it."""
 
 from __future__ import annotations
 

@@ -248,3 +248,31 @@ def test_a_misspelt_option_is_refused_with_the_name_it_meant(build: str) -> None
                        match=rf"{build}\(\) got an unexpected keyword 'readahead' "
                              r"\(did you mean 'read_ahead'\?\)"):  # fmt: skip
         builders[build]()
+
+
+@pytest.mark.parametrize("reset_first", [False, True])
+async def test_a_source_error_read_ahead_says_its_batch_when_raised_after_a_switch(
+    reset_first: bool,
+) -> None:
+    """The read-ahead holds the source's error while another source runs; raised when
+    the first comes back, it still says which batch the source was giving."""
+
+    def flaky() -> Iterator[torch.Tensor]:
+        yield from (torch.ones(2, 4) for _ in range(3))
+        raise OSError("the data server went away")
+
+    model = torch.nn.Linear(4, 1)
+    pipe = aiopipe.basic(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         loss_fn=lambda out, batch: out.sum())  # fmt: skip
+    source = flaky()
+    for _ in range(3):
+        await pipe.progress(source)
+    if reset_first:
+        pipe.reset()
+    await pipe.progress(iter([torch.ones(2, 4)]))  # another source
+    with pytest.raises(OSError, match="went away") as caught:
+        await pipe.progress(source)
+    assert caught.value.aiopipe_source_batch == 3  # type: ignore[attr-defined]
+    note = caught.value.__notes__[0]
+    assert note.startswith("aiopipe: raised by the source, reading its batch 3 (counted from 0)")
+    pipe.shutdown()

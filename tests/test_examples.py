@@ -187,18 +187,19 @@ def test_a_refusal_from_the_command_line_is_one_line_and_exit_status_1() -> None
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("script", ["train_dlrm", "train_hstu"])
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_under_torchrun_rank_0_alone_says_why_the_job_stops(
-    rank: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    script: str, rank: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("RANK", rank)
-    said_why = ("train_dlrm.py: --steps-per-call asks aiopipe for several steps a call; "
-                "--pipeline torchrec takes one")
-    code = said_why if rank == "0" else 1
-    module = load_example("examples/train_dlrm.py")
-    for flags, status in ((["--pipeline", "torchrec", "--steps-per-call", "2"], code),
+    said_why = (f"{script}.py: --steps-per-call asks aiopipe for several steps a call; "
+                f"--pipeline torchrec takes one")
+    module = load_example(f"examples/{script}.py")
+    for flags, status in ((["--pipeline", "torchrec", "--steps-per-call", "2"],
+                           said_why if rank == "0" else 1),
                           (["--steps", "-1"], 2)):  # fmt: skip
-        monkeypatch.setattr(sys, "argv", ["train_dlrm.py", *flags])
+        monkeypatch.setattr(sys, "argv", [f"{script}.py", *flags])
         with pytest.raises(SystemExit) as exited:
             module.main()
         assert exited.value.code == status  # the same status on every rank
