@@ -29,14 +29,10 @@ from _common import (  # noqa: E402
     time_progress,
     with_spread,
 )
-from hstu_shape import IO_COMPUTE_THREAD_MAP, HSTU_TASKS, hstu_schedule  # noqa: E402
+from hstu_shape import IO_COMPUTE_THREAD_MAP, HSTU_TASKS, hstu_schedule, noop  # noqa: E402
 from threaded_baseline import ThreadedExecutor  # noqa: E402
 
 from aiopipe import AsyncExecutor, SchedulablePipeline  # noqa: E402
-
-
-def noop(ctx: object) -> None:
-    return None
 
 
 #: The io/compute lanes asked for 100 steps a call (``progress_many``: the lanes chain them).

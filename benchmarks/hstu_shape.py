@@ -40,6 +40,11 @@ IO_COMPUTE_THREAD_MAP = {
 STREAMS = ("default", "memcpy", "data_dist", "prefetch")
 
 
+def noop(ctx: TaskContext) -> None:
+    """A body that does nothing: what is left is the engine's own work."""
+    return None
+
+
 def hstu_schedule(body: Callable[[str], Body]) -> Schedule:
     """The HSTU-shaped schedule; ``body(task_name)`` returns each task's function."""
     tasks = [

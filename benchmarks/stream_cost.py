@@ -40,13 +40,9 @@ from _common import (  # noqa: E402
     time_progress,
     with_spread,
 )
-from hstu_shape import HSTU_TASKS, STREAMS, hstu_schedule  # noqa: E402
+from hstu_shape import HSTU_TASKS, STREAMS, hstu_schedule, noop  # noqa: E402
 
 from aiopipe import SchedulablePipeline, StreamPool  # noqa: E402
-
-
-def noop(ctx: object) -> None:
-    return None
 
 
 @contextlib.contextmanager
