@@ -83,9 +83,14 @@ def call_rows(calls: int) -> dict[str, Callable[[], float]]:
         with pool.use("side"):
             pass
 
+    def engine_current() -> None:
+        with pool.use("default"):
+            pass
+
     rows: dict[str, Callable[[], None]] = {
         "with torch.cuda.stream(s)": torch_context,
         "with StreamPool.use(name) (the engine's)": engine_switch,
+        "with StreamPool.use(name), its stream already current": engine_current,
         "torch.cuda.current_stream()": torch.cuda.current_stream,
         "torch.cuda.set_stream(current)": lambda: torch.cuda.set_stream(torch.cuda.current_stream()),
         "s.record_event() (a new event)": side.record_event,  # type: ignore[union-attr]

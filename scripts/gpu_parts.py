@@ -197,10 +197,12 @@ def read_hstu(outputs: list[str], ctx: Context) -> Reading:
     pairs = zip(result["samples"]["aiopipe"], result["samples"][BEFORE_ROW])
     figures.append(Figure(f"HSTU aiopipe x {BEFORE_ROW} (paired by round)",
                           f"{statistics.median(a / b for a, b in pairs):.3f}x"))
-    share = result["engine_share"]
-    figures.append(Figure("engine host time per step (tracer), share of the step",
-                          f"{100 * share:.2f} % ({result['engine_host_ms']:.3f} ms of "
-                          f"{result['engine_step_ms']:.3f} ms)", "<= 2 %", share <= 0.02))  # fmt: skip
+    # The default row's share: the benchmark's own "worst row" may be a row kept only
+    # for comparison (the torch.cuda.stream one).
+    share, host, step = result["engine_host"]["aiopipe"]
+    figures.append(Figure("engine host time per step, aiopipe (tracer), share of the step",
+                          f"{100 * share:.2f} % ({host:.3f} ms of {step:.3f} ms)",
+                          "<= 2 %", share <= 0.02))  # fmt: skip
     return Reading(figures, result)
 
 

@@ -218,6 +218,30 @@ def test_a_task_s_stream_is_current_in_its_body_and_the_thread_s_own_after() -> 
         assert torch.cuda.current_stream() == own
 
 
+
+def test_a_task_on_the_stream_already_current_finds_it_current_after_a_body_that_switched() -> None:
+    """Entered where its stream is already current, ``StreamPool.use`` switches nothing;
+    a body that leaves another stream current (or raises while it does) still ends
+    with the task's stream current again, as ``torch.cuda.stream`` would."""
+    pool = StreamPool.for_device(("default", "side"), "cuda")
+    default, side = pool.get("default"), pool.get("side")
+    assert torch.cuda.current_stream() == default
+    with pool.use("default") as entered:
+        assert entered == default == torch.cuda.current_stream()
+    assert torch.cuda.current_stream() == default
+    with pool.use("default"):
+        torch.cuda.set_stream(side)  # a body that does not put its stream back
+    assert torch.cuda.current_stream() == default
+    with pytest.raises(ValueError), pool.use("default"):
+        torch.cuda.set_stream(side)
+        raise ValueError("a failing body")
+    assert torch.cuda.current_stream() == default
+    with pool.use("side"):
+        with pool.use("side"):  # nested on the stream now current
+            assert torch.cuda.current_stream() == side
+        assert torch.cuda.current_stream() == side
+    assert torch.cuda.current_stream() == default
+
 # Without CUDA, the cuda marker's own skip says why.
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                     reason="needs two GPUs")
