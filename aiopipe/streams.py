@@ -45,13 +45,10 @@ class _OnStream:
     the device up and builds ``torch.device`` objects on each entry; this one
     compares device indexes and keeps torch's semantics: the stream (and with it its
     device) is current inside, and on the way out the stream each device had is
-    current again, and the thread's device is its own again.  Where the stream is
-    already current (most of a step's tasks run on the device's own stream) nothing
-    is switched; on the way out it is made current again only if the body left
-    another stream or device current (a query costs a fraction of a switch).
+    current again, and the thread's device is its own again.
     """
 
-    __slots__ = ("_stream", "_device", "_previous", "_other_previous")
+    __slots__ = ("_stream", "_previous", "_other_previous")
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
@@ -61,24 +58,14 @@ class _OnStream:
         stream = self._stream
         # With no device named, torch.cuda.current_stream() checks CUDA's availability
         # (environment included) on every call: 20 us, the most of the whole switch.
-        device = self._device = torch.cuda.current_device()
-        previous = torch.cuda.current_stream(device)
-        if previous == stream:  # the same stream on the same device: nothing to switch
-            self._previous = None
-            return stream
-        self._previous = previous
+        device = torch.cuda.current_device()
+        self._previous = torch.cuda.current_stream(device)
         if device != stream.device_index:
             self._other_previous = torch.cuda.current_stream(stream.device_index)
         torch.cuda.set_stream(stream)  # its device becomes the thread's current one
         return stream
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._previous is None:
-            device = self._device
-            if (torch.cuda.current_device() != device
-                    or torch.cuda.current_stream(device) != self._stream):  # fmt: skip
-                torch.cuda.set_stream(self._stream)  # and with it the device
-            return
         if self._other_previous is not None:
             torch.cuda.set_stream(self._other_previous)
         torch.cuda.set_stream(self._previous)

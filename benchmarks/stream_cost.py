@@ -9,8 +9,9 @@ dozen times a step.  Two parts, each in interleaved rounds (median, spread):
   the engine's own switch (``StreamPool.use``), and what they are made of;
 * fourteen no-op tasks shaped like the HSTU step (``hstu_shape``), microseconds a
   task: null streams (the CPU path) against CUDA streams, with the engine's switch
-  and with ``torch.cuda.stream`` in its place ("before"): the difference is the
-  stream and event work.
+  and with ``torch.cuda.stream`` in its place ("before") or a candidate switch by
+  raw stream ids (``RawIdSwitch``, "raw ids"): the difference is the stream and
+  event work.
 
 Needs a CUDA device (``./dev gpu-suite`` runs it).
 
@@ -62,6 +63,60 @@ def torch_stream_context() -> Iterator[None]:
         StreamPool.use = engines  # type: ignore[method-assign]
 
 
+class RawIdSwitch:
+    """A candidate for the engine's switch, measured here before it is adopted: the
+    current stream read and set by ids through torch's own private calls (what
+    ``torch.cuda.current_stream`` and ``set_stream`` wrap), so no ``Stream`` object is
+    built on the way in or out; the switch skipped where the stream is current."""
+
+    __slots__ = ("_stream", "_device", "_previous", "_other")
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> Any:
+        stream, get = self._stream, torch._C._cuda_getCurrentStream
+        device = self._device = torch.cuda.current_device()
+        previous = get(device)  # (stream id, device index, device type)
+        if previous[0] == stream.stream_id and previous[1] == stream.device_index:
+            self._previous = None
+            return stream
+        self._previous = previous
+        self._other = get(stream.device_index) if device != stream.device_index else None
+        torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
+                                 device_type=stream.device_type)  # fmt: skip
+        return stream
+
+    def __exit__(self, *exc_info: object) -> None:
+        set_ids = torch._C._cuda_setStream
+        if self._previous is None:  # a body that left another stream or device current
+            stream = self._stream
+            if (torch.cuda.current_device() != self._device
+                    or torch._C._cuda_getCurrentStream(self._device)[0] != stream.stream_id):
+                set_ids(stream_id=stream.stream_id, device_index=stream.device_index,
+                        device_type=stream.device_type)
+            return  # fmt: skip
+        for ids in (self._other, self._previous):
+            if ids is not None:
+                set_ids(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+
+
+@contextlib.contextmanager
+def raw_id_switch() -> Iterator[None]:
+    """``StreamPool.use`` with :class:`RawIdSwitch` (the "raw ids" rows)."""
+    engines = StreamPool.use
+
+    def use(self: StreamPool, name: str) -> Any:
+        stream = self.get(name)
+        return RawIdSwitch(stream) if stream is not None else contextlib.nullcontext()
+
+    StreamPool.use = use  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        StreamPool.use = engines  # type: ignore[method-assign]
+
+
 def per_call(body: Callable[[], None], calls: int) -> float:
     """Microseconds a call of ``body``."""
     start = time.perf_counter()
@@ -87,10 +142,20 @@ def call_rows(calls: int) -> dict[str, Callable[[], float]]:
         with pool.use("default"):
             pass
 
+    def raw_switch() -> None:
+        with RawIdSwitch(side):
+            pass
+
+    def raw_current() -> None:
+        with RawIdSwitch(pool.get("default")):
+            pass
+
     rows: dict[str, Callable[[], None]] = {
         "with torch.cuda.stream(s)": torch_context,
         "with StreamPool.use(name) (the engine's)": engine_switch,
         "with StreamPool.use(name), its stream already current": engine_current,
+        "with RawIdSwitch(s) (a candidate)": raw_switch,
+        "with RawIdSwitch(s), its stream already current": raw_current,
         "torch.cuda.current_stream()": torch.cuda.current_stream,
         "torch.cuda.set_stream(current)": lambda: torch.cuda.set_stream(torch.cuda.current_stream()),
         "s.record_event() (a new event)": side.record_event,  # type: ignore[union-attr]
@@ -103,12 +168,15 @@ def call_rows(calls: int) -> dict[str, Callable[[], float]]:
 def task_rows(iterations: int) -> dict[str, Callable[[], float]]:
     """Microseconds a task, fourteen no-op tasks a step, ``progress()`` per step."""
 
-    def measure(device: str | None, executor: str | None, before: bool) -> float:
+    switches = {"": contextlib.nullcontext, "before": torch_stream_context,
+                "raw ids": raw_id_switch}  # fmt: skip
+
+    def measure(device: str | None, executor: str | None, switch: str) -> float:
         pool = StreamPool.for_device(STREAMS, device)
         kwargs: dict[str, Any] = {} if executor is None else {"executor": executor}
         pipe = SchedulablePipeline(hstu_schedule(lambda name: noop), stream_pool=pool, **kwargs)
         try:
-            with torch_stream_context() if before else contextlib.nullcontext():
+            with switches[switch]():
                 seconds = run_on(asyncio.new_event_loop, time_progress(pipe, iterations))
         finally:
             pipe.shutdown()
@@ -117,9 +185,10 @@ def task_rows(iterations: int) -> dict[str, Callable[[], float]]:
 
     rows = {}
     for executor, label in ((None, "lane (default)"), ("sequential", "sequential")):
-        rows[f"{label}, null streams"] = (None, executor, False)
-        rows[f"{label}, CUDA streams"] = ("cuda", executor, False)
-        rows[f"{label}, CUDA streams, before"] = ("cuda", executor, True)
+        rows[f"{label}, null streams"] = (None, executor, "")
+        rows[f"{label}, CUDA streams"] = ("cuda", executor, "")
+        rows[f"{label}, CUDA streams, before"] = ("cuda", executor, "before")
+        rows[f"{label}, CUDA streams, raw ids"] = ("cuda", executor, "raw ids")
     return {name: lambda a=a: measure(*a) for name, a in rows.items()}
 
 
@@ -145,7 +214,8 @@ def main() -> None:
     for label in ("lane (default)", "sequential"):
         null = tasks[f"{label}, null streams"]
         print(f"{label}: stream and event work {tasks[f'{label}, CUDA streams'] - null:.2f} us "
-              f"a task, {tasks[f'{label}, CUDA streams, before'] - null:.2f} before")  # fmt: skip
+              f"a task, {tasks[f'{label}, CUDA streams, before'] - null:.2f} before, "
+              f"{tasks[f'{label}, CUDA streams, raw ids'] - null:.2f} by raw ids")  # fmt: skip
     print_json("stream_cost", {"us_per_call": tables["calls"], "us_per_task": tasks,
                                "device": torch.cuda.get_device_name()})  # fmt: skip
 

@@ -265,9 +265,11 @@ def read_streams(outputs: list[str], ctx: Context) -> Reading:
     for label in ("lane (default)", "sequential"):
         null = tasks[f"{label}, null streams"]
         figures.append(Figure(
-            f"{label}: stream and event work a no-op task, us (before: torch.cuda.stream)",
+            f"{label}: stream and event work a no-op task, us (before: torch.cuda.stream; "
+            "raw ids: a candidate switch)",
             f"{tasks[f'{label}, CUDA streams'] - null:.2f} "
-            f"(before {tasks[f'{label}, CUDA streams, before'] - null:.2f}) of {null:.2f}",
+            f"(before {tasks[f'{label}, CUDA streams, before'] - null:.2f}, "
+            f"raw ids {tasks[f'{label}, CUDA streams, raw ids'] - null:.2f}) of {null:.2f}",
         ))  # fmt: skip
     return Reading(figures, result)
 
