@@ -181,6 +181,17 @@ class FetchAhead(AsyncIterator[T]):
         if running:
             await asyncio.wait(running)
 
+    def close(self) -> None:
+        """:meth:`aclose` for code without a loop at hand (the blocking form, a
+        ``finally`` of a sync function): the fetches in flight are cancelled on their
+        loop, not waited for -- they end when that loop next runs (the blocking
+        pipeline's next call or its ``shutdown()``).  Their batches are dropped;
+        iterating afterwards ends at once.  Idempotent."""
+        self._closed = True
+        self._cancel_pending()
+        self._window.clear()
+        self._key_pull = None
+
     async def __aenter__(self) -> FetchAhead[T]:
         return self
 
@@ -191,8 +202,11 @@ class FetchAhead(AsyncIterator[T]):
         # Dropped without aclose(): cancel what still runs, on its loop's thread
         # (the collector may run anywhere), so no task is destroyed pending and no
         # error goes unretrieved.
-        if not hasattr(self, "_key_pull"):
-            return  # __init__ refused its arguments
+        if hasattr(self, "_key_pull"):  # else __init__ refused its arguments
+            self._cancel_pending()
+
+    def _cancel_pending(self) -> None:
+        """Cancel what still runs, on its loop's thread, without waiting."""
         for future in self._pending():
             if future.done():
                 mark_retrieved(future)
@@ -366,8 +380,9 @@ def fetch_ahead(
       shutting down cancels the fetches running on it; the next loop starts them
       again.)
     * ``await source.aclose()`` (or ``async with fetch_ahead(...) as source:``)
-      cancels the fetches in flight and waits for them; dropping the source cancels
-      them too.
+      cancels the fetches in flight and waits for them; ``source.close()`` (from
+      sync code: the blocking form) cancels them without waiting; dropping the
+      source cancels them too.
 
     ``keys`` is an iterable (called inline on the loop, like a sync source) or an
     async iterable (pulled in a task of its own, one key ahead).  asyncio only: under

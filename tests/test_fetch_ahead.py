@@ -557,6 +557,30 @@ async def test_closing_cancels_the_fetches_in_flight_and_waits_for_them(caplog: 
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+def test_close_from_sync_code_cancels_the_fetches_when_their_loop_next_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The blocking form has no loop at hand between calls: ``close()`` cancels the
+    fetches without waiting, and the next call (or ``shutdown()``) lets them end."""
+    fetch = GatedFetch(range(10), open_keys=[0])
+    pipe = echo_pipeline(expect_result=False).blocking()
+    source = fetch_ahead(range(10), fetch, in_flight=3)
+    try:
+        pipe.progress(source)
+        assert fetch.finished == [0] and source.statistics().in_flight == 3
+        source.close()
+        source.close()  # idempotent
+        stats = source.statistics()
+        assert stats.closed and stats.in_flight == 0 and stats.delivered == 1
+        with pytest.raises(StopIteration):  # the source has ended
+            pipe.progress(source)
+        assert fetch.running == 0 and sorted(fetch.cancelled) == [1, 2, 3]
+        assert pipe.statistics().pulled == 1  # nothing counted for the dropped batches
+    finally:
+        pipe.shutdown()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 @pytest.mark.parametrize("async_keys", [False, True], ids=["sync keys", "async keys"])
 async def test_dropping_the_source_cancels_its_fetches(async_keys: bool, caplog: pytest.LogCaptureFixture) -> None:
     never = asyncio.Event()
