@@ -24,18 +24,28 @@ class TaskInits:
         self.done = False
         self._done_tasks: set[str] = set()  # tasks whose init() has run
         self._running: asyncio.Future[None] | None = None  # the task running them
+        # Whether a caller was handed the running task's failure: a caller cancelled
+        # while the inits ran leaves it to the next call, which raises it, not retries.
+        self._failure_told = False
 
     async def run(self) -> None:
         """Run the inits not run yet, in a task of its own: a cancelled caller leaves
         it running (the next call waits for it, never runs an init twice); a failure
-        is raised, and the next call retries the inits not yet done."""
+        is raised -- by the next call if its caller was cancelled -- and the call
+        after that retries the inits not yet done."""
         running = self._running
         if running is not None and not running.done() and running.get_loop().is_closed():
             self._left_on_a_closed_loop(running)
             running = None
+        if running is not None and running.done() and not running.cancelled():
+            if running.exception() is not None and not self._failure_told:
+                self._failure_told = True
+                running.result()  # raises; the call after this one retries
         if running is None or (running.done() and (running.cancelled() or running.exception())):
             running = self._running = task_quiet_if_left(self._init_tasks())
+            self._failure_told = False
         await wait_settled(running)
+        self._failure_told = True
         running.result()
 
     def _left_on_a_closed_loop(self, running: asyncio.Future[None]) -> None:

@@ -185,9 +185,9 @@ class SchedulablePipeline:
         if in_trio():  # the engine needs asyncio: hand the call to the bridge (interop.py)
             source = self._trio_source(source)
             return await self._trio.call(SchedulablePipeline.progress, self, source)
-        self._check_usable()
-        call = self._calls.begin()
+        call = self._calls.begin()  # a second caller is refused, never handed the failure
         try:
+            self._check_usable()
             produced, result = await self._next_of(source)
             if not produced:
                 self._on_source_end()
@@ -223,9 +223,9 @@ class SchedulablePipeline:
         if in_trio():  # as in progress(): the call runs on the bridge
             many = SchedulablePipeline.progress_many
             return await self._trio.call(many, self, self._trio_source(source), steps)
-        self._check_usable()
-        call = self._calls.begin()
+        call = self._calls.begin()  # a second caller is refused, never handed the failure
         try:
+            self._check_usable()
             next_of = functools.partial(self._next_of, source)
             return await collect_steps(next_of, steps, self._driver, self._feeds,
                                        self._on_source_end)  # fmt: skip
@@ -280,9 +280,9 @@ class SchedulablePipeline:
         ``reset()`` asked for."""
         if in_trio():  # as in progress()
             return await self._trio.call(SchedulablePipeline.drain, self)
-        self._check_usable()
-        call = self._calls.begin()
+        call = self._calls.begin()  # a second caller is refused, never handed the failure
         try:
+            self._check_usable()
             return await collect_drain(self._driver, self._feeds, self.name)
         finally:
             self._calls.end(call)
