@@ -124,6 +124,12 @@ class FetchAhead(AsyncIterator[T]):
                 raise PipelineStateError(f"{self._lost}: the rest of the keys cannot be read")
             self._refill()
             if self._window and self._window[0].future.done():
+                if _interrupted(self._window[0]):
+                    # The interrupt reached the loop's caller as the fetch raised it
+                    # (asyncio raises it out of the loop): fetch the key again.
+                    head = self._window[0]
+                    head.future = self._start(head.key)
+                    continue
                 entry = self._window.popleft()
                 try:
                     self._refill()  # its slot goes to the next key at once
@@ -351,6 +357,15 @@ class FetchAhead(AsyncIterator[T]):
             self._refused = ConfigurationTypeError(*problem.args)
             raise self._refused from None
         raise FetchError(entry.key, entry.index, problem) from problem
+
+
+def _interrupted(entry: Entry) -> bool:
+    """Whether ``entry``'s fetch ended with ``KeyboardInterrupt`` or ``SystemExit``."""
+    future = entry.future
+    if entry.index is None or future.cancelled():
+        return False
+    problem = future.exception()
+    return problem is not None and not isinstance(problem, (Exception, asyncio.CancelledError))
 
 
 def _close_coroutine_result(future: asyncio.Future[Any]) -> None:

@@ -557,6 +557,41 @@ async def test_closing_cancels_the_fetches_in_flight_and_waits_for_them(caplog: 
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_async_fetch_raising_an_interrupt_is_fetched_again_not_failed(
+    interrupt: type[BaseException],
+) -> None:
+    """asyncio raises a task's ``KeyboardInterrupt`` out of the loop at once: the
+    caller has had it, so the key's batch is fetched again, not handed out as a
+    ``FetchError`` (a second report of the same interrupt, and a key skipped)."""
+    calls: list[int] = []
+
+    async def fetch(key: int) -> int:
+        calls.append(key)
+        if key == 2 and calls.count(2) == 1:
+            raise interrupt()
+        return key
+
+    pipe = echo_pipeline(expect_result=False).blocking()
+    source = fetch_ahead(range(5), fetch, in_flight=1)
+    seen: list[Any] = []
+    try:
+        while True:
+            try:
+                pipe.progress(source)
+                seen.append("step")
+            except StopIteration:
+                break
+            except interrupt:
+                seen.append("interrupt")
+    finally:
+        pipe.shutdown()
+    assert seen.count("interrupt") == 1 and seen.count("step") == 5
+    assert calls.count(2) == 2 and sorted(set(calls)) == [0, 1, 2, 3, 4]
+    stats = source.statistics()
+    assert (stats.delivered, stats.failed, stats.exhausted) == (5, 0, True)
+
+
 def test_close_from_sync_code_cancels_the_fetches_when_their_loop_next_runs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
