@@ -93,7 +93,7 @@ class BlockingPipeline:
     def progress(self, source: Source) -> Any:
         """Like ``await pipeline.progress(source)``; raises ``StopIteration`` at the end."""
         try:
-            return self._runner.run(self._pipeline.progress, source)
+            return self._runner.run(self._pipeline.progress, source, keep=self._keep_one)
         except StopAsyncIteration:
             raise StopIteration from None
 
@@ -107,7 +107,7 @@ class BlockingPipeline:
                 f"{type(self._pipeline).__name__} has no progress_many(); call progress() "
                 f"once per step"
             )
-        return self._runner.run(many, source, steps)
+        return self._runner.run(many, source, steps, keep=self._keep)
 
     def step(self, batch: Any) -> Any:
         """Like ``await pipeline.step(batch)``: one batch, to completion."""
@@ -132,7 +132,17 @@ class BlockingPipeline:
                 raise
 
     def drain(self) -> list[Any]:
-        return self._runner.run(self._pipeline.drain)
+        return self._runner.run(self._pipeline.drain, keep=self._keep)
+
+    def _keep(self, results: list[Any]) -> None:
+        """Results of a call that finished as an interrupt arrived (raised instead):
+        the next call returns them first, as after an interrupted call."""
+        put_back = getattr(self._pipeline, "_put_back_results", None)
+        if put_back is not None and results:
+            put_back(results)
+
+    def _keep_one(self, result: Any) -> None:
+        self._keep([result])
 
     def reset(self) -> None:
         self._pipeline.reset()  # type: ignore[attr-defined]

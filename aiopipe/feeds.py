@@ -197,6 +197,16 @@ class Feeds:
             self._suspend(self.current, self.current.counts, self.current.deferred)
             self._drained, self.current = self.current, None
 
+    def restore_drained(self) -> Feed | None:
+        """Undo :meth:`forget` of the feed last drained, if no source came since: its
+        drain's results go back to it (``_put_back_results``).  Its record of counts
+        is replaced when it is forgotten again."""
+        feed = self._drained
+        if feed is None or self.current is not None:
+            return None
+        self.current, self._drained = feed, None
+        return feed
+
     def _suspend(
         self, feed: Feed, counts: Counts, error: Exception | None, *, weak_only: bool = False
     ) -> None:

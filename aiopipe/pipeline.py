@@ -379,6 +379,14 @@ class SchedulablePipeline:
         self._driver.failures.raise_pending()
         self._driver.failures.raise_if_broken()
 
+    def _put_back_results(self, results: list[Any]) -> None:
+        """Results a finished call could not hand over (the blocking form raised an
+        interrupt that came as it ended): the next call returns them first, as it
+        would after an interrupted call -- a drain's too, its source taken up again."""
+        feed = self._feeds.current or self._feeds.restore_drained()
+        if feed is not None:
+            feed.put_back(results)
+
     def _on_source_end(self) -> None:
         """Called once the last result of a source has been returned (presets hook)."""
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from ._core.loops import close_left
+from ._core.loops import close_left, loop_running_in_this_thread
 from ._core.waker import mark_retrieved, wait_settled
 from .errors import PipelineStateError, attach_source_origin
 from .sources import END, Taken, closed_between_pulls, finished_generator
@@ -31,10 +31,12 @@ class Pulls:
     then those behind it.  A base of :class:`~aiopipe.source.Feed`, whose state
     (the source, the depth, draining, exhausted, lost) it reads."""
 
-    __slots__ = ("_awaited", "_behind", "_read_any", "_still_wanted", "ahead", "lost")
+    __slots__ = ("_awaited", "_behind", "_read_any", "_still_wanted", "_unchecked", "ahead", "lost")
 
     # Feed's, read here.
     _async: AsyncIterator[Any] | None
+    _sync: Iterator[Any] | None
+    _unchecked: Any  # set in _init_pulls
     _check_batch: Callable[[Any], object] | None
     _after_read: Callable[[], object] | None
     _depth: int
@@ -45,15 +47,38 @@ class Pulls:
     read_ahead_allowed: bool
 
     def _checked(self, item: Any) -> Taken:
-        """``item`` as read (on the loop's thread), with what is wrong with it."""
+        """``item`` as read (on the loop's thread), with what is wrong with it.  An
+        interrupt in ``check_batch`` (Ctrl-C) keeps the item, checked again when the
+        next read takes it (:meth:`_item_kept`): taken from the source, it is not lost."""
         if self._after_read is not None:
             self._after_read()
-        return item, (None if item is END else _problem_of(self._check_batch, item))
+        if item is END:
+            return item, None
+        try:
+            return item, _problem_of(self._check_batch, item)
+        except BaseException:
+            self._unchecked = item
+            raise
+
+    def _item_kept(self) -> Any:
+        """The item an interrupted check kept (taken now), else :data:`_NO_ITEM`."""
+        item, self._unchecked = self._unchecked, _NO_ITEM
+        return item
+
+    def _next_sync_item(self) -> Any:
+        """The sync source's next item (the one an interrupted check kept first)."""
+        item = self._item_kept()
+        if item is not _NO_ITEM:
+            return item
+        assert self._sync is not None
+        return next(self._sync, END)
 
     def _init_pulls(self, ahead: Sequence[asyncio.Future[Any]]) -> None:
         """No pull yet, or those a discarded feed of the same source handed over."""
         #: The next item, read ahead or being read (a future, done for sync sources);
         #: given, one a discarded feed of the same source had read.
+        #: An item an interrupted ``check_batch`` kept (:meth:`_checked`), read next.
+        self._unchecked = _NO_ITEM
         self.ahead: asyncio.Future[Any] | None = ahead[0] if ahead else None
         #: The items after it, read or being read, in order (``read_ahead=N`` > 1, or
         #: the one started while a caller waited for :attr:`ahead`).
@@ -82,16 +107,17 @@ class Pulls:
         """Items read ahead (or being read), not yet placed in the ring.  A cancelled
         pull holds one only while the source can give it again (not :attr:`lost`)."""
         pulls = (self.ahead, *self._behind)
+        kept = self._unchecked is not _NO_ITEM
         if self.lost is not None:
-            return sum(1 for pull in pulls if _gave_an_item(pull))
-        return sum(map(_holds_an_item, pulls))
+            return kept + sum(1 for pull in pulls if _gave_an_item(pull))
+        return kept + sum(map(_holds_an_item, pulls))
 
     @property
     def read_ahead_items(self) -> int:
         """Items the source gave that wait here: a pull under way, or cancelled, has
         taken none (a source that survives the cancellation gives that item again)."""
         pulls = (self.ahead, *self._behind)
-        return sum(1 for pull in pulls if _gave_an_item(pull))
+        return (self._unchecked is not _NO_ITEM) + sum(1 for pull in pulls if _gave_an_item(pull))
 
     def held_error(self) -> Exception | None:
         """The source's own error, read ahead and not raised yet (noted with the batch
@@ -108,6 +134,11 @@ class Pulls:
         """Give up the items read ahead, in order, for a new feed of the same source
         (``Feed(ahead=...)``), which takes them first."""
         futures = [self.ahead, *self._behind] if self.ahead is not None else []
+        kept = self._item_kept()
+        if kept is not _NO_ITEM and loop_running_in_this_thread():  # checked again there
+            settled: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            settled.set_result((kept, RECHECK))
+            futures.insert(0, settled)  # (else reset() or shutdown drops it with the rest)
         self.ahead = None
         self._behind.clear()
         return futures
@@ -259,6 +290,12 @@ class Pulls:
                 f"over an async source inside one asyncio.run()/aiopipe.run(), or call "
                 f"pipe.blocking(), whose calls share one loop"
             )
+        kept = self._item_kept()
+        if kept is not _NO_ITEM:
+            taken = self._checked(kept)
+            if not self._pulled_inline:
+                self._read_on(asyncio.current_task(), taken)
+            return taken
         try:
             # The generator's own step is awaited here, not through anext()'s wrapper:
             # close_left finds it (a pull left on a loop closed by hand).
@@ -287,6 +324,11 @@ class Pulls:
         return taken
 
 
+
+#: No item kept by an interrupted ``check_batch`` (:meth:`Pulls._item_kept`).
+_NO_ITEM: Any = object()
+#: The "problem" of an item an interrupted ``check_batch`` kept: check it again.
+RECHECK: Any = object()
 
 #: Why each async source closed under a pull was lost (:meth:`Pulls._lose`).
 _LOST: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()

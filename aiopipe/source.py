@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import BadBatchError, PipelineStateError, attach_source_origin
-from .pulls import Pulls
+from .pulls import RECHECK, Pulls
 from .sources import END, Source, Taken, not_a_source
 from .task import BATCH_SLOT
 
@@ -209,7 +209,7 @@ class Feed(Pulls):
         assert self._sync is not None
         future = asyncio.get_running_loop().create_future()
         try:
-            future.set_result(self._checked(next(self._sync, END)))
+            future.set_result(self._checked(self._next_sync_item()))
         except Exception as exc:  # the source's own error: raised when the item is taken
             future.set_exception(exc)
         self.ahead = future
@@ -307,7 +307,7 @@ class Feed(Pulls):
             if self._sync is not None:
                 # Never through a thread: StopIteration crossing a future hangs
                 # (CPython gh-112182); next() with a default cannot raise it.
-                return self._checked(next(self._sync, END))
+                return self._checked(self._next_sync_item())
             if self._pulled_inline:
                 return await self._pull_async()
             self._pull_in_task()  # read_ahead=False too: a cancelled caller loses nothing
@@ -329,4 +329,7 @@ class Feed(Pulls):
             # asyncio raised it out of the event loop from the pull's task when the
             # source raised it: delivered once already.  The source gave no item: pull again.
             return await self.take()
-        return ahead.result()  # type: ignore[no-any-return]
+        item, problem = ahead.result()
+        if problem is RECHECK:  # kept by an interrupted check, handed over by a feed before
+            return self._checked(item)
+        return item, problem

@@ -6,6 +6,8 @@ interleaving is forced with events held by a task body, an ``init`` or the sourc
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from typing import Any
 
 import pytest
@@ -89,3 +91,179 @@ async def test_an_init_failure_whose_caller_was_cancelled_is_raised_by_the_next_
     assert [result async for result in pipe.results(source)] == [0, 1, 2]
     assert calls == [0, 1]  # the call after it retried the init
     await pipe.aclose()
+
+
+def run_with_interrupts(pipe: Any, source: Any) -> list[Any]:
+    """Every result of ``source`` through the blocking ``pipe``, an interrupt noted
+    where a call raised it (the next call goes on)."""
+    seen: list[Any] = []
+    while True:
+        try:
+            seen.append(pipe.progress(source))
+        except StopIteration:
+            return seen
+        except (KeyboardInterrupt, SystemExit) as interrupt:
+            seen.append(type(interrupt).__name__)
+
+
+@pytest.mark.parametrize("options", [{}, {"executor": "sequential"}, {"read_ahead": False}],
+                         ids=["lanes", "sequential", "no read-ahead"])  # fmt: skip
+@pytest.mark.parametrize("async_source", [False, True], ids=["sync source", "async source"])
+def test_an_interrupt_in_check_batch_keeps_the_item_it_was_checking(
+    options: dict[str, Any], async_source: bool
+) -> None:
+    """``check_batch`` is called on an item already taken from the source: Ctrl-C
+    there must not lose it (nor the checkpoint position count past it)."""
+    interrupted: list[int] = []
+
+    def check(batch: int) -> None:
+        if batch == 2 and not interrupted:
+            interrupted.append(batch)
+            raise KeyboardInterrupt
+
+    async def numbers() -> Any:
+        for number in range(6):
+            yield number
+
+    pipe = Pipeline([echo_task()], check_batch=check, **options).blocking()
+    try:
+        seen = run_with_interrupts(pipe, numbers() if async_source else iter(range(6)))
+        stats = pipe.statistics()
+    finally:
+        pipe.shutdown()
+    assert [x for x in seen if x != "KeyboardInterrupt"] == [0, 1, 2, 3, 4, 5]
+    assert seen.count("KeyboardInterrupt") == 1
+    assert (stats.pulled, stats.refused, stats.discarded, stats.position) == (6, 0, 0, 6)
+
+
+INLINE = {"sequential": {"executor": "sequential"}, "lane loop": {"thread_map": {"train": "loop"}}}
+
+
+class InterruptingSource:
+    """An async iterator of 0..6 that raises ``error`` once, in place of item 4,
+    then reads on (a ``KeyboardInterrupt`` out of the source, read ahead)."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        self.next, self.error, self.raised = 0, error, False
+
+    def __aiter__(self) -> InterruptingSource:
+        return self
+
+    async def __anext__(self) -> int:
+        if self.next >= 7:
+            raise StopAsyncIteration
+        if self.next == 4 and not self.raised:
+            self.raised = True
+            raise self.error()
+        self.next += 1
+        return self.next - 1
+
+
+@pytest.mark.parametrize("options", [*INLINE.values(), {}], ids=[*INLINE, "lanes"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_out_of_the_source_as_a_call_ends_loses_no_result(
+    error: type[BaseException], options: dict[str, Any]
+) -> None:
+    """Read ahead after a step run inline, the source's interrupt leaves the loop
+    once the call has its result: the interrupt is raised, and the result comes
+    with the next call; that call is not stopped by the finished call's loop stop."""
+    pipe = Pipeline([echo_task()], **options).blocking()
+    try:
+        seen = run_with_interrupts(pipe, InterruptingSource(error))
+        stats = pipe.statistics()
+    finally:
+        pipe.shutdown()
+    assert [x for x in seen if isinstance(x, int)] == list(range(7))
+    assert seen.count(error.__name__) == 1 and len(seen) == 8
+    assert (stats.applied, stats.returned) == (7, 7)
+
+
+def ctrl_c_on_the_loop_after(batches: set[int]) -> Any:
+    """A body that echoes its batch and, for ``batches``, has the loop send this
+    process Ctrl-C at its next cycle: after an inline step, as the call ends."""
+    sent: set[int] = set()
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch_cpu"]
+        if batch in batches and batch not in sent:
+            sent.add(batch)
+            asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGINT)
+        ctx.slots.set("step_result", batch)
+
+    return train
+
+
+@pytest.fixture
+def ctrl_c_raises() -> Any:
+    """SIGINT raises ``KeyboardInterrupt`` (as in a script), whatever the runner set."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix", reason="POSIX signals")
+@pytest.mark.parametrize("options", INLINE.values(), ids=INLINE)
+def test_a_ctrl_c_as_a_call_ends_keeps_its_result_for_the_next_call(
+    options: dict[str, Any], ctrl_c_raises: None
+) -> None:
+    train = ctrl_c_on_the_loop_after({2, 5})
+    pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))], **options).blocking()
+    source = iter(range(8))
+    try:
+        seen = run_with_interrupts(pipe, source)
+    finally:
+        pipe.shutdown()
+    assert [x for x in seen if isinstance(x, int)] == list(range(8))
+    assert seen.count("KeyboardInterrupt") == 2
+
+
+def interrupt_as_the_call_ends(batches: set[int]) -> Any:
+    """A body (run inline, in the call's own task) that echoes its batch and, for
+    ``batches``, raises ``KeyboardInterrupt`` out of the loop in the first cycle
+    after the call has finished: before the loop stops, its result made."""
+    sent: set[int] = set()
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch_cpu"]
+        if batch in batches and batch not in sent:
+            sent.add(batch)
+            loop, call = asyncio.get_running_loop(), asyncio.current_task()
+            assert call is not None
+
+            def interrupt_once_done() -> None:
+                if not call.done():
+                    loop.call_soon(interrupt_once_done)
+                    return
+                raise KeyboardInterrupt
+
+            loop.call_soon(interrupt_once_done)
+        ctx.slots.set("step_result", batch)
+
+    return train
+
+
+@pytest.mark.parametrize("options", INLINE.values(), ids=INLINE)
+def test_an_interrupt_as_progress_many_or_drain_ends_keeps_their_results(
+    options: dict[str, Any]
+) -> None:
+    train = interrupt_as_the_call_ends({2, 4})
+    pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))], **options).blocking()
+    source = iter(range(6))
+    got: list[Any] = []
+    interrupts = 0
+    try:
+        while len(got) < 3:  # interrupted after batch 2: its results come next call
+            try:
+                got += pipe.progress_many(source, 3)
+            except KeyboardInterrupt:
+                interrupts += 1
+        got.append(pipe.progress(source))  # batch 3; batch 4 is read ahead
+        try:
+            got += pipe.drain()  # trains batch 4, then the interrupt
+        except KeyboardInterrupt:
+            interrupts += 1
+        got += pipe.drain()  # what the interrupted drain had finished
+        got += pipe.progress_many(source, 5)  # the source goes on after its drain
+    finally:
+        pipe.shutdown()
+    assert got == list(range(6)) and interrupts == 2

@@ -28,7 +28,8 @@ from ..errors import PipelineStateError
 
 __all__ = (
     "STOPPED_WAITING", "LoopRunner", "close_awaited", "close_if_unstarted", "close_left",
-    "close_on_the_way_out", "finish_loop", "new_event_loop", "runner_owns",
+    "close_on_the_way_out", "finish_loop", "loop_running_in_this_thread", "new_event_loop",
+    "runner_owns",
     "task_quiet_if_left", "unstarted", "uvloop_enabled", "waits_for_ctrl_c",
 )  # fmt: skip
 
@@ -109,9 +110,17 @@ class LoopRunner:
             self._closed = False
         return self._loop
 
-    def run(self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any) -> T:
-        """Run ``fn(*args)`` to completion on this runner's loop."""
-        if _loop_running_in_this_thread():
+    def run(
+        self, fn: Callable[..., Coroutine[Any, Any, T]], /, *args: Any,
+        keep: Callable[[T], None] | None = None,
+    ) -> T:  # fmt: skip
+        """Run ``fn(*args)`` to completion on this runner's loop.
+
+        An interrupt (Ctrl-C, or ``KeyboardInterrupt``/``SystemExit`` out of another
+        task) that arrives after the call has finished, before the loop has stopped,
+        is raised all the same, and the call's result is handed to ``keep`` (the
+        pipeline keeps it for the next call) instead of being dropped."""
+        if loop_running_in_this_thread():
             raise PipelineStateError(
                 "the blocking API was called from inside a running event loop; in async "
                 "code use 'await pipe.progress(...)' instead"
@@ -122,11 +131,14 @@ class LoopRunner:
                 "thread); one call at a time"
             )
         try:
-            return self._run(fn, args)
+            return self._run(fn, args, keep)
         finally:
             self._calling.release()
 
-    def _run(self, fn: Callable[..., Coroutine[Any, Any, T]], args: tuple[Any, ...]) -> T:
+    def _run(
+        self, fn: Callable[..., Coroutine[Any, Any, T]], args: tuple[Any, ...],
+        keep: Callable[[T], None] | None,
+    ) -> T:  # fmt: skip
         loop = self.loop
 
         async def call() -> T:  # fn(*args) is made inside the loop: coroutine APIs check
@@ -153,6 +165,10 @@ class LoopRunner:
         except BaseException:
             if not task.done():  # the loop itself was left (KeyboardInterrupt, SystemExit)
                 _cancel_and_settle(loop, task)
+            else:  # the call had finished: the interrupt came before the loop stopped
+                _drop_pending_stop(loop)
+                if keep is not None and not task.cancelled() and task.exception() is None:
+                    keep(task.result())
             raise
         finally:
             self._task = None
@@ -178,7 +194,7 @@ class LoopRunner:
     def usable(self) -> bool:
         """Whether :meth:`run` may be called now: not closed, and no loop is running
         in this thread."""
-        return not self._closed and not _loop_running_in_this_thread()
+        return not self._closed and not loop_running_in_this_thread()
 
     def close(self) -> None:
         """Cancel what is left on the loop and close it.  Safe from a finalizer: if
@@ -188,7 +204,7 @@ class LoopRunner:
         if loop is None or loop.is_closed() or loop.is_running():
             return
         try:
-            if not _loop_running_in_this_thread():
+            if not loop_running_in_this_thread():
                 finish_loop(loop)
         finally:
             loop.close()
@@ -211,7 +227,7 @@ def close_on_the_way_out(close: Callable[[], None], exc: object) -> None:
             raise
 
 
-def _loop_running_in_this_thread() -> bool:
+def loop_running_in_this_thread() -> bool:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -226,6 +242,15 @@ def _cancel_and_settle(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any])
     returns at once; its iteration runs on like any other's)."""
     task.cancel()
     loop.run_until_complete(asyncio.wait([task]))
+
+
+def _drop_pending_stop(loop: asyncio.AbstractEventLoop) -> None:
+    """Run the loop one cycle, so that the ``stop()`` a finished call scheduled (the
+    callback ``run_until_complete`` adds to it) runs now: left queued, it would stop
+    the next call's loop at its first cycle ("Event loop stopped before Future
+    completed")."""
+    loop.stop()
+    loop.run_forever()  # stopping already: one cycle of the callbacks ready
 
 
 def finish_loop(loop: asyncio.AbstractEventLoop) -> None:
