@@ -15,6 +15,7 @@ collect them in :mod:`~aiopipe.collect`.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from collections.abc import AsyncIterable, Iterable, Mapping
@@ -115,6 +116,10 @@ class SchedulablePipeline:
             after_read=getattr(self._executor, "release_loop_thread_pool", None),
         )  # fmt: skip
         self._calls = CallGuard(self.name, self, _CALLS)  # progress, progress_many, drain
+        # Batches of step() calls cancelled before their batch was taken (while the
+        # step before was being finished): promised training, taken first by the
+        # next step() or drain().
+        self._owed_steps: collections.deque[OneBatch] = collections.deque()
         self._closed = False
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
@@ -239,12 +244,26 @@ class SchedulablePipeline:
         Convenient for feeding batches one at a time; successive calls do not overlap
         (nothing is known about the next batch yet).  Pass an iterator to
         ``progress`` to keep several batches in flight.  A cancelled ``step`` still
-        trains its batch; the next call waits for that, drops its result (its caller
-        is gone) and then runs its own batch."""
-        feed = self._feeds.current
-        if feed is not None and isinstance(feed.source, OneBatch) and not feed.finished:
-            await self.drain()
-        return await self.progress(OneBatch(batch))
+        trains its batch, even one cancelled before its batch was taken: the next
+        ``step()`` waits for that (or trains it first), drops its result (its caller
+        is gone) and then runs its own batch; ``drain()`` trains it too and returns
+        its result, ``reset()`` drops it."""
+        own = OneBatch(batch)
+        self._owed_steps.append(own)  # before any await: a cancelled step still trains it
+        while True:
+            feed = self._feeds.current
+            if feed is not None and isinstance(feed.source, OneBatch) and not feed.finished:
+                await self._drain(take_owed=False)  # results of callers gone: dropped
+            head = self._owed_steps.popleft()
+            try:
+                result = await self.progress(head)
+            except BaseException:
+                current = self._feeds.current
+                if current is None or current.source is not head:  # never taken up
+                    self._owed_steps.appendleft(head)
+                raise
+            if head is own:
+                return result
 
     @needs_event_loop
     def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> Results[Any]:
@@ -280,10 +299,22 @@ class SchedulablePipeline:
         ``reset()`` asked for."""
         if in_trio():  # as in progress()
             return await self._trio.call(SchedulablePipeline.drain, self)
+        return await self._drain(take_owed=True)
+
+    async def _drain(self, *, take_owed: bool) -> list[Any]:
+        """:meth:`drain`; ``take_owed``: the batches of cancelled ``step()`` calls
+        never taken too (``step()`` itself trains them one by one)."""
         call = self._calls.begin()  # a second caller is refused, never handed the failure
         try:
             self._check_usable()
-            return await collect_drain(self._driver, self._feeds, self.name)
+            results = await collect_drain(self._driver, self._feeds, self.name)
+            failures = self._driver.failures
+            while take_owed and self._owed_steps and not (failures.pending or failures.broken):
+                # Trained now, like a batch in flight; a failure stops here (the batch
+                # is taken then: reset() drops it with the rest).
+                self._adopt(self._owed_steps.popleft())
+                results += await collect_drain(self._driver, self._feeds, self.name)
+            return results
         finally:
             self._calls.end(call)
 
@@ -339,6 +370,8 @@ class SchedulablePipeline:
                           feed.in_flight if feed is not None else 0)  # fmt: skip
         self._driver.failures.clear()
         self._feeds.discard()
+        self._feeds.discarded += len(self._owed_steps)  # never taken: untrained
+        self._owed_steps.clear()
         self._feeds.seed(None)
 
     def shutdown(self) -> None:
@@ -395,6 +428,13 @@ class SchedulablePipeline:
         drain() that was interrupted (cancelled, or a refused batch) and has now
         finished the batches in flight is done with: the source goes on, as after a
         drain() that completed."""
+        if self._owed_steps and not isinstance(source, OneBatch):
+            raise PipelineStateError(
+                f"{len(self._owed_steps)} batch(es) of step() calls that were cancelled "
+                f"before their batch was taken wait to be trained (a cancelled step() "
+                f"still trains its batch): drain() trains them, step() does first, "
+                f"reset() drops them"
+            )
         feed = self._adopt(source)
         produced, result = await self._driver.next_result(feed, more)
         if not produced and feed.draining:
@@ -424,5 +464,5 @@ class SchedulablePipeline:
 _CALLS = frozenset(
     getattr(call, "__wrapped__", call).__code__
     for call in (SchedulablePipeline.progress, SchedulablePipeline.progress_many,
-                 SchedulablePipeline.drain)
+                 SchedulablePipeline._drain)
 )  # fmt: skip

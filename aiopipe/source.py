@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import BadBatchError, PipelineStateError, attach_source_origin
 from .pulls import RECHECK, Pulls
-from .sources import END, Source, Taken, not_a_source
+from .sources import END, OneBatch, Source, Taken, not_a_source
 from .task import BATCH_SLOT
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class Feed(Pulls):
             for name, value in seed.items():
                 top.set(name, value)
         else:
-            if self.draining and self.ahead is None:
+            if self.draining and self.ahead is None and not _owed(self.source):
                 self.exhausted = True  # drain(): nothing new is read
                 return
             try:
@@ -333,3 +333,9 @@ class Feed(Pulls):
         if problem is RECHECK:  # kept by an interrupted check, handed over by a feed before
             return self._checked(item)
         return item, problem
+
+
+def _owed(source: Any) -> bool:
+    """Whether ``source`` is a ``step()``'s batch not taken yet (its caller was
+    cancelled first): promised to be trained, a drain takes it."""
+    return type(source) is OneBatch and not source.taken

@@ -75,6 +75,12 @@ class OneBatch(Iterator[Any]):
         self._taken = True
         return self._batch
 
+    @property
+    def taken(self) -> bool:
+        """Whether its batch was taken.  Until then ``drain()`` still takes it: a
+        ``step()`` cancelled before its batch was pulled still trains it."""
+        return self._taken
+
 
 def finished_generator(source: object) -> bool:
     """Whether ``source`` is an async generator that is finished: ended, or closed

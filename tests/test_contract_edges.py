@@ -267,3 +267,73 @@ def test_an_interrupt_as_progress_many_or_drain_ends_keeps_their_results(
     finally:
         pipe.shutdown()
     assert got == list(range(6)) and interrupts == 2
+
+
+class HeldSteps:
+    """An ``async def`` body that echoes its batch and holds batch ``"a"`` at a gate;
+    ``trained`` lists the batches whose body ran to its end."""
+
+    def __init__(self) -> None:
+        self.reached, self.gate = asyncio.Event(), asyncio.Event()
+        self.trained: list[Any] = []
+
+    def pipeline(self, **options: Any) -> Pipeline:
+        async def train(ctx: TaskContext) -> None:
+            batch = ctx.slots["batch_cpu"]
+            if batch == "a":
+                self.reached.set()
+                await self.gate.wait()
+            self.trained.append(batch)
+            ctx.slots.set("step_result", batch)
+
+        return Pipeline([Task.from_fn("train", train, writes=("step_result",))], **options)
+
+    async def cancel_a_then_b(self, pipe: Any) -> None:
+        """step("a") cancelled while its body is held, then step("b") cancelled while
+        it waits for "a" (before its own batch was taken); then "a" goes on."""
+        a = asyncio.ensure_future(pipe.step("a"))
+        await self.reached.wait()
+        await cancelled(a)
+        b = asyncio.ensure_future(pipe.step("b"))
+        await asyncio.sleep(0)  # b runs up to its wait for a's step
+        await cancelled(b)
+        self.gate.set()
+
+
+STEP_EXECUTORS = {"lanes": {}, "sequential": {"executor": "sequential"}}
+
+
+@pytest.mark.parametrize("options", STEP_EXECUTORS.values(), ids=STEP_EXECUTORS)
+async def test_a_step_cancelled_before_its_batch_was_taken_still_trains_it(
+    options: dict[str, Any]
+) -> None:
+    body = HeldSteps()
+    pipe = body.pipeline(**options)
+    await body.cancel_a_then_b(pipe)
+    assert await pipe.step("c") == "c"
+    assert body.trained == ["a", "b", "c"]
+    assert pipe.statistics().discarded == 0
+    await pipe.aclose()
+
+
+@pytest.mark.parametrize("options", STEP_EXECUTORS.values(), ids=STEP_EXECUTORS)
+async def test_the_batches_of_cancelled_steps_are_drained_or_reset_never_skipped(
+    options: dict[str, Any]
+) -> None:
+    body = HeldSteps()
+    pipe = body.pipeline(**options)
+    await body.cancel_a_then_b(pipe)
+    with pytest.raises(PipelineStateError, match="step\\(\\) calls that were cancelled"):
+        await pipe.progress(iter(range(3)))  # "b" would be passed over
+    assert await pipe.drain() == ["a", "b"]
+    assert [r async for r in pipe.results(iter(range(2)))] == [0, 1]
+
+    body = HeldSteps()
+    pipe2 = body.pipeline(**options)
+    await body.cancel_a_then_b(pipe2)
+    await pipe2.wait_idle()  # "a" has ended; "b" was never taken
+    pipe2.reset()
+    assert pipe2.statistics().discarded == 1 and body.trained == ["a"]
+    assert await pipe2.step("c") == "c" and body.trained == ["a", "c"]
+    await pipe.aclose()
+    await pipe2.aclose()
