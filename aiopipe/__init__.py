@@ -46,6 +46,7 @@ from .errors import NoStepResultWarning as NoStepResultWarning
 from .errors import SerializedAwaitWarning as SerializedAwaitWarning
 from .errors import PipelineError as PipelineError
 from .errors import PipelineStateError as PipelineStateError
+from .errors import TaskAbortedError as TaskAbortedError
 from .errors import PoisonedError as PoisonedError
 from .errors import ScheduleValidationError as ScheduleValidationError
 from .errors import TaskDefinitionError as TaskDefinitionError
@@ -105,6 +106,7 @@ __all__ = (
     "PipelineError",
     "PipelineOptions",
     "PipelineStateError",
+    "TaskAbortedError",
     "PipelineStatistics",
     "PoisonedError",
     "SchedulablePipeline",

@@ -35,7 +35,7 @@ from ._core.loops import task_quiet_if_left
 from ._core.waker import mark_retrieved
 from .chain import StepChain
 from .context import TaskContext
-from .errors import PipelineStateError
+from .errors import PipelineStateError, TaskAbortedError
 from .failures import IterationFailures
 from .executors import Executor, Iteration, IterationHandle
 from .executors.stage import StartFast
@@ -305,6 +305,8 @@ class IterationDriver(OrphanedIterations, IterationWaits):
             feed.top_pulled = True
             if guarded:  # its caller left: a loop shutting down waits for this one too
                 self.guard_lanes()
+        if error is not None and getattr(error, "aiopipe_body_fault", False):
+            error = TaskAbortedError(error)  # raised as a task's failure, not bare
         if error is not None:
             self.failures.record(iteration.number, iteration.started, error)
         if done is not None and not done.get_loop().is_closed():

@@ -79,6 +79,23 @@ class PipelineStateError(PipelineError, RuntimeError):
     """
 
 
+class TaskAbortedError(PipelineError, RuntimeError):
+    """A task body raised a ``BaseException`` that is neither an ``Exception`` nor an
+    interrupt -- a ``CancelledError`` out of an ``await`` that another component
+    cancelled, a ``BaseException`` of its own -- chained as ``__cause__``.  Raised as a
+    task's failure is (once; the pipeline then needs ``reset()``), never as the bare
+    ``CancelledError``, which would tell an awaiting caller it was cancelled."""
+
+    def __init__(self, error: BaseException) -> None:
+        task = getattr(error, "aiopipe_task", None)
+        said = f": {error}" if str(error) else ""
+        super().__init__(
+            f"task {task!r} raised {type(error).__name__}{said}, which is not an Exception "
+            f"(chained as the cause): its step failed"
+        )
+        self.__cause__ = error
+
+
 class NoRunningLoopError(PipelineError, TypeError):
     """A coroutine API (``progress``, ``step``, ``drain``, ...) was called from code
     with no running event loop, where its coroutine would never be awaited.  The

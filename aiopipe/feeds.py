@@ -124,6 +124,13 @@ class Feeds:
                     f"of its batches was taken. drain() returns them (and finishes any "
                     f"other batch in flight), reset() drops them."
                 )
+            if not (feed.abandoned and idle) and type(source) is OneBatch:
+                raise PipelineStateError(
+                    f"step() cannot run while {feed.in_flight} batch(es) of the iterator "
+                    f"given to progress() are in flight; nothing was taken. Call drain() "
+                    f"first to finish them (their steps are applied), or reset() to "
+                    f"discard them untrained."
+                )
             if not (feed.abandoned and idle):
                 raise PipelineStateError(
                     f"a new iterator was passed while {feed.in_flight} batch(es) of the "

@@ -169,7 +169,9 @@ class FetchAhead(AsyncIterator[T]):
 
     async def aclose(self) -> None:
         """Cancel the fetches in flight and wait for them to end; their batches are
-        dropped.  Iterating afterwards ends at once.  Idempotent."""
+        dropped.  Fetches running on another loop (a blocking pipeline's) are
+        cancelled there, as :meth:`close` does, not waited for.  Iterating afterwards
+        ends at once.  Idempotent."""
         self._closed = True
         pending = self._pending()
         if not pending:  # nothing started: no loop needed (under trio too)
@@ -182,6 +184,9 @@ class FetchAhead(AsyncIterator[T]):
             elif future.get_loop() is loop:  # (one of a closed loop never ends)
                 cancel_quietly(future)
                 running.append(future)
+            else:  # another loop's (a blocking pipeline's): cancelled there, not awaited
+                with contextlib.suppress(RuntimeError):  # that loop is closed: nothing runs
+                    future.get_loop().call_soon_threadsafe(cancel_quietly, future)
         self._window.clear()
         self._key_pull = None
         if running:

@@ -49,6 +49,11 @@ def check_step_parts(model: object, optimizer: object, loss_fn: object, **hooks:
         return
     if not callable(loss_fn):
         raise ConfigurationTypeError(f"loss_fn must be callable, got {_describe(loss_fn)}")
+    if isinstance(loss_fn, type) and issubclass(loss_fn, torch.nn.Module):
+        raise ConfigurationTypeError(
+            f"loss_fn takes a loss function or module instance, got the class "
+            f"{loss_fn.__name__}: pass loss_fn={loss_fn.__module__}.{loss_fn.__name__}()"
+        )
     if is_async_callable(loss_fn):
         raise ConfigurationTypeError(
             "loss_fn must be a plain function returning the loss tensor, not async def: "

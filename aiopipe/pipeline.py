@@ -250,20 +250,27 @@ class SchedulablePipeline:
         its result, ``reset()`` drops it."""
         own = OneBatch(batch)
         self._owed_steps.append(own)  # before any await: a cancelled step still trains it
-        while True:
-            feed = self._feeds.current
-            if feed is not None and isinstance(feed.source, OneBatch) and not feed.finished:
-                await self._drain(take_owed=False)  # results of callers gone: dropped
-            head = self._owed_steps.popleft()
-            try:
-                result = await self.progress(head)
-            except BaseException:
-                current = self._feeds.current
-                if current is None or current.source is not head:  # never taken up
-                    self._owed_steps.appendleft(head)
-                raise
-            if head is own:
-                return result
+        try:
+            while True:
+                feed = self._feeds.current
+                if feed is not None and isinstance(feed.source, OneBatch) and not feed.finished:
+                    await self._drain(take_owed=False)  # results of callers gone: dropped
+                head = self._owed_steps.popleft()
+                try:
+                    result = await self.progress(head)
+                except BaseException:
+                    current = self._feeds.current
+                    if current is None or current.source is not head:  # never taken up
+                        self._owed_steps.appendleft(head)
+                    raise
+                if head is own:
+                    return result
+        except Exception:
+            # Refused, or an earlier batch's failure: this step is not owed training
+            # (a cancellation, a BaseException, leaves it owed).
+            if own in self._owed_steps:
+                self._owed_steps.remove(own)
+            raise
 
     @needs_event_loop
     def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> Results[Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import inspect
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
@@ -289,6 +290,12 @@ class Pulls:
                 f"{self.lost}. Any items it had left cannot be read: keep every progress() "
                 f"over an async source inside one asyncio.run()/aiopipe.run(), or call "
                 f"pipe.blocking(), whose calls share one loop"
+            )
+        if inspect.isasyncgen(source) and source.ag_running:
+            raise PipelineStateError(
+                "this async generator is being read by someone else right now (another "
+                "pipeline reading it ahead, say): one source feeds one pipeline at a time. "
+                "drain() the other pipeline first, or give each pipeline a source of its own"
             )
         kept = self._item_kept()
         if kept is not _NO_ITEM:

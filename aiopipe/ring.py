@@ -51,6 +51,13 @@ class SlotStore:
     def set(self, name: str, value: Any) -> None:
         self._values[name] = value
 
+    def __setitem__(self, name: str, value: Any) -> None:
+        # Reads are ctx.slots[name]; a write by the same spelling says what to call.
+        raise TypeError(
+            f"slots are written with ctx.slots.set({name!r}, value), not ctx.slots[{name!r}] = "
+            f"value"
+        )
+
     def __contains__(self, name: object) -> bool:
         return name in self._values
 

@@ -7,11 +7,12 @@ pipeline releases its lanes and tickets -- and then raises ``KeyboardInterrupt``
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ._core.loops import LoopRunner
-from .errors import PipelineStateError
+from .errors import ConfigurationTypeError, PipelineStateError
 
 __all__ = ("run",)
 
@@ -20,6 +21,11 @@ T = TypeVar("T")
 
 def run(main: Coroutine[Any, Any, T]) -> T:
     """Like ``asyncio.run(main)``, on uvloop when installed."""
+    given: object = main  # checked at run time: callers pass anything
+    if not inspect.iscoroutine(given):
+        called = " (call it: aiopipe.run(main()))" if inspect.iscoroutinefunction(given) else ""
+        raise ConfigurationTypeError(f"aiopipe.run() takes a coroutine, got {given!r}{called}")
+
     async def wrapper() -> T:
         return await main
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import inspect
 import reprlib
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any, Union
+
+import torch
 
 from .errors import ConfigurationTypeError
 
@@ -49,6 +51,14 @@ def not_a_source(
         name = getattr(given, "__name__", "gen")
         return ConfigurationTypeError(
             f"{call} takes {wanted}, got {kind} function: did you mean {name}()?"
+        )
+    if wanted.endswith("iterator") and isinstance(given, (torch.Tensor, Mapping)):
+        # Iterable, but most likely one batch: iterating it would train its rows
+        # (or keys) one by one.
+        return ConfigurationTypeError(
+            f"{call} takes an iterator of batches, got one {type(given).__name__}: for a "
+            f"single batch call step(batch); for several, pass an iterator over them "
+            f"(iter([batch, ...]), a DataLoader's iterator)"
         )
     if wanted.endswith("iterator") and (hasattr(given, "__iter__") or hasattr(given, "__aiter__")):
         kind = type(given).__name__

@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from typing import Any
 
 import pytest
 
-from aiopipe import Pipeline, PipelineStateError, Task, TaskContext
+from aiopipe import Pipeline, PipelineStateError, Task, TaskAbortedError, TaskContext
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -337,3 +338,59 @@ async def test_the_batches_of_cancelled_steps_are_drained_or_reset_never_skipped
     assert await pipe2.step("c") == "c" and body.trained == ["a", "c"]
     await pipe.aclose()
     await pipe2.aclose()
+
+
+class Abort(BaseException):
+    """A BaseException of a body's own (not an Exception, not an interrupt)."""
+
+
+ALL_EXECUTORS = {**INLINE, "lanes": {}}
+
+
+def a_body_that_raises_on_batch_1(kind: str) -> Any:
+    """``kind``: ``"cancelled"``, an ``async def`` body whose await another component
+    cancels; ``"abort"``, a sync body raising :class:`Abort`."""
+    if kind == "abort":
+        def train(ctx: TaskContext) -> None:
+            if ctx.slots["batch_cpu"] == 1:
+                raise Abort("abort on batch 1")
+            echo(ctx)
+
+        return train
+
+    async def train_async(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == 1:
+            never = asyncio.ensure_future(asyncio.Event().wait())
+            asyncio.get_running_loop().call_soon(never.cancel)  # someone else's cancel
+            await never
+        echo(ctx)
+
+    return train_async
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() tells the cases apart")
+@pytest.mark.parametrize("kind", ["cancelled", "abort"])
+@pytest.mark.parametrize("options", ALL_EXECUTORS.values(), ids=ALL_EXECUTORS)
+@pytest.mark.parametrize("many", [False, True], ids=["progress", "progress_many"])
+async def test_a_body_s_own_base_exception_is_its_task_s_failure_said_once(
+    kind: str, options: dict[str, Any], many: bool
+) -> None:
+    train = a_body_that_raises_on_batch_1(kind)
+    pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))], **options)
+    source = iter(range(4))
+    expected = asyncio.CancelledError if kind == "cancelled" else Abort
+    got: list[Any] = []
+    if many:
+        got += await pipe.progress_many(source, 3)  # the step before it comes first
+    else:
+        got.append(await pipe.progress(source))
+    assert got == [0]
+    with pytest.raises(TaskAbortedError, match="task 'train' raised") as failure:
+        await pipe.progress(source)
+    assert isinstance(failure.value.__cause__, expected)
+    assert any("batch 1" in note for note in failure.value.__cause__.__notes__)
+    with pytest.raises(PipelineStateError, match="reset"):  # once; then reset() is asked for
+        await pipe.progress(source)
+    assert pipe.statistics().returned == 1  # no applied result dropped by the reset
+    pipe.reset()
+    await pipe.aclose()

@@ -592,19 +592,24 @@ def test_an_async_fetch_raising_an_interrupt_is_fetched_again_not_failed(
     assert (stats.delivered, stats.failed, stats.exhausted) == (5, 0, True)
 
 
+@pytest.mark.parametrize("closing", ["close()", "aclose() on another loop"])
 def test_close_from_sync_code_cancels_the_fetches_when_their_loop_next_runs(
-    caplog: pytest.LogCaptureFixture,
+    closing: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The blocking form has no loop at hand between calls: ``close()`` cancels the
-    fetches without waiting, and the next call (or ``shutdown()``) lets them end."""
+    """The blocking form has no loop at hand between calls: ``close()`` (or
+    ``aclose()`` run on a loop of its own) cancels the fetches without waiting, and
+    the next call (or ``shutdown()``) lets them end."""
     fetch = GatedFetch(range(10), open_keys=[0])
     pipe = echo_pipeline(expect_result=False).blocking()
     source = fetch_ahead(range(10), fetch, in_flight=3)
     try:
         pipe.progress(source)
         assert fetch.finished == [0] and source.statistics().in_flight == 3
-        source.close()
-        source.close()  # idempotent
+        if closing == "close()":
+            source.close()
+            source.close()  # idempotent
+        else:
+            asyncio.run(source.aclose())
         stats = source.statistics()
         assert stats.closed and stats.in_flight == 0 and stats.delivered == 1
         with pytest.raises(StopIteration):  # the source has ended

@@ -4,6 +4,7 @@ retired flags."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -173,3 +174,85 @@ def test_merge_traces_refuses_a_single_path(tmp_path: Path, as_path: Callable[[s
         merge_traces(as_path(str(trace)), tmp_path / "out.json")
     merged = merge_traces([trace, trace], tmp_path / "out.json")
     assert len(json.loads(merged.read_text())["traceEvents"]) == 2
+
+
+# -- slips a newcomer makes, each said with its fix ----------------------------------
+
+
+def _echo(ctx: TaskContext) -> None:
+    ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+
+def test_an_executor_class_instead_of_an_instance_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigurationTypeError, match=r"pass SequentialExecutor\(\)"):
+        Pipeline([Task.from_fn("t", _echo)], executor=aiopipe.SequentialExecutor)
+
+
+def test_a_loss_module_class_instead_of_an_instance_is_refused_with_the_fix() -> None:
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigurationTypeError, match=r"loss_fn=torch\.nn\..*MSELoss\(\)"):
+        aiopipe.basic(model, optimizer, loss_fn=torch.nn.MSELoss)
+
+
+def test_run_given_the_coroutine_function_says_to_call_it() -> None:
+    async def main() -> None:
+        return None
+
+    with pytest.raises(ConfigurationTypeError, match=r"aiopipe\.run\(main\(\)\)"):
+        aiopipe.run(main)  # type: ignore[arg-type]
+
+
+def test_writing_a_slot_by_item_says_to_call_set() -> None:
+    def train(ctx: TaskContext) -> None:
+        ctx.slots["step_result"] = 1  # type: ignore[index]
+
+    pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))],
+                    executor="sequential").blocking()  # fmt: skip
+    with pytest.raises(TypeError, match=r"ctx\.slots\.set\('step_result', value\)"):
+        pipe.progress(iter([1]))
+    pipe.pipeline.reset()
+    pipe.shutdown()
+
+
+def test_step_while_an_iterator_s_batches_are_in_flight_names_step_and_drain() -> None:
+    pipe = Pipeline([Task.from_fn("t", _echo, writes=("step_result",))]).blocking()
+    try:
+        assert pipe.progress(iter([1, 2, 3])) == 1  # batch 2 read ahead
+        with pytest.raises(aiopipe.PipelineStateError, match=r"step\(\) cannot run .* drain\(\)"):
+            pipe.step(9)
+        assert pipe.drain() == [2]
+        assert pipe.step(9) == 9  # refused, not owed: it ran now, once
+        assert pipe.statistics().discarded == 0
+    finally:
+        pipe.shutdown()
+
+
+@pytest.mark.parametrize("batch", [torch.zeros(8, 4), {"x": torch.zeros(2)}],
+                         ids=["tensor", "dict"])  # fmt: skip
+def test_one_batch_passed_as_a_source_points_to_step(batch: Any) -> None:
+    pipe = Pipeline([Task.from_fn("t", _echo, writes=("step_result",))]).blocking()
+    try:
+        with pytest.raises(ConfigurationTypeError, match=r"for a single batch call step\(batch\)"):
+            pipe.progress(batch)
+    finally:
+        pipe.shutdown()
+
+
+async def test_an_async_generator_read_by_another_pipeline_is_refused_not_blamed() -> None:
+    gate = asyncio.Event()
+
+    async def numbers() -> Any:
+        for number in range(4):
+            if number == 1:
+                await gate.wait()  # pipeline A's read-ahead waits here
+            yield number
+
+    source = numbers()
+    async with Pipeline([Task.from_fn("t", _echo, writes=("step_result",))]) as a, \
+            Pipeline([Task.from_fn("t", _echo, writes=("step_result",))]) as b:  # fmt: skip
+        assert await a.progress(source) == 0
+        with pytest.raises(aiopipe.PipelineStateError, match="one source feeds one pipeline"):
+            await b.progress(source)
+        gate.set()
+        assert [n async for n in a.results(source)] == [1, 2, 3]  # A lost nothing

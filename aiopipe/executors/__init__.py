@@ -57,6 +57,11 @@ def resolve_executor(
         raise ConfigurationError(
             f"unknown executor {executor!r}; use 'async', 'sequential' or an instance"
         )
+    if isinstance(executor, type):
+        raise ConfigurationTypeError(
+            f"executor takes an instance, got the class {executor.__name__}: pass "
+            f"{executor.__name__}() (or 'async' / 'sequential')"
+        )
     if not isinstance(executor, Executor):
         raise ConfigurationTypeError(
             f"executor must be 'async', 'sequential' or provide bind/run_iteration/shutdown, "

@@ -31,6 +31,7 @@ keywords (see ``AsyncExecutor.start_iteration``); an executor without queues ret
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -211,6 +212,9 @@ class Iteration:
                 type(exc).__name__, exc,
             )  # fmt: skip
         annotate_failure(exc, task, self.number, batch)
+        if _body_fault(exc):
+            with contextlib.suppress(AttributeError):  # exceptions with __slots__
+                exc.aiopipe_body_fault = True  # type: ignore[attr-defined]
 
     def _lane_name(self, index: int) -> str:
         """Where task ``index`` runs, for a record (its lane, else the thread's)."""
@@ -390,3 +394,22 @@ def warn_ignored_return(task: Task, value: object) -> None:
         f"ctx.slots.set('step_result', ...)",
         IgnoredReturnWarning, stacklevel=2,
     )  # fmt: skip
+
+
+def _body_fault(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a body, is a fault of the body's own that is not an
+    ``Exception``: neither an interrupt (``KeyboardInterrupt``, ``SystemExit``), nor a
+    coroutine being closed, nor the cancellation of the task the body runs in (the
+    loop shutting down, the engine stopping a failed iteration).  A ``CancelledError``
+    while its task is not being cancelled came out of an ``await`` someone else
+    cancelled (Python 3.11 and later tell them apart)."""
+    if isinstance(exc, (Exception, KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return False
+    if not isinstance(exc, asyncio.CancelledError):
+        return True
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # a lane thread: nothing there cancels a body
+        return True
+    cancelling = getattr(task, "cancelling", None)
+    return task is not None and cancelling is not None and cancelling() == 0
