@@ -82,6 +82,11 @@ class FetchAhead(AsyncIterator[T]):
             self._async = aiter(given)
         elif isinstance(given, Iterable):
             self._sync = iter(given)
+        elif callable(given) and isinstance(fetch, (Iterable, AsyncIterable)):
+            raise ConfigurationTypeError(
+                "fetch_ahead() takes the keys first, then the fetch function: "
+                "fetch_ahead(keys, fetch, in_flight=N)"
+            )
         else:
             raise not_a_source("fetch_ahead()", keys, "an iterable or async iterable of keys")
         check_fetch(fetch)

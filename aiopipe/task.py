@@ -13,7 +13,7 @@ import copy
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Union, cast
 
 from .errors import ConfigurationError, ConfigurationTypeError, TaskDefinitionError
 
@@ -344,7 +344,13 @@ class Task:
         init: TaskBody | None = None,
     ) -> Task:
         """Build a task whose ``run(ctx)`` is ``fn(ctx)`` (plain or ``async def``)."""
-        if not callable(fn):
+        given_name, given_fn = cast(object, name), cast(object, fn)  # callers pass anything
+        if not callable(given_fn):
+            if callable(given_name) and isinstance(given_fn, str):
+                raise ConfigurationTypeError(
+                    f"Task.from_fn takes the name first, then the function: "
+                    f"Task.from_fn({given_fn!r}, {getattr(given_name, '__name__', 'fn')}, ...)"
+                )
             raise ConfigurationTypeError(f"Task {name!r}: fn must be callable, got {fn!r}")
         return _FunctionTask(
             name,

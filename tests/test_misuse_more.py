@@ -5,6 +5,7 @@ retired flags."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -256,3 +257,26 @@ async def test_an_async_generator_read_by_another_pipeline_is_refused_not_blamed
             await b.progress(source)
         gate.set()
         assert [n async for n in a.results(source)] == [1, 2, 3]  # A lost nothing
+
+
+def test_swapped_arguments_are_said_swapped() -> None:
+    with pytest.raises(ConfigurationTypeError, match=r"name first.*from_fn\('t', _echo"):
+        Task.from_fn(_echo, "t")  # type: ignore[arg-type]
+
+    async def fetch(key: int) -> int:
+        return key
+
+    with pytest.raises(ConfigurationTypeError, match="keys first, then the fetch function"):
+        aiopipe.fetch_ahead(fetch, range(3), in_flight=2)  # type: ignore[arg-type]
+
+
+def test_a_fetch_called_instead_of_passed_is_refused_without_a_never_awaited_warning(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    async def fetch(key: int) -> int:
+        return key
+
+    with pytest.raises(ConfigurationTypeError, match=r"pass fetch, not fetch\(key\)"):
+        aiopipe.fetch_ahead(range(3), fetch(0), in_flight=2)  # type: ignore[arg-type]
+    gc.collect()
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]
