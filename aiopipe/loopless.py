@@ -84,6 +84,7 @@ class LoopLessCall(Coroutine[Any, Any, T], Generic[T]):
     __float__ = __int__ = __getitem__ = _no_value
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _no_value
     __truediv__ = __rtruediv__ = _no_value
+    __lt__ = __le__ = __gt__ = __ge__ = __neg__ = __pow__ = _no_value  # (loss < 1)
 
     def __format__(self, spec: str) -> str:
         if spec:
