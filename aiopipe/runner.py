@@ -22,7 +22,7 @@ T = TypeVar("T")
 def run(main: Coroutine[Any, Any, T]) -> T:
     """Like ``asyncio.run(main)``, on uvloop when installed."""
     given: object = main  # checked at run time: callers pass anything
-    if not inspect.iscoroutine(given):
+    if not inspect.isawaitable(given):
         called = " (call it: aiopipe.run(main()))" if inspect.iscoroutinefunction(given) else ""
         raise ConfigurationTypeError(f"aiopipe.run() takes a coroutine, got {given!r}{called}")
 
