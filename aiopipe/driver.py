@@ -242,10 +242,13 @@ class IterationDriver(OrphanedIterations, IterationWaits):
         """A task of its own: a cancelled caller stops waiting for it, but it runs on.
         Only shutting the loop down cancels it (the executor then stops cleanly)."""
         error: BaseException | None = None
+        me = asyncio.current_task()
         try:
             await self._executor.run_iteration(iteration)
-        except GeneratorExit:  # collected, left on a closed loop: ended elsewhere
-            raise
+        except GeneratorExit as exc:
+            if not getattr(exc, "aiopipe_body_fault", False) or _running_task() is not me:
+                raise  # collected, left on a closed loop: ended elsewhere
+            error = exc  # a body's own: its task's failure
         except BaseException as exc:
             error = exc
         error = self._end(feed, iteration, error)
@@ -353,3 +356,11 @@ class IterationDriver(OrphanedIterations, IterationWaits):
                 f"that started it was cancelled); 'await pipe.aclose()', or any call that "
                 f"awaits it first (progress, drain), finishes it"
             )
+
+
+def _running_task() -> asyncio.Task[Any] | None:
+    """The task running now, ``None`` where no loop runs (a coroutine being closed)."""
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None

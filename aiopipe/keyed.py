@@ -55,7 +55,7 @@ class FetchStatistics:
     handed out yet, ``ready`` of them finished; ``delivered`` and ``failed`` count the
     batches and the :class:`~aiopipe.FetchError` handed out (and the refusal of a
     ``fetch`` that returned no awaitable), so ``keys_taken == in_flight + delivered +
-    failed``."""
+    failed`` until the source is closed (which drops the fetches in flight)."""
 
     keys_taken: int
     in_flight: int
@@ -370,12 +370,12 @@ class FetchAhead(AsyncIterator[T]):
 
 
 def _interrupted(entry: Entry) -> bool:
-    """Whether ``entry``'s fetch ended with ``KeyboardInterrupt`` or ``SystemExit``."""
+    """Whether ``entry``'s fetch ended with ``KeyboardInterrupt`` or ``SystemExit``
+    (the two asyncio raises out of the loop; any other error is the fetch's failure)."""
     future = entry.future
     if entry.index is None or future.cancelled():
         return False
-    problem = future.exception()
-    return problem is not None and not isinstance(problem, (Exception, asyncio.CancelledError))
+    return isinstance(future.exception(), (KeyboardInterrupt, SystemExit))
 
 
 def _close_coroutine_result(future: asyncio.Future[Any]) -> None:

@@ -246,8 +246,8 @@ class SchedulablePipeline:
         ``progress`` to keep several batches in flight.  A cancelled ``step`` still
         trains its batch, even one cancelled before its batch was taken: the next
         ``step()`` waits for that (or trains it first), drops its result (its caller
-        is gone) and then runs its own batch; ``drain()`` trains it too and returns
-        its result, ``reset()`` drops it."""
+        is gone) and then runs its own batch; a ``drain()`` with nothing else in
+        flight trains it too (result dropped), ``reset()`` drops it."""
         own = OneBatch(batch)
         self._owed_steps.append(own)  # before any await: a cancelled step still trains it
         try:
@@ -270,6 +270,7 @@ class SchedulablePipeline:
             # (a cancellation, a BaseException, leaves it owed).
             if own in self._owed_steps:
                 self._owed_steps.remove(own)
+            own.withdraw()  # taken up but not taken (an init failed): not trained later
             raise
 
     @needs_event_loop
@@ -316,11 +317,14 @@ class SchedulablePipeline:
             self._check_usable()
             results = await collect_drain(self._driver, self._feeds, self.name)
             failures = self._driver.failures
-            while take_owed and self._owed_steps and not (failures.pending or failures.broken):
-                # Trained now, like a batch in flight; a failure stops here (the batch
-                # is taken then: reset() drops it with the rest).
+            if results or not take_owed:
+                return results  # the batches of cancelled steps: by the next drain()
+            while self._owed_steps and not (failures.pending or failures.broken):
+                # Trained now, one feed each, their results dropped as step() drops
+                # them (their callers are gone): nothing collected is at stake if a
+                # later one fails or the call is cancelled.
                 self._adopt(self._owed_steps.popleft())
-                results += await collect_drain(self._driver, self._feeds, self.name)
+                await collect_drain(self._driver, self._feeds, self.name)
             return results
         finally:
             self._calls.end(call)
@@ -375,9 +379,12 @@ class SchedulablePipeline:
         feed = self._feeds.current
         pipeline_log.info("%s: reset, discarding %d batch(es) in flight", self.name,
                           feed.in_flight if feed is not None else 0)  # fmt: skip
+        untaken = self._untaken_step()
+        if untaken is not None:  # taken up by a cancelled step(), never taken
+            untaken.withdraw()
         self._driver.failures.clear()
         self._feeds.discard()
-        self._feeds.discarded += len(self._owed_steps)  # never taken: untrained
+        self._feeds.discarded += len(self._owed_steps) + (untaken is not None)
         self._owed_steps.clear()
         self._feeds.seed(None)
 
@@ -419,6 +426,13 @@ class SchedulablePipeline:
         self._driver.failures.raise_pending()
         self._driver.failures.raise_if_broken()
 
+    def _untaken_step(self) -> OneBatch | None:
+        """The batch of a cancelled ``step()`` that was taken up (the current feed's
+        source) but not taken yet: owed training like those in ``_owed_steps``."""
+        feed = self._feeds.current
+        source = feed.source if feed is not None else None
+        return source if type(source) is OneBatch and not source.taken else None
+
     def _put_back_results(self, results: list[Any]) -> None:
         """Results a finished call could not hand over (the blocking form raised an
         interrupt that came as it ended): the next call returns them first, as it
@@ -435,12 +449,13 @@ class SchedulablePipeline:
         drain() that was interrupted (cancelled, or a refused batch) and has now
         finished the batches in flight is done with: the source goes on, as after a
         drain() that completed."""
-        if self._owed_steps and not isinstance(source, OneBatch):
+        owed = len(self._owed_steps) + (self._untaken_step() is not None)
+        if owed and not isinstance(source, OneBatch):
             raise PipelineStateError(
-                f"{len(self._owed_steps)} batch(es) of step() calls that were cancelled "
-                f"before their batch was taken wait to be trained (a cancelled step() "
-                f"still trains its batch): drain() trains them, step() does first, "
-                f"reset() drops them"
+                f"{owed} batch(es) of step() calls that were cancelled before their "
+                f"batch was taken wait to be trained (a cancelled step() still trains "
+                f"its batch): drain() trains them (call it until it returns [] ), "
+                f"step() does first, reset() drops them"
             )
         feed = self._adopt(source)
         produced, result = await self._driver.next_result(feed, more)

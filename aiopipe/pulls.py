@@ -61,6 +61,12 @@ class Pulls:
             self._unchecked = item
             raise
 
+    @property
+    def keeps_an_item(self) -> bool:
+        """An interrupted ``check_batch`` kept an item: the next read takes it (a
+        drain too: it was taken from the source)."""
+        return self._unchecked is not _NO_ITEM
+
     def _item_kept(self) -> Any:
         """The item an interrupted check kept (taken now), else :data:`_NO_ITEM`."""
         item, self._unchecked = self._unchecked, _NO_ITEM
@@ -139,7 +145,13 @@ class Pulls:
         if kept is not _NO_ITEM and loop_running_in_this_thread():  # checked again there
             settled: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             settled.set_result((kept, RECHECK))
-            futures.insert(0, settled)  # (else reset() or shutdown drops it with the rest)
+            # In the place of the pull its check interrupted (read ahead deeper, after
+            # items not taken yet); first if none is left (a sync source's).
+            interrupted = [i for i, pull in enumerate(futures) if _interrupted_pull(pull)]
+            if interrupted:
+                futures[interrupted[0]] = settled
+            else:
+                futures.insert(0, settled)  # (else reset() or shutdown drops it with the rest)
         self.ahead = None
         self._behind.clear()
         return futures
@@ -339,6 +351,12 @@ RECHECK: Any = object()
 
 #: Why each async source closed under a pull was lost (:meth:`Pulls._lose`).
 _LOST: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _interrupted_pull(future: asyncio.Future[Any]) -> bool:
+    """Whether ``future``, a pull, ended with ``KeyboardInterrupt`` or ``SystemExit``."""
+    return (future.done() and not future.cancelled()
+            and isinstance(future.exception(), (KeyboardInterrupt, SystemExit)))  # fmt: skip
 
 
 def _always() -> bool:

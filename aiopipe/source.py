@@ -224,7 +224,8 @@ class Feed(Pulls):
             for name, value in seed.items():
                 top.set(name, value)
         else:
-            if self.draining and self.ahead is None and not _owed(self.source):
+            if (self.draining and self.ahead is None and not _owed(self.source)
+                    and not self.keeps_an_item):  # fmt: skip
                 self.exhausted = True  # drain(): nothing new is read
                 return
             try:

@@ -87,9 +87,14 @@ class OneBatch(Iterator[Any]):
 
     @property
     def taken(self) -> bool:
-        """Whether its batch was taken.  Until then ``drain()`` still takes it: a
-        ``step()`` cancelled before its batch was pulled still trains it."""
+        """Whether its batch was taken (or withdrawn).  Until then ``drain()`` still
+        takes it: a ``step()`` cancelled before its batch was pulled still trains it."""
         return self._taken
+
+    def withdraw(self) -> None:
+        """Never to be trained (its ``step()`` raised, or ``reset()`` dropped it): the
+        source ends without giving it."""
+        self._taken = True
 
 
 def finished_generator(source: object) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from aiopipe import Pipeline, PipelineStateError, Task, TaskAbortedError, TaskContext
+from aiopipe import BadBatchError, Pipeline, PipelineStateError, Task, TaskAbortedError, TaskContext
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -326,7 +326,9 @@ async def test_the_batches_of_cancelled_steps_are_drained_or_reset_never_skipped
     await body.cancel_a_then_b(pipe)
     with pytest.raises(PipelineStateError, match="step\\(\\) calls that were cancelled"):
         await pipe.progress(iter(range(3)))  # "b" would be passed over
-    assert await pipe.drain() == ["a", "b"]
+    assert await pipe.drain() == ["a"]  # the batch in flight
+    assert await pipe.drain() == []  # then "b", its result dropped (its caller is gone)
+    assert body.trained == ["a", "b"]
     assert [r async for r in pipe.results(iter(range(2)))] == [0, 1]
 
     body = HeldSteps()
@@ -349,7 +351,8 @@ ALL_EXECUTORS = {**INLINE, "lanes": {}}
 
 def a_body_that_raises_on_batch_1(kind: str) -> Any:
     """``kind``: ``"cancelled"``, an ``async def`` body whose await another component
-    cancels; ``"abort"``, a sync body raising :class:`Abort`."""
+    cancels; ``"abort"``, a sync body raising :class:`Abort`; ``"generator exit"``, an
+    ``async def`` body raising ``GeneratorExit`` of its own."""
     if kind == "abort":
         def train(ctx: TaskContext) -> None:
             if ctx.slots["batch_cpu"] == 1:
@@ -357,6 +360,14 @@ def a_body_that_raises_on_batch_1(kind: str) -> Any:
             echo(ctx)
 
         return train
+
+    if kind == "generator exit":
+        async def train_exits(ctx: TaskContext) -> None:
+            if ctx.slots["batch_cpu"] == 1:
+                raise GeneratorExit("a body's own")
+            echo(ctx)
+
+        return train_exits
 
     async def train_async(ctx: TaskContext) -> None:
         if ctx.slots["batch_cpu"] == 1:
@@ -369,7 +380,7 @@ def a_body_that_raises_on_batch_1(kind: str) -> Any:
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() tells the cases apart")
-@pytest.mark.parametrize("kind", ["cancelled", "abort"])
+@pytest.mark.parametrize("kind", ["cancelled", "abort", "generator exit"])
 @pytest.mark.parametrize("options", ALL_EXECUTORS.values(), ids=ALL_EXECUTORS)
 @pytest.mark.parametrize("many", [False, True], ids=["progress", "progress_many"])
 async def test_a_body_s_own_base_exception_is_its_task_s_failure_said_once(
@@ -378,7 +389,8 @@ async def test_a_body_s_own_base_exception_is_its_task_s_failure_said_once(
     train = a_body_that_raises_on_batch_1(kind)
     pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))], **options)
     source = iter(range(4))
-    expected = asyncio.CancelledError if kind == "cancelled" else Abort
+    expected = {"cancelled": asyncio.CancelledError, "abort": Abort,
+                "generator exit": GeneratorExit}[kind]  # fmt: skip
     got: list[Any] = []
     if many:
         got += await pipe.progress_many(source, 3)  # the step before it comes first
@@ -394,3 +406,187 @@ async def test_a_body_s_own_base_exception_is_its_task_s_failure_said_once(
     assert pipe.statistics().returned == 1  # no applied result dropped by the reset
     pipe.reset()
     await pipe.aclose()
+
+
+
+@pytest.mark.parametrize("then", ["another source", "reset"])
+async def test_a_first_step_cancelled_at_its_init_is_owed_like_any_other(then: str) -> None:
+    """Cancelled at the first call's ``init`` wait, taken up but not taken: another
+    source is refused until the batch is trained, and ``reset()`` counts it dropped."""
+    reached, gate = asyncio.Event(), asyncio.Event()
+    trained: list[Any] = []
+
+    async def init(ctx: TaskContext) -> None:
+        reached.set()
+        await gate.wait()
+
+    def train(ctx: TaskContext) -> None:
+        trained.append(ctx.slots["batch_cpu"])
+        echo(ctx)
+
+    pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",), init=init)])
+    step = asyncio.ensure_future(pipe.step("x"))
+    await reached.wait()
+    await cancelled(step)
+    gate.set()
+    if then == "reset":
+        pipe.reset()
+        assert pipe.statistics().discarded == 1
+        assert await pipe.step("y") == "y" and trained == ["y"]
+    else:
+        with pytest.raises(PipelineStateError, match="step\\(\\) calls that were cancelled"):
+            await pipe.progress(iter([1, 2]))
+        assert await pipe.drain() == ["x"] and trained == ["x"]
+        assert [r async for r in pipe.results([1, 2])] == [1, 2]
+    await pipe.aclose()
+
+
+async def test_a_step_whose_init_failed_is_not_trained_later() -> None:
+    calls: list[int] = []
+    trained: list[Any] = []
+
+    def init(ctx: TaskContext) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("init failed")
+
+    def train(ctx: TaskContext) -> None:
+        trained.append(ctx.slots["batch_cpu"])
+        echo(ctx)
+
+    pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",), init=init)])
+    with pytest.raises(ValueError, match="init failed"):
+        await pipe.step("c")
+    assert await pipe.step("d") == "d"
+    assert trained == ["d"]  # the step that raised is not owed
+    await pipe.aclose()
+
+
+@pytest.mark.parametrize("options", [{}, {"executor": "sequential"}, {"read_ahead": False}],
+                         ids=["lanes", "sequential", "no read-ahead"])  # fmt: skip
+def test_an_item_kept_by_an_interrupted_check_is_drained_not_lost(options: dict[str, Any]) -> None:
+    fired: list[int] = []
+
+    def check(batch: int) -> None:
+        if batch == 2 and not fired:
+            fired.append(batch)
+            raise KeyboardInterrupt
+
+    pipe = Pipeline([echo_task()], check_batch=check, **options).blocking()
+    source, seen = iter(range(6)), []
+    try:
+        while not fired:
+            try:
+                seen.append(pipe.progress(source))
+            except KeyboardInterrupt:
+                pass
+        seen += pipe.drain()
+        seen += list(pipe.results(source))
+        stats = pipe.statistics()
+    finally:
+        pipe.shutdown()
+    assert seen == list(range(6)) and stats.position == 6
+
+
+def test_an_item_kept_by_an_interrupted_check_keeps_its_place_through_reset() -> None:
+    fired: list[int] = []
+
+    def check(batch: int) -> None:
+        if batch == 2 and not fired:
+            fired.append(batch)
+            raise KeyboardInterrupt
+
+    async def numbers() -> Any:
+        for number in range(6):
+            await asyncio.sleep(0)
+            yield number
+
+    pipe = Pipeline([echo_task()], check_batch=check, read_ahead=2).blocking()
+    source, seen = numbers(), []
+    try:
+        while not fired:
+            try:
+                seen.append(pipe.progress(source))
+            except KeyboardInterrupt:
+                pass
+        pipe._runner.run(pipe.pipeline.wait_idle)  # the step the interrupt left running
+        pipe.reset()  # what was read ahead stays, in order
+        seen += list(pipe.results(source))
+    finally:
+        pipe.shutdown()
+    assert seen == sorted(seen) and set(range(1, 6)) <= set(seen)
+
+
+@pytest.mark.parametrize("options", ALL_EXECUTORS.values(), ids=ALL_EXECUTORS)
+def test_two_interrupts_as_a_call_ends_keep_its_result_and_the_next_call_runs(
+    options: dict[str, Any]
+) -> None:
+    pipe = Pipeline([echo_task()], **options).blocking()
+    source = iter(range(5))
+    seen: list[Any] = [pipe.progress(source)]
+    loop = pipe._runner.loop
+
+    def interrupt_once_the_call_is_done() -> None:
+        call = pipe._runner._task
+        if call is not None and not call.done():
+            loop.call_soon(interrupt_once_the_call_is_done)
+            return
+        raise KeyboardInterrupt
+
+    loop.call_soon(interrupt_once_the_call_is_done)
+    loop.call_soon(interrupt_once_the_call_is_done)
+    try:
+        seen += run_with_interrupts(pipe, source)
+    finally:
+        pipe.shutdown()
+    assert [x for x in seen if isinstance(x, int)] == list(range(5))
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix", reason="POSIX signals")
+def test_a_ctrl_c_inside_the_call_s_own_step_keeps_its_result(ctrl_c_raises: None) -> None:
+    """Ctrl-C handled while the call itself runs (a body inline, sending it): the call
+    is cancelled at the loop's next cycle, not in the middle of returning."""
+    sent: list[int] = []
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch_cpu"]
+        if batch == 2 and not sent:
+            sent.append(batch)
+            os.kill(os.getpid(), signal.SIGINT)  # handled here, inside the call's step
+        echo(ctx)
+
+    pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))],
+                    executor="sequential").blocking()  # fmt: skip
+    try:
+        seen = run_with_interrupts(pipe, iter(range(5)))
+    finally:
+        pipe.shutdown()
+    assert [x for x in seen if isinstance(x, int)] == list(range(5))
+    assert seen.count("KeyboardInterrupt") == 1
+
+
+def test_a_call_s_error_is_not_hidden_by_an_interrupt_as_it_ends() -> None:
+    def refuse_2(batch: int) -> bool:
+        return batch != 2
+
+    pipe = Pipeline([echo_task()], check_batch=refuse_2, read_ahead=False,
+                    executor="sequential").blocking()  # fmt: skip
+    source = iter(range(5))
+    loop = pipe._runner.loop
+    seen: list[Any] = [pipe.progress(source), pipe.progress(source)]
+
+    def interrupt_once_the_call_is_done() -> None:
+        call = pipe._runner._task
+        if call is not None and not call.done():
+            loop.call_soon(interrupt_once_the_call_is_done)
+            return
+        raise KeyboardInterrupt
+
+    loop.call_soon(interrupt_once_the_call_is_done)
+    try:
+        with pytest.raises(BadBatchError):  # the refusal of item 2, not the interrupt
+            pipe.progress(source)
+        seen += run_with_interrupts(pipe, source)
+    finally:
+        pipe.shutdown()
+    assert seen == [0, 1, 3, 4]

@@ -592,6 +592,34 @@ def test_an_async_fetch_raising_an_interrupt_is_fetched_again_not_failed(
     assert (stats.delivered, stats.failed, stats.exhausted) == (5, 0, True)
 
 
+async def test_a_fetch_raising_another_base_exception_fails_its_key_once() -> None:
+    """Only ``KeyboardInterrupt`` and ``SystemExit`` leave the loop as the fetch raises
+    them (fetched again); any other ``BaseException`` is that key's failure."""
+
+    class Abort(BaseException):
+        pass
+
+    calls: list[int] = []
+
+    async def fetch(key: int) -> int:
+        calls.append(key)
+        if key == 2:
+            raise Abort("fetch of key 2 aborted")
+        return key
+
+    source = fetch_ahead(range(4), fetch, in_flight=1)
+    got: list[Any] = []
+    while True:
+        try:
+            got.append(await anext(source))
+        except StopAsyncIteration:
+            break
+        except FetchError as failure:
+            assert isinstance(failure.__cause__, Abort) and failure.key == 2
+            got.append("failed")
+    assert got == [0, 1, "failed", 3] and calls.count(2) == 1
+
+
 @pytest.mark.parametrize("closing", ["close()", "aclose() on another loop"])
 def test_close_from_sync_code_cancels_the_fetches_when_their_loop_next_runs(
     closing: str, caplog: pytest.LogCaptureFixture,

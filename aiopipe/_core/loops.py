@@ -166,9 +166,12 @@ class LoopRunner:
             if not task.done():  # the loop itself was left (KeyboardInterrupt, SystemExit)
                 _cancel_and_settle(loop, task)
             else:  # the call had finished: the interrupt came before the loop stopped
-                _drop_pending_stop(loop)
-                if keep is not None and not task.cancelled() and task.exception() is None:
+                failure = None if task.cancelled() else task.exception()
+                if keep is not None and not task.cancelled() and failure is None:
                     keep(task.result())
+                _drop_pending_stop(loop)
+                if failure is not None:
+                    raise failure  # the call's own error says more than the interrupt
             raise
         finally:
             self._task = None
@@ -185,8 +188,23 @@ class LoopRunner:
         for stop in _ON_CTRL_C.get(loop, ()):  # on the loop, ahead of the cancellation
             loop.call_soon_threadsafe(stop)
         if self._interrupts == 1 and not task.done():
+            if asyncio.current_task(loop) is task:
+                # Handled inside the call's own step: cancelled now, a coroutine about
+                # to return would have its result turned into the cancellation.
+                loop.call_soon(self._cancel_call, task)
+            else:
+                task.cancel()
+                loop.call_soon_threadsafe(lambda: None)  # wake the loop
+            return
+        raise KeyboardInterrupt()
+
+    @staticmethod
+    def _cancel_call(task: asyncio.Task[Any]) -> None:
+        """The first Ctrl-C, at the loop's next cycle: cancel the call if it still
+        runs; if it has returned meanwhile, the interrupt is raised as it ends (its
+        result kept for the next call)."""
+        if not task.done():
             task.cancel()
-            loop.call_soon_threadsafe(lambda: None)  # wake the loop
             return
         raise KeyboardInterrupt()
 
@@ -249,8 +267,13 @@ def _drop_pending_stop(loop: asyncio.AbstractEventLoop) -> None:
     callback ``run_until_complete`` adds to it) runs now: left queued, it would stop
     the next call's loop at its first cycle ("Event loop stopped before Future
     completed")."""
-    loop.stop()
-    loop.run_forever()  # stopping already: one cycle of the callbacks ready
+    for _ in range(3):  # a second interrupt in that cycle: the first is on its way out
+        try:
+            loop.stop()
+            loop.run_forever()  # stopping already: one cycle of the callbacks ready
+            return
+        except (KeyboardInterrupt, SystemExit):
+            continue
 
 
 def finish_loop(loop: asyncio.AbstractEventLoop) -> None:

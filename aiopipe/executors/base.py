@@ -46,7 +46,7 @@ from ..errors import IgnoredReturnWarning, attach_origin
 from ..plan import ActiveSet, ExecutionPlan
 from ..ring import BatchRing
 from ..task import refuse_awaitable
-from .._core.lanes import lane_of_thread
+from .._core.lanes import LANE_THREAD_PREFIX, lane_of_thread
 from .._core.steps import AwaitClock
 
 if TYPE_CHECKING:
@@ -399,17 +399,22 @@ def warn_ignored_return(task: Task, value: object) -> None:
 def _body_fault(exc: BaseException) -> bool:
     """Whether ``exc``, raised by a body, is a fault of the body's own that is not an
     ``Exception``: neither an interrupt (``KeyboardInterrupt``, ``SystemExit``), nor a
-    coroutine being closed, nor the cancellation of the task the body runs in (the
-    loop shutting down, the engine stopping a failed iteration).  A ``CancelledError``
-    while its task is not being cancelled came out of an ``await`` someone else
-    cancelled (Python 3.11 and later tell them apart)."""
-    if isinstance(exc, (Exception, KeyboardInterrupt, SystemExit, GeneratorExit)):
+    coroutine closed from outside (``GeneratorExit`` with no task running it), nor the
+    cancellation of the task the body runs in (the loop shutting down, the engine
+    stopping a failed iteration).  A ``CancelledError`` while its task is not being
+    cancelled came out of an ``await`` someone else cancelled (Python 3.11 and later
+    tell them apart)."""
+    if isinstance(exc, (Exception, KeyboardInterrupt, SystemExit)):
         return False
-    if not isinstance(exc, asyncio.CancelledError):
-        return True
+    if threading.current_thread().name.startswith(LANE_THREAD_PREFIX):
+        return True  # a sync body on its lane: nothing there closes or cancels it
     try:
         task = asyncio.current_task()
-    except RuntimeError:  # a lane thread: nothing there cancels a body
+    except RuntimeError:  # no loop runs here: a coroutine closed by a finalizer
+        return False
+    if isinstance(exc, GeneratorExit):
+        return task is not None
+    if not isinstance(exc, asyncio.CancelledError):
         return True
     cancelling = getattr(task, "cancelling", None)
     return task is not None and cancelling is not None and cancelling() == 0
