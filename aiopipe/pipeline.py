@@ -117,8 +117,8 @@ class SchedulablePipeline:
         )  # fmt: skip
         self._calls = CallGuard(self.name, self, _CALLS)  # progress, progress_many, drain
         # Batches of step() calls cancelled before their batch was taken (while the
-        # step before was being finished): promised training, taken first by the
-        # next step() or drain().
+        # step before was being finished): promised training, given it by the next
+        # step(), or by a drain() with nothing else in flight.
         self._owed_steps: collections.deque[OneBatch] = collections.deque()
         self._closed = False
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
@@ -454,7 +454,7 @@ class SchedulablePipeline:
             raise PipelineStateError(
                 f"{owed} batch(es) of step() calls that were cancelled before their "
                 f"batch was taken wait to be trained (a cancelled step() still trains "
-                f"its batch): drain() trains them (call it until it returns [] ), "
+                f"its batch): drain() trains them (call it until it returns []), "
                 f"step() does first, reset() drops them"
             )
         feed = self._adopt(source)

@@ -82,10 +82,10 @@ class Pulls:
 
     def _init_pulls(self, ahead: Sequence[asyncio.Future[Any]]) -> None:
         """No pull yet, or those a discarded feed of the same source handed over."""
-        #: The next item, read ahead or being read (a future, done for sync sources);
-        #: given, one a discarded feed of the same source had read.
         #: An item an interrupted ``check_batch`` kept (:meth:`_checked`), read next.
         self._unchecked = _NO_ITEM
+        #: The next item, read ahead or being read (a future, done for sync sources);
+        #: given, one a discarded feed of the same source had read.
         self.ahead: asyncio.Future[Any] | None = ahead[0] if ahead else None
         #: The items after it, read or being read, in order (``read_ahead=N`` > 1, or
         #: the one started while a caller waited for :attr:`ahead`).
