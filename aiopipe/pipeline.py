@@ -195,7 +195,7 @@ class SchedulablePipeline:
             self._check_usable()
             produced, result = await self._next_of(source)
             if not produced:
-                self._on_source_end()
+                self._end_handed()
                 raise StopAsyncIteration
             return result
         finally:
@@ -233,7 +233,7 @@ class SchedulablePipeline:
             self._check_usable()
             next_of = functools.partial(self._next_of, source)
             return await collect_steps(next_of, steps, self._driver, self._feeds,
-                                       self._on_source_end)  # fmt: skip
+                                       self._end_handed)  # fmt: skip
         finally:
             self._calls.end(call)
 
@@ -441,6 +441,15 @@ class SchedulablePipeline:
         if feed is not None:
             feed.put_back(results)
 
+    def _end_handed(self) -> None:
+        """The source's end was handed to the caller (not only read, as by a
+        ``progress_many`` that returns results first): the same source again is a new
+        pass."""
+        feed = self._feeds.current
+        if feed is not None:
+            feed.ended = True
+        self._on_source_end()
+
     def _on_source_end(self) -> None:
         """Called once the last result of a source has been returned (presets hook)."""
 
@@ -463,8 +472,6 @@ class SchedulablePipeline:
             self._feeds.forget()
             feed = self._adopt(source)
             produced, result = await self._driver.next_result(feed)
-        if not produced:
-            feed.ended = True  # handed to the caller: the same source again is a new pass
         return produced, result
 
     def _trio_source(self, source: Source) -> Source:

@@ -590,3 +590,17 @@ def test_a_call_s_error_is_not_hidden_by_an_interrupt_as_it_ends() -> None:
     finally:
         pipe.shutdown()
     assert seen == [0, 1, 3, 4]
+
+
+async def test_an_end_read_but_not_handed_over_keeps_the_source_s_counts() -> None:
+    """``progress_many`` that reads the end while it returns results has not handed
+    the end over: a ``drain()`` and the next call go on counting in that source, as
+    the same calls one ``progress()`` at a time do."""
+    pipe = Pipeline([echo_task()])
+    source = iter(range(4))
+    assert await pipe.progress_many(source, 10) == [0, 1, 2, 3]
+    assert await pipe.drain() == []
+    assert pipe.statistics().position == 4
+    assert await pipe.progress_many(source, 10) == []  # the end, handed over now
+    assert pipe.statistics().position == 4
+    await pipe.aclose()
