@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._core.nvtx import Annotator
-from ._core.loops import task_quiet_if_left
+from ._core.loops import running_task, task_quiet_if_left
 from ._core.waker import mark_retrieved
 from .chain import StepChain
 from .context import TaskContext
@@ -246,7 +246,7 @@ class IterationDriver(OrphanedIterations, IterationWaits):
         try:
             await self._executor.run_iteration(iteration)
         except GeneratorExit as exc:
-            if not getattr(exc, "aiopipe_body_fault", False) or _running_task() is not me:
+            if not getattr(exc, "aiopipe_body_fault", False) or running_task() is not me:
                 raise  # collected, left on a closed loop: ended elsewhere
             error = exc  # a body's own: its task's failure
         except BaseException as exc:
@@ -357,10 +357,3 @@ class IterationDriver(OrphanedIterations, IterationWaits):
                 f"awaits it first (progress, drain), finishes it"
             )
 
-
-def _running_task() -> asyncio.Task[Any] | None:
-    """The task running now, ``None`` where no loop runs (a coroutine being closed)."""
-    try:
-        return asyncio.current_task()
-    except RuntimeError:
-        return None

@@ -3,14 +3,20 @@
 A failure whose caller was cancelled (or came after results the caller gets first)
 is raised by the next call, once; an iteration that failed after some of its tasks
 ran leaves the batches in flight in an unknown state (:attr:`broken`) until the
-pipeline is reset.
+pipeline is reset.  :func:`body_fault` tells a body's own non-``Exception`` error
+(raised as ``TaskAbortedError``) from an interrupt or a cancellation.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
+from ._core.lanes import LANE_THREAD_PREFIX
+from ._core.loops import loop_running_in_this_thread, running_task
 from .errors import PipelineStateError
 
-__all__ = ("IterationFailures", "loop_closed_error")
+__all__ = ("IterationFailures", "body_fault", "loop_closed_error")
 
 
 class IterationFailures:
@@ -83,3 +89,26 @@ def loop_closed_error(number: int) -> PipelineStateError:
     return PipelineStateError(
         f"iteration {number} was left unfinished on an event loop that was closed"
     )
+
+
+def body_fault(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a body, is a fault of the body's own that is not an
+    ``Exception``: neither an interrupt (``KeyboardInterrupt``, ``SystemExit``), nor a
+    coroutine closed from outside (``GeneratorExit`` with no task running it), nor the
+    cancellation of the task the body runs in (the loop shutting down, the engine
+    stopping a failed iteration).  A ``CancelledError`` while its task is not being
+    cancelled came out of an ``await`` someone else cancelled (Python 3.11 and later
+    tell them apart)."""
+    if isinstance(exc, (Exception, KeyboardInterrupt, SystemExit)):
+        return False
+    if threading.current_thread().name.startswith(LANE_THREAD_PREFIX):
+        return True  # a sync body on its lane: nothing there closes or cancels it
+    task = running_task()
+    if task is None and not loop_running_in_this_thread():
+        return False  # no loop runs here: a coroutine closed by a finalizer
+    if isinstance(exc, GeneratorExit):
+        return task is not None
+    if not isinstance(exc, asyncio.CancelledError):
+        return True
+    cancelling = getattr(task, "cancelling", None)
+    return task is not None and cancelling is not None and cancelling() == 0

@@ -25,6 +25,7 @@ from ._core.log import pipeline_log
 from .errors import PipelineStateError
 from .source import Counts, Feed
 from .sources import OneBatch, Source, finished_generator
+from .statistics import PipelineStatistics
 
 __all__ = ("Feeds",)
 
@@ -204,15 +205,35 @@ class Feeds:
             self._suspend(self.current, self.current.counts, self.current.deferred)
             self._drained, self.current = self.current, None
 
-    def restore_drained(self) -> Feed | None:
-        """Undo :meth:`forget` of the feed last drained, if no source came since: its
-        drain's results go back to it (``_put_back_results``).  Its record of counts
-        is replaced when it is forgotten again."""
-        feed = self._drained
-        if feed is None or self.current is not None:
-            return None
-        self.current, self._drained = feed, None
-        return feed
+    def put_back_results(self, results: list[Any]) -> None:
+        """Results a finished call could not hand over (the blocking form raised an
+        interrupt that came as it ended): the current feed returns them first, as
+        after an interrupted call.  A drain's go back to the feed it forgot, taken
+        up again if no source came since (its record of counts is replaced when it
+        is forgotten again)."""
+        if self.current is None and self._drained is not None:
+            self.current, self._drained = self._drained, None
+        if self.current is not None:
+            self.current.put_back(results)
+
+    def end_handed(self) -> None:
+        """A call handed the current source's end to its caller (not only read, as by
+        a ``progress_many`` that returns results first): the same source again is a
+        new pass."""
+        if self.current is not None:
+            self.current.ended = True
+
+    def statistics(self, *, broken: str | None, closed: bool) -> PipelineStatistics:
+        """The pipeline's :class:`PipelineStatistics`, of the feed :attr:`shown`."""
+        feed = self.shown
+        counts = feed.counts if feed else Counts()
+        return PipelineStatistics(
+            pulled=counts.pulled, returned=counts.returned,
+            in_flight=feed.in_flight if feed else 0, iteration=feed.iteration if feed else 0,
+            exhausted=feed.end_read if feed else False, broken=broken, closed=closed,
+            refused=counts.refused, applied=counts.applied, discarded=self.discarded,
+            position=counts.position,
+        )  # fmt: skip
 
     def _suspend(
         self, feed: Feed, counts: Counts, error: Exception | None, *, weak_only: bool = False

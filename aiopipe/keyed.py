@@ -30,14 +30,15 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .errors import ConfigurationError, ConfigurationTypeError, FetchError, PipelineStateError
 from ._core.loops import close_left
 from ._core.waker import mark_retrieved, wait_settled
 from .keyed_parts import (
-    NO_KEY, Entry, NotAwaitable, asyncio_loop, cancel_quietly, check_fetch, next_key, settled,
+    NO_KEY, Entry, NotAwaitable, asyncio_loop, cancel_quietly, check_fetch,
+    FetchStatistics, close_coroutine_result, fetch_interrupted, next_key, notify_when_pulled,
+    settled,
 )  # fmt: skip
 from .sources import END, closed_between_pulls, finished_generator, not_a_source
 
@@ -45,25 +46,6 @@ __all__ = ("FetchAhead", "FetchStatistics", "fetch_ahead")
 
 K = TypeVar("K")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class FetchStatistics:
-    """Where a :class:`FetchAhead` stands in its keys.
-
-    ``in_flight`` counts the fetches started whose batch (or error) has not been
-    handed out yet, ``ready`` of them finished; ``delivered`` and ``failed`` count the
-    batches and the :class:`~aiopipe.FetchError` handed out (and the refusal of a
-    ``fetch`` that returned no awaitable), so ``keys_taken == in_flight + delivered +
-    failed`` until the source is closed (which drops the fetches in flight)."""
-
-    keys_taken: int
-    in_flight: int
-    ready: int
-    delivered: int
-    failed: int
-    exhausted: bool
-    closed: bool
 
 
 class FetchAhead(AsyncIterator[T]):
@@ -129,7 +111,7 @@ class FetchAhead(AsyncIterator[T]):
                 raise PipelineStateError(f"{self._lost}: the rest of the keys cannot be read")
             self._refill()
             if self._window and self._window[0].future.done():
-                if _interrupted(self._window[0]):
+                if fetch_interrupted(self._window[0]):
                     # The interrupt reached the loop's caller as the fetch raised it
                     # (asyncio raises it out of the loop): fetch the key again.
                     head = self._window[0]
@@ -252,7 +234,7 @@ class FetchAhead(AsyncIterator[T]):
                         return
                     self._key_pull = asyncio.ensure_future(next_key(self._async))
                     # A weak reference: a pending pull must not keep a dropped self alive.
-                    self._key_pull.add_done_callback(_notify(weakref.ref(self)))
+                    self._key_pull.add_done_callback(notify_when_pulled(weakref.ref(self)))
                     return  # _key_arrived goes on
                 if not pull.done():
                     return
@@ -346,7 +328,7 @@ class FetchAhead(AsyncIterator[T]):
             batch = future.result()
             if inspect.iscoroutine(batch):  # a bug, as a plain fetch is (below)
                 for other in (entry, *self._window):  # said once, not again when collected
-                    other.future.add_done_callback(_close_coroutine_result)
+                    other.future.add_done_callback(close_coroutine_result)
                 assert entry.index is not None  # a fetch's entry: the keys' own hold errors
                 self._failed.append(entry.index)
                 self._refused = ConfigurationTypeError(
@@ -367,23 +349,6 @@ class FetchAhead(AsyncIterator[T]):
             self._refused = ConfigurationTypeError(*problem.args)
             raise self._refused from None
         raise FetchError(entry.key, entry.index, problem) from problem
-
-
-def _interrupted(entry: Entry) -> bool:
-    """Whether ``entry``'s fetch ended with ``KeyboardInterrupt`` or ``SystemExit``
-    (the two asyncio raises out of the loop; any other error is the fetch's failure)."""
-    future = entry.future
-    if entry.index is None or future.cancelled():
-        return False
-    return isinstance(future.exception(), (KeyboardInterrupt, SystemExit))
-
-
-def _close_coroutine_result(future: asyncio.Future[Any]) -> None:
-    """Close the coroutine a fetch returned as its batch (``return get(key)``)."""
-    if not future.cancelled() and future.exception() is None:
-        result = future.result()
-        if inspect.iscoroutine(result):
-            result.close()
 
 
 def fetch_ahead(
@@ -413,16 +378,3 @@ def fetch_ahead(
     async iterable (pulled in a task of its own, one key ahead).  asyncio only: under
     trio, fetch in a nursery and feed the pipeline from a memory channel."""
     return FetchAhead(keys, fetch, in_flight=in_flight)
-
-
-def _notify(owner: weakref.ref[FetchAhead[Any]]) -> Callable[[asyncio.Future[Any]], None]:
-    def arrived(pull: asyncio.Future[Any]) -> None:
-        me = owner()
-        if me is not None:
-            me._key_arrived(pull)
-            if not pull.cancelled():  # (a loop shutting down must start no task)
-                me._refill()
-
-    return arrived
-
-

@@ -1,12 +1,14 @@
-"""The parts of :mod:`aiopipe.keyed` around its window: one entry of the window, the
-checks of ``fetch``, a key pulled from async keys, and the futures ``fetch_ahead``
-settles or cancels."""
+"""The parts of :mod:`aiopipe.keyed` around its window: its statistics, one entry of
+the window, the checks of ``fetch``, a key pulled from async keys (and the callback
+that takes it), and the futures ``fetch_ahead`` settles, cancels or reads."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ._core.waker import mark_retrieved
@@ -16,8 +18,28 @@ from .sources import END
 
 __all__ = (
     "NO_KEY", "Entry", "NotAwaitable", "asyncio_loop", "cancel_quietly", "check_fetch",
-    "next_key", "settled",
+    "FetchStatistics", "close_coroutine_result", "fetch_interrupted", "next_key",
+    "notify_when_pulled", "settled",
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FetchStatistics:
+    """Where a :class:`FetchAhead` stands in its keys.
+
+    ``in_flight`` counts the fetches started whose batch (or error) has not been
+    handed out yet, ``ready`` of them finished; ``delivered`` and ``failed`` count the
+    batches and the :class:`~aiopipe.FetchError` handed out (and the refusal of a
+    ``fetch`` that returned no awaitable), so ``keys_taken == in_flight + delivered +
+    failed`` until the source is closed (which drops the fetches in flight)."""
+
+    keys_taken: int
+    in_flight: int
+    ready: int
+    delivered: int
+    failed: int
+    exhausted: bool
+    closed: bool
 
 
 class Entry:
@@ -80,3 +102,34 @@ def settled(problem: BaseException) -> asyncio.Future[Any]:
 def cancel_quietly(future: asyncio.Future[Any]) -> None:
     future.add_done_callback(mark_retrieved)
     future.cancel()
+
+
+def fetch_interrupted(entry: Entry) -> bool:
+    """Whether ``entry``'s fetch ended with ``KeyboardInterrupt`` or ``SystemExit``
+    (the two asyncio raises out of the loop; any other error is the fetch's failure)."""
+    future = entry.future
+    if entry.index is None or future.cancelled():
+        return False
+    return isinstance(future.exception(), (KeyboardInterrupt, SystemExit))
+
+
+def close_coroutine_result(future: asyncio.Future[Any]) -> None:
+    """Close the coroutine a fetch returned as its batch (``return get(key)``)."""
+    if not future.cancelled() and future.exception() is None:
+        result = future.result()
+        if inspect.iscoroutine(result):
+            result.close()
+
+
+def notify_when_pulled(owner: weakref.ref[Any]) -> Callable[[asyncio.Future[Any]], None]:
+    """The done-callback of a key pull: the :class:`~aiopipe.keyed.FetchAhead` (held
+    weakly: a pending pull must not keep a dropped source alive) takes the key and
+    starts its fetch."""
+    def arrived(pull: asyncio.Future[Any]) -> None:
+        me = owner()
+        if me is not None:
+            me._key_arrived(pull)
+            if not pull.cancelled():  # (a loop shutting down must start no task)
+                me._refill()
+
+    return arrived

@@ -10,40 +10,35 @@ This module holds the public contract.  The source's items cross into the ring
 through :class:`~aiopipe.source.Feed`; the life of each iteration (start, end once,
 guard the lanes when a caller leaves, a pending failure) is owned by
 :class:`~aiopipe.driver.IterationDriver`; the calls that return several results
-collect them in :mod:`~aiopipe.collect`.
+collect them in :mod:`~aiopipe.collect`; the parts are built by
+:mod:`~aiopipe.assembly`, and the batches cancelled ``step()`` calls still owe
+training are kept by :mod:`~aiopipe.owed_steps`.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-import logging
 from collections.abc import AsyncIterable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ._core.log import lanes_summary, next_pipeline_name, pipeline_log
-from ._core.nvtx import resolve_annotator
+from ._core.log import next_pipeline_name, pipeline_log
+from .assembly import assemble
 from .calls import CallGuard
 from .collect import collect_drain, collect_steps
-from .context import TaskContext
-from .driver import IterationDriver
-from .feeds import Feeds
 from .errors import ConfigurationError, ConfigurationTypeError, PipelineStateError
-from .options import check_option_names, checked_batch_check, read_ahead_depth
-from .executors import Executor, resolve_executor
-from .protocols import Results
+from .executors import Executor
 from .interop import TrioBridge, in_trio, needs_event_loop
+from .options import check_option_names
+from .owed_steps import OwedSteps
 from .plan import ExecutionPlan
-from .ring import BatchRing, RetiredStores
+from .protocols import Results
+from .ring import BatchRing
 from .schedule import Schedule
-from .source import Counts, Feed
-from .sources import OneBatch, Source
+from .source import Feed
+from .sources import Source
 from .statistics import PipelineStatistics
 from .streams import StreamPool
-from .trace import Tracer, resolve_tracer
-from .validate import validate_schedule, warn_serialized_awaits, warn_without_result
+from .trace import Tracer
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11; only read by type checkers
@@ -82,53 +77,15 @@ class SchedulablePipeline:
         check_option_names(options, f"{type(self).__name__}()")
         name = options.get("name")
         self.name = name if name is not None else next_pipeline_name()
-        if stream_pool is None:
-            stream_pool = StreamPool({slot: None for slot in schedule.stream_slots})
-        validate_schedule(schedule, stream_pool)
-        if options.get("expect_result", True):
-            warn_without_result(schedule)
-        warn_serialized_awaits(schedule)
-        self._plan = plan = ExecutionPlan(schedule, stream_pool)
-        self._schedule = schedule.in_order(plan.order)
-        self._executor = resolve_executor(executor)
-        self._executor.bind(plan)
-        self._ring = BatchRing(plan.max_lookahead + 1)
-        self._ctx = TaskContext(stream_pool)
-        self._tracer = resolve_tracer(options.get("trace"))
-        lane_of = getattr(self._executor, "lane_of", None)
-        lane_names: tuple[str, ...] = (
-            tuple(lane_of(task.name) for task in plan.order) if callable(lane_of) else ()
-        )
-        self._retired = RetiredStores(stream_pool)  # evicted, not yet droppable
-        self._driver = IterationDriver(
-            plan, self._ring, self._ctx, self._executor,
-            annotator=resolve_annotator(options.get("nvtx"), gpu_present=torch.cuda.is_available),
-            tracer=self._tracer, lane_names=lane_names, pipeline=self.name,
-            retired=self._retired,
-        )  # fmt: skip
-        ring, retired = self._ring, self._retired  # not self: no cycle keeps a dropped pipeline
-        self._feeds = Feeds(
-            self.name, lambda: retired.add_all(ring.reset()),
-            read_ahead=read_ahead_depth(options.get("read_ahead", True)),
-            check_batch=checked_batch_check(options.get("check_batch")),
-            # A source's own torch work, on the loop's thread, must not leave an OpenMP
-            # pool there that slows the lanes' (AsyncExecutor.release_loop_thread_pool).
-            after_read=getattr(self._executor, "release_loop_thread_pool", None),
-        )  # fmt: skip
+        parts = assemble(self.name, schedule, stream_pool, executor, options)
+        self._plan, self._schedule, self._executor = parts.plan, parts.schedule, parts.executor
+        self._ring, self._ctx, self._tracer = parts.ring, parts.ctx, parts.tracer
+        self._retired, self._driver, self._feeds = parts.retired, parts.driver, parts.feeds
         self._calls = CallGuard(self.name, self, _CALLS)  # progress, progress_many, drain
-        # Batches of step() calls cancelled before their batch was taken (while the
-        # step before was being finished): promised training, given it by the next
-        # step(), or by a drain() with nothing else in flight.
-        self._owed_steps: collections.deque[OneBatch] = collections.deque()
+        self._owed = OwedSteps(self._feeds)  # of step() calls cancelled early
         self._closed = False
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
-        if pipeline_log.isEnabledFor(logging.INFO):
-            pipeline_log.info(
-                "%s: built with %d tasks (max lookahead %d), %s, lanes %s", self.name,
-                len(plan), plan.max_lookahead, type(self._executor).__name__,
-                lanes_summary([task.name for task in plan.order], lane_names),
-            )  # fmt: skip
 
     # -- introspection ----------------------------------------------------------------
 
@@ -160,21 +117,7 @@ class SchedulablePipeline:
         return self._ring
 
     def statistics(self) -> PipelineStatistics:
-        feed = self._feeds.shown
-        counts = feed.counts if feed else Counts()
-        return PipelineStatistics(
-            pulled=counts.pulled,
-            returned=counts.returned,
-            in_flight=feed.in_flight if feed else 0,
-            iteration=feed.iteration if feed else 0,
-            exhausted=feed.end_read if feed else False,
-            broken=self._driver.failures.broken,
-            closed=self._closed,
-            refused=counts.refused,
-            applied=counts.applied,
-            discarded=self._feeds.discarded,
-            position=counts.position,
-        )
+        return self._feeds.statistics(broken=self._driver.failures.broken, closed=self._closed)
 
     # -- the progress contract -------------------------------------------------------
 
@@ -248,30 +191,8 @@ class SchedulablePipeline:
         ``step()`` waits for that (or trains it first), drops its result (its caller
         is gone) and then runs its own batch; a ``drain()`` with nothing else in
         flight trains it too (result dropped), ``reset()`` drops it."""
-        own = OneBatch(batch)
-        self._owed_steps.append(own)  # before any await: a cancelled step still trains it
-        try:
-            while True:
-                feed = self._feeds.current
-                if feed is not None and isinstance(feed.source, OneBatch) and not feed.finished:
-                    await self._drain(take_owed=False)  # results of callers gone: dropped
-                head = self._owed_steps.popleft()
-                try:
-                    result = await self.progress(head)
-                except BaseException:
-                    current = self._feeds.current
-                    if current is None or current.source is not head:  # never taken up
-                        self._owed_steps.appendleft(head)
-                    raise
-                if head is own:
-                    return result
-        except Exception:
-            # Refused, or an earlier batch's failure: this step is not owed training
-            # (a cancellation, a BaseException, leaves it owed).
-            if own in self._owed_steps:
-                self._owed_steps.remove(own)
-            own.withdraw()  # taken up but not taken (an init failed): not trained later
-            raise
+        return await self._owed.step(batch, self.progress,
+                                     lambda: self._drain(take_owed=False))  # fmt: skip
 
     @needs_event_loop
     def results(self, source: Iterable[Any] | AsyncIterable[Any]) -> Results[Any]:
@@ -316,15 +237,12 @@ class SchedulablePipeline:
         try:
             self._check_usable()
             results = await collect_drain(self._driver, self._feeds, self.name)
-            failures = self._driver.failures
-            if results or not take_owed:
-                return results  # the batches of cancelled steps: by the next drain()
-            while self._owed_steps and not (failures.pending or failures.broken):
-                # Trained now, one feed each, their results dropped as step() drops
-                # them (their callers are gone): nothing collected is at stake if a
-                # later one fails or the call is cancelled.
-                self._adopt(self._owed_steps.popleft())
-                await collect_drain(self._driver, self._feeds, self.name)
+            if take_owed and not results:  # else the owed batches: by the next drain()
+                failures = self._driver.failures
+                await self._owed.train(
+                    self._adopt, lambda: collect_drain(self._driver, self._feeds, self.name),
+                    lambda: failures.pending or failures.broken is not None,
+                )  # fmt: skip
             return results
         finally:
             self._calls.end(call)
@@ -379,13 +297,10 @@ class SchedulablePipeline:
         feed = self._feeds.current
         pipeline_log.info("%s: reset, discarding %d batch(es) in flight", self.name,
                           feed.in_flight if feed is not None else 0)  # fmt: skip
-        untaken = self._untaken_step()
-        if untaken is not None:  # taken up by a cancelled step(), never taken
-            untaken.withdraw()
+        owed = self._owed.drop()  # before the feeds are: one may be the current feed
         self._driver.failures.clear()
         self._feeds.discard()
-        self._feeds.discarded += len(self._owed_steps) + (untaken is not None)
-        self._owed_steps.clear()
+        self._feeds.discarded += owed  # never taken: untrained
         self._feeds.seed(None)
 
     def shutdown(self) -> None:
@@ -426,28 +341,17 @@ class SchedulablePipeline:
         self._driver.failures.raise_pending()
         self._driver.failures.raise_if_broken()
 
-    def _untaken_step(self) -> OneBatch | None:
-        """The batch of a cancelled ``step()`` that was taken up (the current feed's
-        source) but not taken yet: owed training like those in ``_owed_steps``."""
-        feed = self._feeds.current
-        source = feed.source if feed is not None else None
-        return source if type(source) is OneBatch and not source.taken else None
-
     def _put_back_results(self, results: list[Any]) -> None:
         """Results a finished call could not hand over (the blocking form raised an
         interrupt that came as it ended): the next call returns them first, as it
         would after an interrupted call -- a drain's too, its source taken up again."""
-        feed = self._feeds.current or self._feeds.restore_drained()
-        if feed is not None:
-            feed.put_back(results)
+        self._feeds.put_back_results(results)
 
     def _end_handed(self) -> None:
         """The source's end was handed to the caller (not only read, as by a
         ``progress_many`` that returns results first): the same source again is a new
         pass."""
-        feed = self._feeds.current
-        if feed is not None:
-            feed.ended = True
+        self._feeds.end_handed()
         self._on_source_end()
 
     def _on_source_end(self) -> None:
@@ -458,14 +362,7 @@ class SchedulablePipeline:
         drain() that was interrupted (cancelled, or a refused batch) and has now
         finished the batches in flight is done with: the source goes on, as after a
         drain() that completed."""
-        owed = len(self._owed_steps) + (self._untaken_step() is not None)
-        if owed and not isinstance(source, OneBatch):
-            raise PipelineStateError(
-                f"{owed} batch(es) of step() calls that were cancelled before their "
-                f"batch was taken wait to be trained (a cancelled step() still trains "
-                f"its batch): drain() trains them (call it until it returns []), "
-                f"step() does first, reset() drops them"
-            )
+        self._owed.refuse_another_source(source)
         feed = self._adopt(source)
         produced, result = await self._driver.next_result(feed, more)
         if not produced and feed.draining:

@@ -107,6 +107,53 @@ def run_with_interrupts(pipe: Any, source: Any) -> list[Any]:
             seen.append(type(interrupt).__name__)
 
 
+class InterruptedCheck:
+    """A ``check_batch`` that raises ``KeyboardInterrupt`` once, checking batch 2."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def __call__(self, batch: int) -> None:
+        if batch == 2 and not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+async def numbers(count: int, *, yields: int = 0) -> Any:
+    """An async generator of ``range(count)``, yielding to the loop ``yields`` times
+    before each item."""
+    for number in range(count):
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        yield number
+
+
+def until_interrupted(pipe: Any, source: Any, check: InterruptedCheck) -> list[Any]:
+    """The blocking ``pipe``'s results of ``source`` until ``check`` has fired."""
+    seen: list[Any] = []
+    while not check.fired:
+        try:
+            seen.append(pipe.progress(source))
+        except KeyboardInterrupt:
+            pass
+    return seen
+
+
+def interrupt_once_the_call_is_done(pipe: Any) -> None:
+    """Raise ``KeyboardInterrupt`` out of the blocking ``pipe``'s loop in the first
+    cycle after its call under way has finished (before the loop stops)."""
+    loop = pipe._runner.loop
+
+    def interrupt() -> None:
+        call = pipe._runner._task
+        if call is not None and not call.done():
+            loop.call_soon(interrupt)
+            return
+        raise KeyboardInterrupt
+
+    loop.call_soon(interrupt)
+
+
 @pytest.mark.parametrize("options", [{}, {"executor": "sequential"}, {"read_ahead": False}],
                          ids=["lanes", "sequential", "no read-ahead"])  # fmt: skip
 @pytest.mark.parametrize("async_source", [False, True], ids=["sync source", "async source"])
@@ -115,20 +162,9 @@ def test_an_interrupt_in_check_batch_keeps_the_item_it_was_checking(
 ) -> None:
     """``check_batch`` is called on an item already taken from the source: Ctrl-C
     there must not lose it (nor the checkpoint position count past it)."""
-    interrupted: list[int] = []
-
-    def check(batch: int) -> None:
-        if batch == 2 and not interrupted:
-            interrupted.append(batch)
-            raise KeyboardInterrupt
-
-    async def numbers() -> Any:
-        for number in range(6):
-            yield number
-
-    pipe = Pipeline([echo_task()], check_batch=check, **options).blocking()
+    pipe = Pipeline([echo_task()], check_batch=InterruptedCheck(), **options).blocking()
     try:
-        seen = run_with_interrupts(pipe, numbers() if async_source else iter(range(6)))
+        seen = run_with_interrupts(pipe, numbers(6) if async_source else iter(range(6)))
         stats = pipe.statistics()
     finally:
         pipe.shutdown()
@@ -465,21 +501,11 @@ async def test_a_step_whose_init_failed_is_not_trained_later() -> None:
 @pytest.mark.parametrize("options", [{}, {"executor": "sequential"}, {"read_ahead": False}],
                          ids=["lanes", "sequential", "no read-ahead"])  # fmt: skip
 def test_an_item_kept_by_an_interrupted_check_is_drained_not_lost(options: dict[str, Any]) -> None:
-    fired: list[int] = []
-
-    def check(batch: int) -> None:
-        if batch == 2 and not fired:
-            fired.append(batch)
-            raise KeyboardInterrupt
-
+    check = InterruptedCheck()
     pipe = Pipeline([echo_task()], check_batch=check, **options).blocking()
-    source, seen = iter(range(6)), []
+    source = iter(range(6))
     try:
-        while not fired:
-            try:
-                seen.append(pipe.progress(source))
-            except KeyboardInterrupt:
-                pass
+        seen = until_interrupted(pipe, source, check)
         seen += pipe.drain()
         seen += list(pipe.results(source))
         stats = pipe.statistics()
@@ -489,26 +515,11 @@ def test_an_item_kept_by_an_interrupted_check_is_drained_not_lost(options: dict[
 
 
 def test_an_item_kept_by_an_interrupted_check_keeps_its_place_through_reset() -> None:
-    fired: list[int] = []
-
-    def check(batch: int) -> None:
-        if batch == 2 and not fired:
-            fired.append(batch)
-            raise KeyboardInterrupt
-
-    async def numbers() -> Any:
-        for number in range(6):
-            await asyncio.sleep(0)
-            yield number
-
+    check = InterruptedCheck()
     pipe = Pipeline([echo_task()], check_batch=check, read_ahead=2).blocking()
-    source, seen = numbers(), []
+    source = numbers(6, yields=1)
     try:
-        while not fired:
-            try:
-                seen.append(pipe.progress(source))
-            except KeyboardInterrupt:
-                pass
+        seen = until_interrupted(pipe, source, check)
         pipe._runner.run(pipe.pipeline.wait_idle)  # the step the interrupt left running
         pipe.reset()  # what was read ahead stays, in order
         seen += list(pipe.results(source))
@@ -524,17 +535,8 @@ def test_two_interrupts_as_a_call_ends_keep_its_result_and_the_next_call_runs(
     pipe = Pipeline([echo_task()], **options).blocking()
     source = iter(range(5))
     seen: list[Any] = [pipe.progress(source)]
-    loop = pipe._runner.loop
-
-    def interrupt_once_the_call_is_done() -> None:
-        call = pipe._runner._task
-        if call is not None and not call.done():
-            loop.call_soon(interrupt_once_the_call_is_done)
-            return
-        raise KeyboardInterrupt
-
-    loop.call_soon(interrupt_once_the_call_is_done)
-    loop.call_soon(interrupt_once_the_call_is_done)
+    interrupt_once_the_call_is_done(pipe)
+    interrupt_once_the_call_is_done(pipe)
     try:
         seen += run_with_interrupts(pipe, source)
     finally:
@@ -572,17 +574,8 @@ def test_a_call_s_error_is_not_hidden_by_an_interrupt_as_it_ends() -> None:
     pipe = Pipeline([echo_task()], check_batch=refuse_2, read_ahead=False,
                     executor="sequential").blocking()  # fmt: skip
     source = iter(range(5))
-    loop = pipe._runner.loop
     seen: list[Any] = [pipe.progress(source), pipe.progress(source)]
-
-    def interrupt_once_the_call_is_done() -> None:
-        call = pipe._runner._task
-        if call is not None and not call.done():
-            loop.call_soon(interrupt_once_the_call_is_done)
-            return
-        raise KeyboardInterrupt
-
-    loop.call_soon(interrupt_once_the_call_is_done)
+    interrupt_once_the_call_is_done(pipe)
     try:
         with pytest.raises(BadBatchError):  # the refusal of item 2, not the interrupt
             pipe.progress(source)

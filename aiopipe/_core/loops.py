@@ -29,7 +29,7 @@ from ..errors import PipelineStateError
 __all__ = (
     "STOPPED_WAITING", "LoopRunner", "close_awaited", "close_if_unstarted", "close_left",
     "close_on_the_way_out", "finish_loop", "loop_running_in_this_thread", "new_event_loop",
-    "runner_owns",
+    "runner_owns", "running_task",
     "task_quiet_if_left", "unstarted", "uvloop_enabled", "waits_for_ctrl_c",
 )  # fmt: skip
 
@@ -243,6 +243,15 @@ def close_on_the_way_out(close: Callable[[], None], exc: object) -> None:
     except KeyboardInterrupt:
         if not isinstance(exc, KeyboardInterrupt):
             raise
+
+
+def running_task() -> asyncio.Task[Any] | None:
+    """The task running now; ``None`` outside one, and where no loop runs (a lane
+    thread, a coroutine closed by a finalizer)."""
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
 
 
 def loop_running_in_this_thread() -> bool:

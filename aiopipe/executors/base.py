@@ -31,7 +31,6 @@ keywords (see ``AsyncExecutor.start_iteration``); an executor without queues ret
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
@@ -43,10 +42,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from .._core.log import executor_log
 from ..context import CURRENT, LaneRunner, Running, TaskContext
 from ..errors import IgnoredReturnWarning, attach_origin
+from ..failures import body_fault
 from ..plan import ActiveSet, ExecutionPlan
 from ..ring import BatchRing
 from ..task import refuse_awaitable
-from .._core.lanes import LANE_THREAD_PREFIX, lane_of_thread
+from .._core.lanes import lane_of_thread
 from .._core.steps import AwaitClock
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ class Iteration:
                 type(exc).__name__, exc,
             )  # fmt: skip
         annotate_failure(exc, task, self.number, batch)
-        if _body_fault(exc):
+        if body_fault(exc):
             with contextlib.suppress(AttributeError):  # exceptions with __slots__
                 exc.aiopipe_body_fault = True  # type: ignore[attr-defined]
 
@@ -395,26 +395,3 @@ def warn_ignored_return(task: Task, value: object) -> None:
         IgnoredReturnWarning, stacklevel=2,
     )  # fmt: skip
 
-
-def _body_fault(exc: BaseException) -> bool:
-    """Whether ``exc``, raised by a body, is a fault of the body's own that is not an
-    ``Exception``: neither an interrupt (``KeyboardInterrupt``, ``SystemExit``), nor a
-    coroutine closed from outside (``GeneratorExit`` with no task running it), nor the
-    cancellation of the task the body runs in (the loop shutting down, the engine
-    stopping a failed iteration).  A ``CancelledError`` while its task is not being
-    cancelled came out of an ``await`` someone else cancelled (Python 3.11 and later
-    tell them apart)."""
-    if isinstance(exc, (Exception, KeyboardInterrupt, SystemExit)):
-        return False
-    if threading.current_thread().name.startswith(LANE_THREAD_PREFIX):
-        return True  # a sync body on its lane: nothing there closes or cancels it
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:  # no loop runs here: a coroutine closed by a finalizer
-        return False
-    if isinstance(exc, GeneratorExit):
-        return task is not None
-    if not isinstance(exc, asyncio.CancelledError):
-        return True
-    cancelling = getattr(task, "cancelling", None)
-    return task is not None and cancelling is not None and cancelling() == 0
