@@ -338,6 +338,7 @@ class HeldSteps:
 
 
 STEP_EXECUTORS = {"lanes": {}, "sequential": {"executor": "sequential"}}
+ALL_STEP_FORMS = {**STEP_EXECUTORS, "lane loop": {"thread_map": {"train": "loop"}}}
 
 
 @pytest.mark.parametrize("options", STEP_EXECUTORS.values(), ids=STEP_EXECUTORS)
@@ -376,6 +377,30 @@ async def test_the_batches_of_cancelled_steps_are_drained_or_reset_never_skipped
     assert await pipe2.step("c") == "c" and body.trained == ["a", "c"]
     await pipe.aclose()
     await pipe2.aclose()
+
+
+@pytest.mark.skipif(not hasattr(signal, "raise_signal") or os.name != "posix", reason="POSIX signals")
+@pytest.mark.parametrize("options", ALL_STEP_FORMS.values(), ids=ALL_STEP_FORMS)
+def test_a_ctrl_c_before_a_blocking_step_starts_leaves_its_batch_owed(
+    options: dict[str, Any], ctrl_c_raises: None
+) -> None:
+    trained: list[Any] = []
+
+    def train(ctx: TaskContext) -> None:
+        trained.append(ctx.slots["batch_cpu"])
+        echo(ctx)
+
+    pipe = Pipeline([Task.from_fn("train", train, writes=("step_result",))], **options).blocking()
+    try:
+        assert pipe.step("warm") == "warm"
+        # Queued ahead of the call's task: Ctrl-C arrives before the call's first step.
+        pipe._runner.loop.call_soon(signal.raise_signal, signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            pipe.step("a")
+        assert pipe.step("b") == "b"  # "a" was owed: trained first, its result dropped
+    finally:
+        pipe.shutdown()
+    assert trained == ["warm", "a", "b"]
 
 
 class Abort(BaseException):

@@ -188,10 +188,13 @@ class LoopRunner:
         for stop in _ON_CTRL_C.get(loop, ()):  # on the loop, ahead of the cancellation
             loop.call_soon_threadsafe(stop)
         if self._interrupts == 1 and not task.done():
-            if asyncio.current_task(loop) is task:
+            if asyncio.current_task(loop) is task or unstarted(task):
                 # Handled inside the call's own step: cancelled now, a coroutine about
-                # to return would have its result turned into the cancellation.
-                loop.call_soon(self._cancel_call, task)
+                # to return would have its result turned into the cancellation.  Before
+                # the call's first step: cancelled now, none of it would run (a step()
+                # would leave no trace, not even its batch owed); it runs to its first
+                # await first.
+                loop.call_soon_threadsafe(self._cancel_call, task)
             else:
                 task.cancel()
                 loop.call_soon_threadsafe(lambda: None)  # wake the loop
