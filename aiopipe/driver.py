@@ -44,6 +44,7 @@ from .orphans import OrphanedIterations
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores, SlotStore
 from .source import Feed
+from .sources import lost_to_its_loop
 from .task import RESULT_SLOT
 from .trace import Tracer
 from .waits import IterationWaits
@@ -96,11 +97,13 @@ class IterationDriver(OrphanedIterations, IterationWaits):
         if feed.lost is not None and not (feed.exhausted or feed.draining):
             advice = (f"drain() finishes the {feed.in_flight} batch(es) in flight; then pass"
                       if feed.in_flight else "Pass")  # fmt: skip
+            hint = (" (keep every call over an async source on one event loop: inside "
+                    "one asyncio.run()/aiopipe.run(), or through pipe.blocking(); a queue "
+                    "or memory channel survives a cancellation)"
+                    if lost_to_its_loop(feed.lost) else "")  # fmt: skip
             raise PipelineStateError(
                 f"{feed.lost}: the rest of its items cannot be read. {advice} a new "
-                f"source (keep every call over an async source on one event loop: inside "
-                f"one asyncio.run()/aiopipe.run(), or through pipe.blocking(); a queue or "
-                f"memory channel survives a cancellation)"
+                f"source{hint}"
             )
         if not self._inits.done:
             await self._inits.run()

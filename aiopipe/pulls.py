@@ -22,7 +22,7 @@ from typing import Any
 from ._core.loops import close_left, loop_running_in_this_thread
 from ._core.waker import mark_retrieved, wait_settled
 from .errors import PipelineStateError, attach_source_origin
-from .sources import END, Taken, closed_between_pulls, finished_generator
+from .sources import END, Taken, closed_between_pulls, ended_by_interrupt, finished_generator
 
 __all__ = ("Pulls",)
 
@@ -78,7 +78,11 @@ class Pulls:
         if item is not _NO_ITEM:
             return item
         assert self._sync is not None
-        return next(self._sync, END)
+        try:
+            return next(self._sync, END)
+        except (KeyboardInterrupt, SystemExit) as interrupt:
+            self._lose_if_ended(self._sync, interrupt)
+            raise
 
     def _init_pulls(self, ahead: Sequence[asyncio.Future[Any]]) -> None:
         """No pull yet, or those a discarded feed of the same source handed over."""
@@ -101,7 +105,7 @@ class Pulls:
         self._read_any = False
         #: Why the source can no longer be read, when a pull found it closed (by this
         #: feed, or by an earlier feed of the same source).
-        source = getattr(self._async, "source", self._async)
+        source = getattr(self._async, "source", self._async) or self._sync
         self.lost: str | None = None
         if source is not None:
             try:
@@ -281,6 +285,13 @@ class Pulls:
                                "finished the generator")  # fmt: skip
         return True
 
+    def _lose_if_ended(self, source: Any, interrupt: BaseException) -> None:
+        """An interrupt came out of ``source``: a generator it finished is lost (the
+        next call says so, not "the epoch ended"); any other source reads on."""
+        why = ended_by_interrupt(source, interrupt)
+        if why is not None:
+            self._lose(source, why)
+
     def _lose(self, source: Any, why: str) -> None:
         """The source can no longer be read (:attr:`lost`), and passed again -- a new
         feed of it -- says so, rather than end as if it had run dry."""
@@ -332,6 +343,9 @@ class Pulls:
                     "the event loop this async generator was being read ahead on shut "
                     "down mid-pull, which closed it"
                 ))  # fmt: skip
+            raise
+        except (KeyboardInterrupt, SystemExit) as interrupt:
+            self._lose_if_ended(source, interrupt)
             raise
         except BaseException:  # the source's own error: it may end a generator
             self._read_any = False

@@ -14,7 +14,8 @@ import torch
 from .errors import ConfigurationTypeError
 
 __all__ = (
-    "END", "OneBatch", "Source", "Taken", "closed_between_pulls", "finished_generator", "iterate",
+    "END", "OneBatch", "Source", "Taken", "closed_between_pulls", "ended_by_interrupt",
+    "finished_generator", "iterate", "lost_to_its_loop",
     "not_a_source",
 )  # fmt: skip
 
@@ -101,6 +102,35 @@ def finished_generator(source: object) -> bool:
     """Whether ``source`` is an async generator that is finished: ended, or closed
     (by its loop's shutdown, ``aclose()``, or a pull closed on a closed loop)."""
     return inspect.isasyncgen(source) and source.ag_frame is None
+
+
+def ended_by_interrupt(source: object, interrupt: BaseException) -> str | None:
+    """Why ``source``, a generator (sync or async) that ``interrupt`` (a
+    ``KeyboardInterrupt``/``SystemExit``) came out of, cannot give its remaining
+    items: raised through its frame, the interrupt finished it.  ``None`` where
+    ``source`` is no such generator (an iterator of another kind reads on)."""
+    if inspect.isasyncgen(source):
+        finished, what = source.ag_frame is None, "this async generator"
+    elif inspect.isgenerator(source):
+        finished, what = source.gi_frame is None, "this generator"
+    else:
+        return None
+    if not finished:
+        return None
+    return (
+        f"{what} raised {type(interrupt).__name__} while it was read (a Ctrl-C that "
+        f"landed in its code, or its own raise), {_FINISHED_BY_INTERRUPT}"
+    )
+
+
+_FINISHED_BY_INTERRUPT = "which finished it"
+
+
+def lost_to_its_loop(why: str) -> bool:
+    """Whether a source lost for ``why`` was lost to an event loop's life (closed
+    with its loop, or by a cancellation), which keeping every call on one loop
+    avoids; not by an interrupt of its own (:func:`ended_by_interrupt`)."""
+    return not why.endswith(_FINISHED_BY_INTERRUPT)
 
 
 def closed_between_pulls(what: str) -> str:

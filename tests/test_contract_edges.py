@@ -622,3 +622,83 @@ async def test_an_end_read_but_not_handed_over_keeps_the_source_s_counts() -> No
     assert await pipe.progress_many(source, 10) == []  # the end, handed over now
     assert pipe.statistics().position == 4
     await pipe.aclose()
+
+
+SOURCE_KINDS = ("generator", "async generator")
+
+
+def pressing_ctrl_c_at(item: int, kind: str) -> Any:
+    """A ``kind`` source of ``range(10)`` that delivers one SIGINT to this thread (a
+    user's Ctrl-C) as it makes ``item``, then goes on."""
+
+    def values() -> Any:
+        for value in range(10):
+            if value == item:
+                signal.raise_signal(signal.SIGINT)
+            yield value
+
+    async def async_values() -> Any:
+        for value in values():
+            yield value
+
+    return values() if kind == "generator" else async_values()
+
+
+@pytest.mark.skipif(not hasattr(signal, "raise_signal") or os.name != "posix", reason="POSIX signals")
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
+@pytest.mark.parametrize("options", ALL_EXECUTORS.values(), ids=ALL_EXECUTORS)
+def test_a_ctrl_c_while_a_source_is_read_ahead_loses_none_of_it(
+    options: dict[str, Any], kind: str, ctrl_c_raises: None
+) -> None:
+    # Inline, the call has returned when its read-ahead runs the generator: the
+    # interrupt is raised as the call ends, never inside the generator's frame.
+    pipe = Pipeline([echo_task()], **options).blocking()
+    try:
+        seen = run_with_interrupts(pipe, pressing_ctrl_c_at(2, kind))
+    finally:
+        pipe.shutdown()
+    assert [x for x in seen if isinstance(x, int)] == list(range(10))
+    assert seen.count("KeyboardInterrupt") == 1
+
+
+def raising_at(item: int, kind: str, interrupt: type[BaseException]) -> Any:
+    """A ``kind`` source of ``range(10)`` that raises ``interrupt`` itself at ``item``,
+    which finishes it."""
+
+    def values() -> Any:
+        for value in range(10):
+            if value == item:
+                raise interrupt
+            yield value
+
+    async def async_values() -> Any:
+        for value in values():
+            yield value
+
+    return values() if kind == "generator" else async_values()
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("kind", SOURCE_KINDS)
+@pytest.mark.parametrize("options", ALL_EXECUTORS.values(), ids=ALL_EXECUTORS)
+def test_a_generator_an_interrupt_finished_is_said_lost_not_ended(
+    options: dict[str, Any], kind: str, interrupt: type[BaseException]
+) -> None:
+    pipe = Pipeline([echo_task()], **options).blocking()
+    source = raising_at(3, kind, interrupt)
+    got: list[Any] = []
+    try:
+        with pytest.raises(PipelineStateError, match=f"raised {interrupt.__name__}.*finished it"):
+            while True:
+                try:
+                    got.append(pipe.progress(source))
+                except interrupt:
+                    got.append(interrupt.__name__)
+        got += pipe.drain()  # the batches in flight
+        with pytest.raises(PipelineStateError, match="finished it"):
+            pipe.progress(source)  # passed again: still lost, not an empty epoch
+        assert pipe.progress(iter([7])) == 7  # a new source goes on
+    finally:
+        pipe.shutdown()
+    assert [x for x in got if isinstance(x, int)] == [0, 1, 2]
+    assert got.count(interrupt.__name__) == 1

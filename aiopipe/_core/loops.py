@@ -96,6 +96,7 @@ class LoopRunner:
         self._prefer_uvloop = prefer_uvloop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._interrupts = 0
+        self._late_interrupt = False  # a first Ctrl-C after the call had finished
         self._closed = False
         self._task: asyncio.Task[Any] | None = None  # the call under way
         # Held by the call under way: a second thread's call is refused, never let onto
@@ -156,8 +157,9 @@ class LoopRunner:
             # task's repr formats its result (tensors too) -- 6 % of a DLRM step.
             signal.signal(signal.SIGINT, self._on_sigint)
         self._interrupts = 0
+        self._late_interrupt = False
         try:
-            return loop.run_until_complete(task)
+            result = loop.run_until_complete(task)
         except asyncio.CancelledError:
             if self._interrupts:
                 raise KeyboardInterrupt() from None
@@ -174,9 +176,14 @@ class LoopRunner:
                     raise failure  # the call's own error says more than the interrupt
             raise
         finally:
-            self._task = None
             if install:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+            self._task = None  # (after: a Ctrl-C in between is still this call's)
+        if self._late_interrupt:  # Ctrl-C after the call had finished: raised now
+            if keep is not None:
+                keep(result)
+            raise KeyboardInterrupt()
+        return result
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         task = self._task
@@ -199,17 +206,22 @@ class LoopRunner:
                 task.cancel()
                 loop.call_soon_threadsafe(lambda: None)  # wake the loop
             return
+        if self._interrupts == 1:
+            # The call has finished: raised once the loop has stopped, not here, in
+            # whatever runs meanwhile (a source's async generator read ahead would
+            # be finished by it, its items lost).
+            self._late_interrupt = True
+            return
         raise KeyboardInterrupt()
 
-    @staticmethod
-    def _cancel_call(task: asyncio.Task[Any]) -> None:
+    def _cancel_call(self, task: asyncio.Task[Any]) -> None:
         """The first Ctrl-C, at the loop's next cycle: cancel the call if it still
         runs; if it has returned meanwhile, the interrupt is raised as it ends (its
         result kept for the next call)."""
         if not task.done():
             task.cancel()
             return
-        raise KeyboardInterrupt()
+        self._late_interrupt = True
 
     @property
     def usable(self) -> bool:
