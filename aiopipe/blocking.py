@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._core.loops import LoopRunner, close_on_the_way_out
 from .errors import ConfigurationTypeError
-from .protocols import AsyncPipeline
+from .protocols import AsyncPipeline, abandon_source
 from .sources import iterate
 
 if TYPE_CHECKING:
@@ -117,18 +117,17 @@ class BlockingPipeline:
         """``for result in pipe.results(loader)``: one result per batch, like ``for
         batch in loader`` (an iterable gets a fresh iterator, an iterator continues
         where it stands)."""
-        source = iterate(source)
+        batches = iterate(source)
+        fresh = batches is not source  # made here: nobody else holds it
         while True:
             try:
-                result = self.progress(source)
+                result = self.progress(batches)
             except StopIteration:
                 return
             try:
                 yield result
             except GeneratorExit:  # left early: the batches in flight need no training
-                abandon = getattr(self._pipeline, "abandon_source", None)
-                if abandon is not None:
-                    abandon(source)
+                abandon_source(self._pipeline, batches, fresh=fresh)
                 raise
 
     def drain(self) -> list[Any]:

@@ -15,6 +15,7 @@ is counted.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import weakref
@@ -37,6 +38,8 @@ class _Left(NamedTuple):
     counts: Counts
     error: Exception | None  # raised by its next call
     yielded: int | None  # how many items it had given (a DataLoader's iterator)
+    #: Its pull under way when it was left, running on: its next feed takes it first.
+    pending: asyncio.Future[Any] | None = None
 
 #: How many sources left before their end are remembered (training and validation
 #: streams taking turns, say), the latest first kept.
@@ -105,15 +108,16 @@ class Feeds:
         """The feed of ``source``: the current one, or a new one replacing it."""
         if _was_cut_off(self._cut_off, source):
             raise PipelineStateError(
-                "this async generator was closed by aiopipe: after reset(), another "
-                "source replaced it while one of its fetches was under way, and "
-                "cancelling that fetch finished the generator (its remaining items "
-                "cannot be read). Pass a new iterator; to switch sources without losing "
-                "a fetch, drain() the first one before passing another"
+                f"this async generator was closed by aiopipe: it was left with one of its "
+                f"fetches under way, and {REMEMBERED} other sources were left after it "
+                f"(or the pipeline shut down), so that fetch was cancelled, which "
+                f"finished the generator (its remaining items cannot be read). Pass a "
+                f"new iterator; drain() a source before passing another to leave no "
+                f"fetch behind"
             )
         feed = self.current
         if feed is not None and source is feed.source:
-            feed.abandoned = False  # taken up again: it goes on with its batches
+            feed.abandoned = feed.fresh = False  # taken up again: it goes on with its batches
             return feed
         if feed is not None and feed.in_flight:
             if feed.abandoned and idle and feed.outbox:
@@ -145,8 +149,8 @@ class Feeds:
             self.discard()
             feed = None
         # The incoming source's record is taken before another is left (a bounded list).
-        resumed = self._resumed(source)
-        ahead: list[Any] = []
+        resumed, pending = self._resumed(source)
+        ahead: list[Any] = [pending] if pending is not None else []
         parked, goes_on_from = self._parked, None
         if parked is not None:
             if feed is None and parked.source is source:  # reset() kept what it read ahead
@@ -155,11 +159,18 @@ class Feeds:
             else:
                 # Past the items it read ahead too (dropped just below); reset() dropped
                 # the failure it was left with, not an error of the source read ahead.
-                # A results() loop left early is held weakly only: over a list, it is an
-                # iterator nobody else has, which would keep the list's batches alive.
+                # A results() loop's own iterator (over a list) is held weakly only:
+                # nobody else has it, and it would keep the list's batches alive.
+                # An async generator's fetch under way runs on for its next use:
+                # cancelled, it would finish the generator.  (Another async source's
+                # is cancelled: it gives that item to whoever reads it next.)
+                pending = (parked.take_pull_under_way()
+                           if inspect.isasyncgen(parked.source) else None)  # fmt: skip
                 past = parked.counts_past_taken
-                past = past._replace(position=past.position + parked.read_ahead_items)
-                self._suspend(parked, past, parked.held_error(), weak_only=parked.abandoned)
+                past = past._replace(position=past.position + parked.read_ahead_items,
+                                     refused=past.refused + parked.refused_ahead)  # fmt: skip
+                self._suspend(parked, past, parked.held_error(), weak_only=parked.fresh,
+                              pending=pending)  # fmt: skip
             self._drop(parked)
             self._parked = None
         if feed is not None:  # idle: nothing read ahead (an error may be)
@@ -236,48 +247,68 @@ class Feeds:
         )  # fmt: skip
 
     def _suspend(
-        self, feed: Feed, counts: Counts, error: Exception | None, *, weak_only: bool = False
-    ) -> None:
+        self, feed: Feed, counts: Counts, error: Exception | None, *, weak_only: bool = False,
+        pending: asyncio.Future[Any] | None = None,
+    ) -> None:  # fmt: skip
         """``feed`` is left before its source's end: remember its counts, and the error
-        its next call must raise, for the source's next use (the latest
-        :data:`REMEMBERED` sources; ``step()``'s one-batch sources never go on)."""
+        its next call must raise, and its pull under way (``pending``), for the
+        source's next use (the latest :data:`REMEMBERED` sources; ``step()``'s
+        one-batch sources never go on)."""
         reference = _reference(feed.source, weak_only)
-        if reference is not None and not feed.ended and not isinstance(feed.source, OneBatch):
-            self._left = [left for left in self._left if left.source() is not feed.source]
-            self._left.append(_Left(reference, counts, error, _yielded(feed.source)))
-            if len(self._left) > REMEMBERED:
-                forgotten = self._left.pop(0)
-                if forgotten.error is not None:
-                    pipeline_log.warning(
-                        "%s: an earlier source's %r was never raised: other sources came "
-                        "after it", self._name, forgotten.error,
-                    )  # fmt: skip
+        if reference is None or feed.ended or isinstance(feed.source, OneBatch):
+            self._cancel_pending(feed.source, pending)  # never used again
+            return
+        self._left = [left for left in self._left if left.source() is not feed.source]
+        self._left.append(_Left(reference, counts, error, _yielded(feed.source), pending))
+        if len(self._left) > REMEMBERED:
+            forgotten = self._left.pop(0)
+            self._cancel_pending(forgotten.source(), forgotten.pending)
+            if forgotten.error is not None:
+                pipeline_log.warning(
+                    "%s: an earlier source's %r was never raised: other sources came "
+                    "after it", self._name, forgotten.error,
+                )  # fmt: skip
 
-    def _resumed(self, source: Source) -> tuple[Counts, Exception | None] | None:
-        """The counts (and error) ``source`` was left with, taken; ``None`` if it is
-        none of the sources left, or is a loader's iterator reset since (a new pass)."""
+    def _resumed(
+        self, source: Source
+    ) -> tuple[tuple[Counts, Exception | None] | None, asyncio.Future[Any] | None]:
+        """The counts (and error) ``source`` was left with, taken, ``None`` if it is
+        none of the sources left, or is a loader's iterator reset since (a new pass);
+        and its pull left under way, if any (its item comes first)."""
         found = [left for left in self._left if left.source() is source]
         if not found:
-            return None
+            return None, None
         record = found[0]
         self._left.remove(record)
         yielded = _yielded(source)
         if yielded is not None and record.yielded is not None and yielded < record.yielded:
-            return None  # iter(loader) reset the persistent DataLoader's iterator
-        return record.counts, record.error
+            self._cancel_pending(source, record.pending)
+            return None, None  # iter(loader) reset the persistent DataLoader's iterator
+        return (record.counts, record.error), record.pending
+
+    def _cancel_pending(self, source: object, pending: asyncio.Future[Any] | None) -> None:
+        """Cancel a left source's pull under way: nobody will take its item.  An async
+        generator it finishes is remembered, refused by name if passed again."""
+        if pending is None or pending.done():
+            return
+        pending.cancel()
+        if inspect.isasyncgen(source):
+            self._cut_off[source] = None
 
     def close(self) -> None:
         """Stop any pull under way (the pipeline shuts down)."""
         for feed in (self.current, self._parked):
             if feed is not None:
                 feed.close()
+        for left in self._left:
+            self._cancel_pending(left.source(), left.pending)
 
     def _drop(self, feed: Feed) -> None:
         """Forget ``feed`` for good: the items its source gave ahead are discarded
         too.  A fetch under way is cancelled (the source never gave its item, so it
         is not counted): an async generator it closes is remembered, refused by name
         if passed again, not silently empty."""
-        self.discarded += feed.read_ahead_items
+        self.discarded += feed.read_ahead_items - feed.refused_ahead
         if feed.close() and inspect.isasyncgen(feed.source):
             pipeline_log.info(
                 "%s: another source replaced an async generator while one of its fetches "

@@ -203,15 +203,18 @@ class SchedulablePipeline:
         nothing more: see :meth:`abandon_source`."""
         return Results(self, source)
 
-    def abandon_source(self, source: Source) -> None:
+    def abandon_source(self, source: Source, *, fresh: bool = False) -> None:
         """The caller is done with ``source`` although batches of it are in flight
         (``results()`` calls it when its loop is left early).  Those batches have had
         look-ahead work only, which changes no persistent state: if another source
         comes next, they are discarded untrained (``statistics().discarded`` counts
-        them) instead of refused; passing ``source`` again continues with them."""
+        them) instead of refused; passing ``source`` again continues with them, and
+        its counts go on.  ``fresh``: the caller made ``source`` from an iterable
+        for its own use (``results(a_list)``), so nobody can pass it again and
+        nothing of it is kept, not even where it cannot be referenced weakly."""
         feed = self._feeds.current
         if feed is not None and feed.source is source and feed.in_flight:
-            feed.abandoned = True
+            feed.abandoned, feed.fresh = True, fresh
 
     @needs_event_loop
     async def drain(self) -> list[Any]:

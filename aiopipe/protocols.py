@@ -10,12 +10,13 @@ cancelled.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any, Generic, Protocol, TypeVar
 
 from .sources import Source, iterate
 
-__all__ = ("AsyncPipeline", "Results")
+__all__ = ("AsyncPipeline", "Results", "abandon_source")
 
 ResultT = TypeVar("ResultT", covariant=True)
 
@@ -48,6 +49,7 @@ class Results(AsyncIterator[ResultT], Generic[ResultT]):
         self._done = False
         self._pipeline = pipeline
         self._batches = iterate(source)
+        self._fresh = self._batches is not source  # made here: nobody else holds it
 
     def __aiter__(self) -> Results[ResultT]:
         return self
@@ -76,7 +78,18 @@ class Results(AsyncIterator[ResultT], Generic[ResultT]):
         if self._done or not self._at_result:
             return
         self._done = True
-        abandon = getattr(self._pipeline, "abandon_source", None)
-        if abandon is not None:
-            abandon(self._batches)
+        abandon_source(self._pipeline, self._batches, fresh=self._fresh)
+
+
+def abandon_source(pipeline: object, source: Any, *, fresh: bool) -> None:
+    """Tell ``pipeline``, if it has ``abandon_source``, that a ``results()`` loop over
+    ``source`` was left early (``fresh``: the loop made ``source`` itself).  A
+    pipeline whose ``abandon_source`` takes no ``fresh`` is told without it."""
+    abandon = getattr(pipeline, "abandon_source", None)
+    if abandon is None:
+        return
+    if fresh and "fresh" in inspect.signature(abandon).parameters:
+        abandon(source, fresh=True)
+    else:
+        abandon(source)
 

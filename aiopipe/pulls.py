@@ -130,6 +130,13 @@ class Pulls:
         pulls = (self.ahead, *self._behind)
         return (self._unchecked is not _NO_ITEM) + sum(1 for pull in pulls if _gave_an_item(pull))
 
+    @property
+    def refused_ahead(self) -> int:
+        """Of :attr:`read_ahead_items`, those ``check_batch`` refused (not raised yet):
+        dropped with the feed, they count as refused, not as batches discarded."""
+        return sum(1 for pull in (self.ahead, *self._behind)
+                   if pull is not None and _gave_an_item(pull) and _refused(pull))  # fmt: skip
+
     def held_error(self) -> Exception | None:
         """The source's own error, read ahead and not raised yet (noted with the batch
         it was giving: it may be raised later, by a call on another feed)."""
@@ -159,6 +166,21 @@ class Pulls:
         self.ahead = None
         self._behind.clear()
         return futures
+
+    def take_pull_under_way(self) -> asyncio.Future[Any] | None:
+        """Take out the newest pull if it is still under way (only the newest can be),
+        uncancelled: left to run, it keeps an async generator alive for the source's
+        next feed, which takes its item first (``Feed(ahead=...)``).  ``None`` if none."""
+        newest = self._behind[-1] if self._behind else self.ahead
+        if newest is None or newest.done() or newest.get_loop().is_closed():
+            return None
+        if self._behind:
+            self._behind.pop()
+        else:
+            self.ahead = None
+        if self._awaited is newest:
+            self._awaited = None
+        return newest
 
     def claim(
         self, ahead: asyncio.Future[Any], still_wanted: Callable[[], bool] | None = None
@@ -386,6 +408,12 @@ def _holds_an_item(future: asyncio.Future[Any] | None) -> bool:
     if not future.done() or future.cancelled():
         return True
     return future.exception() is None and future.result()[0] is not END
+
+
+def _refused(pull: asyncio.Future[Any]) -> bool:
+    """Whether ``pull``, which gave an item, holds ``check_batch``'s refusal of it."""
+    problem = pull.result()[1]
+    return problem is not None and problem is not RECHECK
 
 
 def _gave_an_item(future: asyncio.Future[Any] | None) -> bool:

@@ -51,7 +51,7 @@ class Feed(Pulls):
     __slots__ = (
         "_after_read", "_async", "_check_batch", "_depth", "_pulled_inline", "_refused_after",
         "_seed", "_sync", "abandoned", "counts_before", "deferred", "discarded", "draining",
-        "end_read", "ended", "exhausted", "iteration", "outbox", "pulled", "raised",
+        "end_read", "ended", "exhausted", "fresh", "iteration", "outbox", "pulled", "raised",
         "read_ahead_allowed", "refused", "results_dropped", "returned", "source", "top_pulled",
     )  # fmt: skip
 
@@ -117,6 +117,9 @@ class Feed(Pulls):
         #: The ``results()`` loop over this source was left early: another source may
         #: take its place, the batches in flight then discarded.
         self.abandoned = False
+        #: ...and its iterator was made by that loop from an iterable: nobody else holds
+        #: it, so nothing need be remembered for it (it would keep a list alive).
+        self.fresh = False
         # A trio caller's source is pulled by the caller during its own call
         # (interop.py): it cannot be read between calls.
         self._pulled_inline = bool(getattr(source, "pulled_inline", False))

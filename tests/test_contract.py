@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import os
 import subprocess
 import sys
@@ -532,6 +533,47 @@ async def test_an_iterator_left_early_and_passed_again_goes_on_with_its_batches(
         assert (steps, pipe.statistics().discarded) == (list(range(8)), 0)
 
 
+NOT_WEAKLY_REFERENCED = {
+    "iter(list)": lambda: iter(list(range(10))),
+    "iter(tuple)": lambda: iter(tuple(range(10))),
+    "map": lambda: map(int, range(10)),
+    "islice": lambda: itertools.islice(range(100), 10),
+}
+
+
+@pytest.mark.parametrize("make", NOT_WEAKLY_REFERENCED.values(), ids=NOT_WEAKLY_REFERENCED)
+@pytest.mark.parametrize("form", ["async", "blocking"])
+def test_an_iterator_without_weak_references_left_early_counts_on_after_other_sources(
+    make: Any, form: str
+) -> None:
+    source = make()
+    with pytest.raises(TypeError):
+        weakref.ref(source)  # the case this is about
+    pipe = Pipeline([Task.from_fn("train", echo)])
+
+    async def left_early_then_passed_again() -> list[Any]:
+        async for result in pipe.results(source):
+            if result == 2:
+                break
+        assert await pipe.step("other") == "other"  # discards 3, read ahead
+        rest = [r async for r in pipe.results(source)]
+        await pipe.aclose()
+        return rest
+
+    if form == "async":
+        rest = asyncio.run(left_early_then_passed_again())
+    else:
+        blocking = pipe.blocking()
+        for result in blocking.results(source):
+            if result == 2:
+                break
+        assert blocking.step("other") == "other"
+        rest = list(blocking.results(source))
+        blocking.shutdown()
+    assert rest == [4, 5, 6, 7, 8, 9]
+    assert pipe.statistics().position == 10  # where a resumed run starts
+
+
 async def test_a_manual_new_source_with_batches_in_flight_names_drain_and_reset() -> None:
     async with Pipeline(counting([])) as pipe:
         assert await pipe.progress(iter(range(4))) == 0
@@ -871,3 +913,47 @@ def test_a_new_blocking_view_per_call_reads_on_where_the_last_one_left() -> None
     with pytest.raises(StopIteration):
         pipe.blocking().progress(source)
     pipe.blocking().shutdown()
+
+
+class OwnPipeline:
+    """A pipeline of the user's own: ``progress`` echoes its source's items, and its
+    ``abandon_source`` takes no ``fresh``."""
+
+    def __init__(self) -> None:
+        self.abandoned: list[Any] = []
+
+    async def progress(self, source: Iterator[Any]) -> Any:
+        for item in source:
+            return item
+        raise StopAsyncIteration
+
+    def abandon_source(self, source: Any) -> None:
+        self.abandoned.append(source)
+
+
+async def test_results_tells_a_pipeline_of_ones_own_it_was_left_without_fresh() -> None:
+    from aiopipe.protocols import Results
+
+    own = OwnPipeline()
+    batches = iter(range(5))
+    for source in ([0, 1, 2], batches):  # made by results(), and the caller's own
+        async for _ in Results(own, source):
+            break
+    assert len(own.abandoned) == 2 and own.abandoned[1] is batches
+
+
+@pytest.mark.parametrize("options", [{}, {"executor": "sequential"}], ids=["lanes", "sequential"])
+async def test_an_item_refused_ahead_and_left_counts_as_refused_not_discarded(
+    options: dict[str, Any]
+) -> None:
+    source = (x for x in range(6))
+    async with Pipeline([Task.from_fn("train", echo)], check_batch=lambda b: b != 2,
+                        **options) as pipe:  # fmt: skip
+        async for result in pipe.results(source):
+            if result == 1:
+                break  # item 2 is read ahead, and refused
+        await pipe.wait_idle()
+        assert await pipe.step("other") == "other"
+        assert pipe.statistics().discarded == 0  # no batch was dropped untrained
+        assert [r async for r in pipe.results(source)] == [3, 4, 5]
+        assert (pipe.statistics().refused, pipe.statistics().position) == (1, 6)

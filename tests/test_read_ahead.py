@@ -14,6 +14,7 @@ import pytest
 from aiopipe import (
     ConfigurationError, ConfigurationTypeError, Pipeline, PipelineStateError, Task, TaskContext,
 )  # fmt: skip
+from aiopipe.feeds import REMEMBERED
 from aiopipe.source import Feed
 
 from gated_source import GatedSource
@@ -212,19 +213,48 @@ async def test_an_eager_task_factory_still_reads_n_ahead() -> None:
         loop.set_task_factory(None)
 
 
-async def test_a_generator_closed_by_a_source_switch_is_refused_not_silently_empty() -> None:
-    # After reset(), another source replaces an async generator whose next fetch is
-    # under way: cancelling that fetch finishes the generator.  Passed again, it is
-    # refused with the reason, instead of ending at once as if it had run dry.
+@pytest.mark.parametrize("leave", ["reset()", "results() left early"])
+async def test_a_fetch_under_way_when_another_source_comes_runs_on_for_the_next_use(
+    leave: str,
+) -> None:
+    # Another source replaces an async generator whose next fetch is under way:
+    # cancelling that fetch would finish the generator, so it runs on, and passed
+    # again the generator goes on with that item, none lost and none skipped.
     source = GatedSource(4)
     source.open(0)
     async with Pipeline([Task.from_fn("train", echo)]) as pipe:
-        assert await pipe.progress(source.items) == 0  # batch 1's fetch is under way
-        await pipe.wait_idle()
-        pipe.reset()
+        if leave == "reset()":
+            assert await pipe.progress(source.items) == 0
+            await pipe.wait_idle()
+            pipe.reset()
+        else:
+            async for result in pipe.results(source.items):
+                assert result == 0
+                break
+        await source.started[1].wait()  # batch 1's fetch is under way
         assert [r async for r in pipe.results(iter([10, 11]))] == [10, 11]
-        assert source.items.ag_frame is None  # the cancelled fetch closed it
-        with pytest.raises(PipelineStateError, match="closed by aiopipe.*under way"):
+        assert source.items.ag_frame is not None  # not closed
+        source.open(1, 2, 3)
+        assert [r async for r in pipe.results(source.items)] == [1, 2, 3]
+        assert pipe.statistics().discarded == 0
+
+
+async def test_a_fetch_left_under_way_is_cancelled_once_the_source_is_forgotten() -> None:
+    # Four other sources left after it: the generator is forgotten, its fetch
+    # cancelled (which finishes it), and passed again it is refused with the reason,
+    # not taken for one that ran dry.
+    source = GatedSource(4)
+    source.open(0)
+    async with Pipeline([Task.from_fn("train", echo)]) as pipe:
+        async for result in pipe.results(source.items):
+            break
+        await source.started[1].wait()
+        for other in range(REMEMBERED + 1):  # each left early too (the last one parked)
+            async for result in pipe.results(iter(range(other * 10, other * 10 + 5))):
+                break
+        await asyncio.sleep(0)  # the cancelled fetch ends
+        assert source.items.ag_frame is None
+        with pytest.raises(PipelineStateError, match=f"closed by aiopipe.*{REMEMBERED} other"):
             await pipe.progress(source.items)
         fresh = GatedSource(2)
         fresh.open(0, 1)

@@ -154,6 +154,12 @@ class FeedModel:
         return self.ahead and self.pulls < len(self.items)
 
     @property
+    def batch_ahead(self) -> bool:
+        """:attr:`held_ahead`, and ``check_batch`` passed it: dropped, it is a batch
+        discarded (a refused one counts as refused instead)."""
+        return self.held_ahead and self.items[self.pulls] not in self.bad
+
+    @property
     def good(self) -> list[int]:
         return [item for item in self.items if item not in self.bad]
 
@@ -762,7 +768,7 @@ class PipelineMachine(RuleBasedStateMachine):
             assert next(candidate) == -1  # nothing taken from it
             return
         if self.abandoned:
-            self.discarded += feed.discard() + int(feed.held_ahead)
+            self.discarded += feed.discard() + int(feed.batch_ahead)
         self.shown = self.feed
         self.new_source(then, self.KINDS[kind % len(self.KINDS)])
         self.one_progress()
@@ -842,7 +848,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.accounted += feed.pending
         self.discarded += feed.discard()
         self.shown, self.parked = feed, True
-        self.parked_source, self.parked_ahead = self.source, feed.held_ahead
+        self.parked_source, self.parked_ahead = self.source, feed.batch_ahead
         self.feed = FeedModel(feed.items[feed.pulls:], self.bad, self.READ_AHEAD,
                               ahead=feed.held_ahead)  # fmt: skip
         if feed.detached:  # drained: the engine had no feed to drop, its counts go on

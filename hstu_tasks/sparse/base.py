@@ -148,14 +148,14 @@ class SparseDistBase(Generic[ResultT]):
         iterable gets a fresh iterator, an iterator continues where it stands)."""
         return Results(self, source)
 
-    def abandon_source(self, source: Source) -> None:
+    def abandon_source(self, source: Source, *, fresh: bool = False) -> None:
         """The caller is done with ``source`` although batches of it are in flight
         (``results()`` calls it when its loop is left early): if another source comes
         next, they are discarded untrained (``statistics().discarded``), as the
         engine's :meth:`~aiopipe.SchedulablePipeline.abandon_source` says."""
         engine = self.engine
         if engine is not None:
-            engine.abandon_source(self._spec.adapt(source))
+            engine.abandon_source(self._spec.adapt(source), fresh=fresh)
 
     @contextlib.contextmanager
     def _taking_turn(self, call: str) -> Iterator[None]:
