@@ -15,7 +15,6 @@ is counted.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import weakref
@@ -25,7 +24,7 @@ from typing import Any, NamedTuple
 from ._core.log import pipeline_log
 from .errors import PipelineStateError
 from .source import Counts, Feed
-from .sources import OneBatch, Source, finished_generator
+from .sources import OneBatch, Source, finished_generator, innermost
 from .statistics import PipelineStatistics
 
 __all__ = ("Feeds",)
@@ -38,12 +37,16 @@ class _Left(NamedTuple):
     counts: Counts
     error: Exception | None  # raised by its next call
     yielded: int | None  # how many items it had given (a DataLoader's iterator)
-    #: Its pull under way when it was left, running on: its next feed takes it first.
-    pending: asyncio.Future[Any] | None = None
 
 #: How many sources left before their end are remembered (training and validation
 #: streams taking turns, say), the latest first kept.
 REMEMBERED = 4
+
+#: How a feed's async generator is finished by the pipeline it feeds.
+REPLACED_MID_READ = (
+    "another source replaced it (after reset(), or after a results() loop over it was "
+    "left early) while its next item was being read, and cancelling that read finished it"
+)
 
 
 class Feeds:
@@ -108,12 +111,10 @@ class Feeds:
         """The feed of ``source``: the current one, or a new one replacing it."""
         if _was_cut_off(self._cut_off, source):
             raise PipelineStateError(
-                f"this async generator was closed by aiopipe: it was left with one of its "
-                f"fetches under way, and {REMEMBERED} other sources were left after it "
-                f"(or the pipeline shut down), so that fetch was cancelled, which "
-                f"finished the generator (its remaining items cannot be read). Pass a "
-                f"new iterator; drain() a source before passing another to leave no "
-                f"fetch behind"
+                f"this async generator was closed by aiopipe: {REPLACED_MID_READ}. Its "
+                f"remaining items cannot be read: pass a new iterator. To switch sources "
+                f"without losing one, drain() the first before passing another, or pass "
+                f"it again before any other source"
             )
         feed = self.current
         if feed is not None and source is feed.source:
@@ -149,8 +150,8 @@ class Feeds:
             self.discard()
             feed = None
         # The incoming source's record is taken before another is left (a bounded list).
-        resumed, pending = self._resumed(source)
-        ahead: list[Any] = [pending] if pending is not None else []
+        resumed = self._resumed(source)
+        ahead: list[Any] = []
         parked, goes_on_from = self._parked, None
         if parked is not None:
             if feed is None and parked.source is source:  # reset() kept what it read ahead
@@ -161,16 +162,10 @@ class Feeds:
                 # the failure it was left with, not an error of the source read ahead.
                 # A results() loop's own iterator (over a list) is held weakly only:
                 # nobody else has it, and it would keep the list's batches alive.
-                # An async generator's fetch under way runs on for its next use:
-                # cancelled, it would finish the generator.  (Another async source's
-                # is cancelled: it gives that item to whoever reads it next.)
-                pending = (parked.take_pull_under_way()
-                           if inspect.isasyncgen(parked.source) else None)  # fmt: skip
                 past = parked.counts_past_taken
                 past = past._replace(position=past.position + parked.read_ahead_items,
                                      refused=past.refused + parked.refused_ahead)  # fmt: skip
-                self._suspend(parked, past, parked.held_error(), weak_only=parked.fresh,
-                              pending=pending)  # fmt: skip
+                self._suspend(parked, past, parked.held_error(), weak_only=parked.fresh)
             self._drop(parked)
             self._parked = None
         if feed is not None:  # idle: nothing read ahead (an error may be)
@@ -247,61 +242,42 @@ class Feeds:
         )  # fmt: skip
 
     def _suspend(
-        self, feed: Feed, counts: Counts, error: Exception | None, *, weak_only: bool = False,
-        pending: asyncio.Future[Any] | None = None,
-    ) -> None:  # fmt: skip
+        self, feed: Feed, counts: Counts, error: Exception | None, *, weak_only: bool = False
+    ) -> None:
         """``feed`` is left before its source's end: remember its counts, and the error
-        its next call must raise, and its pull under way (``pending``), for the
-        source's next use (the latest :data:`REMEMBERED` sources; ``step()``'s
-        one-batch sources never go on)."""
+        its next call must raise, for the source's next use (the latest
+        :data:`REMEMBERED` sources; ``step()``'s one-batch sources never go on)."""
         reference = _reference(feed.source, weak_only)
-        if reference is None or feed.ended or isinstance(feed.source, OneBatch):
-            self._cancel_pending(feed.source, pending)  # never used again
-            return
-        self._left = [left for left in self._left if left.source() is not feed.source]
-        self._left.append(_Left(reference, counts, error, _yielded(feed.source), pending))
-        if len(self._left) > REMEMBERED:
-            forgotten = self._left.pop(0)
-            self._cancel_pending(forgotten.source(), forgotten.pending)
-            if forgotten.error is not None:
-                pipeline_log.warning(
-                    "%s: an earlier source's %r was never raised: other sources came "
-                    "after it", self._name, forgotten.error,
-                )  # fmt: skip
+        if reference is not None and not feed.ended and not isinstance(feed.source, OneBatch):
+            self._left = [left for left in self._left if left.source() is not feed.source]
+            self._left.append(_Left(reference, counts, error, _yielded(feed.source)))
+            if len(self._left) > REMEMBERED:
+                forgotten = self._left.pop(0)
+                if forgotten.error is not None:
+                    pipeline_log.warning(
+                        "%s: an earlier source's %r was never raised: other sources came "
+                        "after it", self._name, forgotten.error,
+                    )  # fmt: skip
 
-    def _resumed(
-        self, source: Source
-    ) -> tuple[tuple[Counts, Exception | None] | None, asyncio.Future[Any] | None]:
-        """The counts (and error) ``source`` was left with, taken, ``None`` if it is
-        none of the sources left, or is a loader's iterator reset since (a new pass);
-        and its pull left under way, if any (its item comes first)."""
+    def _resumed(self, source: Source) -> tuple[Counts, Exception | None] | None:
+        """The counts (and error) ``source`` was left with, taken; ``None`` if it is
+        none of the sources left, or is a loader's iterator reset since (a new pass)."""
         found = [left for left in self._left if left.source() is source]
         if not found:
-            return None, None
+            return None
         record = found[0]
         self._left.remove(record)
         yielded = _yielded(source)
         if yielded is not None and record.yielded is not None and yielded < record.yielded:
-            self._cancel_pending(source, record.pending)
-            return None, None  # iter(loader) reset the persistent DataLoader's iterator
-        return (record.counts, record.error), record.pending
-
-    def _cancel_pending(self, source: object, pending: asyncio.Future[Any] | None) -> None:
-        """Cancel a left source's pull under way: nobody will take its item.  An async
-        generator it finishes is remembered, refused by name if passed again."""
-        if pending is None or pending.done():
-            return
-        pending.cancel()
-        if inspect.isasyncgen(source):
-            self._cut_off[source] = None
+            return None  # iter(loader) reset the persistent DataLoader's iterator
+        return record.counts, record.error
 
     def close(self) -> None:
         """Stop any pull under way (the pipeline shuts down)."""
         for feed in (self.current, self._parked):
             if feed is not None:
-                feed.close()
-        for left in self._left:
-            self._cancel_pending(left.source(), left.pending)
+                feed.close("the pipeline it fed shut down while its next item was being "
+                           "read, which closed it")  # fmt: skip
 
     def _drop(self, feed: Feed) -> None:
         """Forget ``feed`` for good: the items its source gave ahead are discarded
@@ -309,13 +285,15 @@ class Feeds:
         is not counted): an async generator it closes is remembered, refused by name
         if passed again, not silently empty."""
         self.discarded += feed.read_ahead_items - feed.refused_ahead
-        if feed.close() and inspect.isasyncgen(feed.source):
+        generator = innermost(feed.source)
+        if feed.close(f"this async generator was closed by aiopipe: {REPLACED_MID_READ}") and (
+            inspect.isasyncgen(generator)
+        ):  # fmt: skip
             pipeline_log.info(
-                "%s: another source replaced an async generator while one of its fetches "
-                "was under way; that fetch is cancelled, which ends the generator",
-                self._name,
-            )
-            self._cut_off[feed.source] = None
+                "%s: another source replaced an async generator while its next item was "
+                "being read; that read is cancelled, which ends the generator", self._name,
+            )  # fmt: skip
+            self._cut_off[generator] = None
 
 
 def _reference(source: Source, weak_only: bool) -> Callable[[], object] | None:
@@ -336,6 +314,7 @@ def _yielded(source: object) -> int | None:
 
 
 def _was_cut_off(cut_off: weakref.WeakKeyDictionary[Any, None], source: object) -> bool:
-    """Whether ``source`` is an async generator a dropped feed's cancelled fetch
-    finished."""
-    return finished_generator(source) and source in cut_off
+    """Whether ``source`` is (or wraps) an async generator a dropped feed's cancelled
+    fetch finished."""
+    generator = innermost(source)
+    return finished_generator(generator) and generator in cut_off

@@ -334,6 +334,11 @@ class _CallerSource:
     #: Pulled by the trio caller during its own call, so never read ahead between calls.
     pulled_inline = True
 
+    @property
+    def aiopipe_wraps(self) -> AsyncIterator[Any]:
+        """The caller's iterator (:func:`aiopipe.sources.innermost`)."""
+        return self.source
+
     def __init__(self, source: AsyncIterator[Any]) -> None:
         self.source = source
         #: A pull that had its item (or the source's error) when its call was

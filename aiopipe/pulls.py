@@ -22,7 +22,9 @@ from typing import Any
 from ._core.loops import close_left, loop_running_in_this_thread
 from ._core.waker import mark_retrieved, wait_settled
 from .errors import PipelineStateError, attach_source_origin
-from .sources import END, Taken, closed_between_pulls, ended_by_interrupt, finished_generator
+from .sources import (
+    END, Taken, closed_between_pulls, ended_by_interrupt, finished_generator, innermost,
+)
 
 __all__ = ("Pulls",)
 
@@ -32,7 +34,10 @@ class Pulls:
     then those behind it.  A base of :class:`~aiopipe.source.Feed`, whose state
     (the source, the depth, draining, exhausted, lost) it reads."""
 
-    __slots__ = ("_awaited", "_behind", "_read_any", "_still_wanted", "_unchecked", "ahead", "lost")
+    __slots__ = (
+        "_awaited", "_behind", "_cut_why", "_read_any", "_still_wanted", "_unchecked", "ahead",
+        "lost",
+    )  # fmt: skip
 
     # Feed's, read here.
     _async: AsyncIterator[Any] | None
@@ -81,7 +86,7 @@ class Pulls:
         try:
             return next(self._sync, END)
         except (KeyboardInterrupt, SystemExit) as interrupt:
-            self._lose_if_ended(self._sync, interrupt)
+            self._lose_if_ended(innermost(self._sync), interrupt)
             raise
 
     def _init_pulls(self, ahead: Sequence[asyncio.Future[Any]]) -> None:
@@ -103,9 +108,12 @@ class Pulls:
         #: The async source's last pull gave an item: finished before the next one, it
         #: was closed by someone else (its event loop shutting down, say).
         self._read_any = False
+        #: Why :meth:`close` cancels a pull under way (the reason an async generator
+        #: that cancellation finishes is lost).
+        self._cut_why: str | None = None
         #: Why the source can no longer be read, when a pull found it closed (by this
         #: feed, or by an earlier feed of the same source).
-        source = getattr(self._async, "source", self._async) or self._sync
+        source = innermost(self._async or self._sync)
         self.lost: str | None = None
         if source is not None:
             try:
@@ -166,21 +174,6 @@ class Pulls:
         self.ahead = None
         self._behind.clear()
         return futures
-
-    def take_pull_under_way(self) -> asyncio.Future[Any] | None:
-        """Take out the newest pull if it is still under way (only the newest can be),
-        uncancelled: left to run, it keeps an async generator alive for the source's
-        next feed, which takes its item first (``Feed(ahead=...)``).  ``None`` if none."""
-        newest = self._behind[-1] if self._behind else self.ahead
-        if newest is None or newest.done() or newest.get_loop().is_closed():
-            return None
-        if self._behind:
-            self._behind.pop()
-        else:
-            self.ahead = None
-        if self._awaited is newest:
-            self._awaited = None
-        return newest
 
     def claim(
         self, ahead: asyncio.Future[Any], still_wanted: Callable[[], bool] | None = None
@@ -271,9 +264,11 @@ class Pulls:
         if not (pull.cancelled() or pull.exception() is not None):
             self._read_on(pull, pull.result())
 
-    def close(self) -> bool:
-        """Stop a pull under way (the pipeline is reset or shut down); whether one was
-        (its cancellation, thrown into an async generator, finishes it)."""
+    def close(self, why: str | None = None) -> bool:
+        """Stop a pull under way (another source replaces this one, or the pipeline
+        shuts down: ``why``); whether one was (its cancellation, thrown into an async
+        generator, finishes it: lost for ``why``)."""
+        self._cut_why = why
         cut = self.drop_dead_pulls()
         for ahead in self.hand_over_ahead():
             if ahead.done():
@@ -300,7 +295,7 @@ class Pulls:
             self._awaited = None
         self.ahead = live[0] if live else None
         self._behind = collections.deque(live[1:])
-        source = getattr(self._async, "source", self._async)
+        source = innermost(self._async)
         if finished_generator(source) and self.lost is None:
             self._lose(source, "the event loop this async generator's pull waited on was "
                                "stopped and closed (not cancelled); closing that pull "
@@ -325,9 +320,12 @@ class Pulls:
 
     async def _pull_async(self) -> Taken:
         assert self._async is not None
-        # (Under trio the bridge's stand-in holds the caller's generator.)
-        source = getattr(self._async, "source", self._async)
-        if self._read_any and finished_generator(source):
+        source = innermost(self._async)  # (under trio: the caller's generator)
+        # A wrapper that reads ahead (an adapter's) may have read its generator to the
+        # end while it still hands items on: only a generator pulled directly (or by the
+        # trio bridge, which reads nothing ahead) that is finished was closed.
+        pulled = getattr(self._async, "source", self._async)
+        if self._read_any and finished_generator(pulled):
             self._lose(source, closed_between_pulls("this async generator"))
             if self.draining:  # drain() finishes what is in flight, reading no further
                 return END, None
@@ -358,7 +356,7 @@ class Pulls:
             # The cancellation was thrown into an async generator's frame: unless it
             # caught it, the generator is finished and its remaining items gone.
             if finished_generator(source):
-                self._lose(source, (
+                self._lose(source, self._cut_why or (
                     "a cancelled call closed this async generator mid-pull"
                     if self._pulled_inline else
                     # Only its loop shutting down cancels a pull in a task of its own.

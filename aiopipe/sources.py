@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import reprlib
+import traceback
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any, Union
 
@@ -15,7 +16,7 @@ from .errors import ConfigurationTypeError
 
 __all__ = (
     "END", "OneBatch", "Source", "Taken", "closed_between_pulls", "ended_by_interrupt",
-    "finished_generator", "iterate", "lost_to_its_loop",
+    "finished_generator", "innermost", "iterate", "lost_to_its_loop",
     "not_a_source",
 )  # fmt: skip
 
@@ -98,6 +99,19 @@ class OneBatch(Iterator[Any]):
         self._taken = True
 
 
+def innermost(source: Any) -> Any:
+    """The iterator behind ``source``.  A wrapper that reads another iterator for the
+    pipeline (the trio bridge's stand-in, an adapter dropping a source's last items)
+    names it in ``aiopipe_wraps``: a generator finished under the wrapper is then
+    recognised, and refused by name rather than taken for one that ran dry."""
+    for _ in range(16):  # (a wrapper naming itself would loop)
+        inner = getattr(source, "aiopipe_wraps", None)
+        if inner is None:
+            break
+        source = inner
+    return source
+
+
 def finished_generator(source: object) -> bool:
     """Whether ``source`` is an async generator that is finished: ended, or closed
     (by its loop's shutdown, ``aclose()``, or a pull closed on a closed loop)."""
@@ -110,27 +124,27 @@ def ended_by_interrupt(source: object, interrupt: BaseException) -> str | None:
     items: raised through its frame, the interrupt finished it.  ``None`` where
     ``source`` is no such generator (an iterator of another kind reads on)."""
     if inspect.isasyncgen(source):
-        finished, what = source.ag_frame is None, "this async generator"
+        finished, code, what = source.ag_frame is None, source.ag_code, "this async generator"
     elif inspect.isgenerator(source):
-        finished, what = source.gi_frame is None, "this generator"
+        finished, code, what = source.gi_frame is None, source.gi_code, "this generator"
     else:
         return None
-    if not finished:
+    # (Through the generator's own code: a wrapper reading it ahead may have read it
+    # to its end before the interrupt came out of the wrapper.)
+    if not finished or not any(frame.f_code is code for frame, _ in
+                               traceback.walk_tb(interrupt.__traceback__)):  # fmt: skip
         return None
     return (
         f"{what} raised {type(interrupt).__name__} while it was read (a Ctrl-C that "
-        f"landed in its code, or its own raise), {_FINISHED_BY_INTERRUPT}"
+        f"landed in its code, or its own raise), which finished it"
     )
-
-
-_FINISHED_BY_INTERRUPT = "which finished it"
 
 
 def lost_to_its_loop(why: str) -> bool:
     """Whether a source lost for ``why`` was lost to an event loop's life (closed
-    with its loop, or by a cancellation), which keeping every call on one loop
-    avoids; not by an interrupt of its own (:func:`ended_by_interrupt`)."""
-    return not why.endswith(_FINISHED_BY_INTERRUPT)
+    with its loop, or by a caller's cancellation), which keeping every call on one
+    loop avoids; not to an interrupt of its own or to its pipeline."""
+    return "event loop" in why or "cancelled call" in why
 
 
 def closed_between_pulls(what: str) -> str:

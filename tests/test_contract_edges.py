@@ -702,3 +702,41 @@ def test_a_generator_an_interrupt_finished_is_said_lost_not_ended(
         pipe.shutdown()
     assert [x for x in got if isinstance(x, int)] == [0, 1, 2]
     assert got.count(interrupt.__name__) == 1
+
+
+def ctrl_c_after_cycles(pipe: Any, cycles: int) -> None:
+    """Deliver one SIGINT ``cycles`` loop cycles into the blocking ``pipe``'s next call."""
+    loop = pipe._runner.loop
+
+    def press(left: int) -> None:
+        if left:
+            loop.call_soon(press, left - 1)
+        else:
+            signal.raise_signal(signal.SIGINT)
+
+    loop.call_soon(press, cycles)
+
+
+@pytest.mark.skipif(not hasattr(signal, "raise_signal") or os.name != "posix", reason="POSIX signals")
+@pytest.mark.parametrize("cycles", [0, 1, 2])
+@pytest.mark.parametrize("ending", ["the end", "a refused batch"])
+@pytest.mark.parametrize("options", ALL_EXECUTORS.values(), ids=ALL_EXECUTORS)
+def test_a_ctrl_c_during_a_call_that_raises_is_raised_not_swallowed(
+    options: dict[str, Any], ending: str, cycles: int, ctrl_c_raises: None
+) -> None:
+    # A loop that goes on after StopIteration or BadBatchError must still stop.
+    check = (lambda batch: batch != 2) if ending == "a refused batch" else None
+    pipe = Pipeline([echo_task()], check_batch=check, **options).blocking()
+    source = iter([0, 1, 2] if check else [0, 1])
+    try:
+        assert [pipe.progress(source), pipe.progress(source)] == [0, 1]
+        ctrl_c_after_cycles(pipe, cycles)
+        with pytest.raises(KeyboardInterrupt) as interrupt:
+            pipe.progress(source)
+        if check:  # the refusal is not lost: in the traceback, and counted
+            assert isinstance(interrupt.value.__context__, BadBatchError)
+            assert pipe.statistics().refused == 1
+        with pytest.raises(StopIteration):
+            pipe.progress(source)
+    finally:
+        pipe.shutdown()

@@ -718,3 +718,41 @@ def test_a_pipeline_shut_down_gives_its_agreement_group_to_the_next(
             assert len(asyncio.run(collect(evaluator, iter(SyntheticDLRMData(SMALL, 2))))) == 2
             evaluator.shutdown()
         assert len(made) == 1
+
+
+@pytest.mark.parametrize("options", [{}, {"execute_all_batches": False}], ids=["all", "last two dropped"])
+def test_an_async_generator_a_switch_closed_is_refused_under_the_adapter_s_wrappers(
+    options: dict[str, Any],
+) -> None:
+    """A results() loop over an async generator left with its next fetch under way,
+    another source, then the generator again: cancelling that fetch finished the
+    generator, and with the last two batches dropped the engine reads it through a
+    wrapper; either way it is refused by name, not ended as if it had run dry."""
+    batches = list(SyntheticDLRMData(SMALL, 8))
+    # The fetch under way as the loop is left: the ring's three batches and the one
+    # read ahead are in (and the wrapper's two more, when it drops the last two).
+    held_at = 3 if not options else 5
+
+    async def run(setup: Any) -> None:
+        started, gate = asyncio.Event(), asyncio.Event()
+
+        async def items() -> AsyncIterator[Any]:
+            for index, batch in enumerate(batches):
+                if index == held_at:
+                    started.set()
+                    await gate.wait()
+                yield batch
+
+        generator = items()
+        async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                      **options) as pipe:  # fmt: skip
+            async for _ in pipe.results(generator):
+                break
+            await started.wait()  # its next fetch is under way
+            assert len(await collect(pipe, iter(batches[:4]))) >= 2
+            assert generator.ag_frame is None
+            with pytest.raises(PipelineStateError, match="closed by aiopipe"):
+                await collect(pipe, generator)
+
+    with one_rank_group():
+        asyncio.run(run(build_dlrm_training(SMALL, "sgd", seed=3)))

@@ -173,6 +173,8 @@ class LoopRunner:
                     keep(task.result())
                 _drop_pending_stop(loop)
                 if failure is not None:
+                    if self._late_interrupt:  # Ctrl-C wins, the error its context
+                        raise KeyboardInterrupt()
                     raise failure  # the call's own error says more than the interrupt
             raise
         finally:

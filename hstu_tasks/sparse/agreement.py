@@ -47,6 +47,12 @@ class Holding:
         """Items read from the source and not handed on yet."""
         raise NotImplementedError
 
+    @property
+    def aiopipe_wraps(self) -> Any:
+        """The source read (``aiopipe.sources.innermost``): a generator finished under
+        the wrapper is then refused by name, not taken for one that ran dry."""
+        return self._source
+
 
 class _Raised:
     """The source's error, read where an item would have been."""
