@@ -158,14 +158,15 @@ class Feeds:
                 ahead = parked.hand_over_ahead()
                 goes_on_from = parked
             else:
-                # Past the items it read ahead too (dropped just below); reset() dropped
-                # the failure it was left with, not an error of the source read ahead.
-                # A results() loop's own iterator (over a list) is held weakly only:
+                # Past the items it read ahead too (dropped just below); the source's
+                # error a call left for the next (deferred), or one read ahead, is
+                # raised when the source comes back.  A results() loop's own iterator (over a list) is held weakly only:
                 # nobody else has it, and it would keep the list's batches alive.
                 past = parked.counts_past_taken
                 past = past._replace(position=past.position + parked.read_ahead_items,
                                      refused=past.refused + parked.refused_ahead)  # fmt: skip
-                self._suspend(parked, past, parked.held_error(), weak_only=parked.fresh)
+                error = parked.deferred or parked.held_error()
+                self._suspend(parked, past, error, weak_only=parked.fresh)
             self._drop(parked)
             self._parked = None
         if feed is not None:  # idle: nothing read ahead (an error may be)
@@ -177,8 +178,10 @@ class Feeds:
         )  # fmt: skip
         self._drained = None
         if goes_on_from is not None and not goes_on_from.ended:
-            # The same source goes on after reset(): past the batches it dropped too.
+            # The same source goes on after reset(): past the batches it dropped too,
+            # its error left for the next call (the source's, not a task's) still owed.
             new_feed.counts_before = goes_on_from.counts_past_taken
+            new_feed.deferred = goes_on_from.deferred
         elif resumed is not None:
             new_feed.counts_before, new_feed.deferred = resumed  # the same source goes on
         self.seed(None)
@@ -201,6 +204,16 @@ class Feeds:
             self._parked = feed
         self._reset_ring()
         self.current = None
+
+    def take_up_parked(self) -> None:
+        """``drain()`` after ``reset()``: the source ``reset()`` parked, with the items
+        it kept read ahead (a fetch under way too), is the current one again, so the
+        drain finishes them rather than the next source dropping them.  Not a source
+        whose ``results()`` loop was left early: that one trains nothing more."""
+        parked = self._parked
+        if (self.current is None and parked is not None and not parked.finished
+                and not parked.abandoned):  # (a results() loop left: nothing more trained)
+            self.adopt(parked.source, idle=True)
 
     def forget(self) -> None:
         """The current source is done with (``drain()``): its next use starts a new

@@ -191,6 +191,8 @@ class SchedulablePipeline:
         ``step()`` waits for that (or trains it first), drops its result (its caller
         is gone) and then runs its own batch; a ``drain()`` with nothing else in
         flight trains it too (result dropped), ``reset()`` drops it."""
+        if in_trio():  # as in progress(): the whole step, owed batches first, on the bridge
+            return await self._trio.call(SchedulablePipeline.step, self, batch)
         return await self._owed.step(batch, self.progress,
                                      lambda: self._drain(take_owed=False))  # fmt: skip
 
@@ -219,7 +221,9 @@ class SchedulablePipeline:
     @needs_event_loop
     async def drain(self) -> list[Any]:
         """Stop pulling from the current source and finish the batches in flight
-        (a batch already read ahead included); return their results.  The source is
+        (a batch already read ahead included); return their results.  After
+        ``reset()``, the source it kept is taken up again and the item it kept read
+        ahead finished too (not for a ``results()`` loop left early).  The source is
         then done with: passing it again continues with its next batch, and
         ``statistics()`` counts on (its ``position`` stays the position in that
         source, for a checkpoint); passing another one, or the same one after a
@@ -239,6 +243,7 @@ class SchedulablePipeline:
         call = self._calls.begin()  # a second caller is refused, never handed the failure
         try:
             self._check_usable()
+            self._feeds.take_up_parked()
             results = await collect_drain(self._driver, self._feeds, self.name)
             if take_owed and not results:  # else the owed batches: by the next drain()
                 failures = self._driver.failures

@@ -240,10 +240,10 @@ class Feed(Pulls):
                     self._refuse(problem)
             except Exception as exc:  # the source's: a call after results defers it here
                 self.raised = exc
-                attach_source_origin(exc, self.pulled)
+                attach_source_origin(exc, self.counts_before.pulled + self.pulled)
                 raise
             top.set(BATCH_SLOT, batch)
-        top.batch_index = self.pulled
+        top.batch_index = self.counts_before.pulled + self.pulled
         self.pulled += 1
         self.top_pulled = True
 
@@ -262,7 +262,7 @@ class Feed(Pulls):
             return False
         self._next_ahead()
         store.set(BATCH_SLOT, batch)
-        store.batch_index = self.pulled
+        store.batch_index = self.counts_before.pulled + self.pulled
         self.pulled += 1
         return True
 

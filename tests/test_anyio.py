@@ -205,6 +205,17 @@ async def test_cancelled_mid_iteration_runs_on_and_results_continue(library: str
         assert [r async for r in pipe.results(source)] == [1, 3, 5, 7]
 
 
+@on_each_backend
+async def test_a_step_cancelled_mid_body_is_trained_before_the_next_step(library: str) -> None:
+    gate, log = Gate(), []
+    async with three_tasks(gate, log) as pipe:
+        assert await cancel_once_started(gate, lambda: pipe.step(0))
+        gate.release.set()
+        assert await pipe.step(1) == 3  # step(0)'s batch first, its result dropped
+        assert log == [0, 0]  # each step's own one-batch source: batch 0 of it
+        assert await pipe.drain() == []
+
+
 # anyio's cancel scopes re-deliver the cancellation at every await: the caller returns
 # at once, and the interrupted iteration finishes on its own, even under trio.
 @pytest.mark.parametrize("backend", ["asyncio", "uvloop", "trio"])

@@ -24,6 +24,16 @@ def echo(ctx: TaskContext) -> None:
     ctx.slots.set("step_result", ctx.slots["batch_cpu"])
 
 
+def recording(trained: list[Any]) -> Task:
+    """A ``train`` task that echoes its batch and appends it to ``trained``."""
+
+    def train(ctx: TaskContext) -> None:
+        trained.append(ctx.slots["batch_cpu"])
+        echo(ctx)
+
+    return Task.from_fn("train", train)
+
+
 async def in_a_thread(event: threading.Event) -> None:
     """Wait for a lane body to reach its gate without blocking the loop."""
     assert await asyncio.get_running_loop().run_in_executor(None, event.wait, 10)
@@ -740,7 +750,9 @@ async def test_an_iterator_whose_results_loop_was_left_counts_on_after_other_sou
         assert pipe.statistics().position == 5
 
 
-async def test_reset_drops_the_failure_left_for_the_next_call_whatever_comes_next() -> None:
+async def test_a_refusal_left_for_the_next_call_survives_reset_whatever_comes_next() -> None:
+    # reset() discards batches in flight; a refusal of the source's is no batch, and
+    # its next call raises it (counted once), before going on.
     for between in (False, True):
         pipe = Pipeline([Task.from_fn("train", echo)], check_batch=lambda item: item != 3)
         source = iter(range(8))
@@ -749,7 +761,10 @@ async def test_reset_drops_the_failure_left_for_the_next_call_whatever_comes_nex
             pipe.reset()
             if between:
                 assert await pipe.step("other") == "other"
+            with pytest.raises(BadBatchError, match="after 3 taken"):
+                await pipe.progress(source)
             assert await pipe.progress(source) == 4
+            assert pipe.statistics().refused == 1
 
 
 async def test_a_refusal_progress_many_left_for_later_is_raised_on_its_own_source() -> None:
@@ -957,3 +972,102 @@ async def test_an_item_refused_ahead_and_left_counts_as_refused_not_discarded(
         assert pipe.statistics().discarded == 0  # no batch was dropped untrained
         assert [r async for r in pipe.results(source)] == [3, 4, 5]
         assert (pipe.statistics().refused, pipe.statistics().position) == (1, 6)
+
+
+@pytest.mark.parametrize("kind", ["refused", "source error"])
+async def test_an_error_progress_many_left_for_the_next_call_survives_reset(kind: str) -> None:
+    # progress_many returns the steps before the error and leaves it for the next
+    # call on the source; reset() (nothing in flight) does not drop it.
+    def failing() -> Iterator[Any]:
+        yield 0
+        yield 1
+        raise OSError("disk read failed")
+
+    source = iter([0, 1, "bad", 3]) if kind == "refused" else failing()
+    expected = BadBatchError if kind == "refused" else OSError
+    async with Pipeline([Task.from_fn("train", echo)], check_batch=lambda b: b != "bad") as pipe:
+        assert await pipe.progress_many(source, 5) == [0, 1]
+        pipe.reset()
+        with pytest.raises(expected):
+            await pipe.progress_many(source, 5)
+        assert [r async for r in pipe.results(source)] == ([3] if kind == "refused" else [])
+
+
+async def test_drain_after_reset_finishes_the_item_reset_kept_before_another_source() -> None:
+    trained: list[Any] = []
+    source = iter(range(5))
+    async with Pipeline([recording(trained)]) as pipe:
+        assert await pipe.progress(source) == 0  # item 1 is read ahead
+        await pipe.wait_idle()
+        pipe.reset()  # keeps item 1 for the same source
+        assert await pipe.drain() == [1]  # finished, not left for the next source to drop
+        assert [r async for r in pipe.results(iter(["a"]))] == ["a"]
+        assert pipe.statistics().discarded == 0
+        assert [r async for r in pipe.results(source)] == [2, 3, 4]
+    assert trained == [0, 1, "a", 2, 3, 4]
+
+
+async def test_drain_after_reset_waits_for_an_async_generator_s_fetch_under_way() -> None:
+    reading, gate = asyncio.Event(), asyncio.Event()
+
+    async def items() -> AsyncIterator[int]:
+        yield 0
+        reading.set()
+        await gate.wait()
+        for item in range(1, 4):
+            yield item
+
+    source = items()
+    async with Pipeline([Task.from_fn("train", echo)]) as pipe:
+        assert await pipe.progress(source) == 0
+        await reading.wait()  # item 1's fetch is under way
+        pipe.reset()
+        drain = asyncio.ensure_future(pipe.drain())
+        await asyncio.sleep(0)
+        assert not drain.done()  # it waits for the fetch, which it does not cancel
+        gate.set()
+        assert await drain == [1]
+        assert [r async for r in pipe.results(iter(["a"]))] == ["a"]
+        assert [r async for r in pipe.results(source)] == [2, 3]  # not closed
+
+
+@pytest.mark.parametrize("pause", ["drain()", "reset()"])
+async def test_a_source_that_goes_on_keeps_its_batch_indices(pause: str) -> None:
+    # ctx.batch_index (and a task failure's note) is the batch's index in its source,
+    # also when the source goes on after drain() or reset().
+    seen: list[tuple[Any, int]] = []
+
+    def train(ctx: TaskContext) -> None:
+        batch = ctx.slots["batch_cpu"]
+        seen.append((batch, ctx.batch_index))
+        if batch == 5:
+            raise ValueError("bad step")
+        echo(ctx)
+
+    source = iter(range(6))
+    async with Pipeline([Task.from_fn("train", train)]) as pipe:
+        assert await pipe.progress_many(source, 3) == [0, 1, 2]
+        if pause == "drain()":
+            assert await pipe.drain() == [3]  # the batch read ahead
+        else:
+            await pipe.wait_idle()
+            pipe.reset()  # keeps item 3, read ahead
+        with pytest.raises(ValueError, match="bad step") as failure:
+            while await pipe.progress_many(source, 5):
+                pass
+        assert any("on batch 5 of the source" in note for note in failure.value.__notes__)
+        pipe.reset()
+    assert seen == [(batch, batch) for batch in range(6)]
+
+
+async def test_drain_after_reset_trains_nothing_more_of_a_results_loop_left_early() -> None:
+    trained: list[Any] = []
+    source = iter(range(5))
+    async with Pipeline([recording(trained)]) as pipe:
+        async for _ in pipe.results(source):
+            break  # N results, N steps: item 1 is read ahead only
+        await pipe.wait_idle()
+        pipe.reset()
+        assert await pipe.drain() == []
+        assert trained == [0]
+        assert [r async for r in pipe.results(source)] == [1, 2, 3, 4]  # passed again

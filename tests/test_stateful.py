@@ -346,6 +346,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.parked = False
         self.parked_source: Any = None
         self.parked_ahead = False
+        self.parked_taken_up_by_drain = False  # drain() takes the parked source up
         # The item read ahead is a pull held at its gate (or one cancelled with its
         # loop): the source has not given it, so dropping it discards nothing.
         self.unread_pull = False
@@ -590,10 +591,13 @@ class PipelineMachine(RuleBasedStateMachine):
     @rule()
     def drain(self) -> None:
         self.open_gates()
-        feed = self.feed
-        if self.parked:  # reset() left no current feed: the one parked keeps its item
+        taken_up = self.parked and self.parked_taken_up_by_drain
+        if self.parked and not taken_up:  # reset() left no current feed to drain
             assert self.call("drain") == []
             return
+        if taken_up:  # the source reset() parked, with the item it kept, as if passed
+            self.adopted()
+        feed = self.feed
         if self.failure == "pending":
             with pytest.raises(Injected):
                 self.call("drain")
@@ -607,7 +611,7 @@ class PipelineMachine(RuleBasedStateMachine):
             self.accounted += feed.pending
             feed.returned = feed.applied
         else:
-            if feed.in_flight and not self.abandoned:
+            if feed.in_flight and not self.abandoned and not taken_up:
                 # another source is refused, and nothing taken from it
                 candidate = iter([-1])
                 with pytest.raises(PipelineStateError, match="in flight"):
@@ -838,11 +842,17 @@ class PipelineMachine(RuleBasedStateMachine):
         ``applied`` still counts them), and the feed parked: ``statistics()`` shows it
         until a call passes a source.  Passed again, the source goes on with the item
         read ahead, if any, then after what it gave."""
+        abandoned = self.abandoned
         self.failure, self.abandoned = None, False
         if self.parked:
             return  # no current feed: nothing to drop
+        # drain() takes the parked source up again, unless it had ended, or a results()
+        # loop over it was left early (nothing more trained).
+        self.parked_taken_up_by_drain = not abandoned and not (
+            self.feed.exhausted and self.feed.returned >= self.feed.pulled)  # fmt: skip
         if self.shown is not None:  # the current feed is the last source's, idle
             self.parked, self.parked_source, self.parked_ahead = True, None, False
+            self.parked_taken_up_by_drain = False
             return
         feed = self.feed
         self.accounted += feed.pending

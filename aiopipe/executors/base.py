@@ -89,7 +89,7 @@ class Iteration:
 
     __slots__ = (
         "_annotator", "_ctx", "_deferred_syncs", "_lane_names", "_ready_ns", "_ring", "_tracer",
-        "active", "completed", "number", "pipeline", "plan", "stage", "started",
+        "active", "completed", "first_batch", "number", "pipeline", "plan", "stage", "started",
     )  # fmt: skip
 
     def __init__(
@@ -103,8 +103,12 @@ class Iteration:
         tracer: Tracer | None = None,
         lane_names: tuple[str, ...] = (),
         pipeline: str = "",
+        first_batch: int = 0,
     ) -> None:
         self.plan = plan
+        #: The index in its source of the feed's first batch (a source that goes on
+        #: after ``drain()`` or ``reset()`` counts on): ``ctx.batch_index`` adds it.
+        self.first_batch = first_batch
         #: The name of the pipeline running the iteration (log records, trace tracks).
         self.pipeline = pipeline
         self.number = number
@@ -137,7 +141,7 @@ class Iteration:
         self._ready_ns[index] = time.perf_counter_ns()
 
     def batch_index(self, index: int) -> int:
-        return self.number - self.plan.lag[index]
+        return self.first_batch + self.number - self.plan.lag[index]
 
     def _enter(self, index: int, run_on_lane: LaneRunner | None) -> Any:
         self.started = True
@@ -248,7 +252,7 @@ class Iteration:
                 task,
                 self._ring.at(plan.lookahead[index]),
                 self.number,
-                self.number - plan.lag[index],
+                self.first_batch + self.number - plan.lag[index],
                 run_on_lane,
             )
         )
