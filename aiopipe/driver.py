@@ -206,7 +206,7 @@ class IterationDriver(OrphanedIterations, IterationWaits):
         return Iteration(
             plan, ring, self._ctx, number, plan.active(number, feed.pulled),
             self._annotator, self._tracer, self._lane_names, self._pipeline,
-            feed.counts_before.pulled,
+            feed.batches_before,
         )  # fmt: skip
 
     def hand_to_lanes(

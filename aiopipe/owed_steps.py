@@ -65,14 +65,27 @@ class OwedSteps:
         self._queue.clear()
         return dropped
 
+    def queue(self, batch: Any) -> OneBatch:
+        """``step(batch)``'s batch, owed from now on: queued before the call first
+        awaits (on a trio caller's side, before the bridge), so a cancelled step still
+        trains it.  :meth:`step` then trains it."""
+        own = OneBatch(batch)
+        self._queue.append(own)
+        return own
+
+    def withdraw(self, own: OneBatch) -> None:
+        """``own``'s step raised: it is not owed training."""
+        if own in self._queue:
+            self._queue.remove(own)
+        own.withdraw()  # taken up but not taken (an init failed): not trained later
+
     async def step(
-        self, batch: Any, progress: Callable[[OneBatch], Awaitable[Any]],
+        self, own: OneBatch, progress: Callable[[OneBatch], Awaitable[Any]],
         finish_current: Callable[[], Awaitable[object]],
     ) -> Any:  # fmt: skip
-        """``step(batch)``: the owed batches first, then this one, each through
-        ``progress``; ``finish_current()`` ends the step before (results dropped)."""
-        own = OneBatch(batch)
-        self._queue.append(own)  # before any await: a cancelled step still trains it
+        """The step of ``own`` (:meth:`queue`): the owed batches first, then it, each
+        through ``progress``; ``finish_current()`` ends the step before (results
+        dropped)."""
         try:
             while True:
                 feed = self._feeds.current
@@ -91,9 +104,7 @@ class OwedSteps:
         except Exception:
             # Refused, or an earlier batch's failure: this step is not owed training
             # (a cancellation, a BaseException, leaves it owed).
-            if own in self._queue:
-                self._queue.remove(own)
-            own.withdraw()  # taken up but not taken (an init failed): not trained later
+            self.withdraw(own)
             raise
 
     async def train(

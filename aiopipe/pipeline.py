@@ -35,7 +35,7 @@ from .protocols import Results
 from .ring import BatchRing
 from .schedule import Schedule
 from .source import Feed
-from .sources import Source
+from .sources import OneBatch, Source
 from .statistics import PipelineStatistics
 from .streams import StreamPool
 from .trace import Tracer
@@ -191,9 +191,17 @@ class SchedulablePipeline:
         ``step()`` waits for that (or trains it first), drops its result (its caller
         is gone) and then runs its own batch; a ``drain()`` with nothing else in
         flight trains it too (result dropped), ``reset()`` drops it."""
-        if in_trio():  # as in progress(): the whole step, owed batches first, on the bridge
-            return await self._trio.call(SchedulablePipeline.step, self, batch)
-        return await self._owed.step(batch, self.progress,
+        own = self._owed.queue(batch)  # before any await: a cancelled step still trains it
+        if not in_trio():
+            return await self._step(own)
+        try:  # as in progress(): the step, owed batches first, runs on the bridge
+            return await self._trio.call(SchedulablePipeline._step, self, own)
+        except Exception:  # refused before it ran (shut down, say): not owed
+            self._owed.withdraw(own)
+            raise
+
+    async def _step(self, own: OneBatch) -> Any:
+        return await self._owed.step(own, self.progress,
                                      lambda: self._drain(take_owed=False))  # fmt: skip
 
     @needs_event_loop

@@ -17,14 +17,20 @@ import collections
 import inspect
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._core.loops import close_left, loop_running_in_this_thread
 from ._core.waker import mark_retrieved, wait_settled
 from .errors import PipelineStateError, attach_source_origin
+from .pull_states import (
+    RECHECK, always, gave_an_item, holds_an_item, interrupted_pull, problem_of, refused_item,
+)
 from .sources import (
     END, Taken, closed_between_pulls, ended_by_interrupt, finished_generator, innermost,
 )
+
+if TYPE_CHECKING:
+    from .source import Counts
 
 __all__ = ("Pulls",)
 
@@ -49,8 +55,17 @@ class Pulls:
     _pulled_inline: bool
     draining: bool
     pulled: int
+    counts_before: Counts
     exhausted: bool
     read_ahead_allowed: bool
+
+    @property
+    def batches_before(self) -> int:
+        """The batches of the source before this feed's first (a source that goes on
+        after ``drain()`` or ``reset()`` counts on; those dropped untrained count, a
+        refused item does not): what ``ctx.batch_index`` and the notes add."""
+        before = self.counts_before
+        return before.position - before.refused
 
     def _checked(self, item: Any) -> Taken:
         """``item`` as read (on the loop's thread), with what is wrong with it.  An
@@ -61,7 +76,7 @@ class Pulls:
         if item is END:
             return item, None
         try:
-            return item, _problem_of(self._check_batch, item)
+            return item, problem_of(self._check_batch, item)
         except BaseException:
             self._unchecked = item
             raise
@@ -104,7 +119,7 @@ class Pulls:
         #: The pull a caller waits for (it is taken as soon as it has its item), and
         #: whether that caller still wants it.
         self._awaited: asyncio.Future[Any] | None = None
-        self._still_wanted: Callable[[], bool] = _always
+        self._still_wanted: Callable[[], bool] = always
         #: The async source's last pull gave an item: finished before the next one, it
         #: was closed by someone else (its event loop shutting down, say).
         self._read_any = False
@@ -128,22 +143,22 @@ class Pulls:
         pulls = (self.ahead, *self._behind)
         kept = self._unchecked is not _NO_ITEM
         if self.lost is not None:
-            return kept + sum(1 for pull in pulls if _gave_an_item(pull))
-        return kept + sum(map(_holds_an_item, pulls))
+            return kept + sum(1 for pull in pulls if gave_an_item(pull))
+        return kept + sum(map(holds_an_item, pulls))
 
     @property
     def read_ahead_items(self) -> int:
         """Items the source gave that wait here: a pull under way, or cancelled, has
         taken none (a source that survives the cancellation gives that item again)."""
         pulls = (self.ahead, *self._behind)
-        return (self._unchecked is not _NO_ITEM) + sum(1 for pull in pulls if _gave_an_item(pull))
+        return (self._unchecked is not _NO_ITEM) + sum(1 for pull in pulls if gave_an_item(pull))
 
     @property
     def refused_ahead(self) -> int:
         """Of :attr:`read_ahead_items`, those ``check_batch`` refused (not raised yet):
         dropped with the feed, they count as refused, not as batches discarded."""
         return sum(1 for pull in (self.ahead, *self._behind)
-                   if pull is not None and _gave_an_item(pull) and _refused(pull))  # fmt: skip
+                   if pull is not None and gave_an_item(pull) and refused_item(pull))  # fmt: skip
 
     def held_error(self) -> Exception | None:
         """The source's own error, read ahead and not raised yet (noted with the batch
@@ -152,7 +167,7 @@ class Pulls:
             if pull is not None and pull.done() and not pull.cancelled():
                 error = pull.exception()
                 if isinstance(error, Exception):
-                    attach_source_origin(error, self.pulled + offset)
+                    attach_source_origin(error, self.batches_before + self.pulled + offset)
                     return error
         return None
 
@@ -166,7 +181,7 @@ class Pulls:
             settled.set_result((kept, RECHECK))
             # In the place of the pull its check interrupted (read ahead deeper, after
             # items not taken yet); first if none is left (a sync source's).
-            interrupted = [i for i, pull in enumerate(futures) if _interrupted_pull(pull)]
+            interrupted = [i for i, pull in enumerate(futures) if interrupted_pull(pull)]
             if interrupted:
                 futures[interrupted[0]] = settled
             else:
@@ -181,7 +196,7 @@ class Pulls:
         """A caller will take ``ahead`` (the item being read ahead) as soon as it is
         read, if ``still_wanted()`` then: its pull may start the next one without
         waiting for the take."""
-        self._awaited, self._still_wanted = ahead, still_wanted or _always
+        self._awaited, self._still_wanted = ahead, still_wanted or always
 
     async def _wait_for(self, ahead: asyncio.Future[Any]) -> None:
         """Wait, claimed, until ``ahead`` has its item; a cancelled wait leaves the
@@ -233,7 +248,7 @@ class Pulls:
             last is None or not last.done() or last.get_loop().is_closed()
             or 1 + len(self._behind) >= self._depth or self._async is None
             or self.draining or self.exhausted or self.lost is not None
-            or not self.read_ahead_allowed or not _holds_an_item(last)
+            or not self.read_ahead_allowed or not holds_an_item(last)
             or last.cancelled() or last.exception() is not None
         ):  # fmt: skip
             return
@@ -377,57 +392,7 @@ class Pulls:
         return taken
 
 
-
 #: No item kept by an interrupted ``check_batch`` (:meth:`Pulls._item_kept`).
 _NO_ITEM: Any = object()
-#: The "problem" of an item an interrupted ``check_batch`` kept: check it again.
-RECHECK: Any = object()
-
 #: Why each async source closed under a pull was lost (:meth:`Pulls._lose`).
 _LOST: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-
-
-def _interrupted_pull(future: asyncio.Future[Any]) -> bool:
-    """Whether ``future``, a pull, ended with ``KeyboardInterrupt`` or ``SystemExit``."""
-    return (future.done() and not future.cancelled()
-            and isinstance(future.exception(), (KeyboardInterrupt, SystemExit)))  # fmt: skip
-
-
-def _always() -> bool:
-    return True
-
-
-def _holds_an_item(future: asyncio.Future[Any] | None) -> bool:
-    """Whether ``future`` (a read ahead) holds, or will hold, an item of the source: a
-    pull under way or cancelled (read again) does; the source's error, or its end,
-    does not (no batch is in flight behind it, none is dropped with it)."""
-    if future is None:
-        return False
-    if not future.done() or future.cancelled():
-        return True
-    return future.exception() is None and future.result()[0] is not END
-
-
-def _refused(pull: asyncio.Future[Any]) -> bool:
-    """Whether ``pull``, which gave an item, holds ``check_batch``'s refusal of it."""
-    problem = pull.result()[1]
-    return problem is not None and problem is not RECHECK
-
-
-def _gave_an_item(future: asyncio.Future[Any] | None) -> bool:
-    """Whether ``future`` is a finished read ahead that took an item from the source."""
-    return future is not None and future.done() and not future.cancelled() and _holds_an_item(future)
-
-
-def _problem_of(check_batch: Callable[[Any], object] | None, batch: Any) -> BaseException | None:
-    """Why ``batch`` must be refused, if it must: ``check_batch`` raised, or (written
-    as a predicate) returned ``False``.  Runs when the batch is read (ahead, while an
-    iteration runs), not on the critical path into the ring."""
-    if check_batch is not None:
-        try:
-            verdict = check_batch(batch)
-        except Exception as exc:
-            return exc
-        if verdict is False:
-            return ValueError("check_batch returned False")
-    return None

@@ -25,7 +25,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import BadBatchError, PipelineStateError, attach_source_origin
-from .pulls import RECHECK, Pulls
+from .pull_states import RECHECK
+from .pulls import Pulls
 from .sources import END, OneBatch, Source, Taken, not_a_source
 from .task import BATCH_SLOT
 
@@ -240,10 +241,10 @@ class Feed(Pulls):
                     self._refuse(problem)
             except Exception as exc:  # the source's: a call after results defers it here
                 self.raised = exc
-                attach_source_origin(exc, self.counts_before.pulled + self.pulled)
+                attach_source_origin(exc, self.batches_before + self.pulled)
                 raise
             top.set(BATCH_SLOT, batch)
-        top.batch_index = self.counts_before.pulled + self.pulled
+        top.batch_index = self.batches_before + self.pulled
         self.pulled += 1
         self.top_pulled = True
 
@@ -262,7 +263,7 @@ class Feed(Pulls):
             return False
         self._next_ahead()
         store.set(BATCH_SLOT, batch)
-        store.batch_index = self.counts_before.pulled + self.pulled
+        store.batch_index = self.batches_before + self.pulled
         self.pulled += 1
         return True
 
@@ -288,7 +289,8 @@ class Feed(Pulls):
         self.refused += 1
         self._refused_after.append(self.pulled)
         raise BadBatchError(
-            f"the source's next batch (after {self.pulled} taken) was refused: {problem}. "
+            f"the source's next batch (after {self.batches_before + self.pulled} taken) was "
+            f"refused: {problem}. "
             f"It was skipped. "
             f"The {self.in_flight} batch(es) in flight are intact: call progress() again "
             f"with the same iterator to continue, or drain() to finish them"

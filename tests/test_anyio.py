@@ -216,6 +216,39 @@ async def test_a_step_cancelled_mid_body_is_trained_before_the_next_step(library
         assert await pipe.drain() == []
 
 
+def test_under_trio_a_step_cancelled_before_the_bridge_runs_it_is_still_trained() -> None:
+    # The batch is owed from the moment step() is called, on the trio side: a cancel
+    # that reaches the bridge before the step's task has run leaves it owed.
+    trio = pytest.importorskip("trio")
+    trained: list[Any] = []
+
+    def train(ctx: TaskContext) -> None:
+        trained.append(ctx.slots["batch_cpu"])
+        ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+    async def main() -> None:
+        async with Pipeline([Task.from_fn("train", train)]) as pipe:
+            assert await pipe.step("a") == "a"
+            busy, release = threading.Event(), threading.Event()  # the bridge loop, held
+            pipe._trio._loop.call_soon_threadsafe(lambda: (busy.set(), release.wait(10)))
+            await trio.to_thread.run_sync(busy.wait)
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+
+                    async def cancel_once_step_waits() -> None:
+                        await trio.lowlevel.checkpoint()  # step("b") has begun and waits
+                        scope.cancel()
+                        release.set()
+
+                    nursery.start_soon(cancel_once_step_waits)
+                    await pipe.step("b")
+            assert scope.cancelled_caught
+            assert await pipe.step("c") == "c"
+
+    trio.run(main)
+    assert trained == ["a", "b", "c"]
+
+
 # anyio's cancel scopes re-deliver the cancellation at every await: the caller returns
 # at once, and the interrupted iteration finishes on its own, even under trio.
 @pytest.mark.parametrize("backend", ["asyncio", "uvloop", "trio"])
