@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from ._core.log import pipeline_log
 from .errors import PipelineStateError
 from .source import Counts, Feed
-from .sources import OneBatch, Source, finished_generator, innermost
+from .sources import OneBatch, Source, innermost
 from .statistics import PipelineStatistics
 
 __all__ = ("Feeds",)
@@ -44,8 +44,10 @@ REMEMBERED = 4
 
 #: How a feed's async generator is finished by the pipeline it feeds.
 REPLACED_MID_READ = (
-    "another source replaced it (after reset(), or after a results() loop over it was "
-    "left early) while its next item was being read, and cancelling that read finished it"
+    "this async generator was closed by aiopipe: another source replaced it (after "
+    "reset(), or after a results() loop over it was left early) while its next item was "
+    "being read, and cancelling that read finished it (drain() a source, or pass it "
+    "again, before passing another to keep its read)"
 )
 
 
@@ -72,8 +74,6 @@ class Feeds:
         self._left: list[_Left] = []  # oldest first
         #: Batches dropped untrained, since the pipeline was built.
         self.discarded = 0
-        #: Async generators a cancelled fetch closed when their feed was dropped.
-        self._cut_off: weakref.WeakKeyDictionary[Any, None] = weakref.WeakKeyDictionary()
         # The first batch an adapter seeded, and the items it refused before it.
         self._seed: dict[str, Any] | None = None
         self._seed_refused = 0
@@ -109,13 +109,6 @@ class Feeds:
 
     def adopt(self, source: Source, *, idle: bool) -> Feed:
         """The feed of ``source``: the current one, or a new one replacing it."""
-        if _was_cut_off(self._cut_off, source):
-            raise PipelineStateError(
-                f"this async generator was closed by aiopipe: {REPLACED_MID_READ}. Its "
-                f"remaining items cannot be read: pass a new iterator. To switch sources "
-                f"without losing one, drain() the first before passing another, or pass "
-                f"it again before any other source"
-            )
         feed = self.current
         if feed is not None and source is feed.source:
             feed.abandoned = feed.fresh = False  # taken up again: it goes on with its batches
@@ -160,8 +153,9 @@ class Feeds:
             else:
                 # Past the items it read ahead too (dropped just below); the source's
                 # error a call left for the next (deferred), or one read ahead, is
-                # raised when the source comes back.  A results() loop's own iterator (over a list) is held weakly only:
-                # nobody else has it, and it would keep the list's batches alive.
+                # raised when the source comes back.  A results() loop's own iterator
+                # (over a list) is held weakly only: nobody else has it, and it would
+                # keep the list's batches alive.
                 past = parked.counts_past_taken
                 past = past._replace(position=past.position + parked.read_ahead_items,
                                      refused=past.refused + parked.refused_ahead)  # fmt: skip
@@ -209,10 +203,11 @@ class Feeds:
         """``drain()`` after ``reset()``: the source ``reset()`` parked, with the items
         it kept read ahead (a fetch under way too), is the current one again, so the
         drain finishes them rather than the next source dropping them.  Not a source
-        whose ``results()`` loop was left early: that one trains nothing more."""
+        whose ``results()`` loop was left early (that one trains nothing more), nor
+        while a seeded first batch waits for the next source."""
         parked = self._parked
         if (self.current is None and parked is not None and not parked.finished
-                and not parked.abandoned):  # (a results() loop left: nothing more trained)
+                and not parked.abandoned and self._seed is None):  # fmt: skip
             self.adopt(parked.source, idle=True)
 
     def forget(self) -> None:
@@ -289,8 +284,8 @@ class Feeds:
         """Stop any pull under way (the pipeline shuts down)."""
         for feed in (self.current, self._parked):
             if feed is not None:
-                feed.close("the pipeline it fed shut down while its next item was being "
-                           "read, which closed it")  # fmt: skip
+                feed.close("this async generator was closed by aiopipe: the pipeline it "
+                           "fed shut down while its next item was being read")  # fmt: skip
 
     def _drop(self, feed: Feed) -> None:
         """Forget ``feed`` for good: the items its source gave ahead are discarded
@@ -298,15 +293,14 @@ class Feeds:
         is not counted): an async generator it closes is remembered, refused by name
         if passed again, not silently empty."""
         self.discarded += feed.read_ahead_items - feed.refused_ahead
-        generator = innermost(feed.source)
-        if feed.close(f"this async generator was closed by aiopipe: {REPLACED_MID_READ}") and (
-            inspect.isasyncgen(generator)
-        ):  # fmt: skip
+        # A generator the cancelled read finishes is lost for that reason (Pulls): its
+        # next use, in any pipeline, is refused by it, not ended as if it ran dry.
+        if feed.close(REPLACED_MID_READ) and inspect.isasyncgen(innermost(feed.source)):
             pipeline_log.info(
                 "%s: another source replaced an async generator while its next item was "
-                "being read; that read is cancelled, which ends the generator", self._name,
+                "being read; that read is cancelled, which finishes the generator unless "
+                "it catches the cancellation", self._name,
             )  # fmt: skip
-            self._cut_off[generator] = None
 
 
 def _reference(source: Source, weak_only: bool) -> Callable[[], object] | None:
@@ -324,10 +318,3 @@ def _yielded(source: object) -> int | None:
     iterator object for every pass)."""
     yielded = getattr(source, "_num_yielded", None)
     return yielded if isinstance(yielded, int) else None
-
-
-def _was_cut_off(cut_off: weakref.WeakKeyDictionary[Any, None], source: object) -> bool:
-    """Whether ``source`` is (or wraps) an async generator a dropped feed's cancelled
-    fetch finished."""
-    generator = innermost(source)
-    return finished_generator(generator) and generator in cut_off

@@ -220,8 +220,9 @@ class SchedulablePipeline:
         comes next, they are discarded untrained (``statistics().discarded`` counts
         them) instead of refused; passing ``source`` again continues with them, and
         its counts go on.  ``fresh``: the caller made ``source`` from an iterable
-        for its own use (``results(a_list)``), so nobody can pass it again and
-        nothing of it is kept, not even where it cannot be referenced weakly."""
+        for its own use (``results(a_list)``), so nobody can pass it again: once
+        another source comes, its record is kept only where it takes a weak
+        reference (it would keep a list's batches alive)."""
         feed = self._feeds.current
         if feed is not None and feed.source is source and feed.in_flight:
             feed.abandoned, feed.fresh = True, fresh
@@ -299,12 +300,13 @@ class SchedulablePipeline:
         self._feeds.seed_first(contents, refused)
 
     def reset(self) -> None:
-        """Discard every batch in flight and any interrupted state; the next
-        ``progress`` starts afresh with whatever source it is given.  The batches
-        dropped are counted in ``statistics().discarded`` (results of steps applied
-        but not yet returned are dropped too; ``applied`` still counts them).  An item
-        read ahead that no task touched is kept: the next ``progress`` on the same
-        source takes it first."""
+        """Discard every batch in flight and any interrupted state, and go on with
+        whatever source comes next.  The batches dropped are counted in
+        ``statistics().discarded`` (results of steps applied but not yet returned are
+        dropped too; ``applied`` still counts them).  An item read ahead that no task
+        touched is kept: the next call on the same source (or ``drain()``) takes it
+        first, and that source counts on; its error or refusal a call left for the
+        next is raised by it."""
         if self._closed:
             raise PipelineStateError("the pipeline has been shut down: there is nothing to reset")
         if self._calls.in_progress():

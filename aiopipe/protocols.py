@@ -88,7 +88,11 @@ def abandon_source(pipeline: object, source: Any, *, fresh: bool) -> None:
     abandon = getattr(pipeline, "abandon_source", None)
     if abandon is None:
         return
-    if fresh and "fresh" in inspect.signature(abandon).parameters:
+    try:
+        takes_fresh = "fresh" in inspect.signature(abandon).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin, say)
+        takes_fresh = False
+    if fresh and takes_fresh:
         abandon(source, fresh=True)
     else:
         abandon(source)

@@ -128,7 +128,7 @@ class Pulls:
         self._cut_why: str | None = None
         #: Why the source can no longer be read, when a pull found it closed (by this
         #: feed, or by an earlier feed of the same source).
-        source = innermost(self._async or self._sync)
+        source = innermost(self._async if self._async is not None else self._sync)
         self.lost: str | None = None
         if source is not None:
             try:
@@ -339,7 +339,7 @@ class Pulls:
         # A wrapper that reads ahead (an adapter's) may have read its generator to the
         # end while it still hands items on: only a generator pulled directly (or by the
         # trio bridge, which reads nothing ahead) that is finished was closed.
-        pulled = getattr(self._async, "source", self._async)
+        pulled = innermost(self._async) if self._pulled_inline else self._async
         if self._read_any and finished_generator(pulled):
             self._lose(source, closed_between_pulls("this async generator"))
             if self.draining:  # drain() finishes what is in flight, reading no further

@@ -1076,3 +1076,16 @@ async def test_drain_after_reset_trains_nothing_more_of_a_results_loop_left_earl
         assert await pipe.drain() == []
         assert trained == [0]
         assert [r async for r in pipe.results(source)] == [1, 2, 3, 4]  # passed again
+
+
+async def test_drain_after_reset_leaves_a_seeded_batch_to_the_next_source() -> None:
+    trained: list[Any] = []
+    source = iter(range(5))
+    async with Pipeline([recording(trained)]) as pipe:
+        assert await pipe.progress(source) == 0
+        await pipe.wait_idle()
+        pipe.reset()
+        pipe.seed_first_batch({"batch_cpu": "seed"})  # for the next source, not this one
+        assert await pipe.drain() == []
+        assert [r async for r in pipe.results(iter(["a"]))] == ["seed", "a"]
+    assert trained == [0, "seed", "a"]

@@ -379,7 +379,10 @@ async def test_the_batches_of_cancelled_steps_are_drained_or_reset_never_skipped
     await pipe2.aclose()
 
 
-@pytest.mark.skipif(not hasattr(signal, "raise_signal") or os.name != "posix", reason="POSIX signals")
+NO_RAISE_SIGNAL = not hasattr(signal, "raise_signal") or os.name != "posix"
+
+
+@pytest.mark.skipif(NO_RAISE_SIGNAL, reason="POSIX signals")
 @pytest.mark.parametrize("options", ALL_STEP_FORMS.values(), ids=ALL_STEP_FORMS)
 def test_a_ctrl_c_before_a_blocking_step_starts_leaves_its_batch_owed(
     options: dict[str, Any], ctrl_c_raises: None
@@ -644,7 +647,7 @@ def pressing_ctrl_c_at(item: int, kind: str) -> Any:
     return values() if kind == "generator" else async_values()
 
 
-@pytest.mark.skipif(not hasattr(signal, "raise_signal") or os.name != "posix", reason="POSIX signals")
+@pytest.mark.skipif(NO_RAISE_SIGNAL, reason="POSIX signals")
 @pytest.mark.parametrize("kind", SOURCE_KINDS)
 @pytest.mark.parametrize("options", ALL_EXECUTORS.values(), ids=ALL_EXECUTORS)
 def test_a_ctrl_c_while_a_source_is_read_ahead_loses_none_of_it(
@@ -717,7 +720,7 @@ def ctrl_c_after_cycles(pipe: Any, cycles: int) -> None:
     loop.call_soon(press, cycles)
 
 
-@pytest.mark.skipif(not hasattr(signal, "raise_signal") or os.name != "posix", reason="POSIX signals")
+@pytest.mark.skipif(NO_RAISE_SIGNAL, reason="POSIX signals")
 @pytest.mark.parametrize("cycles", [0, 1, 2])
 @pytest.mark.parametrize("ending", ["the end", "a refused batch"])
 @pytest.mark.parametrize("options", ALL_EXECUTORS.values(), ids=ALL_EXECUTORS)

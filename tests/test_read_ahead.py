@@ -316,3 +316,36 @@ async def test_a_generator_closed_under_a_wrapper_is_refused_not_silently_empty(
             await pipe.progress(wrapper)
         with pytest.raises(PipelineStateError, match="closed by aiopipe"):
             await pipe.progress(Wrapper(source.items))  # another wrapper of it too
+
+
+class GatedWrapper(Wrapper):
+    """A wrapper whose ``__anext__`` waits for ``gate`` before it reads its source, from
+    its second item on (as an adapter's agreement across ranks does)."""
+
+    def __init__(self, source: AsyncIterator[int]) -> None:
+        super().__init__(source)
+        self.gate, self.waiting = asyncio.Event(), asyncio.Event()
+        self.reads = 0
+
+    async def __anext__(self) -> int:
+        self.reads += 1
+        if self.reads > 1 and not self.gate.is_set():
+            self.waiting.set()
+            await self.gate.wait()
+        return await super().__anext__()
+
+
+async def test_a_wrapper_cancelled_outside_its_generator_leaves_the_generator_readable() -> None:
+    source = GatedSource(4)
+    source.open(0, 1, 2, 3)
+    wrapper = GatedWrapper(source.items)
+    async with Pipeline([Task.from_fn("train", echo)]) as pipe:
+        async for _ in pipe.results(wrapper):
+            break
+        await asyncio.wait_for(wrapper.waiting.wait(), 10)  # item 1's read waits in it
+        assert [r async for r in pipe.results(iter([10]))] == [10]  # cancels that read
+        assert source.items.ag_frame is not None  # the generator was never reached
+        wrapper.gate.set()
+        assert [r async for r in pipe.results(wrapper)] == [1, 2, 3]  # not refused
+        assert source.items.ag_frame is None  # ended as generators end
+        assert [r async for r in pipe.results(wrapper)] == []  # a new pass: not refused

@@ -145,6 +145,8 @@ class LoopRunner:
         async def call() -> T:  # fn(*args) is made inside the loop: coroutine APIs check
             return await fn(*args)
 
+        self._interrupts = 0  # (before the handler is installed: it counts them)
+        self._late_interrupt = False
         task = loop.create_task(call())
         self._task = task
         install = (
@@ -156,8 +158,6 @@ class LoopRunner:
             # signal.signal() builds the repr of the handler it replaces, and a finished
             # task's repr formats its result (tensors too) -- 6 % of a DLRM step.
             signal.signal(signal.SIGINT, self._on_sigint)
-        self._interrupts = 0
-        self._late_interrupt = False
         try:
             result = loop.run_until_complete(task)
         except asyncio.CancelledError:
@@ -198,11 +198,10 @@ class LoopRunner:
             loop.call_soon_threadsafe(stop)
         if self._interrupts == 1 and not task.done():
             if asyncio.current_task(loop) is task or unstarted(task):
-                # Handled inside the call's own step: cancelled now, a coroutine about
-                # to return would have its result turned into the cancellation.  Before
-                # the call's first step: cancelled now, none of it would run (a step()
-                # would leave no trace, not even its batch owed); it runs to its first
-                # await first.
+                # Handled inside the call's own step: cancelling now would turn the
+                # result of a coroutine about to return into the cancellation.  Before
+                # the call's first step: cancelling now would run none of it (a step()
+                # would leave no trace, not even its batch owed).  So: at the next cycle.
                 loop.call_soon_threadsafe(self._cancel_call, task)
             else:
                 task.cancel()

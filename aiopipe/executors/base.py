@@ -80,7 +80,7 @@ class Iteration:
     """The active tasks of one internal iteration and the means to run them.
 
     An executor's ``run_iteration(iteration)`` reads ``iteration.plan`` (the
-    :class:`ExecutionPlan`), ``iteration.number`` (counting from 0 in each source)
+    :class:`ExecutionPlan`), ``iteration.number`` (counting from 0 in each feed of a source)
     and ``iteration.active`` (an :class:`~aiopipe.plan.ActiveSet` of task numbers),
     and runs each active task once with :meth:`invoke` (a synchronous body, on the
     calling thread) or :meth:`invoke_async` (an ``async def`` body).

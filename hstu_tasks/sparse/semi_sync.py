@@ -92,7 +92,9 @@ def build_semi_sync_tasks(state: SparseDistState, start_batch: int,
 
     def semi_synchronous(ctx: TaskContext) -> bool:
         """Whether batch i+1 (this task's) is looked up before batch i's update: batch
-        i is the step this progress trains, none for a source's first batch."""
+        i is the step this progress trains, none for a source's first batch.  (A
+        source going on after ``drain()`` counts on: its next batch is looked up
+        early with no update between, which gives the same embeddings.)"""
         return ctx.batch_index > 0 and state.steps_trained >= start_batch
 
     def lookup_early(ctx: TaskContext) -> None:
