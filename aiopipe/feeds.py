@@ -6,7 +6,8 @@ source replaces it: refused while batches of the old one are in flight, unless i
 discards the batches in flight and *parks* the feed: its counts stay visible in
 ``statistics()`` and an item it read ahead, untouched by any task, goes to the next
 feed of the same source, which counts on from them (its position past the batches
-dropped, which that run skips).  The last few sources left before their end are
+dropped, which that run skips) -- ``drain()`` takes that source up again to finish
+it.  The last few sources left before their end are
 remembered with their counts: passed again after other sources (``step()``, an
 evaluation stream taking turns), each counts on -- unless it is a DataLoader's
 iterator that ``iter(loader)`` reset for a new pass.  Every batch dropped untrained
