@@ -11,7 +11,7 @@ from typing import Any
 from .sources import END
 
 __all__ = (
-    "RECHECK", "always", "gave_an_item", "holds_an_item", "interrupted_pull", "problem_of",
+    "RECHECK", "always_wanted", "gave_an_item", "holds_an_item", "interrupted_pull", "problem_of",
     "refused_item",
 )  # fmt: skip
 
@@ -25,7 +25,8 @@ def interrupted_pull(future: asyncio.Future[Any]) -> bool:
             and isinstance(future.exception(), (KeyboardInterrupt, SystemExit)))  # fmt: skip
 
 
-def always() -> bool:
+def always_wanted() -> bool:
+    """The item a caller waits for is wanted (no cancelled caller to ask)."""
     return True
 
 

@@ -23,7 +23,7 @@ from ._core.loops import close_left, loop_running_in_this_thread
 from ._core.waker import mark_retrieved, wait_settled
 from .errors import PipelineStateError, attach_source_origin
 from .pull_states import (
-    RECHECK, always, gave_an_item, holds_an_item, interrupted_pull, problem_of, refused_item,
+    RECHECK, always_wanted, gave_an_item, holds_an_item, interrupted_pull, problem_of, refused_item,
 )
 from .sources import (
     END, Taken, closed_between_pulls, ended_by_interrupt, finished_generator, innermost,
@@ -119,7 +119,7 @@ class Pulls:
         #: The pull a caller waits for (it is taken as soon as it has its item), and
         #: whether that caller still wants it.
         self._awaited: asyncio.Future[Any] | None = None
-        self._still_wanted: Callable[[], bool] = always
+        self._still_wanted: Callable[[], bool] = always_wanted
         #: The async source's last pull gave an item: finished before the next one, it
         #: was closed by someone else (its event loop shutting down, say).
         self._read_any = False
@@ -196,7 +196,7 @@ class Pulls:
         """A caller will take ``ahead`` (the item being read ahead) as soon as it is
         read, if ``still_wanted()`` then: its pull may start the next one without
         waiting for the take."""
-        self._awaited, self._still_wanted = ahead, still_wanted or always
+        self._awaited, self._still_wanted = ahead, still_wanted or always_wanted
 
     async def _wait_for(self, ahead: asyncio.Future[Any]) -> None:
         """Wait, claimed, until ``ahead`` has its item; a cancelled wait leaves the

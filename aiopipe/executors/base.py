@@ -89,7 +89,7 @@ class Iteration:
 
     __slots__ = (
         "_annotator", "_ctx", "_deferred_syncs", "_lane_names", "_ready_ns", "_ring", "_tracer",
-        "active", "completed", "first_batch", "number", "pipeline", "plan", "stage", "started",
+        "active", "batches_before", "completed", "number", "pipeline", "plan", "stage", "started",
     )  # fmt: skip
 
     def __init__(
@@ -103,12 +103,12 @@ class Iteration:
         tracer: Tracer | None = None,
         lane_names: tuple[str, ...] = (),
         pipeline: str = "",
-        first_batch: int = 0,
+        batches_before: int = 0,
     ) -> None:
         self.plan = plan
         #: The index in its source of the feed's first batch (a source that goes on
         #: after ``drain()`` or ``reset()`` counts on): ``ctx.batch_index`` adds it.
-        self.first_batch = first_batch
+        self.batches_before = batches_before
         #: The name of the pipeline running the iteration (log records, trace tracks).
         self.pipeline = pipeline
         self.number = number
@@ -141,7 +141,7 @@ class Iteration:
         self._ready_ns[index] = time.perf_counter_ns()
 
     def batch_index(self, index: int) -> int:
-        return self.first_batch + self.number - self.plan.lag[index]
+        return self.batches_before + self.number - self.plan.lag[index]
 
     def _enter(self, index: int, run_on_lane: LaneRunner | None) -> Any:
         self.started = True
@@ -252,7 +252,7 @@ class Iteration:
                 task,
                 self._ring.at(plan.lookahead[index]),
                 self.number,
-                self.first_batch + self.number - plan.lag[index],
+                self.batches_before + self.number - plan.lag[index],
                 run_on_lane,
             )
         )
