@@ -170,6 +170,19 @@ async def test_a_failing_fetch_names_its_key_and_position_and_the_next_key_follo
     assert (stats.keys_taken, stats.delivered, stats.failed, stats.exhausted) == (4, 3, 1, True)
 
 
+async def read_through(source: Any) -> list[Any]:
+    """Every batch of ``source`` to its end, a ``FetchError`` in the place of a key
+    whose fetch failed (the keys after it go on)."""
+    got: list[Any] = []
+    while True:
+        try:
+            got.append(await anext(source))
+        except FetchError as failure:
+            got.append(failure)
+        except StopAsyncIteration:
+            return got
+
+
 def test_the_position_counts_failed_keys_as_done() -> None:
     async def main() -> FetchAhead[int]:
         async def fetch(key: int) -> int:
@@ -178,14 +191,7 @@ def test_the_position_counts_failed_keys_as_done() -> None:
             return key
 
         source = fetch_ahead(range(6), fetch, in_flight=3)
-        taken: list[int] = []
-        while True:
-            try:
-                taken.append(await anext(source))
-            except FetchError:
-                continue
-            except StopAsyncIteration:
-                break
+        taken = [item for item in await read_through(source) if not isinstance(item, FetchError)]
         assert taken == [0, 2, 4, 5]
         return source
 
@@ -607,17 +613,10 @@ async def test_a_fetch_raising_another_base_exception_fails_its_key_once() -> No
             raise Abort("fetch of key 2 aborted")
         return key
 
-    source = fetch_ahead(range(4), fetch, in_flight=1)
-    got: list[Any] = []
-    while True:
-        try:
-            got.append(await anext(source))
-        except StopAsyncIteration:
-            break
-        except FetchError as failure:
-            assert isinstance(failure.__cause__, Abort) and failure.key == 2
-            got.append("failed")
-    assert got == [0, 1, "failed", 3] and calls.count(2) == 1
+    got = await read_through(fetch_ahead(range(4), fetch, in_flight=1))
+    failure = got[2]
+    assert isinstance(failure, FetchError) and isinstance(failure.__cause__, Abort)
+    assert failure.key == 2 and got[:2] + got[3:] == [0, 1, 3] and calls.count(2) == 1
 
 
 @pytest.mark.parametrize("closing", ["close()", "aclose() on another loop"])
