@@ -10,14 +10,22 @@ from typing import Any
 
 from ._core.log import pipeline_log
 from .driver import IterationDriver
-from .errors import PipelineStateError
+from .errors import ConfigurationError, ConfigurationTypeError, PipelineStateError
 from .feeds import Feeds
 
-__all__ = ("collect_drain", "collect_steps")
+__all__ = ("check_steps", "collect_drain", "collect_steps")
 
 #: ``next_of(more)``: the next result of the call's source, ``(False, None)`` at its
 #: end; ``more`` results are asked for after it.
 NextOf = Callable[[int], Awaitable[tuple[bool, Any]]]
+
+
+def check_steps(steps: object) -> None:
+    """Refuse a ``progress_many`` step count that is not an int >= 1."""
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise ConfigurationTypeError(f"steps must be an int, got {steps!r}")
+    if steps < 1:
+        raise ConfigurationError(f"steps must be >= 1, got {steps}")
 
 
 async def collect_steps(

@@ -78,6 +78,8 @@ class Feeds:
         # The first batch an adapter seeded, and the items it refused before it.
         self._seed: dict[str, Any] | None = None
         self._seed_refused = 0
+        # A source whose batches an adapter numbers on (``number_on``), and from where.
+        self._numbered: tuple[Source, int] | None = None
 
     @property
     def shown(self) -> Feed | None:
@@ -102,6 +104,20 @@ class Feeds:
                 "first progress(), after drain(), or once the current source has ended"
             )
         self.seed(contents, refused)
+
+    def continue_numbering(self, source: Source, batches_before: int) -> None:
+        """``source``'s next feed numbers its batches after ``batches_before``
+        (``SchedulablePipeline.continue_numbering``)."""
+        if isinstance(batches_before, bool) or not isinstance(batches_before, int) or (
+            batches_before < 0
+        ):
+            raise ValueError(f"batches_before must be an int >= 0, got {batches_before!r}")
+        if self.current is not None and self.current.source is source:
+            raise PipelineStateError(
+                "continue_numbering() comes before the source's first progress() here; "
+                "this pipeline is feeding from it already"
+            )
+        self._numbered = (source, batches_before)
 
     def seed(self, contents: Mapping[str, Any] | None, refused: int = 0) -> None:
         """The first batch of the next source (``None``: no seed)."""
@@ -180,6 +196,9 @@ class Feeds:
         elif resumed is not None:
             new_feed.counts_before, new_feed.deferred = resumed  # the same source goes on
         self.seed(None)
+        numbered, self._numbered = self._numbered, None
+        if numbered is not None and numbered[0] is source:
+            new_feed.numbered_from = numbered[1]
         # step() adopts a one-batch source per call: those only at DEBUG
         level = logging.DEBUG if isinstance(source, OneBatch) else logging.INFO
         if pipeline_log.isEnabledFor(level):
@@ -187,6 +206,16 @@ class Feeds:
         self._reset_ring()
         self.current = new_feed
         return new_feed
+
+    def reset(self, owed: int) -> None:
+        """The pipeline's ``reset()``: discard the batches in flight, and the ``owed``
+        batches of cancelled ``step()`` calls never taken; drop any seed."""
+        feed = self.current
+        pipeline_log.info("%s: reset, discarding %d batch(es) in flight", self._name,
+                          feed.in_flight if feed is not None else 0)  # fmt: skip
+        self.discard()
+        self.discarded += owed  # never taken: untrained
+        self.seed(None)
 
     def discard(self) -> None:
         """Drop the batches in flight untrained, counting them; the feed is parked

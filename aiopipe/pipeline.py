@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from ._core.log import next_pipeline_name, pipeline_log
 from .assembly import assemble
 from .calls import CallGuard
-from .collect import collect_drain, collect_steps
-from .errors import ConfigurationError, ConfigurationTypeError, PipelineStateError
+from .collect import check_steps, collect_drain, collect_steps
+from .errors import PipelineStateError
 from .executors import Executor
 from .interop import TrioBridge, in_trio, needs_event_loop
 from .options import check_option_names
@@ -149,25 +149,20 @@ class SchedulablePipeline:
         """Up to ``steps`` results of ``source`` in one call, as ``steps`` calls of
         :meth:`progress` would return them; fewer once the source ends, ``[]`` after.
 
-        Asking for several steps at once lets the lanes chain them: each step after the
-        first is queued behind the one running as soon as its batch has been read, and
-        the lane that ends one step starts the next at once, without waiting for the
-        event loop (docs/performance.md, "The step boundary"). Between two calls
-        exactly the returned steps have been applied, as with ``progress``.
+        The lanes chain the steps asked for: each one after the first is queued behind
+        the running one once its batch is read, and the lane that ends a step starts
+        the next without waiting for the event loop (docs/performance.md, "The step
+        boundary").  Between two calls exactly the returned steps have been applied.
 
-        Cancel-safe like ``progress``: the step under way runs to its end, a step
-        queued behind it that has not started is taken back (its batch is read again
-        next), and the results of finished steps, those already collected included,
-        are returned by the next call.  If a step fails after others have finished,
-        their results -- every one finished before it, those a failed ``drain()`` or
-        an interrupted call left waiting included -- are returned, and the next call
-        raises the failure (or asks for ``reset()``, as ``progress`` would); a refused
-        item or the source's own error is raised by the next call on that source (a
-        ``step()`` of another batch between runs it)."""
-        if isinstance(steps, bool) or not isinstance(steps, int):
-            raise ConfigurationTypeError(f"steps must be an int, got {steps!r}")
-        if steps < 1:
-            raise ConfigurationError(f"steps must be >= 1, got {steps}")
+        Cancel-safe like ``progress``: the step under way runs to its end, a queued
+        step not yet started is taken back (its batch is read again next), and the
+        finished steps' results, those collected included, come from the next call.
+        If a step fails after others finished, their results (and those a failed
+        ``drain()`` or an interrupted call left waiting) are returned, and the next
+        call raises the failure (or asks for ``reset()``); a refused item or the
+        source's own error is raised by the next call on that source (a ``step()``
+        of another batch between runs it)."""
+        check_steps(steps)
         if in_trio():  # as in progress(): the call runs on the bridge
             many = SchedulablePipeline.progress_many
             return await self._trio.call(many, self, self._trio_source(source), steps)
@@ -233,15 +228,13 @@ class SchedulablePipeline:
         (a batch already read ahead included); return their results.  After
         ``reset()``, the source it kept is taken up again and the item it kept read
         ahead finished too (not for a ``results()`` loop left early).  The source is
-        then done with: passing it again continues with its next batch, and
-        ``statistics()`` counts on (its ``position`` stays the position in that
-        source, for a checkpoint); passing another one, or the same one after a
-        call was handed its end (a new pass), starts afresh, counts and all.
-        Cancel-safe like ``progress``: results finished
-        by an interrupted ``drain`` are returned by the next call.  If a batch's task
-        fails, ``drain`` raises that error; the results of steps applied before it
-        are returned by the next ``drain`` (or ``progress``), and only then is
-        ``reset()`` asked for."""
+        then done with: passed again, it continues with its next batch and
+        ``statistics()`` counts on (``position`` stays its position, for a
+        checkpoint); another source, or the same after a call was handed its end (a
+        new pass), starts afresh.  Cancel-safe like ``progress``: results finished
+        by an interrupted ``drain`` come from the next call.  If a task fails,
+        ``drain`` raises it; the results of steps applied before it come from the
+        next ``drain`` (or ``progress``), and only then is ``reset()`` asked for."""
         if in_trio():  # as in progress()
             return await self._trio.call(SchedulablePipeline.drain, self)
         return await self._drain(take_owed=True)
@@ -299,6 +292,14 @@ class SchedulablePipeline:
         self._check_usable()
         self._feeds.seed_first(contents, refused)
 
+    def continue_numbering(self, source: Source, batches_before: int) -> None:
+        """``source`` gave ``batches_before`` batches to another pipeline (an adapter's
+        engine that ``reset()`` tore down): its batches here are numbered on from there
+        (``ctx.batch_index``, failure notes), as after this pipeline's own ``reset()``;
+        ``statistics()`` counts only what this pipeline takes.  Before the source's
+        first ``progress()`` here."""
+        self._feeds.continue_numbering(source, batches_before)
+
     def reset(self) -> None:
         """Discard every batch in flight and any interrupted state, and go on with
         whatever source comes next.  The batches dropped are counted in
@@ -312,14 +313,9 @@ class SchedulablePipeline:
         if self._calls.in_progress():
             raise PipelineStateError("cannot reset while a progress is running")
         self._driver.refuse_while_running("reset()")
-        feed = self._feeds.current
-        pipeline_log.info("%s: reset, discarding %d batch(es) in flight", self.name,
-                          feed.in_flight if feed is not None else 0)  # fmt: skip
         owed = self._owed.drop()  # before the feeds are: one may be the current feed
         self._driver.failures.clear()
-        self._feeds.discard()
-        self._feeds.discarded += owed  # never taken: untrained
-        self._feeds.seed(None)
+        self._feeds.reset(owed)
 
     def shutdown(self) -> None:
         """Stop the executor's threads.  Idempotent; the pipeline is unusable after."""
@@ -361,14 +357,12 @@ class SchedulablePipeline:
 
     def _put_back_results(self, results: list[Any]) -> None:
         """Results a finished call could not hand over (the blocking form raised an
-        interrupt that came as it ended): the next call returns them first, as it
-        would after an interrupted call -- a drain's too, its source taken up again."""
+        interrupt as it ended): the next call returns them first (a drain's too)."""
         self._feeds.put_back_results(results)
 
     def _end_handed(self) -> None:
         """The source's end was handed to the caller (not only read, as by a
-        ``progress_many`` that returns results first): the same source again is a new
-        pass."""
+        ``progress_many`` returning results first): the same source again is a new pass."""
         self._feeds.end_handed()
         self._on_source_end()
 
@@ -376,10 +370,9 @@ class SchedulablePipeline:
         """Called once the last result of a source has been returned (presets hook)."""
 
     async def _next_of(self, source: Source, more: int = 0) -> tuple[bool, Any]:
-        """The driver's next result of ``source`` (``more``: see ``next_result``).  A
-        drain() that was interrupted (cancelled, or a refused batch) and has now
-        finished the batches in flight is done with: the source goes on, as after a
-        drain() that completed."""
+        """The driver's next result of ``source`` (``more``: see ``next_result``).  An
+        interrupted drain() (cancelled, a refused batch) that has now finished the
+        batches in flight is done with: the source goes on, as after a whole drain()."""
         self._owed.refuse_another_source(source)
         feed = self._adopt(source)
         produced, result = await self._driver.next_result(feed, more)

@@ -56,6 +56,7 @@ class Pulls:
     draining: bool
     pulled: int
     counts_before: Counts
+    numbered_from: int
     exhausted: bool
     read_ahead_allowed: bool
 
@@ -63,9 +64,10 @@ class Pulls:
     def batches_before(self) -> int:
         """The batches of the source before this feed's first (a source that goes on
         after ``drain()`` or ``reset()`` counts on; those dropped untrained count, a
-        refused item does not): what ``ctx.batch_index`` and the notes add."""
+        refused item does not; nor those it gave another pipeline, ``numbered_from``):
+        what ``ctx.batch_index`` and the notes add."""
         before = self.counts_before
-        return before.position - before.refused
+        return before.position - before.refused + self.numbered_from
 
     def _checked(self, item: Any) -> Taken:
         """``item`` as read (on the loop's thread), with what is wrong with it.  An

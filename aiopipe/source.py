@@ -52,7 +52,8 @@ class Feed(Pulls):
     __slots__ = (
         "_after_read", "_async", "_check_batch", "_depth", "_pulled_inline", "_refused_after",
         "_seed", "_sync", "abandoned", "counts_before", "deferred", "discarded", "draining",
-        "end_read", "ended", "exhausted", "fresh", "iteration", "outbox", "pulled", "raised",
+        "end_read", "ended", "exhausted", "fresh", "iteration", "numbered_from", "outbox",
+        "pulled", "raised",
         "read_ahead_allowed", "refused", "results_dropped", "returned", "source", "top_pulled",
     )  # fmt: skip
 
@@ -129,6 +130,8 @@ class Feed(Pulls):
         self.read_ahead_allowed = self._depth > 0 and not self._pulled_inline
         #: The counts of the same source's feeds before a ``drain()``: it goes on.
         self.counts_before = Counts()
+        #: Batches the source gave to another pipeline before (``number_on``).
+        self.numbered_from = 0
         self._init_pulls(ahead)
 
     @property

@@ -8,7 +8,9 @@ import threading
 import pytest
 from conftest import collect
 
-from aiopipe import AsyncExecutor, Pipeline, PipelineStateError, Task, TaskContext
+from aiopipe import (
+    AsyncExecutor, Pipeline, PipelineStateError, Schedule, SchedulablePipeline, Task, TaskContext,
+)
 
 BATCHES = 6
 MAX_LA = 2
@@ -429,3 +431,36 @@ def test_a_system_exit_from_a_body_leaves_the_loop_when_its_caller_is_gone() -> 
 
 async def _progress_once(pipe: Pipeline) -> object:
     return await pipe.progress(iter([0]))
+
+
+async def test_a_source_numbered_on_from_another_pipeline_names_its_batches_so() -> None:
+    """``continue_numbering``: a source that gave 10 batches to an engine torn down
+    (an adapter's reset()) is numbered on from 10 here, in ``ctx.batch_index`` and in
+    a failure's note; ``statistics()`` counts only this pipeline's; another source
+    starts at 0; refused once the source feeds the pipeline, and for a bad count."""
+    seen: list[int] = []
+
+    def body(ctx: TaskContext) -> None:
+        seen.append(ctx.batch_index)
+        if ctx.slots["batch_cpu"] == "bad":
+            raise RuntimeError("a bad batch")
+        ctx.slots.set("step_result", ctx.batch_index)
+
+    pipe = SchedulablePipeline(Schedule.of([Task.from_fn("body", body, writes=("step_result",))]))
+    source = iter(["ok", "ok", "bad"])
+    pipe.continue_numbering(source, 10)
+    assert [await pipe.progress(source) for _ in range(2)] == [10, 11]
+    with pytest.raises(PipelineStateError, match="feeding from it already"):
+        pipe.continue_numbering(source, 3)
+    with pytest.raises(RuntimeError, match="a bad batch") as info:
+        await pipe.progress(source)
+    assert "on batch 12 of the source" in info.value.__notes__[0]
+    assert (pipe.statistics().pulled, pipe.statistics().position) == (3, 2)  # its own counts
+    pipe.reset()
+    pipe.continue_numbering(source, 5)  # for this source's next feed; another comes first
+    assert await pipe.progress(iter(["ok"])) == 0
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="batches_before must be an int >= 0"):
+            pipe.continue_numbering(source, bad)  # type: ignore[arg-type]
+    await pipe.aclose()
+    assert seen == [10, 11, 12, 0]

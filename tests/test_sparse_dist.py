@@ -582,6 +582,53 @@ def test_after_reset_the_same_source_counts_on_past_the_batches_dropped(
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("wrapper", [None, "end together"])
+def test_after_reset_nothing_shows_in_flight_and_the_source_s_batches_are_numbered_on(
+    wrapper: str | None,
+) -> None:
+    """reset() tears the engine down with what it read ahead: statistics() shows none
+    of it in flight (drain() has nothing to return) but discarded at once; and as the
+    same source goes on, a failure names its batch by its index in the source, not
+    by a count restarted at 0 by the new engine (the agreement on the end reads a
+    window of up to 16 items ahead: 60 leave some after the reset)."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 60))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+        failing: dict[str, Any] = {"on": False, "at": None}
+
+        def forward(batch: Any) -> Any:
+            if failing["on"]:
+                failing["at"] = next(i for i, b in enumerate(batches)
+                                     if torch.equal(b.dense_features, batch.dense_features))
+                raise RuntimeError("the forward failed")
+            return setup.model(batch)
+
+        async def run() -> tuple[Any, list[Any], Any, Any]:
+            source = iter(batches)
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                          custom_model_fwd=forward,
+                                          end_together=wrapper is not None) as pipe:  # fmt: skip
+                for _ in range(3):
+                    await pipe.progress(source)
+                before = pipe.statistics()
+                pipe.reset()
+                after_reset, drained = pipe.statistics(), await pipe.drain()
+                failing["on"] = True
+                with pytest.raises(RuntimeError, match="the forward failed") as info:
+                    await pipe.progress(source)
+                pipe.reset()
+                return before, drained, after_reset, info.value
+
+        before, drained, after_reset, error = asyncio.run(run())
+        held = before.in_flight  # read ahead by the engine; the wrapper's are not counted
+        assert held >= 1
+        assert (after_reset.in_flight, drained) == (0, [])
+        assert after_reset.discarded >= before.discarded + held
+        # The batch that failed comes after the 3 trained and those reset() dropped.
+        assert failing["at"] >= 3 + held
+        assert f"on batch {failing['at']} of the source" in error.__notes__[0]
+
+
 @pytest.mark.parametrize("eval_pass", [None, "pull done", "pull waiting"])
 def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch(
     eval_pass: str | None,

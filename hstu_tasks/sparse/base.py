@@ -350,6 +350,8 @@ class SparseDistBase(Generic[ResultT]):
                 self._drop_first_pull()  # another source's, as _first_batch would
             if seed is not None:
                 engine.seed_first_batch(seed, refused=self._refused_from(source))
+            if numbered := self._counts.batches_before():  # the same source after reset()
+                engine.continue_numbering(source, numbered)
         except BaseException:
             engine.shutdown()
             if not self._shared.engines:

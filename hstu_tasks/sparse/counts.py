@@ -38,6 +38,14 @@ class CountsAcrossResets:
         """The source the last call passed."""
         return self._source
 
+    def batches_before(self) -> int:
+        """The batches the source going on gave the engines torn down (0 when none
+        goes on): the next engine numbers its batches on from there."""
+        if not self._goes_on or self._carried is None:
+            return 0
+        before = self._carried[1]
+        return before.position - before.refused
+
     def reset(self, stats: PipelineStatistics | None, wrapped: int = 0) -> None:
         """``reset()`` tears down the engine whose statistics, after its own reset (its
         ring empty; ``in_flight`` the items it read ahead, dropped with it), are
@@ -45,14 +53,15 @@ class CountsAcrossResets:
         source, read by its wrapper and never handed to the engine, are dropped too."""
         if stats is None:
             return
+        # What the torn-down engine still held is dropped with it: discarded, not in
+        # flight (drain() has nothing of it to return).
         total, held = self.shown(stats), stats.in_flight + wrapped
+        total = dataclasses.replace(total, in_flight=0, discarded=total.discarded + held)
         self._parked, self._goes_on, self._carried = total, False, None
         if self._source is None or stats.exhausted:
             return  # passed again after its end, a source starts afresh
         past = total.position - stats.position + stats.pulled + stats.refused + held
-        self._carried = (self._source, dataclasses.replace(
-            total, position=past, discarded=total.discarded + held, in_flight=0,
-        ))  # fmt: skip
+        self._carried = (self._source, dataclasses.replace(total, position=past))
 
     def shown(self, stats: PipelineStatistics) -> PipelineStatistics:
         """What ``statistics()`` shows: ``stats`` (the engine's, or a fresh pipeline's),
