@@ -36,7 +36,7 @@ from ._core.waker import mark_retrieved
 from .chain import StepChain
 from .context import TaskContext
 from .errors import PipelineStateError, TaskAbortedError
-from .failures import IterationFailures
+from .failures import IterationFailures, name_the_key
 from .executors import Executor, Iteration, IterationHandle
 from .executors.stage import StartFast
 from .inits import TaskInits
@@ -312,6 +312,8 @@ class IterationDriver(OrphanedIterations, IterationWaits):
             feed.top_pulled = True
             if guarded:  # its caller left: a loop shutting down waits for this one too
                 self.guard_lanes()
+        if error is not None:
+            name_the_key(error, feed)  # a keyed source's batch: its key, too
         if error is not None and getattr(error, "aiopipe_body_fault", False):
             error = TaskAbortedError(error)  # raised as a task's failure, not bare
         if error is not None:

@@ -15,8 +15,10 @@ import threading
 from ._core.lanes import LANE_THREAD_PREFIX
 from ._core.loops import loop_running_in_this_thread, running_task
 from .errors import PipelineStateError
+from .source import Feed
+from .sources import innermost
 
-__all__ = ("IterationFailures", "body_fault", "loop_closed_error")
+__all__ = ("IterationFailures", "body_fault", "loop_closed_error", "name_the_key")
 
 
 class IterationFailures:
@@ -112,3 +114,25 @@ def body_fault(exc: BaseException) -> bool:
         return True
     cancelling = getattr(task, "cancelling", None)
     return task is not None and cancelling is not None and cancelling() == 0
+
+
+def name_the_key(error: BaseException, feed: Feed) -> None:
+    """A task's failure on a batch of a keyed source (``fetch_ahead``): name that
+    batch's key on the exception (``aiopipe_source_key`` and a note).  Only where the
+    feed's batch numbers are the source's own count of the batches it handed out: no
+    item of it refused, none numbered on from another pipeline."""
+    batch = getattr(error, "aiopipe_batch", None)
+    key_of = getattr(innermost(feed.source), "aiopipe_key_of", None)
+    if batch is None or key_of is None or getattr(error, "aiopipe_source_key", None) is not None:
+        return
+    if feed.refused or feed.counts_before.refused or feed.numbered_from:
+        return
+    found, key = key_of(batch)
+    if not found:
+        return
+    try:
+        error.aiopipe_source_key = key  # type: ignore[attr-defined]
+    except AttributeError:  # exceptions with __slots__
+        return
+    if hasattr(error, "add_note"):
+        error.add_note(f"aiopipe: batch {batch} is the source's batch of key {key!r}")

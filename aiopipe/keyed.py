@@ -47,6 +47,10 @@ __all__ = ("FetchAhead", "FetchStatistics", "fetch_ahead")
 K = TypeVar("K")
 T = TypeVar("T")
 
+#: How many of the latest batches' keys a source keeps for the failure notes (keys,
+#: not batches: a few kilobytes).
+KEYS_KEPT = 256
+
 
 class FetchAhead(AsyncIterator[T]):
     """The batches ``fetch(key)`` returns for each key, in key order, fetched up to
@@ -87,6 +91,8 @@ class FetchAhead(AsyncIterator[T]):
         #: The next key being pulled from async keys (a task: never cancelled by a caller).
         self._key_pull: asyncio.Future[Any] | None = None
         self._taken = self._delivered = 0
+        #: ``(index, key)`` of the latest batches handed out (:meth:`aiopipe_key_of`).
+        self._given: collections.deque[tuple[int, Any]] = collections.deque(maxlen=KEYS_KEPT)
         #: Positions of the failed fetches, ascending (for :meth:`position`).
         self._failed: list[int] = []
         self._keys_done = self._keys_failed = self._closed = False
@@ -131,6 +137,15 @@ class FetchAhead(AsyncIterator[T]):
             waiting = self._window[0].future if self._window else self._key_pull
             assert waiting is not None
             await wait_settled(waiting)
+
+    def aiopipe_key_of(self, batch: int) -> tuple[bool, Any]:
+        """``(True, key)``: the key of the ``batch``-th batch handed out (counted from
+        0, as a pipeline numbers its batches: a failure's note names the key);
+        ``(False, None)`` for one older than the latest :data:`KEYS_KEPT`."""
+        oldest = self._delivered - len(self._given)
+        if oldest <= batch < self._delivered:
+            return True, self._given[batch - oldest][1]
+        return False, None
 
     def statistics(self) -> FetchStatistics:
         """The counts of :class:`FetchStatistics`, now."""
@@ -336,6 +351,7 @@ class FetchAhead(AsyncIterator[T]):
                     f"an 'await' missing inside fetch?"
                 )  # fmt: skip
                 raise self._refused
+            self._given.append((self._delivered, entry.key))
             self._delivered += 1
             return batch  # type: ignore[no-any-return]
         if problem is None:

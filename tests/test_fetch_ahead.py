@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from aiopipe import (
-    AsyncLibraryError, ConfigurationError, ConfigurationTypeError, FetchAhead, FetchError,
-    Pipeline, PipelineStateError, Task, TaskContext, fetch_ahead,
+    AsyncLibraryError, BadBatchError, ConfigurationError, ConfigurationTypeError, FetchAhead,
+    FetchError, Pipeline, PipelineStateError, Task, TaskContext, fetch_ahead,
 )  # fmt: skip
+from aiopipe.keyed import KEYS_KEPT
 
 #: A test fails within this many seconds instead of hanging on a gate never opened.
 pytestmark = pytest.mark.timeout(30)
@@ -697,3 +698,62 @@ def test_a_second_event_loop_fetches_again_what_the_first_cancelled() -> None:
     assert asyncio.run(rest()) == [1, 2, 3, 4]
     # 1 to 3 started again: none had handed out its batch
     assert calls == [0, 1, 2, 3, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("executor", ["async", "sequential"])
+async def test_a_task_failing_on_a_fetched_batch_names_its_key(executor: str) -> None:
+    """A task's failure on a batch of ``fetch_ahead`` names the batch's key beside its
+    number (a failed fetch before it, skipped, shifts the keys: batch 2 is key "e"),
+    as ``exc.aiopipe_source_key`` and a note; the source's own count of what it
+    handed out gives it (``aiopipe_key_of``).  Not named where a refused item would
+    make the numbers differ."""
+
+    async def fetch(key: str) -> str:
+        await asyncio.sleep(0)
+        if key == "b":
+            raise OSError("the store is down")
+        return key.upper()
+
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] in ("E", "F"):
+            raise ValueError(f"cannot train {ctx.slots['batch_cpu']}")
+        ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+    def check(batch: str) -> None:
+        if batch == "D":
+            raise ValueError("D is refused")
+
+    keys = ["a", "b", "c", "e", "d", "f"]
+    source = fetch_ahead(keys, fetch, in_flight=2)
+    async with Pipeline([Task.from_fn("train", train)], executor=executor,
+                        check_batch=check) as pipe:  # fmt: skip
+        assert await pipe.progress(source) == "A"
+        with pytest.raises(FetchError):
+            await pipe.progress(source)
+        assert await pipe.progress(source) == "C"
+        with pytest.raises(ValueError, match="cannot train E") as info:
+            await pipe.progress(source)
+        assert info.value.aiopipe_source_key == "e"  # type: ignore[attr-defined]
+        assert "aiopipe: batch 2 is the source's batch of key 'e'" in info.value.__notes__
+        pipe.reset()
+        with pytest.raises(BadBatchError, match="D is refused"):
+            await pipe.progress(source)
+        with pytest.raises(ValueError, match="cannot train F") as info:
+            await pipe.progress(source)
+        assert not hasattr(info.value, "aiopipe_source_key")  # numbers past a refusal
+        pipe.reset()
+    # Handed out: A, C, E, D (refused: the pipeline's batch 3 is F), F.
+    assert [source.aiopipe_key_of(i) for i in (0, 3, 4, 5)] == [
+        (True, "a"), (True, "d"), (True, "f"), (False, None),
+    ]  # fmt: skip
+
+
+async def test_the_keys_kept_for_the_notes_are_bounded() -> None:
+    async def fetch(key: int) -> int:
+        return key
+
+    source = fetch_ahead(range(KEYS_KEPT + 10), fetch, in_flight=4)
+    assert len(await read_through(source)) == KEYS_KEPT + 10
+    assert source.aiopipe_key_of(9) == (False, None)  # older than the latest KEYS_KEPT
+    assert source.aiopipe_key_of(10) == (True, 10)
+    assert source.aiopipe_key_of(KEYS_KEPT + 9) == (True, KEYS_KEPT + 9)

@@ -73,7 +73,7 @@ def annotate_failure(exc: BaseException, task_name: str, iteration: int, batch: 
     """Attach where a task body failed to the original exception (once)."""
     where = (f"on batch {batch} of the source (counted from 0), in the pipeline's internal "
              f"iteration {iteration} (an iteration works on several batches at once)")
-    attach_origin(exc, task_name, where, aiopipe_iteration=iteration)
+    attach_origin(exc, task_name, where, aiopipe_iteration=iteration, aiopipe_batch=batch)
 
 
 class Iteration:
