@@ -44,7 +44,6 @@ from .orphans import OrphanedIterations
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores, SlotStore
 from .source import Feed
-from .sources import lost_to_its_loop
 from .task import RESULT_SLOT
 from .trace import Tracer
 from .waits import IterationWaits
@@ -100,7 +99,7 @@ class IterationDriver(OrphanedIterations, IterationWaits):
             hint = (" (keep every call over an async source on one event loop: inside "
                     "one asyncio.run()/aiopipe.run(), or through pipe.blocking(); a queue "
                     "or memory channel survives a cancellation)"
-                    if lost_to_its_loop(feed.lost) else "")  # fmt: skip
+                    if feed.lost.to_its_loop else "")  # fmt: skip
             raise PipelineStateError(
                 f"{feed.lost}: the rest of its items cannot be read. {advice} a new "
                 f"source{hint}"

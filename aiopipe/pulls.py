@@ -26,7 +26,7 @@ from .pull_states import (
     RECHECK, always_wanted, gave_an_item, holds_an_item, interrupted_pull, problem_of, refused_item,
 )
 from .sources import (
-    END, Taken, closed_between_pulls, ended_by_interrupt, finished_generator, innermost,
+    END, Lost, Taken, closed_between_pulls, ended_by_interrupt, finished_generator, innermost,
 )
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ class Pulls:
         #: Why the source can no longer be read, when a pull found it closed (by this
         #: feed, or by an earlier feed of the same source).
         source = innermost(self._async if self._async is not None else self._sync)
-        self.lost: str | None = None
+        self.lost: Lost | None = None
         if source is not None:
             try:
                 self.lost = _LOST.get(source)
@@ -314,9 +314,10 @@ class Pulls:
         self._behind = collections.deque(live[1:])
         source = innermost(self._async)
         if finished_generator(source) and self.lost is None:
-            self._lose(source, "the event loop this async generator's pull waited on was "
-                               "stopped and closed (not cancelled); closing that pull "
-                               "finished the generator")  # fmt: skip
+            self._lose(source, Lost(
+                "the event loop this async generator's pull waited on was stopped and "
+                "closed (not cancelled); closing that pull finished the generator", True,
+            ))  # fmt: skip
         return True
 
     def _lose_if_ended(self, source: Any, interrupt: BaseException) -> None:
@@ -324,14 +325,14 @@ class Pulls:
         next call says so, not "the epoch ended"); any other source reads on."""
         why = ended_by_interrupt(source, interrupt)
         if why is not None:
-            self._lose(source, why)
+            self._lose(source, Lost(why, to_its_loop=False))
 
-    def _lose(self, source: Any, why: str) -> None:
+    def _lose(self, source: Any, lost: Lost) -> None:
         """The source can no longer be read (:attr:`lost`), and passed again -- a new
         feed of it -- says so, rather than end as if it had run dry."""
-        self.lost = why
+        self.lost = lost
         try:
-            _LOST[source] = why
+            _LOST[source] = lost
         except TypeError:  # not weak-referenceable
             pass
 
@@ -343,7 +344,7 @@ class Pulls:
         # trio bridge, which reads nothing ahead) that is finished was closed.
         pulled = innermost(self._async) if self._pulled_inline else self._async
         if self._read_any and finished_generator(pulled):
-            self._lose(source, closed_between_pulls("this async generator"))
+            self._lose(source, Lost(closed_between_pulls("this async generator"), True))
             if self.draining:  # drain() finishes what is in flight, reading no further
                 return END, None
             raise PipelineStateError(
@@ -373,12 +374,12 @@ class Pulls:
             # The cancellation was thrown into an async generator's frame: unless it
             # caught it, the generator is finished and its remaining items gone.
             if finished_generator(source):
-                self._lose(source, self._cut_why or (
+                self._lose(source, Lost(self._cut_why, False) if self._cut_why else Lost(
                     "a cancelled call closed this async generator mid-pull"
                     if self._pulled_inline else
                     # Only its loop shutting down cancels a pull in a task of its own.
                     "the event loop this async generator was being read ahead on shut "
-                    "down mid-pull, which closed it"
+                    "down mid-pull, which closed it", True,
                 ))  # fmt: skip
             raise
         except (KeyboardInterrupt, SystemExit) as interrupt:
@@ -397,4 +398,4 @@ class Pulls:
 #: No item kept by an interrupted ``check_batch`` (:meth:`Pulls._item_kept`).
 _NO_ITEM: Any = object()
 #: Why each async source closed under a pull was lost (:meth:`Pulls._lose`).
-_LOST: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_LOST: weakref.WeakKeyDictionary[Any, Lost] = weakref.WeakKeyDictionary()

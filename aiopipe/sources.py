@@ -8,16 +8,15 @@ import inspect
 import reprlib
 import traceback
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 
 from .errors import ConfigurationTypeError
 
 __all__ = (
-    "END", "OneBatch", "Source", "Taken", "closed_between_pulls", "ended_by_interrupt",
-    "finished_generator", "innermost", "iterate", "lost_to_its_loop",
-    "not_a_source",
+    "END", "Lost", "OneBatch", "Source", "Taken", "closed_between_pulls", "ended_by_interrupt",
+    "finished_generator", "innermost", "iterate", "not_a_source",
 )  # fmt: skip
 
 #: What a feed takes at a source's end (:meth:`~aiopipe.source.Feed.take`).
@@ -140,11 +139,17 @@ def ended_by_interrupt(source: object, interrupt: BaseException) -> str | None:
     )
 
 
-def lost_to_its_loop(why: str) -> bool:
-    """Whether a source lost for ``why`` was lost to an event loop's life (closed
-    with its loop, or by a caller's cancellation), which keeping every call on one
-    loop avoids; not to an interrupt of its own or to its pipeline."""
-    return "event loop" in why or "cancelled call" in why
+class Lost(NamedTuple):
+    """Why a source can give no more items: ``why``, said in the errors, and whether
+    it was lost to an event loop's life (closed with its loop, or by a caller's
+    cancellation), which keeping every call on one loop avoids -- not to an interrupt
+    of its own or to its pipeline."""
+
+    why: str
+    to_its_loop: bool
+
+    def __str__(self) -> str:
+        return self.why
 
 
 def closed_between_pulls(what: str) -> str:
