@@ -16,7 +16,6 @@ from ._core.lanes import LANE_THREAD_PREFIX
 from ._core.loops import loop_running_in_this_thread, running_task
 from .errors import PipelineStateError
 from .source import Feed
-from .sources import innermost
 
 __all__ = ("IterationFailures", "body_fault", "loop_closed_error", "name_the_key")
 
@@ -118,16 +117,19 @@ def body_fault(exc: BaseException) -> bool:
 
 def name_the_key(error: BaseException, feed: Feed) -> None:
     """A task's failure on a batch of a keyed source (``fetch_ahead``): name that
-    batch's key on the exception (``aiopipe_source_key`` and a note).  Only where the
-    feed's batch numbers are the source's own count of the batches it handed out: no
-    item of it refused, none numbered on from another pipeline."""
+    batch's key on the exception (``aiopipe_source_key`` and a note).  Counted back
+    from the latest batch the source handed out, which this feed holds (placed, or
+    read ahead) -- whoever read the source before it, and however its batches are
+    numbered.  Not for a source read through a wrapper (it may hold batches of its
+    own), nor past a refused item (it has no number)."""
     batch = getattr(error, "aiopipe_batch", None)
-    key_of = getattr(innermost(feed.source), "aiopipe_key_of", None)
-    if batch is None or key_of is None or getattr(error, "aiopipe_source_key", None) is not None:
+    recent_key = getattr(feed.source, "aiopipe_recent_key", None)
+    if batch is None or recent_key is None or feed.refused:
         return
-    if feed.refused or feed.counts_before.refused or feed.numbered_from:
+    if getattr(error, "aiopipe_source_key", None) is not None:
         return
-    found, key = key_of(batch)
+    latest = feed.batches_before + feed.pulled - 1  # the latest batch placed in the ring
+    found, key = recent_key(feed.read_ahead_items + latest - batch)
     if not found:
         return
     try:

@@ -112,10 +112,13 @@ class Feeds:
             batches_before < 0
         ):
             raise ValueError(f"batches_before must be an int >= 0, got {batches_before!r}")
-        if self.current is not None and self.current.source is source:
+        fed: list[object] = [feed.source for feed in (self.current, self._parked, self._drained)
+                             if feed]  # fmt: skip
+        fed += [left.source() for left in self._left]
+        if any(known is source for known in fed):
             raise PipelineStateError(
                 "continue_numbering() comes before the source's first progress() here; "
-                "this pipeline is feeding from it already"
+                "this pipeline has fed from it already (and numbers it on itself)"
             )
         self._numbered = (source, batches_before)
 

@@ -91,8 +91,8 @@ class FetchAhead(AsyncIterator[T]):
         #: The next key being pulled from async keys (a task: never cancelled by a caller).
         self._key_pull: asyncio.Future[Any] | None = None
         self._taken = self._delivered = 0
-        #: ``(index, key)`` of the latest batches handed out (:meth:`aiopipe_key_of`).
-        self._given: collections.deque[tuple[int, Any]] = collections.deque(maxlen=KEYS_KEPT)
+        #: The keys of the latest batches handed out, oldest first (:meth:`aiopipe_recent_key`).
+        self._given: collections.deque[Any] = collections.deque(maxlen=KEYS_KEPT)
         #: Positions of the failed fetches, ascending (for :meth:`position`).
         self._failed: list[int] = []
         self._keys_done = self._keys_failed = self._closed = False
@@ -113,9 +113,11 @@ class FetchAhead(AsyncIterator[T]):
             if self._refused is not None:
                 raise ConfigurationTypeError(*self._refused.args)
             self._revive(loop)
-            if self._lost is not None:
-                raise PipelineStateError(f"{self._lost}: the rest of the keys cannot be read")
             self._refill()
+            # The batches of the keys read before the loss come out first: raised
+            # while any wait, their fetches would be restarted by every later call.
+            if self._lost is not None and not self._window:
+                raise PipelineStateError(f"{self._lost}: the rest of the keys cannot be read")
             if self._window and self._window[0].future.done():
                 if fetch_interrupted(self._window[0]):
                     # The interrupt reached the loop's caller as the fetch raised it
@@ -138,13 +140,12 @@ class FetchAhead(AsyncIterator[T]):
             assert waiting is not None
             await wait_settled(waiting)
 
-    def aiopipe_key_of(self, batch: int) -> tuple[bool, Any]:
-        """``(True, key)``: the key of the ``batch``-th batch handed out (counted from
-        0, as a pipeline numbers its batches: a failure's note names the key);
-        ``(False, None)`` for one older than the latest :data:`KEYS_KEPT`."""
-        oldest = self._delivered - len(self._given)
-        if oldest <= batch < self._delivered:
-            return True, self._given[batch - oldest][1]
+    def aiopipe_recent_key(self, back: int) -> tuple[bool, Any]:
+        """``(True, key)``: the key of the batch handed out ``back`` batches before the
+        latest (0: the latest), which a pipeline's failure note names; ``(False,
+        None)`` beyond the latest :data:`KEYS_KEPT`."""
+        if 0 <= back < len(self._given):
+            return True, self._given[-1 - back]
         return False, None
 
     def statistics(self) -> FetchStatistics:
@@ -351,7 +352,7 @@ class FetchAhead(AsyncIterator[T]):
                     f"an 'await' missing inside fetch?"
                 )  # fmt: skip
                 raise self._refused
-            self._given.append((self._delivered, entry.key))
+            self._given.append(entry.key)
             self._delivered += 1
             return batch  # type: ignore[no-any-return]
         if problem is None:

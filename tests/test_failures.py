@@ -437,7 +437,7 @@ async def test_a_source_numbered_on_from_another_pipeline_names_its_batches_so()
     """``continue_numbering``: a source that gave 10 batches to an engine torn down
     (an adapter's reset()) is numbered on from 10 here, in ``ctx.batch_index`` and in
     a failure's note; ``statistics()`` counts only this pipeline's; another source
-    starts at 0; refused once the source feeds the pipeline, and for a bad count."""
+    starts at 0; refused once the pipeline has fed from the source, and for a bad count."""
     seen: list[int] = []
 
     def body(ctx: TaskContext) -> None:
@@ -450,14 +450,17 @@ async def test_a_source_numbered_on_from_another_pipeline_names_its_batches_so()
     source = iter(["ok", "ok", "bad"])
     pipe.continue_numbering(source, 10)
     assert [await pipe.progress(source) for _ in range(2)] == [10, 11]
-    with pytest.raises(PipelineStateError, match="feeding from it already"):
+    with pytest.raises(PipelineStateError, match="fed from it already"):
         pipe.continue_numbering(source, 3)
     with pytest.raises(RuntimeError, match="a bad batch") as info:
         await pipe.progress(source)
     assert "on batch 12 of the source" in info.value.__notes__[0]
     assert (pipe.statistics().pulled, pipe.statistics().position) == (3, 2)  # its own counts
     pipe.reset()
-    pipe.continue_numbering(source, 5)  # for this source's next feed; another comes first
+    with pytest.raises(PipelineStateError, match="fed from it already"):
+        pipe.continue_numbering(source, 5)  # after reset() (or drain()) it counts on itself
+    other = iter(["ok"])
+    pipe.continue_numbering(other, 5)  # for that source's next feed; another comes first
     assert await pipe.progress(iter(["ok"])) == 0
     for bad in (-1, True, 1.0):
         with pytest.raises(ValueError, match="batches_before must be an int >= 0"):

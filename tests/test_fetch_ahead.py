@@ -315,9 +315,42 @@ def test_async_keys_closed_by_the_loop_of_an_earlier_call_are_said_lost() -> Non
 
     source = fetch_ahead(keys(), fetch, in_flight=2)
     assert asyncio.run(anext(source)) == 0  # its end closes keys() (shutdown_asyncgens)
-    assert asyncio.run(anext(source)) == 1  # the key read before: its batch comes out
+    taken = source.statistics().keys_taken  # with a fetch running, a key read ahead
+    assert taken == 3
+    assert [asyncio.run(anext(source)) for _ in range(taken - 1)] == [1, 2]  # keys read before
     with pytest.raises(PipelineStateError, match="closed between two pulls"):
         asyncio.run(anext(source))
+
+
+def test_every_key_read_before_its_generator_closed_comes_out_once_before_the_error() -> None:
+    """Several keys read ahead (in_flight 3) when one ``asyncio.run`` per call closes
+    the generator of keys: each of their batches comes out, in order, before the
+    error; the error was raised while batches still waited (they never came out, and
+    every later call fetched them again)."""
+
+    async def keys() -> AsyncIterator[int]:
+        for key in range(10):
+            yield key
+
+    async def fetch(key: int) -> int:
+        await asyncio.sleep(0)
+        return key
+
+    async def two(source: FetchAhead[int]) -> list[int]:  # a pipeline reads one ahead too
+        return [await anext(source), await anext(source)]
+
+    source = fetch_ahead(keys(), fetch, in_flight=3)
+    got = asyncio.run(two(source))
+    while True:
+        try:
+            got.append(asyncio.run(anext(source)))
+        except PipelineStateError as error:
+            assert "closed between two pulls" in str(error)
+            break
+    taken = source.statistics().keys_taken
+    assert taken >= 3 and got == list(range(taken))
+    with pytest.raises(PipelineStateError, match="closed between two pulls"):
+        asyncio.run(anext(source))  # said again, not ended
 
 
 def test_a_key_pull_left_on_a_loop_closed_by_hand_is_said_lost() -> None:
@@ -704,9 +737,9 @@ def test_a_second_event_loop_fetches_again_what_the_first_cancelled() -> None:
 async def test_a_task_failing_on_a_fetched_batch_names_its_key(executor: str) -> None:
     """A task's failure on a batch of ``fetch_ahead`` names the batch's key beside its
     number (a failed fetch before it, skipped, shifts the keys: batch 2 is key "e"),
-    as ``exc.aiopipe_source_key`` and a note; the source's own count of what it
-    handed out gives it (``aiopipe_key_of``).  Not named where a refused item would
-    make the numbers differ."""
+    as ``exc.aiopipe_source_key`` and a note; the source keeps the keys of what it
+    handed out (``aiopipe_recent_key``).  Not named past a refused item (it has no
+    number)."""
 
     async def fetch(key: str) -> str:
         await asyncio.sleep(0)
@@ -743,9 +776,54 @@ async def test_a_task_failing_on_a_fetched_batch_names_its_key(executor: str) ->
         assert not hasattr(info.value, "aiopipe_source_key")  # numbers past a refusal
         pipe.reset()
     # Handed out: A, C, E, D (refused: the pipeline's batch 3 is F), F.
-    assert [source.aiopipe_key_of(i) for i in (0, 3, 4, 5)] == [
-        (True, "a"), (True, "d"), (True, "f"), (False, None),
+    assert [source.aiopipe_recent_key(back) for back in (0, 1, 4, 5)] == [
+        (True, "f"), (True, "d"), (True, "a"), (False, None),
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("before", ["peeked", "forgotten", "another pipeline", "read ahead 3"])
+async def test_the_key_named_is_the_failing_batch_s_whoever_read_the_source_before(
+    before: str,
+) -> None:
+    """The key is counted back from the latest batch the source handed out, not from
+    the pipeline's numbers: a batch read from the source by hand before it is passed,
+    a pipeline that forgot the source (other sources came after it, and its numbers
+    start at 0 again), another pipeline that trained its first batches, or several
+    batches read ahead -- the note names "h", the failing batch's key, every time."""
+
+    async def fetch(key: str) -> str:
+        await asyncio.sleep(0)
+        return key.upper()
+
+    def train(ctx: TaskContext) -> None:
+        if ctx.slots["batch_cpu"] == "H":
+            raise ValueError("cannot train H")
+        ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+    def pipeline() -> Pipeline:
+        return Pipeline([Task.from_fn("train", train)],
+                        read_ahead=3 if before == "read ahead 3" else True)  # fmt: skip
+
+    async with fetch_ahead("abcdefghij", fetch, in_flight=2) as source, pipeline() as pipe:
+        if before == "peeked":
+            assert await anext(source) == "A"
+        elif before == "another pipeline":
+            async with pipeline() as first:
+                assert [await first.progress(source) for _ in range(3)] == ["A", "B", "C"]
+                assert await first.drain() == ["D"]  # read ahead: trained, not lost
+        elif before == "forgotten":
+            assert [await pipe.progress(source) for _ in range(3)] == ["A", "B", "C"]
+            assert await pipe.drain() == ["D"]
+            for other in range(5):  # more than the pipeline remembers
+                assert await pipe.progress(iter([other])) == other
+                assert await pipe.drain() == []
+        with pytest.raises(ValueError, match="cannot train H") as info:
+            while True:
+                await pipe.progress(source)
+        assert info.value.aiopipe_source_key == "h"  # type: ignore[attr-defined]
+        assert any(note.endswith("is the source's batch of key 'h'")
+                   for note in info.value.__notes__)  # fmt: skip
+        pipe.reset()
 
 
 async def test_the_keys_kept_for_the_notes_are_bounded() -> None:
@@ -754,6 +832,6 @@ async def test_the_keys_kept_for_the_notes_are_bounded() -> None:
 
     source = fetch_ahead(range(KEYS_KEPT + 10), fetch, in_flight=4)
     assert len(await read_through(source)) == KEYS_KEPT + 10
-    assert source.aiopipe_key_of(9) == (False, None)  # older than the latest KEYS_KEPT
-    assert source.aiopipe_key_of(10) == (True, 10)
-    assert source.aiopipe_key_of(KEYS_KEPT + 9) == (True, KEYS_KEPT + 9)
+    assert source.aiopipe_recent_key(0) == (True, KEYS_KEPT + 9)
+    assert source.aiopipe_recent_key(KEYS_KEPT - 1) == (True, 10)
+    assert source.aiopipe_recent_key(KEYS_KEPT) == (False, None)  # older than the latest kept

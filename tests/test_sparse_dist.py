@@ -629,6 +629,65 @@ def test_after_reset_nothing_shows_in_flight_and_the_source_s_batches_are_number
         assert f"on batch {failing['at']} of the source" in error.__notes__[0]
 
 
+def test_a_reset_after_a_cancelled_bootstrap_counts_the_batch_its_pull_took() -> None:
+    """reset(), then a progress whose bootstrap (no engine yet) is cancelled while it
+    pulls the source's next batch; the pull runs on and takes it; reset() again
+    drops that batch: it is counted in ``discarded``, and the source goes on past it
+    -- the next failure names its own batch (it named the dropped one's number)."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 12))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+        failing: dict[str, Any] = {"on": False, "at": None}
+
+        def forward(batch: Any) -> Any:
+            if failing["on"]:
+                failing["at"] = next(i for i, b in enumerate(batches)
+                                     if torch.equal(b.dense_features, batch.dense_features))
+                raise RuntimeError("the forward failed")
+            return setup.model(batch)
+
+        async def run() -> tuple[Any, Any, int, Any]:
+            armed, reached, gate, took = (False,), asyncio.Event(), asyncio.Event(), asyncio.Event()
+            given: list[int] = []
+
+            async def items() -> AsyncIterator[Any]:
+                for index, batch in enumerate(batches):
+                    if armed[0] and not given:
+                        reached.set()
+                        await gate.wait()  # the bootstrap's pull waits here
+                        given.append(index)
+                        took.set()  # the waiter wakes after the pull has taken it
+                    yield batch
+
+            source = items()
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                          custom_model_fwd=forward) as pipe:  # fmt: skip
+                for _ in range(2):
+                    await pipe.progress(source)
+                pipe.reset()
+                before = pipe.statistics()
+                armed = (True,)
+                call = asyncio.ensure_future(pipe.progress(source))
+                await reached.wait()
+                call.cancel()  # the bootstrap's caller leaves; its pull runs on
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                gate.set()
+                await took.wait()  # the pull took the batch, in its own task
+                pipe.reset()  # drops it
+                after = pipe.statistics()
+                failing["on"] = True
+                with pytest.raises(RuntimeError, match="the forward failed") as info:
+                    await pipe.progress(source)
+                pipe.reset()
+                return before, after, given[0], info.value
+
+        before, after, dropped, error = asyncio.run(run())
+        assert (after.discarded, after.in_flight) == (before.discarded + 1, 0)
+        assert failing["at"] == dropped + 1
+        assert f"on batch {dropped + 1} of the source" in error.__notes__[0]
+
+
 @pytest.mark.parametrize("eval_pass", [None, "pull done", "pull waiting"])
 def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch(
     eval_pass: str | None,

@@ -67,6 +67,7 @@ class SparseDistBase(Generic[ResultT]):
         self._first_pull: tuple[Source, Feed] | None = None
         self._ended_source: Source | None = None  # the source whose end progress() reported
         self._counts = CountsAcrossResets()  # the same source going on after reset()
+        self._bootstrapped: Source | None = None  # the source the bootstrap pulled from
         shared.pipelines.add(self)  # built: it has the model until shut down or detached
 
     # -- the progress contract ---------------------------------------------------------
@@ -109,13 +110,18 @@ class SparseDistBase(Generic[ResultT]):
         has built the engine (and after ``detach()`` or ``reset()``), nothing is in
         flight; ``refused`` counts the source's first items refused before then."""
         engine = self.engine
-        if engine is not None:
-            return self._counts.shown(engine.statistics())
+        return self._counts.shown(
+            engine.statistics() if engine is not None else self._before_engine()
+        )  # fmt: skip
+
+    def _before_engine(self, in_flight: int = 0) -> PipelineStatistics:
+        """This pipeline's own counts while no engine is built: the items a bootstrap
+        refused (and ``in_flight``, for ``reset()``: those it took)."""
         refused = self._refused[1] if self._refused is not None else 0
-        return self._counts.shown(PipelineStatistics(
-            pulled=0, returned=0, in_flight=0, iteration=0, exhausted=False, broken=None,
-            closed=self._closed, refused=refused, position=refused,
-        ))  # fmt: skip
+        return PipelineStatistics(
+            pulled=0, returned=0, in_flight=in_flight, iteration=0, exhausted=False,
+            broken=None, closed=self._closed, refused=refused, position=refused,
+        )  # fmt: skip
 
     @needs_event_loop
     async def progress(self, source: Source) -> ResultT:
@@ -290,8 +296,14 @@ class SparseDistBase(Generic[ResultT]):
         engine = self._shared.engines.get(self)
         if engine is not None:
             engine.reset()  # refused, naming reset(), while a step runs on: nothing changes
-        wrapped = self._spec.forget_sources(self._counts.source)
-        self._counts.reset(engine.statistics() if engine is not None else None, wrapped)
+        source = self._counts.source
+        wrapped = self._spec.forget_sources(source)
+        if engine is not None:
+            self._counts.reset(engine.statistics(), wrapped)
+        elif taken := self._taken_by_bootstrap(source) + wrapped:
+            # No engine since the last reset: the first batch a bootstrap took (kept, or
+            # its pull's) is dropped with what the wrapper read; the source goes on past.
+            self._counts.reset(self._before_engine(in_flight=taken - wrapped), wrapped)
         self._teardown()
         self._kept = self._refused = None
         self._drop_first_pull()
@@ -381,6 +393,7 @@ class SparseDistBase(Generic[ResultT]):
         if pull is None or pull[0] is not source:
             self._drop_first_pull()
             pull = self._first_pull = (source, Feed(source, read_ahead=False))
+            self._bootstrapped = self._counts.source  # (``source`` is its wrapper, if any)
         batch, _ = await pull[1].take()  # pulled in a task: a cancelled caller loses nothing
         self._first_pull = None
         if batch is END:
@@ -392,6 +405,14 @@ class SparseDistBase(Generic[ResultT]):
             raise BadBatchError(f"the source's first batch was refused: {exc}") from exc
         self._kept = (source, batch)
         return batch
+
+    def _taken_by_bootstrap(self, source: Source | None) -> int:
+        """The items of ``source`` a bootstrap took and holds: its kept first batch, or
+        the one its pull (left running by a cancelled caller) has read."""
+        if source is None or self._bootstrapped is not source:
+            return 0
+        pulled = self._first_pull[1].read_ahead_items if self._first_pull is not None else 0
+        return (self._kept is not None) + pulled
 
     def _drop_first_pull(self) -> None:
         if self._first_pull is not None:
