@@ -582,6 +582,21 @@ def test_after_reset_the_same_source_counts_on_past_the_batches_dropped(
         )  # fmt: skip
 
 
+def failing_forward(model: Any, batches: list[Any]) -> tuple[dict[str, Any], Any]:
+    """A ``custom_model_fwd`` that raises once ``failing["on"]`` is set, recording in
+    ``failing["at"]`` the index in ``batches`` of the batch it failed on."""
+    failing: dict[str, Any] = {"on": False, "at": None}
+
+    def forward(batch: Any) -> Any:
+        if failing["on"]:
+            failing["at"] = next(i for i, b in enumerate(batches)
+                                 if torch.equal(b.dense_features, batch.dense_features))
+            raise RuntimeError("the forward failed")
+        return model(batch)
+
+    return failing, forward
+
+
 @pytest.mark.parametrize("wrapper", [None, "end together"])
 def test_after_reset_nothing_shows_in_flight_and_the_source_s_batches_are_numbered_on(
     wrapper: str | None,
@@ -594,14 +609,7 @@ def test_after_reset_nothing_shows_in_flight_and_the_source_s_batches_are_number
     with one_rank_group():
         batches = list(SyntheticDLRMData(SMALL, 60))
         setup = build_dlrm_training(SMALL, "sgd", seed=3)
-        failing: dict[str, Any] = {"on": False, "at": None}
-
-        def forward(batch: Any) -> Any:
-            if failing["on"]:
-                failing["at"] = next(i for i, b in enumerate(batches)
-                                     if torch.equal(b.dense_features, batch.dense_features))
-                raise RuntimeError("the forward failed")
-            return setup.model(batch)
+        failing, forward = failing_forward(setup.model, batches)
 
         async def run() -> tuple[Any, list[Any], Any, Any]:
             source = iter(batches)
@@ -637,14 +645,7 @@ def test_a_reset_after_a_cancelled_bootstrap_counts_the_batch_its_pull_took() ->
     with one_rank_group():
         batches = list(SyntheticDLRMData(SMALL, 12))
         setup = build_dlrm_training(SMALL, "sgd", seed=3)
-        failing: dict[str, Any] = {"on": False, "at": None}
-
-        def forward(batch: Any) -> Any:
-            if failing["on"]:
-                failing["at"] = next(i for i, b in enumerate(batches)
-                                     if torch.equal(b.dense_features, batch.dense_features))
-                raise RuntimeError("the forward failed")
-            return setup.model(batch)
+        failing, forward = failing_forward(setup.model, batches)
 
         async def run() -> tuple[Any, Any, int, Any]:
             armed, reached, gate, took = (False,), asyncio.Event(), asyncio.Event(), asyncio.Event()
