@@ -312,7 +312,7 @@ class IterationDriver(OrphanedIterations, IterationWaits):
             if guarded:  # its caller left: a loop shutting down waits for this one too
                 self.guard_lanes()
         if error is not None:
-            name_the_key(error, feed)  # a keyed source's batch: its key, too
+            name_the_key(error, feed, self._ring)  # a keyed source's batch: its key, too
         if error is not None and getattr(error, "aiopipe_body_fault", False):
             error = TaskAbortedError(error)  # raised as a task's failure, not bare
         if error is not None:

@@ -15,7 +15,9 @@ import threading
 from ._core.lanes import LANE_THREAD_PREFIX
 from ._core.loops import loop_running_in_this_thread, running_task
 from .errors import PipelineStateError
+from .ring import BatchRing
 from .source import Feed
+from .task import BATCH_SLOT
 
 __all__ = ("IterationFailures", "body_fault", "loop_closed_error", "name_the_key")
 
@@ -115,21 +117,26 @@ def body_fault(exc: BaseException) -> bool:
     return task is not None and cancelling is not None and cancelling() == 0
 
 
-def name_the_key(error: BaseException, feed: Feed) -> None:
-    """A task's failure on a batch of a keyed source (``fetch_ahead``): name that
-    batch's key on the exception (``aiopipe_source_key`` and a note).  Counted back
-    from the latest batch the source handed out, which this feed holds (placed, or
-    read ahead) -- whoever read the source before it, and however its batches are
-    numbered.  Not for a source read through a wrapper (it may hold batches of its
-    own), nor past a refused item (it has no number)."""
+def name_the_key(error: BaseException, feed: Feed, ring: BatchRing) -> None:
+    """A task's failure on a batch of a keyed source (``fetch_ahead``), the batch in
+    ``ring``: name its key on the exception (``aiopipe_source_key`` and a note).
+    Counted back from the latest batch the source handed out, which this feed holds
+    (placed, or read ahead) -- whoever read the source before it, and however its
+    batches are numbered -- and checked against the batch itself.  Not for a source
+    read through a wrapper (it may hold batches of its own), nor past a refused item
+    (it has no number)."""
     batch = getattr(error, "aiopipe_batch", None)
     recent_key = getattr(feed.source, "aiopipe_recent_key", None)
     if batch is None or recent_key is None or feed.refused:
         return
     if getattr(error, "aiopipe_source_key", None) is not None:
         return
+    stores = [ring.at(offset) for offset in range(ring.depth)]
+    store = next((s for s in stores if s.batch_index == batch and BATCH_SLOT in s), None)
+    if store is None:
+        return
     latest = feed.batches_before + feed.pulled - 1  # the latest batch placed in the ring
-    found, key = recent_key(feed.read_ahead_items + latest - batch)
+    found, key = recent_key(feed.read_ahead_items + latest - batch, store.get(BATCH_SLOT))
     if not found:
         return
     try:

@@ -36,7 +36,7 @@ from .errors import ConfigurationError, ConfigurationTypeError, FetchError, Pipe
 from ._core.loops import close_left
 from ._core.waker import mark_retrieved, wait_settled
 from .keyed_parts import (
-    NO_KEY, Entry, NotAwaitable, asyncio_loop, cancel_quietly, check_fetch,
+    CLOSED, NO_KEY, Entry, NotAwaitable, asyncio_loop, cancel_quietly, check_fetch,
     FetchStatistics, close_coroutine_result, fetch_interrupted, next_key, notify_when_pulled,
     settled,
 )  # fmt: skip
@@ -91,8 +91,9 @@ class FetchAhead(AsyncIterator[T]):
         #: The next key being pulled from async keys (a task: never cancelled by a caller).
         self._key_pull: asyncio.Future[Any] | None = None
         self._taken = self._delivered = 0
-        #: The keys of the latest batches handed out, oldest first (:meth:`aiopipe_recent_key`).
-        self._given: collections.deque[Any] = collections.deque(maxlen=KEYS_KEPT)
+        #: ``(key, id(batch))`` of the latest batches handed out, oldest first
+        #: (:meth:`aiopipe_recent_key`; the id tells a batch read by someone else).
+        self._given: collections.deque[tuple[Any, int]] = collections.deque(maxlen=KEYS_KEPT)
         #: Positions of the failed fetches, ascending (for :meth:`position`).
         self._failed: list[int] = []
         self._keys_done = self._keys_failed = self._closed = False
@@ -140,12 +141,15 @@ class FetchAhead(AsyncIterator[T]):
             assert waiting is not None
             await wait_settled(waiting)
 
-    def aiopipe_recent_key(self, back: int) -> tuple[bool, Any]:
-        """``(True, key)``: the key of the batch handed out ``back`` batches before the
+    def aiopipe_recent_key(self, back: int, batch: object) -> tuple[bool, Any]:
+        """``(True, key)``: the key of ``batch``, handed out ``back`` batches before the
         latest (0: the latest), which a pipeline's failure note names; ``(False,
-        None)`` beyond the latest :data:`KEYS_KEPT`."""
+        None)`` if the batch handed out there is another object (someone else read
+        batches meanwhile), or lies beyond the latest :data:`KEYS_KEPT`."""
         if 0 <= back < len(self._given):
-            return True, self._given[-1 - back]
+            key, given = self._given[-1 - back]
+            if given == id(batch):  # (``batch`` is alive: no other object has its id)
+                return True, key
         return False, None
 
     def statistics(self) -> FetchStatistics:
@@ -277,6 +281,11 @@ class FetchAhead(AsyncIterator[T]):
             self._fail_keys(problem)
         else:
             key = pull.result()
+            if key is CLOSED:  # closed with its loop: lost if it gave keys, else empty
+                if self._read_a_key:
+                    self._lost = self._closed_keys()
+                    return
+                key = END
             self._read_a_key = key is not END
             self._take(key)
 
@@ -285,10 +294,14 @@ class FetchAhead(AsyncIterator[T]):
         having ended (its loop shut down: ``asyncio.run`` closes the generators it
         iterated): then its remaining keys are lost, said by the next call."""
         if self._read_a_key and finished_generator(self._async):
-            self._lost = closed_between_pulls("the async generator of keys") + (
-                "; keep every call inside one loop, or use pipe.blocking()"
-            )
+            self._lost = self._closed_keys()
         return self._lost is not None
+
+    @staticmethod
+    def _closed_keys() -> str:
+        return closed_between_pulls("the async generator of keys") + (
+            "; keep every call inside one loop, or use pipe.blocking()"
+        )
 
     def _take(self, key: Any) -> None:
         if key is END:
@@ -352,7 +365,7 @@ class FetchAhead(AsyncIterator[T]):
                     f"an 'await' missing inside fetch?"
                 )  # fmt: skip
                 raise self._refused
-            self._given.append(entry.key)
+            self._given.append((entry.key, id(batch)))
             self._delivered += 1
             return batch  # type: ignore[no-any-return]
         if problem is None:

@@ -14,10 +14,10 @@ from typing import Any
 from ._core.waker import mark_retrieved
 from .errors import AsyncLibraryError, ConfigurationTypeError
 from .interop import in_trio
-from .sources import END
+from .sources import END, finished_generator
 
 __all__ = (
-    "NO_KEY", "Entry", "NotAwaitable", "asyncio_loop", "cancel_quietly", "check_fetch",
+    "CLOSED", "NO_KEY", "Entry", "NotAwaitable", "asyncio_loop", "cancel_quietly", "check_fetch",
     "FetchStatistics", "close_coroutine_result", "fetch_interrupted", "next_key",
     "notify_when_pulled", "settled",
 )  # fmt: skip
@@ -52,7 +52,16 @@ class Entry:
         self.index, self.key, self.future = index, key, future
 
 
+#: What :func:`next_key` gives for a generator of keys closed before the pull began
+#: (not its end: a closed generator answers every pull with ``StopAsyncIteration``).
+CLOSED: Any = object()
+
+
 async def next_key(keys: AsyncIterator[Any]) -> Any:
+    # A pull that a loop's shutdown let run after closing the generator (a pull
+    # started as its cancelled tasks ended) would read the closure as the keys' end.
+    if finished_generator(keys):
+        return CLOSED
     try:
         # The generator's own step, not anext()'s wrapper: close_left finds it (a pull
         # left on a loop closed by hand).
