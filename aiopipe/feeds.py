@@ -279,7 +279,7 @@ class Feeds:
             in_flight=feed.in_flight if feed else 0, iteration=feed.iteration if feed else 0,
             exhausted=feed.end_read if feed else False, broken=broken, closed=closed,
             refused=counts.refused, applied=counts.applied, discarded=self.discarded,
-            position=counts.position,
+            position=counts.position, read_ahead=feed.read_ahead_items if feed else 0,
         )  # fmt: skip
 
     def _suspend(

@@ -131,12 +131,7 @@ class Pulls:
         #: Why the source can no longer be read, when a pull found it closed (by this
         #: feed, or by an earlier feed of the same source).
         source = innermost(self._async if self._async is not None else self._sync)
-        self.lost: Lost | None = None
-        if source is not None:
-            try:
-                self.lost = _LOST.get(source)
-            except TypeError:  # not weak-referenceable: never recorded
-                pass
+        self.lost: Lost | None = _recorded_loss(source) if source is not None else None
 
     @property
     def held_ahead(self) -> int:
@@ -320,6 +315,13 @@ class Pulls:
             ))  # fmt: skip
         return True
 
+    def _read_no_further(self) -> Taken:
+        """The source was closed mid-pull (:attr:`lost`): a drain ends here, with the
+        batches in flight finished; anything else is refused."""
+        if self.draining:
+            return END, None
+        raise PipelineStateError(f"{self.lost}: the rest of its items cannot be read")
+
     def _lose_if_ended(self, source: Any, interrupt: BaseException) -> None:
         """An interrupt came out of ``source``: a generator it finished is lost (the
         next call says so, not "the epoch ended"); any other source reads on."""
@@ -369,7 +371,12 @@ class Pulls:
             # close_left finds it (a pull left on a loop closed by hand).
             item = await self._async.__anext__()
         except StopAsyncIteration:
-            item = END
+            lost = _recorded_loss(source)
+            if lost is None:
+                item = END
+            else:  # finished by another feed's cancelled read since this one began
+                self.lost = lost
+                return self._read_no_further()
         except asyncio.CancelledError:
             # The cancellation was thrown into an async generator's frame: unless it
             # caught it, the generator is finished and its remaining items gone.
@@ -399,3 +406,11 @@ class Pulls:
 _NO_ITEM: Any = object()
 #: Why each async source closed under a pull was lost (:meth:`Pulls._lose`).
 _LOST: weakref.WeakKeyDictionary[Any, Lost] = weakref.WeakKeyDictionary()
+
+
+def _recorded_loss(source: Any) -> Lost | None:
+    """Why ``source`` was lost, if a feed recorded it."""
+    try:
+        return _LOST.get(source)
+    except TypeError:  # not weak-referenceable: never recorded
+        return None

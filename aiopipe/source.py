@@ -24,7 +24,7 @@ import collections
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .errors import BadBatchError, PipelineStateError, attach_source_origin
+from .errors import BadBatchError, attach_source_origin
 from .pull_states import RECHECK
 from .pulls import Pulls
 from .sources import END, OneBatch, Source, Taken, not_a_source
@@ -299,18 +299,14 @@ class Feed(Pulls):
             f"with the same iterator to continue, or drain() to finish them"
         ) from problem
 
-    def _read_no_further(self) -> Taken:
-        """The source was closed mid-pull (:attr:`lost`): a drain ends here, with the
-        batches in flight finished; anything else is refused."""
-        if self.draining:
-            return END, None
-        raise PipelineStateError(f"{self.lost}: the rest of its items cannot be read")
-
     async def take(self) -> Taken:
         """The next item (read ahead or pulled now), or :data:`END`, with what is
         wrong with it.  Cancelling the caller leaves a pull under way running; the
         item waits for the next call."""
-        if self.drop_dead_pulls() and self.lost is not None and self.ahead is None:
+        dropped = self.drop_dead_pulls()
+        if self.lost is not None and self.ahead is None and (dropped or not self.keeps_an_item):
+            # Closed mid-pull (here, or by an earlier feed of it): its end would be read
+            # as the source's, the items it had left never read.
             return self._read_no_further()
         if self.ahead is None:
             if self._sync is not None:

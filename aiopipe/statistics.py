@@ -33,7 +33,11 @@ class PipelineStatistics:
     remembered (a DataLoader's iterator that ``iter(loader)`` reset starts afresh).  After
     ``reset()`` its position then counts on past the batches ``reset()`` dropped
     (those read ahead too): that run skips them, and a run resumed from a later
-    checkpoint must not train again the steps applied before them."""
+    checkpoint must not train again the steps applied before them.
+
+    ``read_ahead``: of ``in_flight``, the items the source gave that wait to be taken
+    into the ring (a read still under way is in ``in_flight`` only: the source has
+    not given its item)."""
 
     pulled: int
     returned: int
@@ -46,3 +50,4 @@ class PipelineStatistics:
     applied: int = 0
     discarded: int = 0
     position: int = 0
+    read_ahead: int = 0

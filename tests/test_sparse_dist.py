@@ -689,6 +689,109 @@ def test_a_reset_after_a_cancelled_bootstrap_counts_the_batch_its_pull_took() ->
         assert f"on batch {dropped + 1} of the source" in error.__notes__[0]
 
 
+class HeldSource:
+    """Batches from an async iterator (not a generator: a cancelled ``__anext__``
+    loses nothing; ``generator=True``: an async generator, which it finishes); once
+    ``hold`` is set, the next read waits for ``gate`` (``waiting`` says it does)."""
+
+    def __init__(self, batches: list[Any], *, generator: bool = False) -> None:
+        self.batches, self.given, self.hold = batches, 0, False
+        self.waiting, self.gate = asyncio.Event(), asyncio.Event()
+        self.reads: AsyncIterator[Any] = self._generate() if generator else self
+
+    def __aiter__(self) -> HeldSource:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.hold:
+            self.waiting.set()
+            await self.gate.wait()
+        if self.given == len(self.batches):
+            raise StopAsyncIteration
+        self.given += 1
+        return self.batches[self.given - 1]
+
+    async def _generate(self) -> AsyncIterator[Any]:
+        while True:
+            try:
+                yield await self.__anext__()
+            except StopAsyncIteration:
+                return
+
+
+def test_a_reset_while_the_engine_s_read_waits_drops_only_what_the_source_gave() -> None:
+    """reset() while the engine's read-ahead still waits in the source: that read
+    gave no batch, so it is not counted in ``discarded`` nor skipped by the numbers
+    (a failure named the batch after its own)."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 12))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+        failing, forward = failing_forward(setup.model, batches)
+
+        async def run() -> tuple[Any, Any, int]:
+            source = HeldSource(batches)
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                          custom_model_fwd=forward) as pipe:  # fmt: skip
+                await pipe.progress(source)
+                source.hold = True
+                await pipe.progress(source)
+                await source.waiting.wait()  # the read-ahead of the next batch waits
+                given = source.given
+                pipe.reset()
+                after = pipe.statistics()
+                source.hold = False
+                source.gate.set()
+                failing["on"] = True
+                with pytest.raises(RuntimeError, match="the forward failed") as info:
+                    await pipe.progress(source)
+                pipe.reset()
+                return after, info.value, given
+
+        after, error, given = asyncio.run(run())
+        assert (after.applied, after.discarded, after.in_flight) == (2, given - 2, 0)
+        assert failing["at"] == given
+        assert f"on batch {given} of the source" in error.__notes__[0]
+
+
+@pytest.mark.parametrize("reading", ["bootstrap", "engine"])
+def test_an_async_generator_whose_read_reset_cancelled_is_refused_not_ended(
+    reading: str,
+) -> None:
+    """reset() cancels a read still under way (the bootstrap's, left by a cancelled
+    first progress, or the engine's read-ahead), which finishes an async generator:
+    passed again, it is refused, naming why, instead of ending the epoch with
+    batches never read."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 12))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+
+        async def run() -> str:
+            source = HeldSource(batches, generator=True)
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
+                if reading == "engine":
+                    await pipe.progress(source.reads)
+                    source.hold = True
+                    await pipe.progress(source.reads)
+                else:
+                    source.hold = True
+                    call = asyncio.ensure_future(pipe.progress(source.reads))
+                    await source.waiting.wait()
+                    call.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await call
+                await source.waiting.wait()
+                pipe.reset()
+                source.hold = False
+                source.gate.set()
+                with pytest.raises(PipelineStateError) as info:
+                    await pipe.progress(source.reads)
+                return str(info.value)
+
+        message = asyncio.run(run())
+        assert "this async generator was closed by aiopipe" in message
+        assert message.endswith("the rest of its items cannot be read")
+
+
 @pytest.mark.parametrize("eval_pass", [None, "pull done", "pull waiting"])
 def test_a_first_progress_cancelled_while_the_bootstrap_pulls_loses_no_batch(
     eval_pass: str | None,

@@ -40,6 +40,14 @@ __all__ = ("SparseDistBase",)
 ResultT = TypeVar("ResultT")
 
 
+#: Why an async generator whose first batch a bootstrap was reading is lost, when
+#: dropping that read finished it.
+FIRST_READ_DROPPED = (
+    "this async generator was closed by aiopipe: reset(), or another source passed, "
+    "dropped the read of its first batch that a cancelled progress() had left under way, "
+    "and cancelling that read finished it"
+)
+
 class SparseDistBase(Generic[ResultT]):
     """The progress contract, bootstrap and lifetime of a pipeline on ``shared``'s
     model; ``state`` is what its tasks share, ``spec`` what the pipeline's kind gives,
@@ -114,13 +122,14 @@ class SparseDistBase(Generic[ResultT]):
             engine.statistics() if engine is not None else self._before_engine()
         )  # fmt: skip
 
-    def _before_engine(self, in_flight: int = 0) -> PipelineStatistics:
+    def _before_engine(self, taken: int = 0) -> PipelineStatistics:
         """This pipeline's own counts while no engine is built: the items a bootstrap
-        refused (and ``in_flight``, for ``reset()``: those it took)."""
+        refused (and ``taken``, for ``reset()``: those it took and holds)."""
         refused = self._refused[1] if self._refused is not None else 0
         return PipelineStatistics(
-            pulled=0, returned=0, in_flight=in_flight, iteration=0, exhausted=False,
+            pulled=0, returned=0, in_flight=taken, iteration=0, exhausted=False,
             broken=None, closed=self._closed, refused=refused, position=refused,
+            read_ahead=taken,
         )  # fmt: skip
 
     @needs_event_loop
@@ -303,7 +312,7 @@ class SparseDistBase(Generic[ResultT]):
         elif taken := self._taken_by_bootstrap(source) + wrapped:
             # No engine since the last reset: the first batch a bootstrap took (kept, or
             # its pull's) is dropped with what the wrapper read; the source goes on past.
-            self._counts.reset(self._before_engine(in_flight=taken - wrapped), wrapped)
+            self._counts.reset(self._before_engine(taken - wrapped), wrapped)
         self._teardown()
         self._kept = self._refused = None
         self._drop_first_pull()
@@ -416,7 +425,9 @@ class SparseDistBase(Generic[ResultT]):
 
     def _drop_first_pull(self) -> None:
         if self._first_pull is not None:
-            self._first_pull[1].close()
+            # Its read is cancelled: an async generator that finishes is lost, said so
+            # when passed again.
+            self._first_pull[1].close(FIRST_READ_DROPPED)
             self._first_pull = None
 
     def _pulling(self, source: Source) -> bool:

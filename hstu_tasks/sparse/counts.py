@@ -48,15 +48,17 @@ class CountsAcrossResets:
 
     def reset(self, stats: PipelineStatistics | None, wrapped: int = 0) -> None:
         """``reset()`` tears down the engine whose statistics, after its own reset (its
-        ring empty; ``in_flight`` the items it read ahead, dropped with it), are
-        ``stats`` (``None``: no engine since the last reset); ``wrapped`` items of the
-        source, read by its wrapper and never handed to the engine, are dropped too."""
+        ring empty; ``read_ahead`` the items it read ahead, dropped with it; a read
+        under way gave none), are ``stats`` (``None``: no engine since the last
+        reset); ``wrapped`` items of the source, read by its wrapper and never handed
+        to the engine, are dropped too."""
         if stats is None:
             return
         # What the torn-down engine still held is dropped with it: discarded, not in
         # flight (drain() has nothing of it to return).
-        total, held = self.shown(stats), stats.in_flight + wrapped
-        total = dataclasses.replace(total, in_flight=0, discarded=total.discarded + held)
+        total, held = self.shown(stats), stats.read_ahead + wrapped
+        total = dataclasses.replace(total, in_flight=0, read_ahead=0,
+                                    discarded=total.discarded + held)
         self._parked, self._goes_on, self._carried = total, False, None
         if self._source is None or stats.exhausted:
             return  # passed again after its end, a source starts afresh
