@@ -78,7 +78,7 @@ class Feeds:
         # The first batch an adapter seeded, and the items it refused before it.
         self._seed: dict[str, Any] | None = None
         self._seed_refused = 0
-        # A source whose batches an adapter numbers on (``number_on``), and from where.
+        # A source whose batches an adapter numbers on (``continue_numbering``), from where.
         self._numbered: tuple[Source, int] | None = None
 
     @property

@@ -130,7 +130,7 @@ class Feed(Pulls):
         self.read_ahead_allowed = self._depth > 0 and not self._pulled_inline
         #: The counts of the same source's feeds before a ``drain()``: it goes on.
         self.counts_before = Counts()
-        #: Batches the source gave to another pipeline before (``number_on``).
+        #: Batches the source gave to another pipeline before (``continue_numbering``).
         self.numbered_from = 0
         self._init_pulls(ahead)
 

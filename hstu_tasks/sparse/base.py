@@ -48,6 +48,7 @@ FIRST_READ_DROPPED = (
     "and cancelling that read finished it"
 )
 
+
 class SparseDistBase(Generic[ResultT]):
     """The progress contract, bootstrap and lifetime of a pipeline on ``shared``'s
     model; ``state`` is what its tasks share, ``spec`` what the pipeline's kind gives,

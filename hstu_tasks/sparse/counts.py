@@ -46,14 +46,13 @@ class CountsAcrossResets:
         before = self._carried[1]
         return before.position - before.refused
 
-    def reset(self, stats: PipelineStatistics | None, wrapped: int = 0) -> None:
+    def reset(self, stats: PipelineStatistics, wrapped: int = 0) -> None:
         """``reset()`` tears down the engine whose statistics, after its own reset (its
         ring empty; ``read_ahead`` the items it read ahead, dropped with it; a read
-        under way gave none), are ``stats`` (``None``: no engine since the last
-        reset); ``wrapped`` items of the source, read by its wrapper and never handed
-        to the engine, are dropped too."""
-        if stats is None:
-            return
+        under way gave none), are ``stats`` -- with no engine since the last reset,
+        the pipeline's own, ``read_ahead`` what its bootstrap took; ``wrapped`` items
+        of the source, read by its wrapper and never handed to the engine, are
+        dropped too."""
         # What the torn-down engine still held is dropped with it: discarded, not in
         # flight (drain() has nothing of it to return).
         total, held = self.shown(stats), stats.read_ahead + wrapped
