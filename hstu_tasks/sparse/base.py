@@ -19,18 +19,18 @@ from typing import Any, Generic, Self, TypeVar
 
 import torch
 
-from aiopipe import BadBatchError, Executor, PipelineStateError
+from aiopipe import Executor, PipelineStateError
 from aiopipe import PipelineStatistics, Schedule, SchedulablePipeline, StreamPool, Tracer
 from aiopipe.protocols import Results
 from aiopipe.interop import needs_event_loop
 from aiopipe.lanes import ThreadMap
-from aiopipe.source import Feed
-from aiopipe.sources import END, Source
+from aiopipe.sources import Source
 from aiopipe.trace import resolve_tracer
 
 from .blocking import BlockingSparseDist
 from .counts import CountsAcrossResets
 from .engine_executors import EngineExecutors
+from .first_batch import FirstBatch
 from .model import STREAMS, PipelinedModel
 from .spec import PipelineSpec
 
@@ -38,15 +38,6 @@ __all__ = ("SparseDistBase",)
 
 #: What one step of a pipeline returns (``progress``, ``results``, ``drain``).
 ResultT = TypeVar("ResultT")
-
-
-#: Why an async generator whose first batch a bootstrap was reading is lost, when
-#: dropping that read finished it.
-FIRST_READ_DROPPED = (
-    "this async generator was closed by aiopipe: reset(), or another source passed, "
-    "dropped the read of its first batch that a cancelled progress() had left under way, "
-    "and cancelling that read finished it"
-)
 
 
 class SparseDistBase(Generic[ResultT]):
@@ -67,16 +58,9 @@ class SparseDistBase(Generic[ResultT]):
         # One tracer for the pipeline's lifetime: detach/attach rebuilds keep adding to it.
         self._tracer = resolve_tracer(trace)
         self._closed = False
-        # The source's first batch, taken by a bootstrap that then failed: the next
-        # bootstrap on that source trains it (nothing lost); and the items refused.
-        self._kept: tuple[Source, Any] | None = None
-        self._refused: tuple[Source, int] | None = None
-        # The bootstrap's pull of a source's first batch: a caller cancelled while it
-        # waits leaves it running, and the next bootstrap on that source takes its batch.
-        self._first_pull: tuple[Source, Feed] | None = None
+        self._first = FirstBatch(spec.check_batch)  # what the bootstrap takes before the engine
         self._ended_source: Source | None = None  # the source whose end progress() reported
         self._counts = CountsAcrossResets()  # the same source going on after reset()
-        self._bootstrapped: Source | None = None  # the source the bootstrap pulled from
         shared.pipelines.add(self)  # built: it has the model until shut down or detached
 
     # -- the progress contract ---------------------------------------------------------
@@ -126,7 +110,7 @@ class SparseDistBase(Generic[ResultT]):
     def _before_engine(self, taken: int = 0) -> PipelineStatistics:
         """This pipeline's own counts while no engine is built: the items a bootstrap
         refused (and ``taken``, for ``reset()``: those it took and holds)."""
-        refused = self._refused[1] if self._refused is not None else 0
+        refused = self._first.refused
         return PipelineStatistics(
             pulled=0, returned=0, in_flight=taken, iteration=0, exhausted=False,
             broken=None, closed=self._closed, refused=refused, position=refused,
@@ -310,19 +294,18 @@ class SparseDistBase(Generic[ResultT]):
         wrapped = self._spec.forget_sources(source)
         if engine is not None:
             self._counts.reset(engine.statistics(), wrapped)
-        elif taken := self._taken_by_bootstrap(source) + wrapped:
+        elif taken := self._first.taken_of(source) + wrapped:
             # No engine since the last reset: the first batch a bootstrap took (kept, or
             # its pull's) is dropped with what the wrapper read; the source goes on past.
             self._counts.reset(self._before_engine(taken - wrapped), wrapped)
         self._teardown()
-        self._kept = self._refused = None
-        self._drop_first_pull()
+        self._first.drop()
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._teardown()
-        self._drop_first_pull()
+        self._first.drop_pull()
         self._closed = True
         self._shared.pipelines.discard(self)
         self._spec.release()
@@ -361,17 +344,18 @@ class SparseDistBase(Generic[ResultT]):
         )  # fmt: skip
         try:
             seed: dict[str, Any] | None = None
+            first = self._first
             if not self._shared.installed:
-                seed = spec.rewrite_and_seed(await self._first_batch(source))
-            elif self._kept is not None or self._refused_from(source) or self._pulling(source):
+                seed = spec.rewrite_and_seed(await first.take(source, self._counts.source))
+            elif first.waits(source):
                 # Another pipeline traced the model since this one's bootstrap failed
                 # or was cancelled: the batch it kept, the one its pull is taking (or
                 # the one after those it refused) is still next.
-                seed = {"batch_cpu": await self._first_batch(source)}
+                seed = {"batch_cpu": await first.take(source, self._counts.source)}
             else:
-                self._drop_first_pull()  # another source's, as _first_batch would
+                first.drop_pull()  # another source's, as take() would
             if seed is not None:
-                engine.seed_first_batch(seed, refused=self._refused_from(source))
+                engine.seed_first_batch(seed, refused=first.refused_from(source))
             if numbered := self._counts.batches_before():  # the same source after reset()
                 engine.continue_numbering(source, numbered)
         except BaseException:
@@ -379,7 +363,7 @@ class SparseDistBase(Generic[ResultT]):
             if not self._shared.engines:
                 self._shared.restore()
             raise
-        self._kept = self._refused = None
+        self._first.trained()
         self._shared.engines[self] = engine
         if spec.log is not None:
             spec.log.info("%s: bootstrap done: the engine is built and the source's first "
@@ -388,53 +372,3 @@ class SparseDistBase(Generic[ResultT]):
     def _new_schedule(self) -> Schedule:
         """A schedule of fresh tasks of this pipeline's kind."""
         return Schedule.of(self._spec.build_tasks(), stream_slots=STREAMS)
-
-    async def _first_batch(self, source: Source) -> Any:
-        """The source's first batch: the one a failed bootstrap kept, or a new one."""
-        if self._kept is not None:
-            kept_source, batch = self._kept
-            if kept_source is not source:
-                raise PipelineStateError(
-                    "a batch taken from the previous source is still waiting for its "
-                    "step: pass that source again, or reset() to drop the batch"
-                )
-            return batch
-        pull = self._first_pull
-        if pull is None or pull[0] is not source:
-            self._drop_first_pull()
-            pull = self._first_pull = (source, Feed(source, read_ahead=False))
-            self._bootstrapped = self._counts.source  # (``source`` is its wrapper, if any)
-        batch, _ = await pull[1].take()  # pulled in a task: a cancelled caller loses nothing
-        self._first_pull = None
-        if batch is END:
-            raise StopAsyncIteration
-        try:
-            self._spec.check_batch(batch)
-        except (TypeError, ValueError) as exc:  # nothing in flight yet: nothing else lost
-            self._refused = (source, self._refused_from(source) + 1)
-            raise BadBatchError(f"the source's first batch was refused: {exc}") from exc
-        self._kept = (source, batch)
-        return batch
-
-    def _taken_by_bootstrap(self, source: Source | None) -> int:
-        """The items of ``source`` a bootstrap took and holds: its kept first batch, or
-        the one its pull (left running by a cancelled caller) has read."""
-        if source is None or self._bootstrapped is not source:
-            return 0
-        pulled = self._first_pull[1].read_ahead_items if self._first_pull is not None else 0
-        return (self._kept is not None) + pulled
-
-    def _drop_first_pull(self) -> None:
-        if self._first_pull is not None:
-            # Its read is cancelled: an async generator that finishes is lost, said so
-            # when passed again.
-            self._first_pull[1].close(FIRST_READ_DROPPED)
-            self._first_pull = None
-
-    def _pulling(self, source: Source) -> bool:
-        """A cancelled bootstrap's pull of ``source``'s first batch runs on, or has it."""
-        return self._first_pull is not None and self._first_pull[0] is source
-
-    def _refused_from(self, source: Source) -> int:
-        """First batches of ``source`` refused before the engine existed."""
-        return self._refused[1] if self._refused and self._refused[0] is source else 0
