@@ -27,7 +27,6 @@ import itertools
 import signal
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -107,8 +106,6 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.calls, args.steps, args.rounds) < 1:
         parser.error("--calls, --steps and --rounds must be >= 1")
-    if threading.current_thread() is not threading.main_thread():  # pragma: no cover
-        raise SystemExit("run it on the main thread: the handler is installed only there")
     torch.set_num_threads(1)
     calls = _calls()
     alone = interleaved_rounds({name: _alone(c, args.calls) for name, c in calls.items()},

@@ -294,10 +294,10 @@ class SparseDistBase(Generic[ResultT]):
         wrapped = self._spec.forget_sources(source)
         if engine is not None:
             self._counts.reset(engine.statistics(), wrapped)
-        elif taken := self._first.taken_of(source) + wrapped:
+        elif (taken := self._first.taken_of(source)) or wrapped:
             # No engine since the last reset: the first batch a bootstrap took (kept, or
             # its pull's) is dropped with what the wrapper read; the source goes on past.
-            self._counts.reset(self._before_engine(taken - wrapped), wrapped)
+            self._counts.reset(self._before_engine(taken), wrapped)
         self._teardown()
         self._first.drop()
 
