@@ -280,6 +280,7 @@ class Feeds:
             exhausted=feed.end_read if feed else False, broken=broken, closed=closed,
             refused=counts.refused, applied=counts.applied, discarded=self.discarded,
             position=counts.position, read_ahead=feed.read_ahead_items if feed else 0,
+            read_ahead_refused=feed.refused_ahead if feed else 0,
         )  # fmt: skip
 
     def _suspend(

@@ -37,7 +37,9 @@ class PipelineStatistics:
 
     ``read_ahead``: of ``in_flight``, the items the source gave that wait to be taken
     into the ring (a read still under way is in ``in_flight`` only: the source has
-    not given its item)."""
+    not given its item); ``read_ahead_refused``: of those, the items ``check_batch``
+    refused, raised when taken (dropped by a switch, they count in ``refused``, not
+    in ``discarded``)."""
 
     pulled: int
     returned: int
@@ -51,3 +53,4 @@ class PipelineStatistics:
     discarded: int = 0
     position: int = 0
     read_ahead: int = 0
+    read_ahead_refused: int = 0

@@ -968,6 +968,8 @@ async def test_an_item_refused_ahead_and_left_counts_as_refused_not_discarded(
             if result == 1:
                 break  # item 2 is read ahead, and refused
         await pipe.wait_idle()
+        ahead = pipe.statistics()
+        assert (ahead.read_ahead, ahead.read_ahead_refused) == (1, 1)
         assert await pipe.step("other") == "other"
         assert pipe.statistics().discarded == 0  # no batch was dropped untrained
         assert [r async for r in pipe.results(source)] == [3, 4, 5]

@@ -582,6 +582,32 @@ def test_after_reset_the_same_source_counts_on_past_the_batches_dropped(
         )  # fmt: skip
 
 
+def test_an_item_refused_ahead_and_dropped_by_reset_counts_as_refused_not_discarded() -> None:
+    """reset() drops the engine's read-ahead, which ``check_batch`` refused (not
+    raised yet): as aiopipe's own pipelines count it, it is refused, not a batch
+    discarded (it was counted in ``discarded``); the position still passes it."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 10))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+
+        async def run() -> tuple[Any, Any, Any]:
+            source = iter([*batches[:5], None, *batches[5:]])  # the 6th item is refused
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
+                for _ in range(3):
+                    await pipe.progress(source)
+                before = pipe.statistics()
+                pipe.reset()
+                after_reset = pipe.statistics()
+                await collect(pipe, source)
+                return before, after_reset, pipe.statistics()
+
+        before, after_reset, at_end = asyncio.run(run())
+        # Two batches taken ahead into the ring and the refused item read ahead of them.
+        assert (before.pulled, before.read_ahead, before.read_ahead_refused) == (5, 1, 1)
+        assert (after_reset.refused, after_reset.discarded, after_reset.position) == (1, 2, 3)
+        assert (at_end.applied, at_end.refused, at_end.discarded, at_end.position) == (8, 1, 2, 11)
+
+
 def failing_forward(model: Any, batches: list[Any]) -> tuple[dict[str, Any], Any]:
     """A ``custom_model_fwd`` that raises once ``failing["on"]`` is set, recording in
     ``failing["at"]`` the index in ``batches`` of the batch it failed on."""

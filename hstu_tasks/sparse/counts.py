@@ -54,10 +54,14 @@ class CountsAcrossResets:
         of the source, read by its wrapper and never handed to the engine, are
         dropped too."""
         # What the torn-down engine still held is dropped with it: discarded, not in
-        # flight (drain() has nothing of it to return).
+        # flight (drain() has nothing of it to return); an item check_batch refused is
+        # counted as refused, as a switch in aiopipe's own pipelines counts it.
         total, held = self.shown(stats), stats.read_ahead + wrapped
-        total = dataclasses.replace(total, in_flight=0, read_ahead=0,
-                                    discarded=total.discarded + held)
+        refused = stats.read_ahead_refused
+        total = dataclasses.replace(
+            total, in_flight=0, read_ahead=0, read_ahead_refused=0,
+            discarded=total.discarded + held - refused, refused=total.refused + refused,
+        )  # fmt: skip
         self._parked, self._goes_on, self._carried = total, False, None
         if self._source is None or stats.exhausted:
             return  # passed again after its end, a source starts afresh
