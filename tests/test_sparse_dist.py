@@ -715,6 +715,46 @@ def test_a_reset_after_a_cancelled_bootstrap_counts_the_batch_its_pull_took() ->
         assert f"on batch {dropped + 1} of the source" in error.__notes__[0]
 
 
+def test_a_cancelled_bootstrap_s_batch_dropped_for_another_source_is_counted() -> None:
+    """The first progress() on source A is cancelled while its bootstrap pulls; the
+    pull runs on and takes A's first batch.  Another source passed next drops that
+    batch untrained: it is counted in ``discarded``, as aiopipe's own pipelines count
+    a batch read ahead of a source left for another (it was not counted), and that
+    count stays, pipeline-wide, after a later reset() and source."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 8))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+
+        async def run() -> tuple[Any, Any]:
+            reached, gate, took = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+            async def first_source() -> AsyncIterator[Any]:
+                reached.set()
+                await gate.wait()  # the bootstrap's pull waits here
+                took.set()  # the waiter wakes after the pull has taken the batch
+                yield batches[0]
+
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
+                call = asyncio.ensure_future(pipe.progress(first_source()))
+                await reached.wait()
+                call.cancel()  # the bootstrap's caller leaves; its pull runs on
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                gate.set()
+                await took.wait()
+                other = iter(batches[1:])
+                await pipe.progress(other)  # drops the first source's batch
+                on_other = pipe.statistics()
+                pipe.reset()
+                await pipe.progress(iter(batches[1:]))
+                return on_other, pipe.statistics()
+
+        on_other, later = asyncio.run(run())
+        assert (on_other.discarded, on_other.applied, on_other.position) == (1, 1, 1)
+        # reset() dropped the other source's batches read ahead: counted on top.
+        assert later.discarded > on_other.discarded
+
+
 class HeldSource:
     """Batches from an async iterator (not a generator: a cancelled ``__anext__``
     loses nothing; ``generator=True``: an async generator, which it finishes); once

@@ -58,9 +58,10 @@ class SparseDistBase(Generic[ResultT]):
         # One tracer for the pipeline's lifetime: detach/attach rebuilds keep adding to it.
         self._tracer = resolve_tracer(trace)
         self._closed = False
-        self._first = FirstBatch(spec.check_batch)  # what the bootstrap takes before the engine
         self._ended_source: Source | None = None  # the source whose end progress() reported
         self._counts = CountsAcrossResets()  # the same source going on after reset()
+        # What the bootstrap takes before the engine exists.
+        self._first = FirstBatch(spec.check_batch, self._counts.discard)
         shared.pipelines.add(self)  # built: it has the model until shut down or detached
 
     # -- the progress contract ---------------------------------------------------------
@@ -353,7 +354,7 @@ class SparseDistBase(Generic[ResultT]):
                 # the one after those it refused) is still next.
                 seed = {"batch_cpu": await first.take(source, self._counts.source)}
             else:
-                first.drop_pull()  # another source's, as take() would
+                first.drop_other_pull()  # another source's, as take() would
             if seed is not None:
                 engine.seed_first_batch(seed, refused=first.refused_from(source))
             if numbered := self._counts.batches_before():  # the same source after reset()

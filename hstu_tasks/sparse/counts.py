@@ -17,13 +17,16 @@ class CountsAcrossResets:
     engine's counts until a call passes a source; if that is the same source, it
     counts on from them, its position past the batches ``reset()`` dropped (that run
     skips them, those read ahead included): a checkpoint taken later resumes after
-    every step trained, none twice."""
+    every step trained, none twice.  ``discarded`` counts on whatever source comes."""
 
     def __init__(self) -> None:
         self._source: Source | None = None  # the source the last call passed
         self._parked: PipelineStatistics | None = None  # shown until a call passes one
         self._carried: tuple[Source, PipelineStatistics] | None = None
         self._goes_on = False  # a call passed the carried source again
+        # Batches dropped untrained by the engines torn down and by bootstraps: like
+        # aiopipe's own ``discarded``, counted since the pipeline was built.
+        self._discarded = 0
 
     def passed(self, source: Source) -> None:
         """A call passed ``source``: counts carried for another source are dropped."""
@@ -32,6 +35,11 @@ class CountsAcrossResets:
             self._carried = None
         self._goes_on = carried is not None and carried[0] is source
         self._parked, self._source = None, source
+
+    def discard(self, dropped: int) -> None:
+        """A bootstrap dropped ``dropped`` items a cancelled one had taken of another
+        source, untrained."""
+        self._discarded += dropped
 
     @property
     def source(self) -> Source | None:
@@ -62,6 +70,7 @@ class CountsAcrossResets:
             total, in_flight=0, read_ahead=0, read_ahead_refused=0,
             discarded=total.discarded + held - refused, refused=total.refused + refused,
         )  # fmt: skip
+        self._discarded = total.discarded
         self._parked, self._goes_on, self._carried = total, False, None
         if self._source is None or stats.exhausted:
             return  # passed again after its end, a source starts afresh
@@ -74,12 +83,12 @@ class CountsAcrossResets:
         torn-down engine's."""
         if self._parked is not None:
             return dataclasses.replace(self._parked, closed=stats.closed)
+        discarded = self._discarded + stats.discarded
         if not self._goes_on or self._carried is None:
-            return stats
+            return dataclasses.replace(stats, discarded=discarded)
         before = self._carried[1]
         return dataclasses.replace(
             stats, pulled=before.pulled + stats.pulled, returned=before.returned + stats.returned,
             applied=before.applied + stats.applied, refused=before.refused + stats.refused,
-            position=before.position + stats.position,
-            discarded=before.discarded + stats.discarded,
+            position=before.position + stats.position, discarded=discarded,
         )  # fmt: skip

@@ -31,8 +31,11 @@ class FirstBatch:
     """One pipeline's first batch of a source, taken by its bootstrap (``source`` is
     the source the engine reads: a wrapper of the one passed, if any)."""
 
-    def __init__(self, check_batch: Callable[[Any], None]) -> None:
+    def __init__(
+        self, check_batch: Callable[[Any], None], discard: Callable[[int], None]
+    ) -> None:
         self._check_batch = check_batch
+        self._discard = discard  # told of a batch dropped for another source, untrained
         self._kept: tuple[Source, Any] | None = None  # taken by a bootstrap that failed
         self._refused: tuple[Source, int] | None = None
         self._pull: tuple[Source, Feed] | None = None  # a cancelled bootstrap's, running on
@@ -66,7 +69,7 @@ class FirstBatch:
             return batch
         pull = self._pull
         if pull is None or pull[0] is not source:
-            self.drop_pull()
+            self.drop_other_pull()
             pull = self._pull = (source, Feed(source, read_ahead=False))
             self._passed = passed
         batch, _ = await pull[1].take()  # pulled in a task: a cancelled caller loses nothing
@@ -104,6 +107,15 @@ class FirstBatch:
         if self._pull is not None:
             self._pull[1].close(FIRST_READ_DROPPED)
             self._pull = None
+
+    def drop_other_pull(self) -> None:
+        """Another source is passed: drop the pull a cancelled bootstrap left, counting
+        the batch it took, if any, as discarded (as aiopipe's own pipelines count a
+        batch read ahead of a source left for another)."""
+        taken = self._pull[1].read_ahead_items if self._pull is not None else 0
+        self.drop_pull()
+        if taken:
+            self._discard(taken)
 
     def _pulling(self, source: Source) -> bool:
         return self._pull is not None and self._pull[0] is source
