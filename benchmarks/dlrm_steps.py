@@ -32,7 +32,7 @@ from _common import print_json, print_table, report_and_leave, spawn_ranks  # no
 from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training  # noqa: E402
 from hstu_tasks import join_local_group, quiet_torchrec  # noqa: E402
 from hstu_tasks.parallel import default_device  # noqa: E402
-from hstu_tasks.sparse.dlrm import DLRMMode, run_dlrm  # noqa: E402
+from hstu_tasks.sparse.dlrm_runs import DLRMMode, run_dlrm  # noqa: E402
 from hstu_tasks.sparse.schedules import TRAIN_SCHEDULES  # noqa: E402
 
 

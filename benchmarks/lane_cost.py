@@ -190,7 +190,7 @@ def _dlrm_stepper(config: str, trace: bool, rank: int) -> tuple[Callable[[int], 
     from aiopipe import Tracer
     from hstu_tasks import DLRMConfig, SparseDistPipeline, SyntheticDLRMData, build_dlrm_training
     from hstu_tasks.sparse._torchrec import torchrec_classes_on_cpu
-    from hstu_tasks.sparse.dlrm import CUDA_ONLY_CLASSES, TORCHREC_PIPELINES
+    from hstu_tasks.sparse.dlrm_runs import CUDA_ONLY_CLASSES, TORCHREC_PIPELINES
     from hstu_tasks.sparse.schedules import train_schedule
     from hstu_tasks.sparse.tasks import SPARSE_DIST_THREAD_MAP
 

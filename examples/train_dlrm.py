@@ -42,7 +42,7 @@ from hstu_tasks.arguments import ArgumentParser, at_least, output_file, refusal
 from hstu_tasks.elastic import ResumableJob
 from hstu_tasks.parallel import default_device
 from hstu_tasks.runners import parameter_checksum, parameter_digest
-from hstu_tasks.sparse.dlrm import DLRM_PIPELINES, DLRMRun, run_dlrm
+from hstu_tasks.sparse.dlrm_runs import DLRM_PIPELINES, DLRMRun, run_dlrm
 from hstu_tasks.sparse.schedules import check_compile_backend
 
 

@@ -16,7 +16,7 @@ imported here, never in ``aiopipe``):
 * ``sparse`` -- the generic part, of which the HSTU pipeline is composed: torchrec's
   sparse-dist train and eval pipelines for any sharded model (``SparseDistPipeline``,
   ``SparseDistEvalPipeline``), and torchrec's DLRM, sharded, with synthetic data and
-  its runners (``sparse.dlrm``).
+  its runners (``sparse.dlrm``, ``sparse.dlrm_runs``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from aiopipe import SequentialExecutor
 from hstu_tasks import join_local_group, leave_and_exit, quiet_torchrec
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse.agreement import WINDOW, EndedTogether
-from hstu_tasks.sparse.dlrm import DLRMConfig, SyntheticDLRMData, build_dlrm_training, run_dlrm
+from hstu_tasks.sparse.dlrm import DLRMConfig, SyntheticDLRMData, build_dlrm_training
+from hstu_tasks.sparse.dlrm_runs import run_dlrm
 from hstu_tasks.sparse.pipeline import SparseDistEvalPipeline, SparseDistPipeline
 from hstu_tasks.sparse.schedules import train_schedule
 from hstu_tasks.sparse.sources import torchrec_results

@@ -21,7 +21,7 @@ from conftest import collect
 from hstu_tasks import DLRMConfig, HSTUPipeline, SparseDistPipeline, SyntheticDLRMData
 from hstu_tasks import SparseDistEvalPipeline, SyntheticHSTUData, build_dlrm_training
 from hstu_tasks.runners import parameter_digest
-from hstu_tasks.sparse.dlrm import evaluate_plainly, run_dlrm
+from hstu_tasks.sparse.dlrm_runs import evaluate_plainly, run_dlrm
 from hstu_tasks.sparse.model import input_dist_pipelined
 from hstu_tasks.sparse.sources import ended_together, without_last_two
 from hstu_tasks.sparse.tasks import SPARSE_DIST_THREAD_MAP

@@ -31,7 +31,7 @@ from hstu_tasks import build_dlrm_training
 from hstu_tasks.runners import parameter_digest
 from hstu_tasks.sparse._torchrec import torchrec_classes_on_cpu
 from hstu_tasks.sparse.accumulation import GradAccumulation
-from hstu_tasks.sparse.dlrm import evaluate_plainly, run_dlrm
+from hstu_tasks.sparse.dlrm_runs import evaluate_plainly, run_dlrm
 from hstu_tasks.sparse.schedules import TRAIN_SCHEDULES, TrainSchedule, fused, pt2, semi_sync
 from hstu_tasks.sparse.schedules import train_schedule
 from hstu_tasks.sparse.sources import torchrec_results

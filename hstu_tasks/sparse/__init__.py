@@ -34,13 +34,13 @@ from __future__ import annotations
 
 from .base import SparseDistBase as SparseDistBase
 from .blocking import BlockingSparseDist as BlockingSparseDist
-from .dlrm import DLRM_PIPELINES as DLRM_PIPELINES
 from .dlrm import DLRMConfig as DLRMConfig
-from .dlrm import DLRMRun as DLRMRun
 from .dlrm import SyntheticDLRMData as SyntheticDLRMData
 from .dlrm import build_dlrm_training as build_dlrm_training
-from .dlrm import evaluate_plainly as evaluate_plainly
-from .dlrm import run_dlrm as run_dlrm
+from .dlrm_runs import DLRM_PIPELINES as DLRM_PIPELINES
+from .dlrm_runs import DLRMRun as DLRMRun
+from .dlrm_runs import evaluate_plainly as evaluate_plainly
+from .dlrm_runs import run_dlrm as run_dlrm
 from .model import STREAMS as STREAMS
 from .model import InputDistNotPipelinedError as InputDistNotPipelinedError
 from .model import InputDistNotPipelinedWarning as InputDistNotPipelinedWarning
