@@ -22,13 +22,14 @@ class CallGuard:
     """Which call of ``owner`` is under way: its loop and task.  ``codes``: the
     code of the owner's calls, looked for in a dead call's awaits."""
 
-    __slots__ = ("_codes", "_loop", "_name", "_owner", "_task")
+    __slots__ = ("_codes", "_ended", "_loop", "_name", "_owner", "_task")
 
     def __init__(self, name: str, owner: object, codes: Collection[CodeType]) -> None:
         self._name, self._codes = name, codes
         self._owner = weakref.ref(owner)  # (no cycle through the pipeline)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[Any] | None = None
+        self._ended: list[asyncio.Future[None]] = []  # wait_ended()'s, woken by end()
 
     def begin(self) -> asyncio.AbstractEventLoop:
         """Enter a call; refused while another is under way.  The token to end it."""
@@ -44,6 +45,27 @@ class CallGuard:
     def end(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._loop is loop:  # (always, bar a call left on a closed loop, closed late)
             self._loop = self._task = None
+            waiters, self._ended = self._ended, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def wait_ended(self) -> bool:
+        """Wait until the call under way, run by another task on this event loop, has
+        ended; whether there was one to wait for.  ``False`` at once for none, for the
+        caller's own call, and for a call on another loop (nothing to await here)."""
+        if not self.in_progress():
+            return False
+        if self._task is asyncio.current_task() or self._loop is not asyncio.get_running_loop():
+            return False
+        waiter = asyncio.get_running_loop().create_future()
+        self._ended.append(waiter)
+        try:
+            await waiter
+        finally:
+            if waiter in self._ended:  # cancelled: not woken
+                self._ended.remove(waiter)
+        return True
 
     def in_progress(self) -> bool:
         """A call is under way; not one whose event loop was stopped and closed while

@@ -84,6 +84,7 @@ class SchedulablePipeline:
         self._calls = CallGuard(self.name, self, _CALLS)  # progress, progress_many, drain
         self._owed = OwedSteps(self._feeds)  # of step() calls cancelled early
         self._closed = False
+        self._closing = False  # aclose() waits for another task's call: no new call starts
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
 
@@ -258,13 +259,23 @@ class SchedulablePipeline:
             self._calls.end(call)
 
     async def aclose(self) -> None:
-        """Wait for an iteration still running (its caller was cancelled), then shut
-        down.  ``async with pipe:`` calls it on exit.  Cancelled while it waits, it
-        raises ``CancelledError`` at once and leaves the pipeline open: the iteration
-        runs on, and a later ``aclose()`` finishes the job.  Idempotent."""
+        """Wait for a call another task has under way (``progress()``, ``drain()``, ...)
+        and for an iteration still running (its caller was cancelled), then shut
+        down.  ``async with pipe:`` calls it on exit, so leaving the block, by an
+        error too, while another task's call runs waits for that call rather than
+        raising over the error; a call started meanwhile is refused
+        (``PipelineStateError``).  Cancelled while it waits, it raises
+        ``CancelledError`` at once and leaves the pipeline open: the call and the
+        iteration run on, and a later ``aclose()`` finishes the job.  Idempotent."""
         if self._closed:
             return
-        await self.wait_idle()
+        self._closing = True
+        try:
+            await self.wait_idle()
+            if not in_trio() and await self._calls.wait_ended():
+                await self.wait_idle()  # that call's iteration, if it was cancelled meanwhile
+        finally:
+            self._closing = False
         self.shutdown()
 
     @property
@@ -349,6 +360,11 @@ class SchedulablePipeline:
     def _check_usable(self) -> None:
         if self._closed:
             raise PipelineStateError("the pipeline has been shut down")
+        if self._closing:
+            raise PipelineStateError(
+                "the pipeline is shutting down: aclose() (the end of its 'async with' "
+                "block) waits for the call under way, and no other starts"
+            )
         feed = self._feeds.current
         if feed is not None and feed.outbox:
             return  # results of applied steps come out first, whatever failed after them

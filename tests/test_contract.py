@@ -141,6 +141,49 @@ async def test_a_cancelled_aclose_raises_and_the_pipeline_closes_later() -> None
     assert pipe.statistics().closed
 
 
+async def test_leaving_async_with_by_an_error_waits_for_another_task_s_call() -> None:
+    # The exit waited only for an iteration already running: a call whose first
+    # iteration had not begun made shutdown() raise over the body's own error.
+    reached, release = asyncio.Event(), asyncio.Event()
+
+    async def init(ctx: TaskContext) -> None:
+        reached.set()
+        await release.wait()
+
+    with pytest.raises(ValueError, match="the body's own error"):
+        async with Pipeline([Task.from_fn("train", echo, init=init)]) as pipe:
+            call = asyncio.ensure_future(pipe.progress(iter(range(3))))
+            await reached.wait()  # the call is under way, its first iteration not begun
+            asyncio.get_running_loop().call_soon(release.set)  # once the exit waits
+            raise ValueError("the body's own error")
+    assert await call == 0  # finished, its result delivered, then the pipeline closed
+    assert pipe.statistics().closed
+
+
+async def test_a_call_started_while_aclose_waits_is_refused() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def train(ctx: TaskContext) -> None:
+        started.set()
+        release.wait(10)
+        echo(ctx)
+
+    pipe = Pipeline([Task.from_fn("train", train)])
+    source = iter(range(3))
+    try:
+        call = asyncio.ensure_future(pipe.progress(source))
+        await in_a_thread(started)
+        await cancelled(call)  # its iteration runs on: aclose() waits for it
+        closing = asyncio.ensure_future(pipe.aclose())
+        await asyncio.sleep(0)  # aclose() runs to its wait
+        with pytest.raises(PipelineStateError, match="shutting down"):
+            await pipe.progress(source)
+    finally:
+        release.set()
+    await closing
+    assert pipe.statistics().closed
+
+
 FORKED_CHILD = """
 import os
 from aiopipe import Pipeline, PipelineStateError, Task
