@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -118,15 +118,20 @@ async def test_an_async_init_cancelled_half_way_runs_once() -> None:
     assert runs == ["init"]
 
 
-async def test_a_cancelled_aclose_raises_and_the_pipeline_closes_later() -> None:
-    started, release = threading.Event(), threading.Event()
+def held_echo(started: threading.Event, release: threading.Event) -> Callable[[TaskContext], None]:
+    """``echo``, once ``release`` is set; ``started`` says it has begun."""
 
     def train(ctx: TaskContext) -> None:
         started.set()
         release.wait(10)
         echo(ctx)
 
-    pipe = Pipeline([Task.from_fn("train", train)])
+    return train
+
+
+async def test_a_cancelled_aclose_raises_and_the_pipeline_closes_later() -> None:
+    started, release = threading.Event(), threading.Event()
+    pipe = Pipeline([Task.from_fn("train", held_echo(started, release))])
     try:
         call = asyncio.ensure_future(pipe.progress(iter(range(2))))
         await in_a_thread(started)
@@ -162,13 +167,7 @@ async def test_leaving_async_with_by_an_error_waits_for_another_task_s_call() ->
 
 async def test_a_call_started_while_aclose_waits_is_refused() -> None:
     started, release = threading.Event(), threading.Event()
-
-    def train(ctx: TaskContext) -> None:
-        started.set()
-        release.wait(10)
-        echo(ctx)
-
-    pipe = Pipeline([Task.from_fn("train", train)])
+    pipe = Pipeline([Task.from_fn("train", held_echo(started, release))])
     source = iter(range(3))
     try:
         call = asyncio.ensure_future(pipe.progress(source))
