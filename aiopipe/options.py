@@ -9,6 +9,7 @@ Declared once and passed on as ``**options``, so ``SchedulablePipeline``,
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, overload
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:  # type-only: trace imports this module's checks
     from .trace import Tracer
 
 __all__ = (
-    "PipelineOptions", "check_option_names", "checked_batch_check", "checked_count",
+    "PipelineOptions", "check_option_names", "checked_batch_check", "checked_count", "checked_flag",
     "checked_seconds", "read_ahead_depth",
 )  # fmt: skip
 
@@ -69,6 +70,14 @@ def read_ahead_depth(value: object) -> int:
     if value < 0:
         raise ConfigurationError(f"read_ahead must be >= 0 batches, got {value}")
     return int(value)
+
+
+def checked_flag(what: str, value: object) -> bool:
+    """``value`` as ``True`` or ``False``; anything else is refused (``prefetch=2``
+    would otherwise read as ``True``, not as two batches ahead)."""
+    if not isinstance(value, bool):
+        raise ConfigurationTypeError(f"{what} takes True or False, got {value!r}")
+    return value
 
 
 def checked_count(what: str, value: object, minimum: int = 1) -> int:
@@ -124,17 +133,29 @@ _RETIRED = {
 }
 
 
-def check_option_names(options: Mapping[str, object], where: str) -> None:
+def check_option_names(
+    options: Mapping[str, object], where: str, function: Callable[..., object]
+) -> None:
     """Refuse a keyword that is not a :class:`PipelineOptions` name (a misspelt
-    ``read_ahead`` would otherwise be ignored without a word)."""
+    ``read_ahead`` would otherwise be ignored without a word), naming the nearest of
+    those and of ``function``'s own keywords (``grad_accumulations`` for ``basic()``'s
+    ``grad_accumulation``)."""
     known = PipelineOptions.__annotations__
     for name in options:
         if name in _RETIRED:
             raise ConfigurationTypeError(f"{where} got {name}=, which is gone: {_RETIRED[name]}")
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
+            own = _keywords(function)
+            close = difflib.get_close_matches(name, [*own, *known], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigurationTypeError(
-                f"{where} got an unexpected keyword {name!r}{hint}; the pipeline options are "
-                f"{', '.join(sorted(known))}"
+                f"{where} got an unexpected keyword {name!r}{hint}; its own keywords are "
+                f"{', '.join(own)}, and the pipeline options {', '.join(sorted(known))}"
             )
+
+
+def _keywords(function: Callable[..., object]) -> list[str]:
+    """The names ``function`` takes by keyword, in order (``self`` and ``**`` left out)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [name for name, parameter in inspect.signature(function).parameters.items()
+            if parameter.kind in kinds and name != "self"]  # fmt: skip

@@ -74,7 +74,7 @@ class SchedulablePipeline:
         executor: str | Executor = "async",
         **options: Unpack[PipelineOptions],
     ) -> None:
-        check_option_names(options, f"{type(self).__name__}()")
+        check_option_names(options, f"{type(self).__name__}()", type(self).__init__)
         name = options.get("name")
         self.name = name if name is not None else next_pipeline_name()
         parts = assemble(self.name, schedule, stream_pool, executor, options)

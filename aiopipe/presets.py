@@ -30,7 +30,7 @@ from .executors import Executor, resolve_executor
 from .facade import Pipeline
 from .lanes import ThreadMap, check_thread_map_names, copies_on_io
 from .losses import check_step_parts, compute_loss, detach_result, loss_tensor
-from .options import check_option_names, checked_count
+from .options import check_option_names, checked_count, checked_flag
 from .task import Task
 
 if TYPE_CHECKING:
@@ -204,10 +204,12 @@ def basic(
     everything inline on the loop.  The keyword options (``trace``, ``name``, ...)
     are those of every pipeline, :class:`~aiopipe.options.PipelineOptions`.
     """
-    check_option_names(options, "basic()")
+    check_option_names(options, "basic()", basic)
     check_step_parts(model, optimizer, loss_fn, forward=forward, backward_fn=backward_fn,
                      optimizer_step_fn=optimizer_step_fn)  # fmt: skip
     checked_count("grad_accumulation", grad_accumulation)
+    checked_flag("prefetch", prefetch)
+    checked_flag("memcpy_stream", memcpy_stream)
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")

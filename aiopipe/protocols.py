@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 from .sources import Source, iterate
 
@@ -53,6 +53,14 @@ class Results(AsyncIterator[ResultT], Generic[ResultT]):
 
     def __aiter__(self) -> Results[ResultT]:
         return self
+
+    def __iter__(self) -> NoReturn:
+        # A plain ``for`` (or ``list()``) would say only "not iterable".
+        raise TypeError(
+            "results() is an async iterator: 'async for result in pipe.results(...)' "
+            "inside async code, or 'for result in pipe.blocking().results(...)' in a "
+            "script without an event loop"
+        )
 
     async def __anext__(self) -> ResultT:
         if self._done:

@@ -250,6 +250,35 @@ def test_a_misspelt_option_is_refused_with_the_name_it_meant(build: str) -> None
         builders[build]()
 
 
+@pytest.mark.parametrize(("build", "wrong", "meant"), [
+    ("basic", "grad_accumulations", "grad_accumulation"), ("basic", "loss_func", "loss_fn"),
+    ("Pipeline", "threadmap", "thread_map"), ("Pipeline", "executer", "executor"),
+])  # fmt: skip
+def test_a_misspelt_keyword_of_the_function_itself_is_named_too(
+    build: str, wrong: str, meant: str
+) -> None:
+    # The hint and the list named only the pipeline options, never the function's
+    # own keywords: a one-letter slip in loss_fn got no "did you mean".
+    model = torch.nn.Linear(2, 1)
+    builders = {
+        "basic": lambda: aiopipe.basic(model, torch.optim.SGD(model.parameters()), **{wrong: 1}),
+        "Pipeline": lambda: aiopipe.Pipeline([aiopipe.Task.from_fn("t", print)], **{wrong: 1}),
+    }
+    with pytest.raises(aiopipe.ConfigurationTypeError) as refused:
+        builders[build]()
+    assert f"unexpected keyword {wrong!r} (did you mean {meant!r}?)" in str(refused.value)
+    first = "model" if build == "basic" else "tasks"
+    assert f"its own keywords are {first}, " in str(refused.value)
+
+
+@pytest.mark.parametrize("flag", ["prefetch", "memcpy_stream"])
+def test_basic_s_flags_take_true_or_false_only(flag: str) -> None:
+    # prefetch=2 read as True: one batch ahead, not two, without a word
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(aiopipe.ConfigurationTypeError, match=f"{flag} takes True or False, got 2"):
+        aiopipe.basic(model, torch.optim.SGD(model.parameters()), **{flag: 2})
+
+
 @pytest.mark.parametrize("reset_first", [False, True])
 async def test_a_source_error_read_ahead_says_its_batch_when_raised_after_a_switch(
     reset_first: bool,

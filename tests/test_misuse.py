@@ -75,6 +75,21 @@ def test_results_without_a_loop_is_refused_at_once(make: Callable[[], Any]) -> N
         pipe.shutdown()
 
 
+@pytest.mark.parametrize("make", [pipeline, preset], ids=["Pipeline", "basic"])
+async def test_a_plain_for_over_results_names_async_for(make: Callable[[], Any]) -> None:
+    # It said only "'Results' object is not iterable".
+    pipe = make()
+    try:
+        results = pipe.results(iter(range(2)))
+        with pytest.raises(TypeError, match=r"'async for result in pipe\.results") as refused:
+            for _ in results:
+                pass
+        assert "pipe.blocking().results" in str(refused.value)
+        assert pipe.statistics().pulled == 0  # nothing was read
+    finally:
+        pipe.shutdown()
+
+
 def echo(ctx: TaskContext) -> None:
     ctx.slots.set("step_result", ctx.slots["batch_cpu"])
 
