@@ -49,8 +49,10 @@ from .errors import PipelineStateError as PipelineStateError
 from .errors import TaskAbortedError as TaskAbortedError
 from .errors import PoisonedError as PoisonedError
 from .errors import ScheduleValidationError as ScheduleValidationError
+from .errors import SlotNotSetError as SlotNotSetError
 from .errors import TaskDefinitionError as TaskDefinitionError
 from .errors import TicketAbortedError as TicketAbortedError
+from .errors import UndeclaredSlotWarning as UndeclaredSlotWarning
 from .executors import AsyncExecutor as AsyncExecutor
 from .executors import Executor as Executor
 from .executors import SequentialExecutor as SequentialExecutor
@@ -112,6 +114,7 @@ __all__ = (
     "SchedulablePipeline",
     "Schedule",
     "ScheduleValidationError",
+    "SlotNotSetError",
     "SequentialExecutor",
     "Source",
     "Span",
@@ -122,6 +125,7 @@ __all__ = (
     "TaskDefinitionError",
     "ThreadMap",
     "TicketAbortedError",
+    "UndeclaredSlotWarning",
     "Tracer",
     "basic",
     "copy_to_host",

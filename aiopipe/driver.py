@@ -43,6 +43,7 @@ from .inits import TaskInits
 from .orphans import OrphanedIterations
 from .plan import ExecutionPlan
 from .ring import BatchRing, RetiredStores, SlotStore
+from .slot_audit import SlotAudit
 from .source import Feed
 from .task import RESULT_SLOT
 from .trace import Tracer
@@ -75,6 +76,8 @@ class IterationDriver(OrphanedIterations, IterationWaits):
             getattr(executor, "run_inline") if inlines is not None and inlines(plan) else None
         )
         self._yield_at = 0.0  # the monotonic clock's time at which the inline path yields next
+        # The first batches' stores, checked for slots set but declared by no task.
+        self.slot_audit: SlotAudit | None = SlotAudit(plan, pipeline)
         # The iteration under way: a task, or a future the lanes' callback completes.
         # Cancelling a caller never cancels it.
         self.running: asyncio.Future[None] | None = None
@@ -334,8 +337,18 @@ class IterationDriver(OrphanedIterations, IterationWaits):
             self.wake_waiters()
         return error
 
+    def warn_of_undeclared_slots(self) -> None:
+        """At the start of a call: warn of slots the first batches set undeclared."""
+        audit = self.slot_audit
+        if audit is not None:
+            audit.warn(stacklevel=4)  # the caller of progress() (through _check_usable)
+            if audit.done:
+                self.slot_audit = None
+
     def _advance(self, feed: Feed, iteration: Iteration, top: SlotStore | None) -> None:
         feed.top_pulled = False
+        if self.slot_audit is not None:
+            self.slot_audit.check(self._ring.at(0))
         if self.holds_oldest_batch(feed, iteration):
             feed.outbox.append(self._ring.at(0).get(RESULT_SLOT))
         self._retired.add(self._ring.advance(top))

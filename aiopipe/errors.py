@@ -31,8 +31,10 @@ __all__ = (
     "PipelineStateError",
     "PoisonedError",
     "ScheduleValidationError",
+    "SlotNotSetError",
     "TaskDefinitionError",
     "TicketAbortedError",
+    "UndeclaredSlotWarning",
     "attach_origin",
 )
 
@@ -153,9 +155,27 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else f"{text[:77]}..."
 
 
+class SlotNotSetError(PipelineError, KeyError):
+    """A task read a slot (``ctx.slots[name]``) that no task had set for its batch.
+    ``slot`` is its name.  A ``KeyError``, so ``except KeyError`` still catches it;
+    raised out of a task, a note says which task declares it in ``writes=``, if any."""
+
+    def __init__(self, slot: str, batch: int | None, present: list[str]) -> None:
+        super().__init__(f"slot {slot!r} is not set for batch {batch} (set: {present})")
+        self.slot = slot
+
+    def __str__(self) -> str:  # a KeyError's would print the message in quotes
+        return str(self.args[0])
+
+
 class NoStepResultWarning(UserWarning):
     """A pipeline was built whose tasks never write ``step_result``, so ``progress``
     returns ``None`` for every batch; pass ``expect_result=False`` when that is meant."""
+
+
+class UndeclaredSlotWarning(UserWarning):
+    """A task set a slot that no task declares in ``writes=``: readers are not ordered
+    after it, so whether they find the value depends on timing."""
 
 
 class IgnoredReturnWarning(UserWarning):

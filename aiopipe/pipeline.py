@@ -302,6 +302,8 @@ class SchedulablePipeline:
         :attr:`PipelineStatistics.refused`, so the source's position stays exact)."""
         self._check_usable()
         self._feeds.seed_first(contents, refused)
+        if self._driver.slot_audit is not None:
+            self._driver.slot_audit.allow(contents)
 
     def continue_numbering(self, source: Source, batches_before: int) -> None:
         """``source`` gave ``batches_before`` batches to another pipeline (an adapter's
@@ -358,6 +360,8 @@ class SchedulablePipeline:
     # -- internals ---------------------------------------------------------------------
 
     def _check_usable(self) -> None:
+        if self._driver.slot_audit is not None:  # the first calls only
+            self._driver.warn_of_undeclared_slots()
         if self._closed:
             raise PipelineStateError("the pipeline has been shut down")
         if self._closing:

@@ -14,7 +14,7 @@ import collections
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, SlotNotSetError
 
 if TYPE_CHECKING:
     from .streams import StreamPool
@@ -38,11 +38,7 @@ class SlotStore:
     def __getitem__(self, name: str) -> Any:
         value = self._values.get(name, _MISSING)
         if value is _MISSING:
-            raise KeyError(
-                f"slot {name!r} is not set for batch {self.batch_index} "
-                f"(set: {sorted(self._values)}); declare the producer in reads/writes so "
-                f"it runs first"
-            )
+            raise SlotNotSetError(name, self.batch_index, sorted(self._values))
         return value
 
     def get(self, name: str, default: Any = None) -> Any:

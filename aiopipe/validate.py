@@ -147,8 +147,8 @@ def warn_without_result(schedule: Schedule) -> None:
         return
     names = ", ".join(task.name for task in schedule.tasks)
     warnings.warn(
-        f"no task writes {RESULT_SLOT!r}, so progress() will return None for every batch "
-        f"(tasks: {names}). Declare writes=({RESULT_SLOT!r},) on the task that makes the "
+        f"no task declares writes=({RESULT_SLOT!r},), so progress() will return None for "
+        f"every batch unless a task sets it undeclared (tasks: {names}). Declare writes=({RESULT_SLOT!r},) on the task that makes the "
         f"result and call ctx.slots.set({RESULT_SLOT!r}, value) in it, or pass "
         f"expect_result=False if the pipeline runs for its side effects.",
         NoStepResultWarning,

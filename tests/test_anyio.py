@@ -220,6 +220,7 @@ def test_under_trio_a_step_cancelled_before_the_bridge_runs_it_is_still_trained(
     # The batch is owed from the moment step() is called, on the trio side: a cancel
     # that reaches the bridge before the step's task has run leaves it owed.
     trio = pytest.importorskip("trio")
+    trio_testing = pytest.importorskip("trio.testing")
     trained: list[Any] = []
 
     def train(ctx: TaskContext) -> None:
@@ -238,6 +239,11 @@ def test_under_trio_a_step_cancelled_before_the_bridge_runs_it_is_still_trained(
                     async def cancel_once_step_waits() -> None:
                         await trio.lowlevel.checkpoint()  # step("b") has begun and waits
                         scope.cancel()
+                        with trio.CancelScope(shield=True):
+                            # step("b") has handed its cancel to the bridge, and waits
+                            # for it there: only now may the bridge loop run (freed at
+                            # once, it could finish the step before the cancel came).
+                            await trio_testing.wait_all_tasks_blocked()
                         release.set()
 
                     nursery.start_soon(cancel_once_step_waits)

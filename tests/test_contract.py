@@ -545,8 +545,8 @@ def counting(steps: list[int]) -> list[Task]:
         steps.append(ctx.slots["x"])
         ctx.slots.set("step_result", ctx.slots["x"])
 
-    return [Task.from_fn("load", load, lookahead=1, stream="io"),
-            Task.from_fn("train", train, writes=("step_result",))]  # fmt: skip
+    return [Task.from_fn("load", load, lookahead=1, stream="io", writes=("x",)),
+            Task.from_fn("train", train, reads=("x",), writes=("step_result",))]  # fmt: skip
 
 
 async def test_leaving_results_early_trains_nothing_more_and_the_next_pass_starts() -> None:

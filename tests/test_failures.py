@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import warnings
+from collections.abc import Callable
 
 import pytest
 from conftest import collect
 
 from aiopipe import (
-    AsyncExecutor, Pipeline, PipelineStateError, Schedule, SchedulablePipeline, Task, TaskContext,
+    AsyncExecutor, Pipeline, PipelineStateError, Schedule, SchedulablePipeline, SlotNotSetError,
+    Task, TaskContext, UndeclaredSlotWarning,
 )
 
 BATCHES = 6
@@ -467,3 +470,75 @@ async def test_a_source_numbered_on_from_another_pipeline_names_its_batches_so()
             pipe.continue_numbering(source, bad)  # type: ignore[arg-type]
     await pipe.aclose()
     assert seen == [10, 11, 12, 0]
+
+
+def produces(slot: str) -> Callable[[TaskContext], None]:
+    def body(ctx: TaskContext) -> None:
+        ctx.slots.set(slot, ctx.slots["batch_cpu"])
+
+    return body
+
+
+def reads_feature(ctx: TaskContext) -> None:
+    ctx.slots.set("step_result", ctx.slots["feature"])
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_a_slot_read_unset_names_its_declared_producer_or_says_there_is_none(
+    declared: bool,
+) -> None:
+    # It said "declare the producer in reads/writes so it runs first" even when the
+    # producer was declared and had only not set it.
+    writes = ("feature",) if declared else ()
+    tasks = [Task.from_fn("make", lambda ctx: None, writes=writes),
+             Task.from_fn("use", reads_feature, reads=writes, writes=("step_result",))]  # fmt: skip
+    async with Pipeline(tasks) as pipe:
+        with pytest.raises(KeyError) as refused:  # still a KeyError, for except clauses
+            await pipe.progress(iter([1]))
+    assert isinstance(refused.value, SlotNotSetError) and refused.value.slot == "feature"
+    assert str(refused.value) == "slot 'feature' is not set for batch 0 (set: ['batch_cpu'])"
+    note = next(n for n in refused.value.__notes__ if "writes=('feature',)" in n)
+    if declared:
+        assert "task 'make' declares writes=('feature',) but had not set it" in note
+        assert "ctx.slots.set('feature', value)" in note
+    else:
+        assert "no task declares writes=('feature',)" in note and "reads=('feature',)" in note
+
+
+async def test_a_slot_set_that_no_task_declares_is_warned_about_once() -> None:
+    # Set without writes=, it orders nothing: here both tasks share a lane, so the
+    # read finds it, and nothing said that another thread map would break it.
+    tasks = [Task.from_fn("make", produces("feature")),
+             Task.from_fn("use", reads_feature, writes=("step_result",))]  # fmt: skip
+    async with Pipeline(tasks, executor="sequential") as pipe:
+        with pytest.warns(UndeclaredSlotWarning, match=r"slot 'feature' was set .* no task "
+                                                        r"declares writes=\('feature',\)"):
+            assert [r async for r in pipe.results(range(3))] == [0, 1, 2]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once: not again, nor for later batches
+            assert [r async for r in pipe.results(range(3))] == [0, 1, 2]
+
+
+async def test_slots_an_adapter_seeds_are_not_warned_about() -> None:
+    async with Pipeline([Task.from_fn("use", produces("step_result"),
+                                      writes=("step_result",))]) as pipe:  # fmt: skip
+        pipe.seed_first_batch({"batch_cpu": 5, "prepared": True})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UndeclaredSlotWarning)
+            assert [r async for r in pipe.results(range(2))] == [5, 0, 1]
+
+
+async def test_an_undeclared_slot_warning_made_an_error_loses_no_result() -> None:
+    # Given at the start of the next call, before it takes anything: under -W error
+    # that call raises it, and the results all come out after.
+    tasks = [Task.from_fn("make", produces("feature")),
+             Task.from_fn("use", reads_feature, writes=("step_result",))]  # fmt: skip
+    async with Pipeline(tasks, executor="sequential") as pipe:
+        source = iter(range(4))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UndeclaredSlotWarning)
+            got = [await pipe.progress(source)]
+            with pytest.raises(UndeclaredSlotWarning):
+                await pipe.progress(source)
+            got += [r async for r in pipe.results(source)]
+        assert got == [0, 1, 2, 3]

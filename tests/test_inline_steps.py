@@ -46,8 +46,8 @@ def training(steps: list[int], clock: Clock, seconds_a_step: float = 0.0) -> lis
         clock.now += seconds_a_step
         ctx.slots.set("step_result", ctx.slots["x"])
 
-    return [Task.from_fn("load", load, lookahead=1),
-            Task.from_fn("train", train, writes=("step_result",))]  # fmt: skip
+    return [Task.from_fn("load", load, lookahead=1, writes=("x",)),
+            Task.from_fn("train", train, reads=("x",), writes=("step_result",))]  # fmt: skip
 
 
 def finished_without_suspending(call: Any) -> Any:

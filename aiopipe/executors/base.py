@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .._core.log import executor_log
 from ..context import CURRENT, LaneRunner, Running, TaskContext
-from ..errors import IgnoredReturnWarning, attach_origin
+from ..errors import IgnoredReturnWarning, SlotNotSetError, attach_origin
+from ..slot_audit import unset_slot_note
 from ..failures import body_fault
 from ..plan import ActiveSet, ExecutionPlan
 from ..ring import BatchRing
@@ -216,6 +217,8 @@ class Iteration:
                 type(exc).__name__, exc,
             )  # fmt: skip
         annotate_failure(exc, task, self.number, batch)
+        if isinstance(exc, SlotNotSetError):
+            exc.add_note(unset_slot_note(self.plan, index, exc.slot))
         if body_fault(exc):
             with contextlib.suppress(AttributeError):  # exceptions with __slots__
                 exc.aiopipe_body_fault = True  # type: ignore[attr-defined]
