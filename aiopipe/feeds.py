@@ -218,6 +218,8 @@ class Feeds:
                           feed.in_flight if feed is not None else 0)  # fmt: skip
         self.discard()
         self.discarded += owed  # never taken: untrained
+        if self._seed is not None:  # a seeded batch no source has taken yet: dropped
+            self.discarded += 1
         self.seed(None)
 
     def discard(self) -> None:

@@ -180,6 +180,9 @@ class Feed(Pulls):
         """Drop the batches in the ring, untrained (the pipeline resets its ring); how
         many.  Results of applied steps not yet delivered go too.  An item read ahead
         stays in :attr:`ahead`: no task touched it."""
+        if self._seed is not None:  # an adapter's first batch, never pulled: taken, dropped
+            self._seed = None
+            self.pulled += 1
         dropped = self.pulled - self.returned - len(self.outbox) - self.results_dropped
         dropped -= self.discarded
         self.discarded += dropped

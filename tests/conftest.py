@@ -107,6 +107,13 @@ def recorder() -> Recorder:
     return Recorder()
 
 
+async def cancelled(call: asyncio.Future[Any]) -> None:
+    """Cancel ``call`` and wait until it has raised ``CancelledError``."""
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+
 async def collect(pipe: SchedulablePipeline, source: Any) -> list[Any]:
     """Every result of ``source``, until StopAsyncIteration."""
     results = []

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
+from conftest import cancelled
 
 from aiopipe import BadBatchError, Pipeline, PipelineStateError, Task, TaskContext
 
@@ -37,12 +38,6 @@ def recording(trained: list[Any]) -> Task:
 async def in_a_thread(event: threading.Event) -> None:
     """Wait for a lane body to reach its gate without blocking the loop."""
     assert await asyncio.get_running_loop().run_in_executor(None, event.wait, 10)
-
-
-async def cancelled(call: asyncio.Future[Any]) -> None:
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
 
 
 async def test_without_read_ahead_a_cancelled_pull_keeps_the_async_generator() -> None:
@@ -127,6 +122,30 @@ def held_echo(started: threading.Event, release: threading.Event) -> Callable[[T
         echo(ctx)
 
     return train
+
+
+async def test_a_seeded_batch_dropped_by_reset_before_its_pull_is_counted() -> None:
+    # An adapter's first batch, seeded, then the first call cancelled before it pulled
+    # it (here: in a task's async init): reset() dropped it uncounted, and the same
+    # source going on counted its position one short.
+    reached, release = asyncio.Event(), asyncio.Event()
+
+    async def init(ctx: TaskContext) -> None:
+        reached.set()
+        await release.wait()
+
+    source = iter(range(1, 4))  # the adapter took item 0 and seeded it
+    async with Pipeline([Task.from_fn("train", echo, init=init)]) as pipe:
+        pipe.seed_first_batch({"batch_cpu": 0})
+        call = asyncio.ensure_future(pipe.progress(source))
+        await reached.wait()
+        await cancelled(call)
+        release.set()
+        pipe.reset()
+        dropped = pipe.statistics()
+        assert (dropped.discarded, dropped.in_flight) == (1, 0)
+        assert [r async for r in pipe.results(source)] == [1, 2, 3]
+        assert (pipe.statistics().position, pipe.statistics().discarded) == (4, 1)
 
 
 async def test_a_cancelled_aclose_raises_and_the_pipeline_closes_later() -> None:

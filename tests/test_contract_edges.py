@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 import pytest
+from conftest import cancelled
 
 from aiopipe import BadBatchError, Pipeline, PipelineStateError, Task, TaskAbortedError, TaskContext
 
@@ -24,12 +25,6 @@ def echo(ctx: TaskContext) -> None:
 
 def echo_task(**options: Any) -> Task:
     return Task.from_fn("train", echo, writes=("step_result",), **options)
-
-
-async def cancelled(call: asyncio.Future[Any]) -> None:
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
 
 
 async def test_a_second_caller_is_refused_not_handed_the_first_callers_failure() -> None:

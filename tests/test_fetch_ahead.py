@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from typing import Any
 
 import pytest
+from conftest import cancelled
 
 from aiopipe import (
     AsyncLibraryError, BadBatchError, ConfigurationError, ConfigurationTypeError, FetchAhead,
@@ -75,12 +76,6 @@ def echo(ctx: TaskContext) -> None:
 
 def echo_pipeline(**options: Any) -> Pipeline:
     return Pipeline([Task.from_fn("train", echo)], **options)
-
-
-async def cancelled(call: asyncio.Future[Any]) -> None:
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
 
 
 # -- order and the bound ------------------------------------------------------------------

@@ -17,7 +17,7 @@ import sparse_workers
 from sparse_workers import spawn
 from aiopipe import AsyncExecutor, BadBatchError, PipelineStateError
 from aiopipe.lanes import thread_map_for_device
-from conftest import collect
+from conftest import cancelled, collect
 from hstu_tasks import DLRMConfig, HSTUPipeline, SparseDistPipeline, SyntheticDLRMData
 from hstu_tasks import SparseDistEvalPipeline, SyntheticHSTUData, build_dlrm_training
 from hstu_tasks.runners import parameter_digest
@@ -608,6 +608,45 @@ def test_an_item_refused_ahead_and_dropped_by_reset_counts_as_refused_not_discar
         assert (at_end.applied, at_end.refused, at_end.discarded, at_end.position) == (8, 1, 2, 11)
 
 
+@pytest.mark.parametrize("steps", [4, 5])
+def test_a_reset_after_the_end_was_read_ahead_keeps_the_source_s_counts(steps: int) -> None:
+    """The source's end read ahead, not yet reported, when reset() comes: the same
+    source goes on (to its end at once) with its counts, as after aiopipe's own
+    reset().  They were dropped as if the end had been reported: the position said 0
+    after 4 or 5 steps, and a checkpoint there would train the epoch again."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 5))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+
+        async def run() -> tuple[Any, int, int]:
+            source = iter(batches)
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
+                for _ in range(steps):
+                    await pipe.progress(source)
+                assert pipe.statistics().exhausted  # read ahead, not reported
+                pipe.reset()
+                after = len(await collect(pipe, source))
+                at_end = pipe.statistics()
+                # Reported now: passed again, it starts afresh (and ends at once).
+                again = len(await collect(pipe, source))
+                return at_end, after, again
+
+        at_end, after, again = asyncio.run(run())
+        assert (after, again) == (0, 0)
+        assert (at_end.applied, at_end.position, at_end.discarded) == (steps, 5, 5 - steps)
+
+
+def test_progress_many_on_a_source_with_no_batch_returns_an_empty_list() -> None:
+    with one_rank_group():
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+
+        async def run() -> list[Any]:
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
+                return await pipe.progress_many(iter([]), 3)
+
+        assert asyncio.run(run()) == []
+
+
 def failing_forward(model: Any, batches: list[Any]) -> tuple[dict[str, Any], Any]:
     """A ``custom_model_fwd`` that raises once ``failing["on"]`` is set, recording in
     ``failing["at"]`` the index in ``batches`` of the batch it failed on."""
@@ -753,6 +792,33 @@ def test_a_cancelled_bootstrap_s_batch_dropped_for_another_source_is_counted() -
         assert (on_other.discarded, on_other.applied, on_other.position) == (1, 1, 1)
         # reset() dropped the other source's batches read ahead: counted on top.
         assert later.discarded > on_other.discarded
+
+
+def test_a_reset_after_a_call_cancelled_past_its_bootstrap_counts_the_seeded_batch() -> None:
+    """The first progress() is cancelled once its bootstrap has built and seeded the
+    engine, before the engine pulled the seeded first batch; reset() drops that
+    batch: it is counted in ``discarded`` and the position counts past it (it was
+    dropped uncounted, the position one short at the end of the epoch)."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 6))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+
+        async def run() -> tuple[Any, int, Any]:
+            source = iter(batches)
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
+                call = asyncio.ensure_future(pipe.progress(source))
+                await asyncio.sleep(0)  # one loop cycle: built and seeded, not pulled
+                await cancelled(call)
+                engine = pipe.engine
+                assert engine is not None and engine.statistics().pulled == 0  # the window
+                pipe.reset()
+                dropped = pipe.statistics()
+                steps = len(await collect(pipe, source))
+                return dropped, steps, pipe.statistics()
+
+        dropped, steps, at_end = asyncio.run(run())
+        assert (dropped.discarded, dropped.in_flight, steps) == (1, 0, 5)
+        assert (at_end.position, at_end.discarded, at_end.applied) == (6, 1, 5)
 
 
 class HeldSource:

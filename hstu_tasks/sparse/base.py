@@ -175,19 +175,19 @@ class SparseDistBase(Generic[ResultT]):
 
     async def _progress(self, source: Source, steps: int | None = None) -> Any:
         """One result (``steps`` None), or up to ``steps`` of them in a list."""
-        engine = self.engine
-        built = engine is None
-        if engine is None:
-            await self._bootstrap(source)
-            engine = self.engine
-            assert engine is not None
-        await self._finish_others(engine)
-        if source is self._ended_source and not built:
-            # The source that ended, passed again: read it afresh (a persistent-worker
-            # loader hands out one iterator object, reset by every iter(loader)).
-            await engine.drain()
-        self._ended_source = None
         try:
+            engine = self.engine
+            built = engine is None
+            if engine is None:
+                await self._bootstrap(source)  # a source with no batch left ends here
+                engine = self.engine
+                assert engine is not None
+            await self._finish_others(engine)
+            if source is self._ended_source and not built:
+                # The source that ended, passed again: read it afresh (a persistent-worker
+                # loader hands out one iterator object, reset by every iter(loader)).
+                await engine.drain()
+            self._ended_source = None
             if steps is None:
                 return await engine.progress(source)
             results = await engine.progress_many(source, steps)
@@ -196,6 +196,7 @@ class SparseDistBase(Generic[ResultT]):
             return results
         except StopAsyncIteration:
             self._ended_source = source  # the engine keeps its statistics until then
+            self._counts.end_reported()
             self._spec.ended(source)
             self._spec.finished()
             if steps is not None:

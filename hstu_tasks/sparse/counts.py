@@ -24,6 +24,7 @@ class CountsAcrossResets:
         self._parked: PipelineStatistics | None = None  # shown until a call passes one
         self._carried: tuple[Source, PipelineStatistics] | None = None
         self._goes_on = False  # a call passed the carried source again
+        self._ended = False  # a call reported the end of the source the last call passed
         # Batches dropped untrained by the engines torn down and by bootstraps: like
         # aiopipe's own ``discarded``, counted since the pipeline was built.
         self._discarded = 0
@@ -34,7 +35,12 @@ class CountsAcrossResets:
         if carried is not None and carried[0] is not source:
             self._carried = None
         self._goes_on = carried is not None and carried[0] is source
+        self._ended = self._ended and source is self._source
         self._parked, self._source = None, source
+
+    def end_reported(self) -> None:
+        """A call reported the end of the source it was passed."""
+        self._ended = True
 
     def discard(self, dropped: int) -> None:
         """A bootstrap dropped ``dropped`` items a cancelled one had taken of another
@@ -72,8 +78,9 @@ class CountsAcrossResets:
         )  # fmt: skip
         self._discarded = total.discarded
         self._parked, self._goes_on, self._carried = total, False, None
-        if self._source is None or stats.exhausted:
-            return  # passed again after its end, a source starts afresh
+        if self._source is None or self._ended:
+            return  # passed again after its end was reported, a source starts afresh
+        # (an end only read ahead is still to come: the source goes on, to its end)
         past = total.position - stats.position + stats.pulled + stats.refused + held
         self._carried = (self._source, dataclasses.replace(total, position=past))
 
