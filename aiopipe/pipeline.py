@@ -387,7 +387,8 @@ class SchedulablePipeline:
         self._on_source_end()
 
     def _on_source_end(self) -> None:
-        """Called once the last result of a source has been returned (presets hook)."""
+        """Called once the last result of a source has been returned and its end told,
+        or another source comes after that result (presets hook)."""
 
     async def _next_of(self, source: Source, more: int = 0) -> tuple[bool, Any]:
         """The driver's next result of ``source`` (``more``: see ``next_result``).  An
@@ -407,6 +408,12 @@ class SchedulablePipeline:
         return self._trio.source_for(source, feed.source if feed is not None else None)
 
     def _adopt(self, source: Source) -> Feed:
+        previous = self._feeds.current
+        if (previous is not None and previous.source is not source and previous.end_is_next
+                and not previous.ended and not previous.in_flight):  # fmt: skip
+            # Read to its end and every result returned, but never told (a loop of
+            # exactly as many calls as batches): its pass ends here, before the next.
+            self._on_source_end()
         return self._feeds.adopt(source, idle=self.idle)
 
     def __repr__(self) -> str:

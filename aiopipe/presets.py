@@ -133,7 +133,8 @@ def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
 class BasicPipeline(Pipeline):
     """The pipeline ``basic()`` builds.  With ``grad_accumulation=k`` the optimizer
     steps after every k-th batch and once more after a trailing partial group, when
-    the source ends -- exactly as ``if (i + 1) % k == 0 or i == last: step()``.
+    the source ends -- exactly as ``if (i + 1) % k == 0 or i == last: step()`` (its
+    end reported, or another source passed after its last result).
     ``drain()`` is not the source's end: a partial group keeps its accumulated
     gradients and is completed by the next batches ``progress`` pulls."""
 

@@ -58,6 +58,7 @@ class Pulls:
     counts_before: Counts
     numbered_from: int
     exhausted: bool
+    end_read: bool
     read_ahead_allowed: bool
 
     @property
@@ -149,6 +150,15 @@ class Pulls:
         taken none (a source that survives the cancellation gives that item again)."""
         pulls = (self.ahead, *self._behind)
         return (self._unchecked is not _NO_ITEM) + sum(1 for pull in pulls if gave_an_item(pull))
+
+    @property
+    def end_is_next(self) -> bool:
+        """The source's end has been read: taken, or read ahead with no item before it."""
+        ahead = self.ahead
+        return self.end_read or (
+            ahead is not None and ahead.done() and not ahead.cancelled()
+            and ahead.exception() is None and ahead.result()[0] is END
+        )  # fmt: skip
 
     @property
     def refused_ahead(self) -> int:

@@ -43,17 +43,22 @@ def forward(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     return model(batch[0])
 
 
-def plain_loop(data: list, optimizer: str, accumulate: int = 1) -> tuple[list[float], list[torch.Tensor]]:
+def plain_loop(
+    data: list, optimizer: str, accumulate: int = 1, passes: list[list] | None = None
+) -> tuple[list[float], list[torch.Tensor]]:
+    """The plain loop over ``data`` (or each of ``passes`` in turn: a group of
+    ``accumulate`` batches never spans two)."""
     model, opt = make(0, optimizer)
     losses = []
-    for i, batch in enumerate(data):
-        if i % accumulate == 0:
-            opt.zero_grad()
-        loss = loss_fn(forward(model, batch), batch)
-        (loss / accumulate if accumulate > 1 else loss).backward()
-        if (i + 1) % accumulate == 0 or i == len(data) - 1:
-            opt.step()
-        losses.append(loss.item())
+    for part in passes if passes is not None else [data]:
+        for i, batch in enumerate(part):
+            if i % accumulate == 0:
+                opt.zero_grad()
+            loss = loss_fn(forward(model, batch), batch)
+            (loss / accumulate if accumulate > 1 else loss).backward()
+            if (i + 1) % accumulate == 0 or i == len(part) - 1:
+                opt.step()
+            losses.append(loss.item())
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
@@ -172,6 +177,26 @@ async def test_gradient_accumulation_is_explicit_and_exact(executor: str) -> Non
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="grad_accumulation"):
         basic(model, opt, loss_fn=loss_fn, grad_accumulation=0)
+
+
+@pytest.mark.parametrize("executor", ["sequential", "async"])
+async def test_a_pass_never_told_its_end_steps_its_partial_group_when_the_next_comes(
+    executor: str,
+) -> None:
+    # Exactly as many calls as batches: the end is read, never reported.  The partial
+    # group of the first pass joined the second pass's first group.
+    first, second = batches(7), batches(10)[7:]
+    model, opt = make(0, "sgd")
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward, grad_accumulation=3,
+                 executor=executor)  # fmt: skip
+    async with pipe:
+        source = iter(first)
+        losses = [float(await pipe.progress(source)) for _ in first]
+        losses += [float(loss) for loss in await collect(pipe, iter(second))]  # told its end
+    expected_losses, expected_params = plain_loop([], "sgd", 3, passes=[first, second])
+    assert losses == expected_losses
+    for got, want in zip(model.parameters(), expected_params):
+        assert torch.equal(got, want)
 
 
 async def test_drain_leaves_a_partial_accumulation_group_to_the_next_batches() -> None:

@@ -579,6 +579,50 @@ class CountingSGD(torch.optim.SGD):
         super().step(closure)
 
 
+@pytest.mark.parametrize("schedule", ["sparse-dist", "semi-sync"])
+def test_reset_mid_group_drops_the_partial_group_s_gradients(schedule: str) -> None:
+    """reset() two batches into a group of three: the gradients those left are
+    dropped, so a zero_grad() of one's own after reset() changes nothing.  Semi-sync
+    zeroes after its step, not before the next batch: the next group added to them."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 12))
+
+        def run(zero_grad_after_reset: bool) -> tuple[list[float], Any]:
+            setup = build_dlrm_training(SMALL, "adagrad", seed=3)
+            with SparseDistPipeline(setup.model, setup.optimizer, setup.device,
+                                    schedule=schedule, grad_accumulation=3).blocking() as pipe:
+                source = iter(batches)
+                losses = [float(pipe.progress(source)[0]) for _ in range(2)]
+                pipe.reset()
+                if zero_grad_after_reset:
+                    setup.optimizer.zero_grad()
+                losses += [float(loss) for loss, _, _ in pipe.results(source)]
+            return losses, parameter_digest(setup.model)
+
+        assert run(zero_grad_after_reset=False) == run(zero_grad_after_reset=True)
+
+
+@pytest.mark.parametrize("schedule", ["sparse-dist", "base", "semi-sync"])
+def test_a_pass_never_told_its_end_steps_its_partial_group_when_the_next_comes(
+    schedule: str,
+) -> None:
+    """Exactly as many calls as batches (the end read, never reported), then the next
+    epoch's source: the first epoch's partial group steps before it, as in the plain
+    loop (it joined the next epoch's first group)."""
+    with one_rank_group():
+        first, second = list(SyntheticDLRMData(SMALL, 7)), list(SyntheticDLRMData(SMALL, 3))
+        plain = build_dlrm_training(SMALL, "adagrad", seed=3)
+        expected = run_dlrm("none", plain, [first, second], grad_accumulation=3).losses
+        setup = build_dlrm_training(SMALL, "adagrad", seed=3)
+        with SparseDistPipeline(setup.model, setup.optimizer, setup.device, schedule=schedule,
+                                grad_accumulation=3).blocking() as pipe:  # fmt: skip
+            source = iter(first)
+            losses = [float(pipe.progress(source)[0]) for _ in first]
+            losses += [float(loss) for loss, _, _ in pipe.results(second)]  # told its end
+        assert losses == expected
+        assert parameter_digest(setup.model) == parameter_digest(plain.model)
+
+
 def test_accumulation_groups_finish_at_the_end_and_restart_after_reset() -> None:
     optimizer = CountingSGD(torch.nn.Linear(2, 1).parameters())
     accumulation = GradAccumulation(3)
@@ -589,10 +633,10 @@ def test_accumulation_groups_finish_at_the_end_and_restart_after_reset() -> None
     accumulation.finish(optimizer)  # nothing pending: no step
     accumulation.zero_grad(optimizer)
     accumulation.step(optimizer)
-    accumulation.restart()  # reset(): the next batch starts a group
-    accumulation.zero_grad(optimizer)
+    accumulation.restart(optimizer)  # reset(): the gradients left go now
+    accumulation.zero_grad(optimizer)  # and the next batch starts a group
     assert optimizer.calls == ["zero_grad", "step", "zero_grad", "step", "zero_grad",
-                               "zero_grad", "zero_grad"]  # fmt: skip
+                               "zero_grad", "zero_grad", "zero_grad"]  # fmt: skip
 
 
 @pytest.mark.parametrize("steps", [0, -1, 1.5, True, "3"])

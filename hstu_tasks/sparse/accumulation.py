@@ -56,7 +56,9 @@ class GradAccumulation:
             optimizer.zero_grad()
             self.pending = 0
 
-    def restart(self) -> None:
-        """``reset()``: the next batch starts a group (its ``zero_grad`` clears what the
-        dropped batches left)."""
+    def restart(self, optimizer: Any) -> None:
+        """``reset()``: drop the gradients the partial group and the dropped batches
+        left, now -- semi-sync zeroes after its step, not before the next batch, so
+        the next group would have added to them -- and start a new group."""
+        optimizer.zero_grad()
         self.pending = 0

@@ -59,6 +59,7 @@ class SparseDistBase(Generic[ResultT]):
         self._tracer = resolve_tracer(trace)
         self._closed = False
         self._ended_source: Source | None = None  # the source whose end progress() reported
+        self._fed: Source | None = None  # the source the engine was last given
         self._counts = CountsAcrossResets()  # the same source going on after reset()
         # What the bootstrap takes before the engine exists.
         self._first = FirstBatch(spec.check_batch, self._counts.discard)
@@ -183,6 +184,9 @@ class SparseDistBase(Generic[ResultT]):
                 engine = self.engine
                 assert engine is not None
             await self._finish_others(engine)
+            if self._fed is not source:
+                self._end_unreported(engine)
+                self._fed = source
             if source is self._ended_source and not built:
                 # The source that ended, passed again: read it afresh (a persistent-worker
                 # loader hands out one iterator object, reset by every iter(loader)).
@@ -202,6 +206,16 @@ class SparseDistBase(Generic[ResultT]):
             if steps is not None:
                 return []
             raise
+
+    def _end_unreported(self, engine: SchedulablePipeline) -> None:
+        """Another source comes after one read to its end, every result returned, but
+        never told (a loop of exactly as many calls as batches): that pass ends here,
+        a partial accumulation group stepping, as when a call reports the end."""
+        stats, previous = engine.statistics(), self._fed
+        if (previous is not None and previous is not self._ended_source and stats.exhausted
+                and not stats.in_flight):  # fmt: skip
+            self._spec.ended(previous)
+            self._spec.finished()
 
     @needs_event_loop
     async def drain(self) -> list[ResultT]:
@@ -328,7 +342,7 @@ class SparseDistBase(Generic[ResultT]):
             # model's rewritten forwards are all left as they were.
             engine.shutdown()
             del self._shared.engines[self]
-        self._ended_source = None
+        self._ended_source = self._fed = None
         if not self._shared.engines:
             self._shared.restore()
 

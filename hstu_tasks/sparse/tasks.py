@@ -107,10 +107,10 @@ class SparseDistState:
         return not self.evaluation and bool(self.model.training)
 
     def restart(self) -> None:
-        """``reset()``: count steps from 0 again, start a new accumulation group, and
-        forget stashed gradients."""
+        """``reset()``: count steps from 0 again, drop the gradients left and start a
+        new accumulation group, and forget stashed gradients."""
         self.steps_trained = 0
-        self.accumulation.restart()
+        self.accumulation.restart(self.optimizer)
         self.stashed_gradients.clear()
 
     def run_model(self, batch: Any) -> tuple[torch.Tensor, Any]:
