@@ -182,17 +182,30 @@ def compute_loss(
                 raise
         if loss_fn is None:
             return _loss_of_output(output)
-        return _call_loss_fn(loss_fn, output, batch) if two_args else _call_loss_fn(loss_fn, output)
+        if not two_args:
+            return _call_loss_fn(loss_fn, output)
+        return _call_loss_fn(loss_fn, output, batch, hint=None if forward else _WHOLE_BATCH)
 
     return run
 
 
-def _call_loss_fn(loss_fn: Callable[..., Any], *args: Any) -> Any:
+#: Why a two-argument ``loss_fn`` may fail on a batch that is not an (inputs, target) pair.
+_WHOLE_BATCH = (
+    "aiopipe: the batch is not an (inputs, target) pair, so basic() called loss_fn(output, "
+    "batch) with the whole batch as its second argument, not a target. Give batches as "
+    "(inputs, target) pairs for loss_fn(model(inputs), target), or pass a loss_fn that "
+    "takes (output, batch) and picks the target out of the batch"
+)
+
+
+def _call_loss_fn(loss_fn: Callable[..., Any], *args: Any, hint: str | None = None) -> Any:
     """``loss_fn(*args)``; its error says it came from ``loss_fn``, which the engine
-    would otherwise report only as task ``forward``'s."""
+    would otherwise report only as task ``forward``'s (and ``hint``, if given)."""
     try:
         return loss_fn(*args)
     except Exception as exc:
         if hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note("aiopipe: raised by loss_fn, which basic() calls in its task 'forward'")
+            if hint is not None:
+                exc.add_note(hint)
         raise

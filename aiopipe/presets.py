@@ -123,6 +123,12 @@ def _checked_device(device: torch.device | str) -> torch.device:
 
 
 def _backward(loss: torch.Tensor) -> None:
+    if loss.numel() != 1:  # torch would say only "grad can be implicitly created..."
+        raise ConfigurationError(
+            f"the loss is a tensor of shape {tuple(loss.shape)}, not one value: have "
+            f"loss_fn reduce it (.mean() or .sum()), or pass a backward_fn that "
+            f"back-propagates it"
+        )
     loss.backward()
 
 

@@ -10,6 +10,7 @@ identically.
 from __future__ import annotations
 
 import copy
+import difflib
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -240,9 +241,15 @@ class Task:
     def replace(self, **changes: Any) -> Task:
         """A copy of this task with some declared fields changed (``name`` included),
         normalised and checked like a new task; the body is shared."""
-        unknown = set(changes) - {"name", *self._FIELDS}
+        fields = ["name", *self._FIELDS]
+        unknown = sorted(set(changes) - set(fields))
         if unknown:
-            raise ConfigurationTypeError(f"Task.replace got unknown field(s) {sorted(unknown)}")
+            close = difflib.get_close_matches(unknown[0], fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigurationTypeError(
+                f"Task.replace got unknown field(s) {unknown}{hint}; the fields are "
+                f"{', '.join(fields)}"
+            )
         clone = copy.copy(self)
         object.__setattr__(clone, "_sealed", False)
         for key, value in changes.items():

@@ -178,6 +178,15 @@ def main() -> None:
               f"{args.sharding.replace('_', '-')}, {args.steps} steps, global batch "
               f"{job.global_batch} ({job.rank_batch} per rank), {args.optimizer}{accumulation}"
               f"{job.resumed_note()}", flush=True)  # fmt: skip
+        if args.pipeline.endswith("pt2"):
+            compiled = knobs.get("compile_configs")
+            backend = compiled.backend if compiled is not None else "inductor"
+            on = setup.device.type
+            print(f"note: the model is compiled (torch.compile, backend {backend}) at an early "
+                  f"step; the steps around it wait for the compile"
+                  + (", about a minute with inductor on a CPU (--compile-backend aot_eager "
+                     "compiles in seconds)" if backend == "inductor" and on == "cpu" else ""),
+                  flush=True)  # fmt: skip
         if args.pipeline.endswith("semi-sync") and job.start:
             print("note: a semi-sync schedule resumes with its step counter at 0 (synchronous "
                   "again for --start-batch steps, as torchrec's class is after a restart), so "

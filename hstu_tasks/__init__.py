@@ -27,6 +27,7 @@ from .data import DataConfig as DataConfig
 from .data import HSTUBatch as HSTUBatch
 from .data import SyntheticHSTUData as SyntheticHSTUData
 from .factory import HSTUPipelineFactory as HSTUPipelineFactory
+from .factory import UnknownPipelineError as UnknownPipelineError
 from .megatron import MegatronDataParallelWrapper as MegatronDataParallelWrapper
 from .model import HSTURankingModel as HSTURankingModel
 from .model import ModelConfig as ModelConfig
@@ -68,6 +69,7 @@ __all__ = (
     "HSTUBatch",
     "HSTUPipeline",
     "HSTUPipelineFactory",
+    "UnknownPipelineError",
     "InputDistNotPipelinedError",
     "InputDistNotPipelinedWarning",
     "HSTURankingModel",

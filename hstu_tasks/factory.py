@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from aiopipe import ConfigurationError
+
 from .pipeline import HSTUPipeline
 
-__all__ = ("HSTUPipelineFactory",)
+__all__ = ("HSTUPipelineFactory", "UnknownPipelineError")
 
 Builder = Callable[..., HSTUPipeline]
+
+
+class UnknownPipelineError(ConfigurationError, KeyError):
+    """``HSTUPipelineFactory.create`` was given a name no pipeline is registered under
+    (a ``KeyError`` too, as a registry lookup)."""
+
+    def __str__(self) -> str:  # a KeyError's would print the message in quotes
+        return str(self.args[0])
 
 
 class HSTUPipelineFactory:
@@ -28,7 +39,11 @@ class HSTUPipelineFactory:
         try:
             builder = cls._registry[name]
         except KeyError:
-            raise KeyError(f"unknown HSTU pipeline {name!r}; known: {cls.list()}") from None
+            close = difflib.get_close_matches(str(name), cls.list(), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UnknownPipelineError(
+                f"unknown HSTU pipeline {name!r}{hint}; known: {', '.join(cls.list())}"
+            ) from None
         return builder(**kwargs)
 
     @classmethod

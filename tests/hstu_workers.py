@@ -12,7 +12,7 @@ import torch.distributed as dist
 from conftest import collect
 
 import hstu_tasks.tasks as tasks_module
-from aiopipe import AsyncExecutor, PipelineStateError
+from aiopipe import AsyncExecutor, ConfigurationError, PipelineStateError
 from hstu_tasks import (
     HSTU_DEFAULT_THREAD_MAP,
     DataConfig,
@@ -97,6 +97,11 @@ def contract_worker(rank: int, port: int) -> None:
     assert HSTUPipelineFactory.list() == ["hstu_prefetch_sparse_dist", "hstu_sparse_dist"]
     with pytest.raises(KeyError, match="unknown HSTU pipeline"):
         HSTUPipelineFactory.create("nope")
+    with pytest.raises(ConfigurationError) as unknown:  # also a ValueError, unquoted
+        HSTUPipelineFactory.create("hstu_sparse")
+    assert str(unknown.value).startswith(
+        "unknown HSTU pipeline 'hstu_sparse' (did you mean 'hstu_sparse_dist'?)"
+    )
     pipe = HSTUPipelineFactory.create(
         "hstu_prefetch_sparse_dist", model=training.model, optimizer=training.optimizer,
         device=training.device,

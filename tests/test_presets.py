@@ -522,6 +522,29 @@ async def test_a_pair_given_whole_to_the_model_gets_a_hint() -> None:
     assert "(inputs, target) pair" in notes and "loss_fn=torch.nn.CrossEntropyLoss()" in notes
 
 
+async def test_a_two_argument_loss_given_the_whole_batch_gets_a_hint() -> None:
+    # CrossEntropyLoss on plain tensor batches: the batch was taken as the target, and
+    # torch's own error said nothing of why.
+    model = torch.nn.Linear(4, 3)
+    pipe = basic(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                 loss_fn=torch.nn.CrossEntropyLoss())  # fmt: skip
+    async with pipe:
+        with pytest.raises(RuntimeError) as caught:
+            await pipe.progress(iter([torch.randn(8, 4)]))
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "called loss_fn(output, batch) with the whole batch" in notes
+    assert "(inputs, target) pairs" in notes
+
+
+async def test_a_loss_of_more_than_one_value_says_to_reduce_it() -> None:
+    # torch said only "grad can be implicitly created only for scalar outputs"
+    model = torch.nn.Linear(4, 3)
+    pipe = basic(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda out: out)
+    async with pipe:
+        with pytest.raises(PipelineError, match=r"shape \(8, 3\), not one value.*\.mean\(\)"):
+            await pipe.progress(iter([torch.randn(8, 4)]))
+
+
 @pytest.mark.parametrize("executor", ["sequential", "async"])
 async def test_clipping_through_the_step_hook_equals_the_plain_loop(executor: str) -> None:
     data = batches(10)  # groups of 3: steps after batches 3, 6, 9 and the trailing 10th

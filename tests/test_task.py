@@ -213,7 +213,7 @@ def test_replace_builds_a_normalised_copy_and_leaves_the_task_alone() -> None:
         moved.lookahead = 0
     with pytest.raises(TaskDefinitionError, match="lookahead is -1"):
         task.replace(lookahead=-1)
-    with pytest.raises(TypeError, match="unknown field"):
+    with pytest.raises(TypeError, match=r"unknown field.*did you mean 'lookahead'\?"):
         task.replace(lookahaed=1)
 
 

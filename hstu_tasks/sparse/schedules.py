@@ -42,7 +42,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PrefetchPipelin
 from torchrec.distributed.train_pipeline.train_pipelines import TorchCompileConfig
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
-from aiopipe import ConfigurationTypeError, Task, TaskContext
+from aiopipe import ConfigurationError, ConfigurationTypeError, Task, TaskContext
 
 from .checks import check_flags
 from .model import carries_torchrec_rewrite
@@ -137,7 +137,7 @@ def fused(*, embedding_lookup_after_data_dist: bool = False,
     ``schedule="fused"`` is the default knobs."""
     check_flags(embedding_lookup_after_data_dist=embedding_lookup_after_data_dist)
     if emb_lookup_stream not in _LOOKUP_STREAMS:
-        raise ValueError(f"emb_lookup_stream must be one of {', '.join(_LOOKUP_STREAMS)}, "
+        raise ConfigurationError(f"emb_lookup_stream must be one of {', '.join(_LOOKUP_STREAMS)}, "
                          f"got {emb_lookup_stream!r}")  # fmt: skip
     stream = _LOOKUP_STREAMS[emb_lookup_stream]
 
@@ -167,7 +167,7 @@ def semi_sync(*, start_batch: int = 900, stash_gradients: bool = False) -> Train
     ``SparseDistPipeline(..., schedule=semi_sync(...))``; ``schedule="semi-sync"`` is
     the default knobs."""
     if isinstance(start_batch, bool) or not isinstance(start_batch, int) or start_batch < 0:
-        raise ValueError(f"start_batch must be an int >= 0, got {start_batch!r}")
+        raise ConfigurationError(f"start_batch must be an int >= 0, got {start_batch!r}")
     check_flags(stash_gradients=stash_gradients)
 
     def build(state: SparseDistState) -> list[Task]:
@@ -245,7 +245,7 @@ def check_compile_backend(backend: Any) -> None:
     if not isinstance(backend, str):
         return  # a callable backend: torch.compile takes it as it is
     if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise ValueError(f"compile_configs.backend {backend!r} is not a torch.compile "
+        raise ConfigurationError(f"compile_configs.backend {backend!r} is not a torch.compile "
                          f"backend; known: {', '.join(torch._dynamo.list_backends())}")  # fmt: skip
 
 
@@ -298,28 +298,29 @@ def train_schedule(name: str | TrainSchedule, knobs: Mapping[str, Any] | None = 
                    ) -> TrainSchedule:  # fmt: skip
     """The member called ``name`` (a :class:`TrainSchedule` is its own), with ``knobs``
     (torchrec's constructor arguments of that member's class, ``{"start_batch": 2}``);
-    ``ValueError`` naming the members, or the member's knobs, otherwise."""
+    :class:`~aiopipe.ConfigurationError` (a ``ValueError``) naming the members, or the
+    member's knobs, otherwise."""
     if isinstance(name, TrainSchedule):
         if not knobs:
             return name
         knobs, name = {**name.knobs, **knobs}, name.name  # its own knobs, and these
     if name in SCHEDULE_KNOBS.values():
         called = getattr(name, "__name__", "")
-        raise ValueError(f"schedule={called}: call it, {called}(...), with its knobs")
+        raise ConfigurationError(f"schedule={called}: call it, {called}(...), with its knobs")
     if knobs:
         factory = SCHEDULE_KNOBS.get(name)
         if factory is None:
-            raise ValueError(f"schedule {name!r} takes no knobs; those with knobs: "
+            raise ConfigurationError(f"schedule {name!r} takes no knobs; those with knobs: "
                              f"{', '.join(map(repr, SCHEDULE_KNOBS))}")  # fmt: skip
         try:
             return factory(**knobs)
         except TypeError as error:
-            raise ValueError(f"schedule {name!r}: {error}") from None
+            raise ConfigurationError(f"schedule {name!r}: {error}") from None
     try:
         return TRAIN_SCHEDULES[name]
     except (KeyError, TypeError):
         close = (difflib.get_close_matches(name.replace("_", "-"), TRAIN_SCHEDULES, n=1)
                  if isinstance(name, str) else [])  # fmt: skip
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown schedule {name!r}{hint}; choose one of "
+        raise ConfigurationError(f"unknown schedule {name!r}{hint}; choose one of "
                          f"{', '.join(map(repr, TRAIN_SCHEDULES))}") from None  # fmt: skip
