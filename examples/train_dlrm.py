@@ -40,6 +40,7 @@ from hstu_tasks import DLRMConfig, SyntheticDLRMData, build_dlrm_training
 from hstu_tasks import init_distributed, leave_and_exit, quiet_torchrec, stop_on_ctrl_c
 from hstu_tasks.arguments import ArgumentParser, at_least, output_file, refusal
 from hstu_tasks.elastic import ResumableJob
+from hstu_tasks.machine_load import busy_machine_note
 from hstu_tasks.parallel import default_device
 from hstu_tasks.runners import parameter_checksum, parameter_digest
 from hstu_tasks.sparse.dlrm_runs import DLRM_PIPELINES, DLRMRun, run_dlrm
@@ -232,6 +233,8 @@ def main() -> None:
         ran = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s{passes}"
                if result.losses else job.nothing_ran_note())  # fmt: skip
         print(f"{ran}, parameter checksum {checksum!r}")
+        if steps_per_s and (busy := busy_machine_note()):
+            print(busy)
         if args.uneven is not None:
             print(f"the last rank's source had {args.uneven} batch(es) fewer: every rank "
                   f"trained {len(result.losses)} steps and ended the epoch there")  # fmt: skip

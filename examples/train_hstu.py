@@ -28,6 +28,7 @@ from hstu_tasks import build_training, init_distributed, leave_and_exit, quiet_t
 from hstu_tasks import stop_on_ctrl_c
 from hstu_tasks.arguments import ArgumentParser, at_least, output_file, refusal
 from hstu_tasks.elastic import ResumableJob
+from hstu_tasks.machine_load import busy_machine_note
 from hstu_tasks.parallel import default_device, resolve_data_parallel
 from hstu_tasks.runners import PIPELINES, RunResult, parameter_checksum, parameter_digest
 from hstu_tasks.runners import run_pipeline
@@ -157,6 +158,8 @@ def main() -> None:
         ran = (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {steps_per_s:.1f} steps/s"
                if result.loss_sums else job.nothing_ran_note())  # fmt: skip
         print(f"{ran}, parameter checksum {checksum!r}")
+        if steps_per_s and (busy := busy_machine_note()):
+            print(busy)
         if args.json:
             with open(args.json, "w") as out:
                 json.dump({"pipeline": args.pipeline, "world_size": world, "steps": len(losses),

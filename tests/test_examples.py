@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from types import ModuleType
 
 import pytest
 import torch
+
+from hstu_tasks.machine_load import busy_machine_note
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -320,3 +323,14 @@ def test_ctrl_c_ends_a_training_run_with_one_line_and_status_130(tmp_path: Path)
         "newest checkpoint"
     )
     assert "Traceback" not in stderr
+
+
+def test_a_busy_machine_is_said_beside_the_speed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A newcomer's first demo printed 1.9 steps/s on a machine other work kept busy,
+    # and nothing said why.
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.2, 4.0, 3.0))
+    note = busy_machine_note()
+    assert note is not None and "load average 5.2 on 2 cores" in note
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 3.0, 3.0))  # the run's own threads
+    assert busy_machine_note() is None
