@@ -15,7 +15,10 @@ from ._core.log import pipeline_log
 from ._core.loops import close_awaited
 from .errors import PipelineStateError
 
-__all__ = ("CallGuard",)
+__all__ = ("SLOW_CALL_S", "CallGuard")
+
+#: How long closing waits for another task's call before it says so.
+SLOW_CALL_S = 5.0
 
 
 class CallGuard:
@@ -61,7 +64,14 @@ class CallGuard:
         waiter = asyncio.get_running_loop().create_future()
         self._ended.append(waiter)
         try:
-            await waiter
+            await asyncio.wait((waiter,), timeout=SLOW_CALL_S)
+            if not waiter.done():  # it may wait for a source only the waiter's caller feeds
+                pipeline_log.warning(
+                    "%s: closing waits for a call another task has under way (%.0f s so "
+                    "far); it may be waiting for its source. Cancel that task, or give "
+                    "aclose() a timeout, to stop waiting", self._name, SLOW_CALL_S,
+                )  # fmt: skip
+                await waiter
         finally:
             if waiter in self._ended:  # cancelled: not woken
                 self._ended.remove(waiter)

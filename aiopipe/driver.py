@@ -338,10 +338,11 @@ class IterationDriver(OrphanedIterations, IterationWaits):
         return error
 
     def warn_of_undeclared_slots(self) -> None:
-        """At the start of a call: warn of slots the first batches set undeclared."""
+        """At the start of a call, or at shutdown: warn of slots the first batches set
+        undeclared."""
         audit = self.slot_audit
         if audit is not None:
-            audit.warn(stacklevel=4)  # the caller of progress() (through _check_usable)
+            audit.warn()
             if audit.done:
                 self.slot_audit = None
 

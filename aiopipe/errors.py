@@ -4,7 +4,8 @@ Everything aiopipe raises on its own account derives from :class:`PipelineError`
 and from the built-in exception it would otherwise be (``ValueError`` for a value it
 cannot use, ``TypeError`` for a type, ``RuntimeError`` for a state), so ``except
 ValueError`` keeps working.  Python's protocol exceptions stay what they are:
-``KeyError`` for a name looked up that is not there (a slot, a stream, a task),
+``KeyError`` for a name looked up that is not there (a stream, a task; a slot's is
+the ``KeyError`` :class:`SlotNotSetError`),
 ``AttributeError`` for a read-only ``Task`` field, ``NotImplementedError`` from a
 ``Task.run`` not overridden, ``StopIteration`` / ``StopAsyncIteration`` at the end
 of a source.  Exceptions raised by task bodies are re-raised unchanged (annotated with the task
@@ -13,6 +14,8 @@ name and iteration), so ``except ValueError`` around ``progress()`` still catche
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 __all__ = (
     "BadBatchError",
@@ -68,7 +71,10 @@ class ScheduleValidationError(PipelineError, ValueError):
 
     def __init__(self, rule: int, message: str) -> None:
         super().__init__(f"[rule {rule}] {message}")
-        self.rule = rule
+        self.rule, self._message = rule, message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # rebuilt from what __init__ takes
+        return type(self), (self.rule, self._message), self.__dict__
 
 
 class PipelineStateError(PipelineError, RuntimeError):
@@ -147,7 +153,10 @@ class FetchError(PipelineError):
             f"from 0): {type(problem).__name__}: {problem}. That key is skipped: the next call "
             f"goes on with the next key"
         )
-        self.key, self.index = key, index
+        self.key, self.index, self._problem = key, index, problem
+
+    def __reduce__(self) -> tuple[Any, ...]:  # rebuilt from what __init__ takes
+        return type(self), (self.key, self.index, self._problem), self.__dict__
 
 
 def _short(value: object) -> str:
@@ -161,11 +170,12 @@ class SlotNotSetError(PipelineError, KeyError):
     raised out of a task, a note says which task declares it in ``writes=``, if any."""
 
     def __init__(self, slot: str, batch: int | None, present: list[str]) -> None:
-        super().__init__(f"slot {slot!r} is not set for batch {batch} (set: {present})")
+        super().__init__(slot, batch, present)  # pickled and copied from these
         self.slot = slot
 
-    def __str__(self) -> str:  # a KeyError's would print the message in quotes
-        return str(self.args[0])
+    def __str__(self) -> str:  # not a KeyError's repr of its argument
+        slot, batch, present = self.args
+        return f"slot {slot!r} is not set for batch {batch} (set: {present})"
 
 
 class NoStepResultWarning(UserWarning):

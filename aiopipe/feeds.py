@@ -90,6 +90,11 @@ class Feeds:
                 return feed
         return None
 
+    @property
+    def fed_last(self) -> Feed | None:
+        """The current feed, else the one ``drain()`` finished last (until the next)."""
+        return self.current if self.current is not None else self._drained
+
     def seed_first(self, contents: Mapping[str, Any], refused: int) -> None:
         """Seed the next source's first batch (``seed_first_batch``), refused while a
         source is under way."""

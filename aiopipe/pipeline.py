@@ -17,6 +17,7 @@ training are kept by :mod:`~aiopipe.owed_steps`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -84,7 +85,7 @@ class SchedulablePipeline:
         self._calls = CallGuard(self.name, self, _CALLS)  # progress, progress_many, drain
         self._owed = OwedSteps(self._feeds)  # of step() calls cancelled early
         self._closed = False
-        self._closing = False  # aclose() waits for another task's call: no new call starts
+        self._closing = 0  # aclose() calls waiting for another task's call: no new call starts
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
 
@@ -269,14 +270,23 @@ class SchedulablePipeline:
         iteration run on, and a later ``aclose()`` finishes the job.  Idempotent."""
         if self._closed:
             return
-        self._closing = True
+        self._closing += 1
         try:
             await self.wait_idle()
-            if not in_trio() and await self._calls.wait_ended():
+            if not in_trio() and not self._called_by_the_source() and (
+                await self._calls.wait_ended()
+            ):
                 await self.wait_idle()  # that call's iteration, if it was cancelled meanwhile
         finally:
-            self._closing = False
-        self.shutdown()
+            self._closing -= 1
+        if not self._closed:  # (another aclose() may have finished the job meanwhile)
+            self.shutdown()
+
+    def _called_by_the_source(self) -> bool:
+        """The caller runs in a read of the current source, which the call under way
+        may be waiting for: waiting for that call would wait for ever."""
+        feed = self._feeds.current
+        return feed is not None and feed.reads_in(asyncio.current_task())
 
     @property
     def idle(self) -> bool:
@@ -343,6 +353,8 @@ class SchedulablePipeline:
         self._executor.shutdown()
         self._trio.close()
         self._retired.clear()
+        if self._driver.slot_audit is not None:  # those no later call would give
+            self._driver.warn_of_undeclared_slots()
 
     async def __aenter__(self) -> SchedulablePipeline:
         return self
@@ -408,7 +420,7 @@ class SchedulablePipeline:
         return self._trio.source_for(source, feed.source if feed is not None else None)
 
     def _adopt(self, source: Source) -> Feed:
-        previous = self._feeds.current
+        previous = self._feeds.fed_last  # a drain() between is not the end, nor hides it
         if (previous is not None and previous.source is not source and previous.end_is_next
                 and not previous.ended and not previous.in_flight):  # fmt: skip
             # Read to its end and every result returned, but never told (a loop of

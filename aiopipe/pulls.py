@@ -151,6 +151,10 @@ class Pulls:
         pulls = (self.ahead, *self._behind)
         return (self._unchecked is not _NO_ITEM) + sum(1 for pull in pulls if gave_an_item(pull))
 
+    def reads_in(self, task: object) -> bool:
+        """Whether ``task`` is one of this feed's pulls (the source runs in it)."""
+        return task is not None and any(task is pull for pull in (self.ahead, *self._behind))
+
     @property
     def end_is_next(self) -> bool:
         """The source's end has been read: taken, or read ahead with no item before it."""

@@ -7,8 +7,8 @@ A task may call ``ctx.slots.set(name, ...)`` for a name it never declared in
 But only declared slots order tasks, so a reader may run first -- on another lane, at
 the same time -- and whether it finds the value depends on timing.  The first few
 batches retired are checked once each, and each undeclared name is warned about once,
-at the start of the next call: a warning made an error (``-W error``) is then raised
-before that call takes anything, and loses no result.
+at the start of the next call (or at shutdown): a warning made an error (``-W error``)
+is then raised before that call takes anything, and loses no result.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 
+from ._core.stack import user_stacklevel
 from .errors import UndeclaredSlotWarning
 from .plan import ExecutionPlan
 from .ring import SlotStore
@@ -59,16 +60,17 @@ class SlotAudit:
                 self._warned.add(name)
                 self._pending.append((name, store.batch_index))
 
-    def warn(self, stacklevel: int) -> None:
-        """Warn of the names :meth:`check` noted (``stacklevel``: the caller's line)."""
-        pending, self._pending = self._pending, []
-        for name, batch in pending:
+    def warn(self) -> None:
+        """Warn of the names :meth:`check` noted, pointing at the user's line; one a
+        filter made an error leaves the others for the next time."""
+        while self._pending:
+            name, batch = self._pending.pop(0)
             warnings.warn(
                 f"{self._name}: slot {name!r} was set (on batch {batch}) but no task "
                 f"declares writes=({name!r},): declare it on the task that sets it, and "
                 f"reads=({name!r},) on those that read it, or a reader may run before it "
                 f"is set (on another lane, at the same time)",
-                UndeclaredSlotWarning, stacklevel=stacklevel + 1,
+                UndeclaredSlotWarning, stacklevel=user_stacklevel(),
             )  # fmt: skip
 
 

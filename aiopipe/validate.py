@@ -18,13 +18,11 @@ rule   requirement
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from collections import Counter
-from types import FrameType
 from typing import TYPE_CHECKING
 
+from ._core.stack import user_stacklevel
 from .errors import NoStepResultWarning, ScheduleValidationError, SerializedAwaitWarning
 from .edges import dependency_edges, infer_cross_stream_event_deps, topological_sort
 from .schedule import Schedule
@@ -148,11 +146,12 @@ def warn_without_result(schedule: Schedule) -> None:
     names = ", ".join(task.name for task in schedule.tasks)
     warnings.warn(
         f"no task declares writes=({RESULT_SLOT!r},), so progress() will return None for "
-        f"every batch unless a task sets it undeclared (tasks: {names}). Declare writes=({RESULT_SLOT!r},) on the task that makes the "
-        f"result and call ctx.slots.set({RESULT_SLOT!r}, value) in it, or pass "
+        f"every batch unless a task sets it undeclared (tasks: {names}). Declare "
+        f"writes=({RESULT_SLOT!r},) on the task that makes the result and call "
+        f"ctx.slots.set({RESULT_SLOT!r}, value) in it, or pass "
         f"expect_result=False if the pipeline runs for its side effects.",
         NoStepResultWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -186,14 +185,4 @@ def warn_serialized_awaits(schedule: Schedule) -> None:
     """:class:`~aiopipe.errors.SerializedAwaitWarning` for each piece of
     :func:`serialized_awaits` advice, pointing at the caller's line."""
     for advice in serialized_awaits(schedule):
-        warnings.warn(advice, SerializedAwaitWarning, stacklevel=_user_stacklevel())
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside this package (the user's line)."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame: FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
+        warnings.warn(advice, SerializedAwaitWarning, stacklevel=user_stacklevel())

@@ -184,7 +184,10 @@ async def test_leaving_async_with_by_an_error_waits_for_another_task_s_call() ->
     assert pipe.statistics().closed
 
 
-async def test_a_call_started_while_aclose_waits_is_refused() -> None:
+@pytest.mark.parametrize("closers", [1, 2])
+async def test_a_call_started_while_aclose_waits_is_refused(closers: int) -> None:
+    # Two: one is cancelled, and the other still waits.  Each cleared the flag on its
+    # way out, so new calls were taken again while the other waited.
     started, release = threading.Event(), threading.Event()
     pipe = Pipeline([Task.from_fn("train", held_echo(started, release))])
     source = iter(range(3))
@@ -192,12 +195,60 @@ async def test_a_call_started_while_aclose_waits_is_refused() -> None:
         call = asyncio.ensure_future(pipe.progress(source))
         await in_a_thread(started)
         await cancelled(call)  # its iteration runs on: aclose() waits for it
-        closing = asyncio.ensure_future(pipe.aclose())
-        await asyncio.sleep(0)  # aclose() runs to its wait
+        closing = [asyncio.ensure_future(pipe.aclose()) for _ in range(closers)]
+        await asyncio.sleep(0)  # they run to their wait
+        if closers == 2:
+            await cancelled(closing[0])
         with pytest.raises(PipelineStateError, match="shutting down"):
             await pipe.progress(source)
     finally:
         release.set()
+    await closing[-1]
+    assert pipe.statistics().closed
+
+
+async def test_aclose_from_inside_the_source_a_call_reads_is_refused_not_a_hang() -> None:
+    pipe = Pipeline([Task.from_fn("train", echo)], read_ahead=False)
+    refusals: list[str] = []
+
+    async def source() -> AsyncIterator[int]:
+        yield 0
+        try:
+            await pipe.aclose()  # the call under way waits for this very read
+        except PipelineStateError as refused:
+            refusals.append(str(refused))
+        yield 1
+
+    items = source()
+    assert [await pipe.progress(items), await pipe.progress(items)] == [0, 1]
+    assert len(refusals) == 1 and "while a progress is running" in refusals[0]
+    await pipe.aclose()
+
+
+async def test_closing_says_so_when_another_task_s_call_keeps_it_waiting(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A call waiting for a source only the closing task would feed kept aclose()
+    # waiting without a word.
+    monkeypatch.setattr("aiopipe.calls.SLOW_CALL_S", 0.0)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+
+    async def source() -> AsyncIterator[int]:
+        while True:
+            yield await queue.get()
+
+    pipe = Pipeline([Task.from_fn("train", echo)], name="waiting")
+    call = asyncio.ensure_future(pipe.progress(source()))
+    await asyncio.sleep(0)  # the call waits for the queue
+    closing = asyncio.ensure_future(pipe.aclose())
+    said = "waiting: closing waits for a call another task has under way"
+    for _ in range(20):  # loop cycles, until its wait's timeout (0 s) has passed
+        if said in caplog.text:
+            break
+        await asyncio.sleep(0)
+    assert said in caplog.text and not closing.done()
+    queue.put_nowait(7)
+    assert await call == 7
     await closing
     assert pipe.statistics().closed
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import pickle
 import threading
 import warnings
 from collections.abc import Callable
@@ -11,8 +13,8 @@ import pytest
 from conftest import collect
 
 from aiopipe import (
-    AsyncExecutor, Pipeline, PipelineStateError, Schedule, SchedulablePipeline, SlotNotSetError,
-    Task, TaskContext, UndeclaredSlotWarning,
+    AsyncExecutor, FetchError, Pipeline, PipelineStateError, Schedule, SchedulablePipeline,
+    ScheduleValidationError, SlotNotSetError, Task, TaskContext, UndeclaredSlotWarning,
 )
 
 BATCHES = 6
@@ -542,3 +544,51 @@ async def test_an_undeclared_slot_warning_made_an_error_loses_no_result() -> Non
                 await pipe.progress(source)
             got += [r async for r in pipe.results(source)]
         assert got == [0, 1, 2, 3]
+
+
+def makes_two_tasks() -> list[Task]:
+    """One task that sets two slots no task declares."""
+
+    def make(ctx: TaskContext) -> None:
+        ctx.slots.set("first", 1)
+        ctx.slots.set("second", 2)
+        ctx.slots.set("step_result", ctx.slots["batch_cpu"])
+
+    return [Task.from_fn("make", make, writes=("step_result",))]
+
+
+async def test_undeclared_slots_of_a_pipeline_s_only_call_are_warned_of_at_shutdown() -> None:
+    # One progress_many() over the whole source, then the end of the block: no later
+    # call gave the warnings, and they were lost.
+    with pytest.warns(UndeclaredSlotWarning) as warned:
+        async with Pipeline(makes_two_tasks(), executor="sequential") as pipe:
+            assert await pipe.progress_many(iter(range(3)), 5) == [0, 1, 2]
+    assert sorted(str(w.message).split("'")[1] for w in warned) == ["first", "second"]
+    assert all(w.filename == __file__ for w in warned)  # the user's line, not aiopipe's
+
+
+async def test_an_undeclared_slot_warning_made_an_error_leaves_the_others_for_later() -> None:
+    raised: list[str] = []
+    async with Pipeline(makes_two_tasks(), executor="sequential") as pipe:
+        source = iter(range(5))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UndeclaredSlotWarning)
+            got = [await pipe.progress(source)]
+            for _ in range(2):
+                with pytest.raises(UndeclaredSlotWarning) as warning:
+                    await pipe.progress(source)
+                raised.append(str(warning.value).split("'")[1])
+            got += [r async for r in pipe.results(source)]
+    assert sorted(raised) == ["first", "second"] and got == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("error", [
+    SlotNotSetError("feature", 3, ["batch_cpu"]), FetchError("key", 2, ValueError("bad")),
+    ScheduleValidationError(4, "two tasks write 'x'"),
+])  # fmt: skip
+def test_errors_survive_pickling_and_copying(error: Exception) -> None:
+    # Built from other arguments than their message, they could not be rebuilt: an
+    # error crossing a process boundary (a DataLoader worker, a spawned rank) failed.
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(again) is type(error) and str(again) == str(error)
+        assert again.__dict__ == error.__dict__ or isinstance(error, FetchError)

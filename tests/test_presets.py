@@ -179,9 +179,10 @@ async def test_gradient_accumulation_is_explicit_and_exact(executor: str) -> Non
         basic(model, opt, loss_fn=loss_fn, grad_accumulation=0)
 
 
+@pytest.mark.parametrize("drain_between", [False, True])
 @pytest.mark.parametrize("executor", ["sequential", "async"])
 async def test_a_pass_never_told_its_end_steps_its_partial_group_when_the_next_comes(
-    executor: str,
+    executor: str, drain_between: bool
 ) -> None:
     # Exactly as many calls as batches: the end is read, never reported.  The partial
     # group of the first pass joined the second pass's first group.
@@ -192,6 +193,8 @@ async def test_a_pass_never_told_its_end_steps_its_partial_group_when_the_next_c
     async with pipe:
         source = iter(first)
         losses = [float(await pipe.progress(source)) for _ in first]
+        if drain_between:  # not the end, and does not hide the one read
+            assert await pipe.drain() == []
         losses += [float(loss) for loss in await collect(pipe, iter(second))]  # told its end
     expected_losses, expected_params = plain_loop([], "sgd", 3, passes=[first, second])
     assert losses == expected_losses

@@ -636,6 +636,66 @@ def test_a_reset_after_the_end_was_read_ahead_keeps_the_source_s_counts(steps: i
         assert (at_end.applied, at_end.position, at_end.discarded) == (steps, 5, 5 - steps)
 
 
+class Passes:
+    """One iterator object for every pass, as a persistent-worker loader hands out:
+    after its end, the next ``next()`` starts a new pass over ``batches``."""
+
+    def __init__(self, batches: list[Any]) -> None:
+        self.batches, self.at = batches, 0
+
+    def __iter__(self) -> Passes:
+        return self
+
+    def __next__(self) -> Any:
+        if self.at == len(self.batches):
+            self.at = 0
+            raise StopIteration
+        self.at += 1
+        return self.batches[self.at - 1]
+
+
+def test_a_reset_in_a_second_pass_of_one_iterator_keeps_that_pass_s_counts() -> None:
+    """The first pass's end reported, then a reset() three steps into the second pass
+    of the same iterator object: that pass goes on with its counts (they restarted,
+    as if the first pass's end had been the last word on the source)."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 8))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+
+        async def run() -> Any:
+            source = Passes(batches)
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
+                assert len(await collect(pipe, source)) == 8  # the first pass, its end told
+                for _ in range(3):
+                    await pipe.progress(source)
+                pipe.reset()
+                await collect(pipe, source)
+                return pipe.statistics()
+
+        at_end = asyncio.run(run())
+        assert at_end.position == 8 and at_end.applied + at_end.discarded == 8
+
+
+def test_discarded_counts_on_across_detach_and_attach() -> None:
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 8))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+
+        async def run() -> tuple[int, int]:
+            async with SparseDistPipeline(setup.model, setup.optimizer, setup.device) as pipe:
+                async for _ in pipe.results(iter(batches[:5])):
+                    break  # left early: its batches in flight are dropped by the next
+                await collect(pipe, iter(batches[5:6]))
+                before = pipe.statistics().discarded
+                pipe.detach()
+                pipe.attach()
+                await collect(pipe, iter(batches[6:]))
+                return before, pipe.statistics().discarded
+
+        before, after = asyncio.run(run())
+        assert before > 0 and after == before  # it went back to 0 with the engine
+
+
 def test_progress_many_on_a_source_with_no_batch_returns_an_empty_list() -> None:
     with one_rank_group():
         setup = build_dlrm_training(SMALL, "sgd", seed=3)

@@ -269,8 +269,10 @@ class SparseDistBase(Generic[ResultT]):
                 f"drain() them first (or reset(), after a failed progress)"
             )
         self._ended_source = None
-        for engine in self._shared.engines.values():  # every pipeline builds a new one
+        for pipeline, engine in self._shared.engines.items():  # every one builds a new one
+            stats = engine.statistics()
             engine.shutdown()
+            pipeline._counts.keep_discarded(stats)
         self._shared.engines.clear()
         self._shared.restore()
         self._shared.attached = False
@@ -340,7 +342,9 @@ class SparseDistBase(Generic[ResultT]):
         if engine is not None:
             # Refused while a step runs: the engine, its batches in flight and the
             # model's rewritten forwards are all left as they were.
+            stats = engine.statistics()
             engine.shutdown()
+            self._counts.keep_discarded(stats)
             del self._shared.engines[self]
         self._ended_source = self._fed = None
         if not self._shared.engines:

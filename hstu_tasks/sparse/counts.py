@@ -35,8 +35,13 @@ class CountsAcrossResets:
         if carried is not None and carried[0] is not source:
             self._carried = None
         self._goes_on = carried is not None and carried[0] is source
-        self._ended = self._ended and source is self._source
+        self._ended = False  # a call on the source after its end reported: a new pass
         self._parked, self._source = None, source
+
+    def keep_discarded(self, stats: PipelineStatistics) -> None:
+        """An engine whose statistics are ``stats`` is shut down (``detach()``, a reset,
+        shutdown): its batches discarded stay counted."""
+        self._discarded = self.shown(stats).discarded
 
     def end_reported(self) -> None:
         """A call reported the end of the source it was passed."""
