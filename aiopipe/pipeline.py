@@ -17,13 +17,13 @@ training are kept by :mod:`~aiopipe.owed_steps`.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import AsyncIterable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._core.log import next_pipeline_name, pipeline_log
+from ._core.log import next_pipeline_name
 from .assembly import assemble
+from ._core.closing import Closing
 from .calls import CallGuard
 from .collect import check_steps, collect_drain, collect_steps
 from .errors import PipelineStateError
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 __all__ = ("SchedulablePipeline",)
 
 
-class SchedulablePipeline:
+class SchedulablePipeline(Closing):
     """Runs a validated :class:`Schedule` with an executor.
 
     ``executor`` is ``"async"`` (the default: :class:`AsyncExecutor` with one lane
@@ -85,7 +85,7 @@ class SchedulablePipeline:
         self._calls = CallGuard(self.name, self, _CALLS)  # progress, progress_many, drain
         self._owed = OwedSteps(self._feeds)  # of step() calls cancelled early
         self._closed = False
-        self._closing = 0  # aclose() calls waiting for another task's call: no new call starts
+        self._closing = 0  # aclose() calls waiting (closing.py): no new call starts
         # Runs the calls of trio callers on a private asyncio loop; idle until one comes.
         self._trio = TrioBridge()
 
@@ -259,35 +259,6 @@ class SchedulablePipeline:
         finally:
             self._calls.end(call)
 
-    async def aclose(self) -> None:
-        """Wait for a call another task has under way (``progress()``, ``drain()``, ...)
-        and for an iteration still running (its caller was cancelled), then shut
-        down.  ``async with pipe:`` calls it on exit, so leaving the block, by an
-        error too, while another task's call runs waits for that call rather than
-        raising over the error; a call started meanwhile is refused
-        (``PipelineStateError``).  Cancelled while it waits, it raises
-        ``CancelledError`` at once and leaves the pipeline open: the call and the
-        iteration run on, and a later ``aclose()`` finishes the job.  Idempotent."""
-        if self._closed:
-            return
-        self._closing += 1
-        try:
-            await self.wait_idle()
-            if not in_trio() and not self._called_by_the_source() and (
-                await self._calls.wait_ended()
-            ):
-                await self.wait_idle()  # that call's iteration, if it was cancelled meanwhile
-        finally:
-            self._closing -= 1
-        if not self._closed:  # (another aclose() may have finished the job meanwhile)
-            self.shutdown()
-
-    def _called_by_the_source(self) -> bool:
-        """The caller runs in a read of the current source, which the call under way
-        may be waiting for: waiting for that call would wait for ever."""
-        feed = self._feeds.current
-        return feed is not None and feed.reads_in(asyncio.current_task())
-
     @property
     def idle(self) -> bool:
         """No iteration is running: none whose caller was cancelled runs on."""
@@ -340,27 +311,8 @@ class SchedulablePipeline:
         self._driver.failures.clear()
         self._feeds.reset(owed)
 
-    def shutdown(self) -> None:
-        """Stop the executor's threads.  Idempotent; the pipeline is unusable after."""
-        if self._closed:
-            return
-        if self._calls.in_progress():
-            raise PipelineStateError("cannot shut down while a progress is running")
-        self._driver.refuse_while_running("shutdown()")
-        pipeline_log.debug("%s: shut down", self.name)
-        self._feeds.close()
-        self._closed = True
-        self._executor.shutdown()
-        self._trio.close()
-        self._retired.clear()
-        if self._driver.slot_audit is not None:  # those no later call would give
-            self._driver.warn_of_undeclared_slots()
-
     async def __aenter__(self) -> SchedulablePipeline:
         return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
     def blocking(self) -> BlockingPipeline:
         """A blocking view for ordinary scripts (``progress`` raises ``StopIteration``);

@@ -212,10 +212,29 @@ def _value_doc(module_name: str, name: str, obj: Any, comments: dict[str, str]) 
 # -- rendering ----------------------------------------------------------------------------
 
 
+def _private(base: type) -> bool:
+    """A base that is not part of the API: its name or a module on its path is private
+    (a mixin holding part of a class's methods, as ``aiopipe._core.closing``'s)."""
+    return base.__name__.startswith("_") or any(
+        part.startswith("_") for part in base.__module__.split(".")
+    )
+
+
+def _own_vars(cls: type) -> dict[str, object]:
+    """What ``cls`` defines, with what its private bases define (not overridden)."""
+    found: dict[str, object] = {}
+    for base in cls.__mro__:
+        if base is not cls and (base is object or not _private(base)):
+            break  # a public base documents its own (and its private bases') members
+        for name, raw in vars(base).items():
+            found.setdefault(name, raw)
+    return found
+
+
 def _members(cls: type) -> Iterator[tuple[str, str | None, str | None]]:
     """``(display signature, kind, docstring)`` of the public members defined in
-    ``cls`` itself."""
-    for name, raw in vars(cls).items():
+    ``cls`` itself (or in a private base of it)."""
+    for name, raw in _own_vars(cls).items():
         if name.startswith("_"):
             continue
         shown: str | None
@@ -245,8 +264,7 @@ def _members(cls: type) -> Iterator[tuple[str, str | None, str | None]]:
 
 def _render_class(qualname: str, cls: type) -> list[str]:
     out = [f"### class `{qualname}`", ""]
-    bases = [b.__name__ for b in cls.__bases__
-             if b is not object and not b.__name__.startswith("_")]  # fmt: skip
+    bases = [b.__name__ for b in cls.__bases__ if b is not object and not _private(b)]
     if bases:
         out += [f"Bases: {', '.join(f'`{b}`' for b in bases)}", ""]
     if issubclass(cls, enum.Enum):
