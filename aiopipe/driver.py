@@ -337,13 +337,13 @@ class IterationDriver(OrphanedIterations, IterationWaits):
             self.wake_waiters()
         return error
 
-    def warn_of_undeclared_slots(self) -> None:
-        """At the start of a call, or at shutdown: warn of slots the first batches set
-        undeclared."""
+    def warn_of_undeclared_slots(self, *, at_shutdown: bool = False) -> None:
+        """At the start of a call, or at shutdown (never raised there): warn of slots
+        the first batches set undeclared."""
         audit = self.slot_audit
         if audit is not None:
-            audit.warn()
-            if audit.done:
+            audit.warn(raising=not at_shutdown)
+            if audit.done or at_shutdown:
                 self.slot_audit = None
 
     def _advance(self, feed: Feed, iteration: Iteration, top: SlotStore | None) -> None:

@@ -71,10 +71,10 @@ class ScheduleValidationError(PipelineError, ValueError):
 
     def __init__(self, rule: int, message: str) -> None:
         super().__init__(f"[rule {rule}] {message}")
-        self.rule, self._message = rule, message
+        self.rule = rule
 
-    def __reduce__(self) -> tuple[Any, ...]:  # rebuilt from what __init__ takes
-        return type(self), (self.rule, self._message), self.__dict__
+    def __reduce__(self) -> tuple[Any, ...]:  # not from __init__'s arguments: its message
+        return _rebuilt, (type(self), self.args, self.__dict__)
 
 
 class PipelineStateError(PipelineError, RuntimeError):
@@ -102,6 +102,9 @@ class TaskAbortedError(PipelineError, RuntimeError):
             f"(chained as the cause): its step failed"
         )
         self.__cause__ = error
+
+    def __reduce__(self) -> tuple[Any, ...]:  # not from __init__'s arguments: its message
+        return _rebuilt, (type(self), self.args, self.__dict__)
 
 
 class NoRunningLoopError(PipelineError, TypeError):
@@ -153,10 +156,20 @@ class FetchError(PipelineError):
             f"from 0): {type(problem).__name__}: {problem}. That key is skipped: the next call "
             f"goes on with the next key"
         )
-        self.key, self.index, self._problem = key, index, problem
+        self.key, self.index = key, index
 
-    def __reduce__(self) -> tuple[Any, ...]:  # rebuilt from what __init__ takes
-        return type(self), (self.key, self.index, self._problem), self.__dict__
+    def __reduce__(self) -> tuple[Any, ...]:  # not from __init__'s arguments: its message
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """An error pickled or copied whose ``__init__`` takes other arguments than its
+    ``args`` (the message it built): made again without calling it, so that what it
+    wrapped (an error that may not pickle) is not needed."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 def _short(value: object) -> str:

@@ -374,7 +374,9 @@ class SchedulablePipeline(Closing):
     def _adopt(self, source: Source) -> Feed:
         previous = self._feeds.fed_last  # a drain() between is not the end, nor hides it
         if (previous is not None and previous.source is not source and previous.end_is_next
-                and not previous.ended and not previous.in_flight):  # fmt: skip
+                and not previous.ended and not previous.in_flight
+                and type(previous.source) is not OneBatch):  # fmt: skip
+            # (a step()'s one batch is no pass: its group goes on with the next step)
             # Read to its end and every result returned, but never told (a loop of
             # exactly as many calls as batches): its pass ends here, before the next.
             self._on_source_end()

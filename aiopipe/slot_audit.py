@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 
+from ._core.log import pipeline_log
 from ._core.stack import user_stacklevel
 from .errors import UndeclaredSlotWarning
 from .plan import ExecutionPlan
@@ -60,18 +61,25 @@ class SlotAudit:
                 self._warned.add(name)
                 self._pending.append((name, store.batch_index))
 
-    def warn(self) -> None:
+    def warn(self, *, raising: bool = True) -> None:
         """Warn of the names :meth:`check` noted, pointing at the user's line; one a
-        filter made an error leaves the others for the next time."""
+        filter made an error leaves the others for the next time.  ``raising=False``
+        (at shutdown, where an error would hide the one the caller may be leaving
+        with): such a warning is logged instead."""
         while self._pending:
             name, batch = self._pending.pop(0)
-            warnings.warn(
+            message = (
                 f"{self._name}: slot {name!r} was set (on batch {batch}) but no task "
                 f"declares writes=({name!r},): declare it on the task that sets it, and "
                 f"reads=({name!r},) on those that read it, or a reader may run before it "
-                f"is set (on another lane, at the same time)",
-                UndeclaredSlotWarning, stacklevel=user_stacklevel(),
+                f"is set (on another lane, at the same time)"
             )  # fmt: skip
+            try:
+                warnings.warn(message, UndeclaredSlotWarning, stacklevel=user_stacklevel())
+            except UndeclaredSlotWarning:
+                if raising:
+                    raise
+                pipeline_log.warning("%s", message)
 
 
 def unset_slot_note(plan: ExecutionPlan, index: int, slot: str) -> str:

@@ -14,7 +14,8 @@ from conftest import collect
 
 from aiopipe import (
     AsyncExecutor, FetchError, Pipeline, PipelineStateError, Schedule, SchedulablePipeline,
-    ScheduleValidationError, SlotNotSetError, Task, TaskContext, UndeclaredSlotWarning,
+    ScheduleValidationError, SlotNotSetError, Task, TaskAbortedError, TaskContext,
+    UndeclaredSlotWarning,
 )
 
 BATCHES = 6
@@ -582,13 +583,42 @@ async def test_an_undeclared_slot_warning_made_an_error_leaves_the_others_for_la
     assert sorted(raised) == ["first", "second"] and got == [0, 1, 2, 3, 4]
 
 
+class TwoArguments(Exception):
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what}: {why}")
+
+
 @pytest.mark.parametrize("error", [
     SlotNotSetError("feature", 3, ["batch_cpu"]), FetchError("key", 2, ValueError("bad")),
+    FetchError("key", 2, TwoArguments("fetch", "refused")),  # itself rebuilt from its message
     ScheduleValidationError(4, "two tasks write 'x'"),
+    TaskAbortedError(asyncio.CancelledError("cancelled elsewhere")),
 ])  # fmt: skip
 def test_errors_survive_pickling_and_copying(error: Exception) -> None:
     # Built from other arguments than their message, they could not be rebuilt: an
     # error crossing a process boundary (a DataLoader worker, a spawned rank) failed.
     for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
         assert type(again) is type(error) and str(again) == str(error)
-        assert again.__dict__ == error.__dict__ or isinstance(error, FetchError)
+        assert again.__dict__ == error.__dict__
+
+
+def test_the_blocking_form_s_undeclared_slot_warning_points_at_the_user_s_line() -> None:
+    # It pointed at asyncio's events.py: the blocking call runs the coroutine on a loop.
+    with pytest.warns(UndeclaredSlotWarning) as warned:
+        with Pipeline(makes_two_tasks(), executor="sequential").blocking() as pipe:
+            assert [pipe.progress(iter([5])), pipe.progress(iter([6]))] == [5, 6]
+    assert warned and all(w.filename == __file__ for w in warned)
+
+
+async def test_at_shutdown_an_undeclared_slot_warning_made_an_error_hides_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Raised by the exit of the block, it replaced the body's own error.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UndeclaredSlotWarning)
+        with pytest.raises(ValueError, match="the body's own"):
+            async with Pipeline(makes_two_tasks(), executor="sequential") as pipe:
+                assert await pipe.progress_many(iter(range(2)), 5) == [0, 1]
+                raise ValueError("the body's own")
+    assert pipe.statistics().closed
+    assert "slot 'first' was set" in caplog.text and "slot 'second' was set" in caplog.text

@@ -202,6 +202,22 @@ async def test_a_pass_never_told_its_end_steps_its_partial_group_when_the_next_c
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("executor", ["sequential", "async"])
+async def test_step_calls_accumulate_like_one_pass(executor: str) -> None:
+    # Each step() is a source of one batch: counted as a pass read to its end, it
+    # stepped the optimizer after every batch.
+    data = batches(6)  # groups of 3: steps after batches 3 and 6
+    model, opt = make(0, "sgd")
+    pipe = basic(model, opt, loss_fn=loss_fn, forward=forward, grad_accumulation=3,
+                 executor=executor)  # fmt: skip
+    async with pipe:
+        losses = [float(await pipe.step(batch)) for batch in data]
+    expected_losses, expected_params = plain_loop(data, "sgd", accumulate=3)
+    assert losses == expected_losses
+    for got, want in zip(model.parameters(), expected_params):
+        assert torch.equal(got, want)
+
+
 async def test_drain_leaves_a_partial_accumulation_group_to_the_next_batches() -> None:
     data = batches(6)
     model, opt = make(0, "sgd")

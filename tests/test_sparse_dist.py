@@ -696,6 +696,32 @@ def test_discarded_counts_on_across_detach_and_attach() -> None:
         assert before > 0 and after == before  # it went back to 0 with the engine
 
 
+def test_counts_go_on_across_detach_and_attach_and_stay_after_shutdown() -> None:
+    """statistics() showed zeros after detach() and after the pipeline was shut down,
+    and the same source passed again after attach() counted from 0."""
+    with one_rank_group():
+        batches = list(SyntheticDLRMData(SMALL, 8))
+        setup = build_dlrm_training(SMALL, "sgd", seed=3)
+
+        async def run() -> tuple[Any, Any, Any]:
+            source = iter(batches)
+            pipe = SparseDistPipeline(setup.model, setup.optimizer, setup.device)
+            for _ in range(3):
+                await pipe.progress(source)
+            await pipe.drain()  # detach() needs nothing in flight
+            drained = pipe.statistics()
+            pipe.detach()
+            detached = pipe.statistics()
+            pipe.attach()
+            await collect(pipe, source)
+            await pipe.aclose()
+            return drained, detached, pipe.statistics()
+
+        drained, detached, closed = asyncio.run(run())
+        assert (detached.applied, detached.position) == (drained.applied, drained.position)
+        assert (closed.applied, closed.position, closed.closed) == (8, 8, True)
+
+
 def test_progress_many_on_a_source_with_no_batch_returns_an_empty_list() -> None:
     with one_rank_group():
         setup = build_dlrm_training(SMALL, "sgd", seed=3)

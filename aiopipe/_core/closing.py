@@ -84,7 +84,7 @@ class Closing:
         self._trio.close()
         self._retired.clear()
         if self._driver.slot_audit is not None:  # those no later call would give
-            self._driver.warn_of_undeclared_slots()
+            self._driver.warn_of_undeclared_slots(at_shutdown=True)
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()

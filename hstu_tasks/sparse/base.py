@@ -272,7 +272,7 @@ class SparseDistBase(Generic[ResultT]):
         for pipeline, engine in self._shared.engines.items():  # every one builds a new one
             stats = engine.statistics()
             engine.shutdown()
-            pipeline._counts.keep_discarded(stats)
+            pipeline._counts.engine_gone(stats)
         self._shared.engines.clear()
         self._shared.restore()
         self._shared.attached = False
@@ -344,7 +344,7 @@ class SparseDistBase(Generic[ResultT]):
             # model's rewritten forwards are all left as they were.
             stats = engine.statistics()
             engine.shutdown()
-            self._counts.keep_discarded(stats)
+            self._counts.engine_gone(stats)
             del self._shared.engines[self]
         self._ended_source = self._fed = None
         if not self._shared.engines:

@@ -38,10 +38,12 @@ class CountsAcrossResets:
         self._ended = False  # a call on the source after its end reported: a new pass
         self._parked, self._source = None, source
 
-    def keep_discarded(self, stats: PipelineStatistics) -> None:
-        """An engine whose statistics are ``stats`` is shut down (``detach()``, a reset,
-        shutdown): its batches discarded stay counted."""
-        self._discarded = self.shown(stats).discarded
+    def engine_gone(self, stats: PipelineStatistics) -> None:
+        """The engine whose statistics are ``stats`` is shut down (``detach()``,
+        ``shutdown()``): ``statistics()`` shows its counts, and the same source passed
+        again counts on from them, as after ``reset()`` (which counted them already)."""
+        if self._parked is None:
+            self.reset(stats)
 
     def end_reported(self) -> None:
         """A call reported the end of the source it was passed."""
