@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._core.log import next_pipeline_name
 from .assembly import assemble
-from ._core.closing import Closing
+from ._closing import Closing
 from .calls import CallGuard
 from .collect import check_steps, collect_drain, collect_steps
 from .errors import PipelineStateError

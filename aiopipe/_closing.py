@@ -7,17 +7,17 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from ..errors import PipelineStateError
-from ..interop import in_trio
-from .log import pipeline_log
+from ._core.log import pipeline_log
+from .errors import PipelineStateError
+from .interop import in_trio
 
 if TYPE_CHECKING:
-    from ..calls import CallGuard
-    from ..driver import IterationDriver
-    from ..executors import Executor
-    from ..feeds import Feeds
-    from ..interop import TrioBridge
-    from ..ring import RetiredStores
+    from .calls import CallGuard
+    from .driver import IterationDriver
+    from .executors import Executor
+    from .feeds import Feeds
+    from .interop import TrioBridge
+    from .ring import RetiredStores
 
 __all__ = ("Closing",)
 
