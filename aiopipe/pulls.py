@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from ._core.loops import close_left, loop_running_in_this_thread
 from ._core.waker import mark_retrieved, wait_settled
-from .errors import PipelineStateError, attach_source_origin
+from .errors import PipelineStateError
 from .pull_states import (
-    RECHECK, always_wanted, gave_an_item, holds_an_item, interrupted_pull, problem_of, refused_item,
+    NO_ITEM, RECHECK, HeldAhead, always_wanted, holds_an_item, interrupted_pull, problem_of,
 )
 from .sources import (
     END, Lost, Taken, closed_between_pulls, ended_by_interrupt, finished_generator, innermost,
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ("Pulls",)
 
 
-class Pulls:
+class Pulls(HeldAhead):
     """The items of an async source read ahead, or being read: :attr:`ahead` first,
     then those behind it.  A base of :class:`~aiopipe.source.Feed`, whose state
     (the source, the depth, draining, exhausted, lost) it reads."""
@@ -58,7 +58,6 @@ class Pulls:
     counts_before: Counts
     numbered_from: int
     exhausted: bool
-    end_read: bool
     read_ahead_allowed: bool
 
     @property
@@ -88,17 +87,17 @@ class Pulls:
     def keeps_an_item(self) -> bool:
         """An interrupted ``check_batch`` kept an item: the next read takes it (a
         drain too: it was taken from the source)."""
-        return self._unchecked is not _NO_ITEM
+        return self._unchecked is not NO_ITEM
 
     def _item_kept(self) -> Any:
-        """The item an interrupted check kept (taken now), else :data:`_NO_ITEM`."""
-        item, self._unchecked = self._unchecked, _NO_ITEM
+        """The item an interrupted check kept (taken now), else :data:`NO_ITEM`."""
+        item, self._unchecked = self._unchecked, NO_ITEM
         return item
 
     def _next_sync_item(self) -> Any:
         """The sync source's next item (the one an interrupted check kept first)."""
         item = self._item_kept()
-        if item is not _NO_ITEM:
+        if item is not NO_ITEM:
             return item
         assert self._sync is not None
         try:
@@ -110,7 +109,7 @@ class Pulls:
     def _init_pulls(self, ahead: Sequence[asyncio.Future[Any]]) -> None:
         """No pull yet, or those a discarded feed of the same source handed over."""
         #: An item an interrupted ``check_batch`` kept (:meth:`_checked`), read next.
-        self._unchecked = _NO_ITEM
+        self._unchecked = NO_ITEM
         #: The next item, read ahead or being read (a future, done for sync sources);
         #: given, one a discarded feed of the same source had read.
         self.ahead: asyncio.Future[Any] | None = ahead[0] if ahead else None
@@ -134,60 +133,12 @@ class Pulls:
         source = innermost(self._async if self._async is not None else self._sync)
         self.lost: Lost | None = _recorded_loss(source) if source is not None else None
 
-    @property
-    def held_ahead(self) -> int:
-        """Items read ahead (or being read), not yet placed in the ring.  A cancelled
-        pull holds one only while the source can give it again (not :attr:`lost`)."""
-        pulls = (self.ahead, *self._behind)
-        kept = self._unchecked is not _NO_ITEM
-        if self.lost is not None:
-            return kept + sum(1 for pull in pulls if gave_an_item(pull))
-        return kept + sum(map(holds_an_item, pulls))
-
-    @property
-    def read_ahead_items(self) -> int:
-        """Items the source gave that wait here: a pull under way, or cancelled, has
-        taken none (a source that survives the cancellation gives that item again)."""
-        pulls = (self.ahead, *self._behind)
-        return (self._unchecked is not _NO_ITEM) + sum(1 for pull in pulls if gave_an_item(pull))
-
-    def reads_in(self, task: object) -> bool:
-        """Whether ``task`` is one of this feed's pulls (the source runs in it)."""
-        return task is not None and any(task is pull for pull in (self.ahead, *self._behind))
-
-    @property
-    def end_is_next(self) -> bool:
-        """The source's end has been read: taken, or read ahead with no item before it."""
-        ahead = self.ahead
-        return self.end_read or (
-            ahead is not None and ahead.done() and not ahead.cancelled()
-            and ahead.exception() is None and ahead.result()[0] is END
-        )  # fmt: skip
-
-    @property
-    def refused_ahead(self) -> int:
-        """Of :attr:`read_ahead_items`, those ``check_batch`` refused (not raised yet):
-        dropped with the feed, they count as refused, not as batches discarded."""
-        return sum(1 for pull in (self.ahead, *self._behind)
-                   if pull is not None and gave_an_item(pull) and refused_item(pull))  # fmt: skip
-
-    def held_error(self) -> Exception | None:
-        """The source's own error, read ahead and not raised yet (noted with the batch
-        it was giving: it may be raised later, by a call on another feed)."""
-        for offset, pull in enumerate((self.ahead, *self._behind)):
-            if pull is not None and pull.done() and not pull.cancelled():
-                error = pull.exception()
-                if isinstance(error, Exception):
-                    attach_source_origin(error, self.batches_before + self.pulled + offset)
-                    return error
-        return None
-
     def hand_over_ahead(self) -> list[asyncio.Future[Any]]:
         """Give up the items read ahead, in order, for a new feed of the same source
         (``Feed(ahead=...)``), which takes them first."""
         futures = [self.ahead, *self._behind] if self.ahead is not None else []
         kept = self._item_kept()
-        if kept is not _NO_ITEM and loop_running_in_this_thread():  # checked again there
+        if kept is not NO_ITEM and loop_running_in_this_thread():  # checked again there
             settled: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             settled.set_result((kept, RECHECK))
             # In the place of the pull its check interrupted (read ahead deeper, after
@@ -375,7 +326,7 @@ class Pulls:
                 "drain() the other pipeline first, or give each pipeline a source of its own"
             )
         kept = self._item_kept()
-        if kept is not _NO_ITEM:
+        if kept is not NO_ITEM:
             taken = self._checked(kept)
             if not self._pulled_inline:
                 self._read_on(asyncio.current_task(), taken)
@@ -417,7 +368,6 @@ class Pulls:
 
 
 #: No item kept by an interrupted ``check_batch`` (:meth:`Pulls._item_kept`).
-_NO_ITEM: Any = object()
 #: Why each async source closed under a pull was lost (:meth:`Pulls._lose`).
 _LOST: weakref.WeakKeyDictionary[Any, Lost] = weakref.WeakKeyDictionary()
 
