@@ -45,6 +45,12 @@ __all__ = (
 class PipelineError(Exception):
     """Root of every error aiopipe raises itself."""
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled or copied from its args and attributes, not by calling __init__
+        # again: many build their message from other arguments (FetchError's key,
+        # index and the error it wraps, which may not pickle).
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
 
 class ConfigurationError(PipelineError, ValueError):
     """An argument or option (or what a callback given as one returned) has a value
@@ -73,9 +79,6 @@ class ScheduleValidationError(PipelineError, ValueError):
         super().__init__(f"[rule {rule}] {message}")
         self.rule = rule
 
-    def __reduce__(self) -> tuple[Any, ...]:  # not from __init__'s arguments: its message
-        return _rebuilt, (type(self), self.args, self.__dict__)
-
 
 class PipelineStateError(PipelineError, RuntimeError):
     """The pipeline cannot do what was asked in its current state.
@@ -102,9 +105,6 @@ class TaskAbortedError(PipelineError, RuntimeError):
             f"(chained as the cause): its step failed"
         )
         self.__cause__ = error
-
-    def __reduce__(self) -> tuple[Any, ...]:  # not from __init__'s arguments: its message
-        return _rebuilt, (type(self), self.args, self.__dict__)
 
 
 class NoRunningLoopError(PipelineError, TypeError):
@@ -158,14 +158,10 @@ class FetchError(PipelineError):
         )
         self.key, self.index = key, index
 
-    def __reduce__(self) -> tuple[Any, ...]:  # not from __init__'s arguments: its message
-        return _rebuilt, (type(self), self.args, self.__dict__)
-
 
 def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
-    """An error pickled or copied whose ``__init__`` takes other arguments than its
-    ``args`` (the message it built): made again without calling it, so that what it
-    wrapped (an error that may not pickle) is not needed."""
+    """A :class:`PipelineError` unpickled or copied: made without calling its
+    ``__init__``, from its ``args`` and attributes."""
     error = cls.__new__(cls)
     error.args = args
     error.__dict__.update(state)
@@ -183,7 +179,7 @@ class SlotNotSetError(PipelineError, KeyError):
     raised out of a task, a note says which task declares it in ``writes=``, if any."""
 
     def __init__(self, slot: str, batch: int | None, present: list[str]) -> None:
-        super().__init__(slot, batch, present)  # pickled and copied from these
+        super().__init__(slot, batch, present)
         self.slot = slot
 
     def __str__(self) -> str:  # not a KeyError's repr of its argument
